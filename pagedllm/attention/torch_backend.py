@@ -1,0 +1,45 @@
+"""Paged attention in plain torch: the CPU backend and the reference for other backends.
+
+The KV cache of one layer is two tensors [num_blocks * block_size, num_kv_heads, head_dim]
+(a flat slot axis: slot = block_id * block_size + offset). New K/V are written at
+slot_mapping first, then each request reads its past and present through its slots.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (this step's), caches [S, Hkv, D] -> out [T, H, D]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    if meta.decode_token_idx is not None:
+        qd = q[meta.decode_token_idx].unsqueeze(2)                  # [Bd, H, 1, D]
+        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)          # [Bd, Hkv, L, D]
+        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                            scale=scale, enable_gqa=gqa)
+        out[meta.decode_token_idx] = od.squeeze(2)
+    for p in meta.prefills:
+        qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)          # [1, H, q_len, D]
+        if p.kv_slots is None:   # no past: the chunk's own K/V, plain causal
+            kp, vp = k[p.start:p.end], v[p.start:p.end]
+        else:
+            kp, vp = k_cache[p.kv_slots], v_cache[p.kv_slots]       # [seq_len, Hkv, D]
+        op = F.scaled_dot_product_attention(
+            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa)
+        out[p.start:p.end] = op[0].transpose(0, 1)
+    return out

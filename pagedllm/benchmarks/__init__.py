@@ -1,0 +1,1 @@
+"""`pagedllm bench ...`: benchmarks that print pagedllm beside a baseline, in one run."""

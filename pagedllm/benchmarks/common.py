@@ -1,0 +1,73 @@
+"""Shared by the benchmarks: the machine, the command line, random requests, a results table, JSON."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def machine_info() -> dict:
+    """What a reader needs to judge the figures: CPU model, cores usable here, torch threads."""
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def command_line() -> str:
+    """The command as the user typed it (`python -m ...cli` shows as such, not as a file path)."""
+    argv0 = sys.argv[0]
+    prog = "python -m pagedllm.entrypoints.cli" if argv0.endswith(os.path.join("entrypoints", "cli.py")) \
+        else os.path.basename(argv0)
+    return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
+
+
+@dataclass
+class Req:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def random_requests(tokenizer, num: int, in_range: tuple[int, int], out_range: tuple[int, int],
+                    seed: int) -> list[Req]:
+    """A fixed set: ids from the ordinary vocabulary (no special or added tokens, which could
+    end or reshape a sequence), lengths uniform in the inclusive ranges."""
+    for name, (lo, hi) in (("input", in_range), ("output", out_range)):
+        if not (1 <= lo <= hi):
+            raise ValueError(f"{name} lengths must satisfy 1 <= min <= max, got {lo}..{hi}")
+    rng = np.random.default_rng(seed)
+    excluded = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    vocab = np.setdiff1d(np.arange(tokenizer.vocab_size), np.fromiter(excluded, dtype=np.int64))
+    in_lens = rng.integers(in_range[0], in_range[1] + 1, size=num)
+    out_lens = rng.integers(out_range[0], out_range[1] + 1, size=num)
+    return [Req(rng.choice(vocab, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format spec); right-aligned except the first."""
+    cells = [[h for _, h, _ in columns]] + [[format(r[k], f) for k, _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    for j, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

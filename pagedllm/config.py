@@ -1,0 +1,106 @@
+"""EngineConfig = ModelConfig + CacheConfig + SchedulerConfig (+ ParallelConfig later).
+
+Only plain values here: the core reads SchedulerConfig / CacheConfig without torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    model: str                      # directory of an HF-format model
+    hf_config: dict = field(repr=False)
+    dtype: str = "float32"
+    max_model_len: int = 0
+    seed: int = 0
+
+    @classmethod
+    def from_dir(cls, path: str, dtype: str = "float32", max_model_len: Optional[int] = None,
+                 seed: int = 0) -> "ModelConfig":
+        if not os.path.isdir(path):
+            raise ValueError(f"model path '{path}' does not exist or is not a directory")
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model directory '{path}' has no config.json; "
+                             "an HF-format model directory is required")
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        archs = hf.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"architecture {archs} in '{cfg_path}' is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if dtype not in ("float32", "auto", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of float32, auto, bfloat16, float16, got {dtype!r}")
+        derived = int(hf.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = derived
+        elif not isinstance(max_model_len, int) or not (1 <= max_model_len <= derived):
+            raise ValueError(f"max_model_len must be an integer in [1, {derived}] "
+                             f"(the model's max_position_embeddings), got {max_model_len!r}")
+        return cls(model=path, hf_config=hf, dtype=dtype, max_model_len=max_model_len, seed=seed)
+
+    # Shapes read by the KV cache and the model.
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.get("num_key_value_heads", self.num_heads)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config["hidden_size"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf_config.get("head_dim") or self.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the KV cache; None: derive from the model (see worker.cache_engine).
+    kv_cache_memory: Optional[int] = None
+    num_gpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from memory
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+
+    def validate(self) -> None:
+        c, s = self.cache_config, self.scheduler_config
+        if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
+        if s.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens "
+                             f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")

@@ -1,0 +1,187 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+There is no prefill or decode phase: each step every request's `num_computed_tokens`
+catches up with its `num_tokens` as far as the token budget allows. Running requests are
+served first (in order), then waiting ones, first come first served. When a running
+request needs a block and none is free, the newest running request is preempted: all
+its blocks go back and it returns to the front of the waiting queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Optional
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler_output import (
+    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
+from pagedllm.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ended since the last step: the runner drops their rows.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string): their blocks go back."""
+        done = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            done.append(request)
+        return done
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        new_reqs: list[Request] = []
+        cached_reqs: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (cannot happen unless a request is stale)
+                i += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if blocks is not None:
+                    break
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                break
+            cached_reqs.append(request)
+            num_scheduled[request.request_id] = n
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, first come first served; none while we are short of blocks.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                n = request.num_tokens - request.num_computed_tokens
+                if not self.config.chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if blocks is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                new_reqs.append(request)
+                num_scheduled[request.request_id] = n
+                budget -= n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
+                               r.sampling_params, self.kv_cache_manager.get_block_ids(r.request_id),
+                               r.num_computed_tokens)
+                for r in new_reqs],
+            scheduled_cached_reqs=[
+                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens)
+                for r in cached_reqs],
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        # The tokens are as good as computed once scheduled: the next step schedules the rest.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        for row, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            new_ids = runner_output.sampled_token_ids[row]
+            if request is None or not new_ids or request.is_finished():
+                continue  # mid-prefill, or ended (aborted) while the step ran
+            request.append_output_token_ids(new_ids)
+            finished = self._check_stop(request)
+            outputs.append(EngineCoreOutput(
+                req_id=req_id, new_token_ids=new_ids,
+                finish_reason=request.get_finished_reason().value if finished else None,
+                stop_reason=request.stop_reason,
+                new_logprobs=[logprobs[row]] if logprobs is not None and logprobs[row] else None,
+            ))
+            if finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.all_stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (request.num_tokens >= self.config.max_model_len
+                or (request.max_tokens is not None and request.num_output_tokens >= request.max_tokens)):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def get_request(self, req_id: str) -> Optional[Request]:
+        return self.requests.get(req_id)

@@ -1,0 +1,155 @@
+"""Incremental detokenization and stop-string detection, one request at a time.
+
+vLLM's method: keep the token *strings* of the sequence and two offsets into them,
+`prefix_offset` .. `read_offset` (tokens already turned into text, kept as context) and
+`read_offset` .. end (tokens not yet turned into text). Each step decodes only that short
+window and emits what the new tokens add to the context's text, so the cost per token does
+not grow with the output. Decoding a window instead of a lone token keeps the tokenizer's
+context-dependent rules (leading spaces of SentencePiece, byte-level pieces) right.
+
+A character split over several byte-level tokens decodes to U+FFFD until its last byte
+arrives; while the window's text ends in U+FFFD the offsets stay put, so the replacement
+character never reaches a stream (the bytes are only flushed at the end if they never
+complete).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pagedllm.sampling_params import SamplingParams
+
+# Prompt tokens kept as context for the first output token (vLLM uses the same numbers):
+# enough for a SentencePiece "▁" or a split multi-byte character before it.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+def detokenize_all(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    """Whole-sequence decode (prompt text, final checks); not for per-step use."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.detokenize = params.detokenize and tokenizer is not None
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop: list[str] = list(params.stop or [])
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        # While streaming, hold back enough text that a stop string, once it completes,
+        # can still be cut off: a stop string's first len-1 chars may already be here.
+        # When the stop string stays in the output, nothing needs holding back.
+        self.stop_buffer_length = (
+            max(map(len, self.stop)) - 1 if self.stop and not self.include_stop_str_in_output else 0
+        )
+        self.output_text = ""
+        self.num_output_tokens = 0
+        self._last_output_text_offset = 0
+        self._stopped = False  # a stop string ended the text: nothing may be appended
+        if not self.detokenize:
+            return
+        # all_special_ids is a property recomputed on each access: look it up once.
+        self._skip_ids = set(tokenizer.all_special_ids) if self.skip_special_tokens else set()
+        ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT_TOKENS + 2):])
+        # A prompt ending inside a multi-byte character would make the context's text end in
+        # U+FFFD and spoil the subtraction below; start without context then.
+        if ctx and tokenizer.convert_tokens_to_string(ctx).endswith(_REPLACEMENT):
+            ctx = []
+        self.tokens: list[str] = ctx
+        self.prefix_offset = max(len(ctx) - _PROMPT_CONTEXT_TOKENS, 0)
+        self.read_offset = len(ctx)
+
+    # ------------------------------------------------------------------ decode
+    def _to_tokens(self, ids) -> list[str]:
+        conv = self.tokenizer.convert_ids_to_tokens
+        return [conv(int(i)) for i in ids if int(i) not in self._skip_ids]
+
+    def _decode_next(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is unfinished)."""
+        if token_id in self._skip_ids:
+            return ""
+        self.tokens.append(self.tokenizer.convert_ids_to_tokens(int(token_id)))
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = to_string(self.tokens[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            # Unfinished multi-byte character (or a token that adds no text yet): wait.
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return new_text[len(prefix_text):]
+
+    def _flush(self) -> None:
+        """At the end, add the text of tokens held back for a character that never completed."""
+        if not self.detokenize or self.read_offset == len(self.tokens):
+            return
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
+        self.output_text += to_string(self.tokens[self.prefix_offset:])[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+
+    # ------------------------------------------------------------------ update
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> Optional[str]:
+        """Add newly sampled tokens; return the stop string matched, else None.
+
+        On a match, output_text is cut just before the stop string (just after it with
+        include_stop_str_in_output). stop_terminated: the last token is EOS / a stop token
+        id that already ended the request; as in vLLM its text is left out of the output
+        unless include_stop_str_in_output (a skipped special token is left out anyway).
+        """
+        num_before = self.num_output_tokens
+        self.num_output_tokens += len(new_token_ids)
+        if not self.detokenize or not new_token_ids or self._stopped:
+            return None
+        if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+
+        stop_check_offset = len(self.output_text)
+        for i, tid in enumerate(new_token_ids):
+            self.output_text += self._decode_next(tid)
+            # Stop strings count only in the text of output tokens after the first
+            # min_tokens (vLLM semantics).
+            if num_before + i + 1 <= self.min_tokens:
+                stop_check_offset = len(self.output_text)
+
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        return self._check_stop(len(self.output_text) - stop_check_offset)
+
+    def _check_stop(self, new_char_count: int) -> Optional[str]:
+        if new_char_count <= 0:
+            return None
+        # Only the new text, plus len(stop)-1 chars before it for a stop string that spans
+        # the boundary, can hold a new match: searching more would cost O(output) per step.
+        best = None  # (index, stop string); the earliest match wins, then list order
+        for s in self.stop:
+            start = max(len(self.output_text) - new_char_count - len(s) + 1, 0)
+            idx = self.output_text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.output_text = self.output_text[: idx + len(s) if self.include_stop_str_in_output else idx]
+        self._stopped = True
+        return s
+
+    # ------------------------------------------------------------------ output
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The whole text (delta=False) or the text not yet returned (delta=True).
+
+        While not finished, the last stop_buffer_length chars are held back so that a stop
+        string is never streamed in part. Once finished, everything is released, including
+        bytes of a character that never completed.
+        """
+        if finished and not self._stopped:
+            self._flush()
+        buffer_length = 0 if finished else self.stop_buffer_length
+        length = max(len(self.output_text) - buffer_length, 0)
+        if not delta:
+            return self.output_text[:length]
+        last = self._last_output_text_offset
+        if last >= length:
+            return ""
+        self._last_output_text_offset = length
+        return self.output_text[last:length]

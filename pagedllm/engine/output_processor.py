@@ -1,0 +1,173 @@
+"""OutputProcessor: turns the core's token outputs into RequestOutputs (text, logprobs,
+finish reasons), outside the model's loop. A stop string ends a request here; the caller
+then aborts it in the core. Requests with n > 1 are fanned out into n child requests
+whose outputs are gathered under the parent's id."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = 0   # everything so far, every step
+    DELTA = 1        # only what is new, every step (streaming)
+    FINAL_ONLY = 2   # once, when finished (LLM.generate)
+
+
+@dataclass
+class RequestStats:
+    arrival_time: float
+    scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)
+
+
+class ParentRequest:
+    """n > 1: the children's outputs are gathered into one RequestOutput."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.outputs: list[Optional[CompletionOutput]] = [None] * n
+        self.num_finished = 0
+
+
+class RequestState:
+    def __init__(self, request: Request, prompt: Optional[str], tokenizer, kind: OutputKind,
+                 parent: Optional[ParentRequest], index: int) -> None:
+        self.request_id = request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params: SamplingParams = request.sampling_params
+        self.kind = kind
+        self.parent = parent
+        self.index = index
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, self.params)
+        self.output_token_ids: list[int] = []
+        self.num_sent_tokens = 0
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.params.logprobs is not None else None
+        self.cumulative_logprob: Optional[float] = 0.0 if self.params.logprobs is not None else None
+        self.num_cached_tokens = 0
+        self.stats = RequestStats(arrival_time=request.arrival_time)
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+
+    def add_logprobs(self, entries) -> None:
+        for ids, lps, rank in entries:
+            pos: dict[int, Logprob] = {}
+            for j, (tid, lp) in enumerate(zip(ids, lps)):
+                if tid in pos:
+                    continue  # the sampled token also among the top k
+                pos[tid] = Logprob(lp, rank if j == 0 else j, self.tokenizer.decode([tid]))
+            self.logprobs.append(pos)
+            self.cumulative_logprob += lps[0]
+
+    def make_completion(self, finished: bool) -> CompletionOutput:
+        delta = self.kind == OutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        ids = self.output_token_ids[self.num_sent_tokens:] if delta else list(self.output_token_ids)
+        lps = None
+        if self.logprobs is not None:
+            lps = self.logprobs[self.num_sent_tokens:] if delta else list(self.logprobs)
+        self.num_sent_tokens = len(self.output_token_ids)
+        return CompletionOutput(self.index, text, ids, self.cumulative_logprob, lps,
+                                self.finish_reason, self.stop_reason)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, request: Request, prompt: Optional[str], kind: OutputKind,
+                    parent: Optional[ParentRequest] = None, index: int = 0) -> None:
+        if request.request_id in self.states:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.states[request.request_id] = RequestState(request, prompt, self.tokenizer, kind, parent, index)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def abort_requests(self, req_ids) -> list[str]:
+        """Drop requests (by their own or a parent's id); returns the child ids to abort in the core."""
+        out = []
+        for rid in req_ids:
+            for cid, st in list(self.states.items()):
+                if cid == rid or (st.parent is not None and st.parent.request_id == rid):
+                    del self.states[cid]
+                    out.append(cid)
+            self.parents.pop(rid, None)
+        return out
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs to hand out, and the requests a stop string ended
+        (to abort in the core)."""
+        now = time.time()
+        request_outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in core_outputs:
+            st = self.states.get(out.req_id)
+            if st is None:
+                continue  # aborted meanwhile
+            stats = st.stats
+            if stats.first_token_time is None:
+                stats.first_token_time = now
+                st.num_cached_tokens = out.num_cached_tokens
+            stats.last_token_time = now
+            stats.token_times.append(now)
+            st.output_token_ids.extend(out.new_token_ids)
+            if st.logprobs is not None and out.new_logprobs:
+                st.add_logprobs(out.new_logprobs)
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            stop_str = st.detokenizer.update(out.new_token_ids, finish_reason == "stop")
+            if stop_str is not None and finish_reason is None:
+                finish_reason, stop_reason = "stop", stop_str
+                to_abort.append(out.req_id)
+            elif stop_str is not None:
+                finish_reason, stop_reason = "stop", stop_str
+            st.finish_reason, st.stop_reason = finish_reason, stop_reason
+            finished = finish_reason is not None
+            if finished:
+                stats.finished_time = now
+                del self.states[out.req_id]
+            ro = self._make_output(st, finished)
+            if ro is not None:
+                request_outputs.append(ro)
+        return request_outputs, to_abort
+
+    def _make_output(self, st: RequestState, finished: bool) -> Optional[RequestOutput]:
+        if st.kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = st.make_completion(finished)
+        parent = st.parent
+        if parent is None:
+            return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
+                                 finished, st.num_cached_tokens, metrics=vars(st.stats))
+        parent.outputs[st.index] = completion
+        if finished:
+            parent.num_finished += 1
+        all_done = parent.num_finished == parent.n
+        if all_done:
+            self.parents.pop(parent.request_id, None)
+        if st.kind == OutputKind.FINAL_ONLY:
+            if not all_done:
+                return None
+            outputs = list(parent.outputs)
+        elif st.kind == OutputKind.DELTA:
+            outputs = [completion]
+        else:
+            outputs = [o for o in parent.outputs if o is not None]
+        return RequestOutput(parent.request_id, st.prompt, st.prompt_token_ids, outputs,
+                             all_done, st.num_cached_tokens, metrics=vars(st.stats))

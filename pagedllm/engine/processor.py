@@ -1,0 +1,75 @@
+"""Processor: validates and tokenises a user's request into a core Request, before it enters the
+engine. Every rejection is a ValueError that names the field, the value and what is allowed."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer, eos_token_id: Optional[int],
+                 extra_eos_ids: set[int], num_blocks: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.extra_eos_ids = extra_eos_ids
+        self.num_blocks = num_blocks
+        self.vocab_size = config.model_config.vocab_size
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt must have a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must be a non-empty string, got ''")
+            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, (list, tuple)):
+            if len(prompt) == 0:
+                raise ValueError("prompt token ids must be a non-empty list, got []")
+            for t in prompt:
+                if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < self.vocab_size):
+                    raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: Optional[float] = None) -> tuple[Optional[str], Request]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        max_len = self.config.model_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({max_len})")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), "
+                             f"got {max(params.logit_bias)}")
+        params = params.clone()
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.extra_eos_ids
+        request = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
+                          arrival_time=arrival_time)
+        # Never longer than the context, nor than the whole KV cache could ever hold.
+        room = max_len - len(ids)
+        request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 1))
+        block_size = self.config.cache_config.block_size
+        need = -(min(len(ids) + request.max_tokens, max_len) // -block_size)
+        if need > self.num_blocks - 1:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({request.max_tokens}) needs "
+                             f"{need} KV-cache blocks, more than the cache holds ({self.num_blocks - 1}); "
+                             "lower max_tokens or give the KV cache more memory")
+        return text, request

@@ -1,0 +1,134 @@
+"""The `pagedllm` command: download, generate, chat, bench (and serve, later)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    p.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct, built on first use)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context length (default: the model's)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step (default 128)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (default 2048)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache (default 4)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    kv = None if ns.kv_cache_memory is None else int(ns.kv_cache_memory * 2**30)
+    return EngineArgs(model=ns.model, max_model_len=ns.max_model_len, block_size=ns.block_size,
+                      max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                      kv_cache_memory=kv, dtype=ns.dtype, seed=ns.seed,
+                      enable_chunked_prefill=ns.enable_chunked_prefill)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None)
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+                          seed=ns.sampling_seed, stop=ns.stop)
+
+
+def cmd_download(ns) -> int:
+    from pagedllm.models.download import ensure_default_model
+    print(ensure_default_model(progress=True))
+    return 0
+
+
+def _make_llm(ns):
+    from pagedllm.entrypoints.llm import LLM
+    args = engine_args_from(ns)
+    return LLM(**vars(args))
+
+
+def cmd_generate(ns) -> int:
+    params = sampling_params_from(ns)
+    llm = _make_llm(ns)
+    prompts = ns.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    outs = llm.chat(messages, params) if ns.chat_template else llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        print(f"### {p!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]\n")
+    return 0
+
+
+def cmd_chat(ns) -> int:
+    params = sampling_params_from(ns)
+    llm = _make_llm(ns)
+    history = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    print("pagedllm chat: type a message, an empty line or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("download", help="prepare the default model (SmolLM2-135M-Instruct) in $PAGEDLLM_HOME")
+    p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("generate", help="generate from prompts (arguments, or one per line on stdin)")
+    p.add_argument("prompts", nargs="*")
+    p.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="an interactive chat with the model")
+    p.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    from pagedllm.benchmarks.cli import add_bench_parser
+    add_bench_parser(sub, add_engine_args)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns) or 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""LLM: the offline API. `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.output_processor import OutputKind
+from pagedllm.engine.processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **kwargs) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {sorted(unknown)}; "
+                             f"allowed: {sorted(EngineArgs.field_names() - {'model'})}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of the prompts. Every prompt is validated before any runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+        engine = self.llm_engine
+        # Validate all before adding any, so a bad prompt leaves the engine untouched.
+        for p, sp in zip(prompts, params):
+            engine.processor.process("validate", p, sp)
+        ids = []
+        for p, sp in zip(prompts, params):
+            rid = str(self._counter)
+            self._counter += 1
+            engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: Optional[str] = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template,
+                                                                 continue_final_message)}
+                   for c in convs]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, conv in zip(outs, convs):
+            out.prompt = self.get_tokenizer().decode(out.prompt_token_ids)
+        return outs
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
+                            continue_final_message=False) -> list[int]:
+        if not isinstance(conversation, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
+            raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
+        tok = self.get_tokenizer()
+        if chat_template is None and tok.chat_template is None:
+            raise ValueError("the model has no chat template; pass chat_template")
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                      continue_final_message=continue_final_message,
+                                      chat_template=chat_template, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        wanted = set(ids)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(wanted - set(results)))
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

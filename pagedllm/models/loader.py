@@ -1,0 +1,89 @@
+"""Load an HF-format Llama-family directory (safetensors) into our module, fusing QKV and gate/up."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.registry import get_model_class
+
+# HF name -> (our name, shard index within a fused parameter or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _dtype(config: ModelConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.float32  # the CPU path computes in float32 (bf16 is slower on this hardware)
+    return getattr(torch, config.dtype)
+
+
+def iter_weights(model_dir: str):
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model directory '{model_dir}' has no *.safetensors weights")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(config: ModelConfig) -> torch.nn.Module:
+    cls = get_model_class(config.hf_config)
+    dtype = _dtype(config)
+    with torch.device("meta"):
+        model = cls(config.hf_config, config.max_model_len)
+    model = model.to_empty(device="cpu")
+    # Buffers (RoPE tables) were made on meta: build them again for real.
+    model.rope.__init__(config.hf_config, config.head_dim, config.max_model_len)
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    loaded = set()
+    for name, tensor in iter_weights(config.model):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and model.tie_word_embeddings:
+            continue
+        target, shard = _map_name(name)
+        if shard is None:
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in {config.model}")
+            params[target].data.copy_(tensor)
+            loaded.add(target)
+        else:
+            parts = pending.setdefault(target, {})
+            parts[shard] = tensor
+            need = 3 if "qkv" in target else 2
+            if len(parts) == need:
+                params[target].data.copy_(torch.cat([parts[i] for i in range(need)], dim=0))
+                loaded.add(target)
+                del pending[target]
+    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.tie_word_embeddings)]
+    if missing or pending:
+        raise ValueError(f"weights missing from {config.model}: {sorted(missing or pending)[:5]}")
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(dtype).eval()
+
+
+def _map_name(name: str) -> tuple[str, int | None]:
+    m = _LAYER.match(name)
+    if m:
+        idx, mod, kind = m.groups()
+        if mod in _FUSED:
+            fused, shard = _FUSED[mod]
+            return f"layers.{idx}.{fused}.{kind}", shard
+        return f"layers.{idx}.{mod}.{kind}", None
+    if name.startswith("model."):
+        return name[len("model."):], None
+    return name, None

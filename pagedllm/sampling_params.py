@@ -1,0 +1,117 @@
+"""SamplingParams: how one request samples and when it stops, validated at construction.
+
+Every bad value raises a ValueError naming the field, the value and what is allowed,
+so that bad input never reaches the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1          # -1: off
+    min_p: float = 0.0       # 0: off
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16   # None: up to max_model_len
+    min_tokens: int = 0
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None   # None: none; k >= 0: the sampled token's + the top k
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    detokenize: bool = True
+    # Filled by the engine from the tokenizer / generation config, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    # ------------------------------------------------------------------ checks
+    def _validate(self) -> None:
+        def bad(name, value, allowed):
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", self.n, "an integer >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", self.temperature, "a number >= 0")
+        if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", self.top_k, "-1 (off) or an integer >= 1")
+        if not _is_num(self.min_p) or not (0 <= self.min_p <= 1):
+            bad("min_p", self.min_p, "in [0, 1]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "a number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not (-2 <= v <= 2):
+                bad(name, v, "in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", self.seed, "an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not (0 <= v <= 20)):
+                bad(name, v, "None or an integer in [0, 20]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", self.logit_bias, "a mapping of token id to a bias in [-100, 100]")
+            fixed = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    bad("logit_bias", self.logit_bias, "a mapping of token id to a bias in [-100, 100]")
+                if tid < 0 or not _is_num(v) or not (-100 <= v <= 100):
+                    bad("logit_bias", self.logit_bias, "a mapping of token id to a bias in [-100, 100]")
+                fixed[tid] = float(v)
+            self.logit_bias = fixed
+
+    # ------------------------------------------------------------- properties
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self) -> "SamplingParams":
+        import copy
+        return copy.deepcopy(self)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v

@@ -1,0 +1,131 @@
+"""ModelRunner: keeps the persistent InputBatch in step with the scheduler, runs the model
+over the paged KV cache, and samples the rows whose prefill is complete."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.models.loader import load_model
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        self.block_size = cc.block_size
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.vocab_size
+        self.model = load_model(mc)
+        self.dtype = next(self.model.parameters()).dtype
+        self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.eos_ids: set[int] = set()
+        # Seeded requests' generators live until the request finishes, across preemption,
+        # so that a preempted request continues the same random stream.
+        self.generators: dict[str, torch.Generator] = {}
+
+    # ------------------------------------------------------------ KV cache
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim].
+        torch.zeros maps pages lazily, so unused blocks cost no memory until first written."""
+        mc = self.config.model_config
+        shape = (num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                          for _ in range(mc.num_layers)]
+
+    # ------------------------------------------------------------ states
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        gone = so.finished_req_ids | so.preempted_req_ids
+        for req_id in gone:
+            self.requests.pop(req_id, None)
+        for req_id in so.finished_req_ids:
+            self.generators.pop(req_id, None)
+        # Rows not scheduled this step leave the batch (their state stays in self.requests).
+        scheduled = so.num_scheduled_tokens
+        batch.remove_requests([r for r in list(batch.req_id_to_index) if r in gone or r not in scheduled])
+        for data in so.scheduled_cached_reqs:
+            state = self.requests[data.req_id]
+            state.num_computed_tokens = data.num_computed_tokens
+            state.block_ids.extend(data.new_block_ids)
+            row = batch.req_id_to_index.get(data.req_id)
+            if row is None:
+                batch.add_request(state)
+            else:
+                batch.num_computed_tokens_cpu[row] = data.num_computed_tokens
+                batch.append_block_ids(row, data.new_block_ids)
+        for data in so.scheduled_new_reqs:
+            params = data.sampling_params
+            gen = self.generators.get(data.req_id)
+            if gen is None and params.seed is not None:
+                gen = self.generators[data.req_id] = torch.Generator().manual_seed(params.seed)
+            state = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
+                                       params, list(data.block_ids), data.num_computed_tokens, gen)
+            self.requests[data.req_id] = state
+            batch.add_request(state)
+
+    # ------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        batch = self.input_batch
+        if batch.num_reqs == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = batch.prepare_inputs(so.num_scheduled_tokens)
+        meta = build_attention_metadata(inputs.query_start_loc.numpy(), inputs.seq_lens.numpy(),
+                                        batch.block_table_np[:batch.num_reqs], self.block_size,
+                                        inputs.slot_mapping)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        sampled = [[] for _ in inputs.req_ids]
+        logprobs = None
+        rows = inputs.sample_rows
+        if len(rows):
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [len(rows), V]
+            out = self.sampler(logits, self._sampling_metadata(rows))
+            token_ids = out.sampled_token_ids.tolist()
+            if out.logprobs is not None:
+                logprobs = [None] * len(inputs.req_ids)
+                ids, lps, ranks = (out.logprob_token_ids.tolist(), out.logprobs.tolist(),
+                                   out.sampled_token_ranks.tolist())
+            for i, row in enumerate(rows.tolist()):
+                sampled[row] = [token_ids[i]]
+                batch.append_token(row, token_ids[i])
+                if logprobs is not None and batch.states[row].sampling_params.logprobs is not None:
+                    k = batch.states[row].sampling_params.logprobs
+                    logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+        batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        states = [self.input_batch.states[r] for r in rows.tolist()]
+        min_tok_stops = []
+        for s in states:
+            p = s.sampling_params
+            stops = set(p.all_stop_token_ids)
+            if not p.ignore_eos:
+                stops |= self.eos_ids
+            min_tok_stops.append(stops)
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            generators=[s.generator for s in states],
+            stop_ids_for_min_tokens=min_tok_stops,
+            vocab_size=self.vocab_size,
+        )

@@ -1,0 +1,187 @@
+"""IncrementalDetokenizer against the real SmolLM2 byte-level BPE tokenizer."""
+import random
+
+import pytest
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, detokenize_all
+from pagedllm.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello, world! This is a plain ASCII sentence.",
+    "  leading spaces, trailing tabs\t\t and\nnew\nlines  ",
+    "Café crème brûlée, naïve façade, São Paulo, Zürich, Ångström.",
+    "日本語のテキストと中文文本，还有한국어 문장도 있습니다。",
+    "Emoji: 🎉👍🏽👨‍👩‍👧‍👦 🇫🇷 ❤️‍🔥 done",
+    "Mixed: x² + y² = z², π≈3.14159, ∑∫∂ → ∞; 价格是€12,50 😀!",
+    "def f(x):\n    return {'k': [1, 2, 3]}  # code 🐍",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 math letters and 𠜎𠜱𠝹 rare CJK",
+]
+PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session")
+def tok():
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.download import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def stream(tok, ids, prompt_ids=(), chunk=1, stop_terminated=False, **kw):
+    """Feed ids `chunk` at a time; return (deltas, detokenizer, stop string)."""
+    d = IncrementalDetokenizer(tok, list(prompt_ids), SamplingParams(**kw))
+    deltas, stop = [], None
+    for i in range(0, len(ids), chunk):
+        new = ids[i:i + chunk]
+        last = i + chunk >= len(ids)
+        stop = d.update(new, stop_terminated and last)
+        finished = stop is not None or last
+        deltas.append(d.get_next_output_text(finished, delta=True))
+        if stop is not None:
+            break
+    return deltas, d, stop
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_deltas_concatenate_to_full_decode(tok, text, chunk):
+    ids = enc(tok, text)
+    expected = tok.decode(ids, skip_special_tokens=True)
+    for prompt in ((), enc(tok, PROMPT)):
+        deltas, d, stop = stream(tok, ids, prompt, chunk=chunk)
+        assert stop is None
+        assert "".join(deltas) == expected == d.output_text
+        if "\ufffd" not in expected:
+            assert not any("\ufffd" in x for x in deltas), deltas
+
+
+def test_multibyte_chars_span_tokens(tok):
+    # Guard that the texts above really exercise split characters.
+    ids = enc(tok, "🎉你")
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+
+
+def test_per_token_window_stays_small(tok):
+    # The decoded window must not grow with the output: constant cost per token.
+    ids = enc(tok, " ".join(TEXTS) * 5)
+    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    for i in ids:
+        d.update([i], False)
+        assert len(d.tokens) - d.prefix_offset <= 12
+    assert d.get_next_output_text(True, False) == tok.decode(ids)
+
+
+def test_unfinished_character_flushed_at_end(tok):
+    ids = enc(tok, "ok 🎉")[:-1]  # drop the emoji's last byte token
+    expected = tok.decode(ids)
+    assert expected.endswith("\ufffd")
+    deltas, d, _ = stream(tok, ids)
+    assert "".join(deltas) == expected
+    assert not any("\ufffd" in x for x in deltas[:-1])
+
+
+def test_stop_string_spanning_tokens(tok):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = enc(tok, text)
+    stop_str = "fox jum"
+    assert stop_str not in [tok.decode([i]) for i in ids]  # spans tokens
+    deltas, d, stop = stream(tok, ids, stop=[stop_str])
+    assert stop == stop_str
+    assert d.output_text == "".join(deltas) == "The quick brown "
+    deltas, d, stop = stream(tok, ids, stop=[stop_str], include_stop_str_in_output=True)
+    assert stop == stop_str
+    assert d.output_text == "".join(deltas) == "The quick brown fox jum"
+    # Once stopped, later tokens add nothing.
+    assert d.update(enc(tok, " more"), False) is None
+    assert d.output_text == "The quick brown fox jum"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_stream_never_emits_partial_stop(tok, chunk):
+    # "lazy c" looks like the start of the stop string; it must be held, then released.
+    text = "the lazy cat, the lazy crow and the lazy dog slept"
+    ids = enc(tok, text)
+    deltas, d, stop = stream(tok, ids, chunk=chunk, stop=["lazy dog", "zzz"])
+    assert stop == "lazy dog"
+    final = "the lazy cat, the lazy crow and the "
+    assert d.output_text == final
+    sent = ""
+    for x in deltas:
+        sent += x
+        assert final.startswith(sent)  # nothing streamed is ever taken back
+    assert sent == final
+    # Before the end, at least len("lazy dog") - 1 chars were held back.
+    d2 = IncrementalDetokenizer(tok, [], SamplingParams(stop=["lazy dog"]))
+    d2.update(enc(tok, "the lazy do"), False)
+    assert d2.get_next_output_text(False, True) == "the "
+    assert d2.get_next_output_text(False, False) == "the "
+
+
+def test_earliest_stop_string_wins(tok):
+    ids = enc(tok, "alpha beta gamma delta")
+    # All in one update: both match; the earlier in the text wins, not the first listed.
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gamma", "beta"]))
+    assert d.update(ids, False) == "beta"
+    assert d.output_text == "alpha "
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["delta", "a g"],
+                                                       include_stop_str_in_output=True))
+    assert d.update(ids, False) == "a g"
+    assert d.output_text == "alpha beta g"
+    _, d, stop = stream(tok, ids, stop=["gamma", "beta"])
+    assert stop == "beta" and d.output_text == "alpha "
+
+
+def test_stop_string_respects_min_tokens(tok):
+    ids = enc(tok, "stop here, then stop again")
+    n_first = len(enc(tok, "stop here,"))
+    _, d, stop = stream(tok, ids, stop=["stop"], min_tokens=n_first)
+    assert stop == "stop" and d.output_text == "stop here, then "
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_skipped_or_kept(tok, skip):
+    ids = enc(tok, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhey 👋")
+    assert 1 in ids and 2 in ids
+    deltas, d, _ = stream(tok, ids, skip_special_tokens=skip)
+    assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in d.output_text) != skip
+
+
+def test_stop_terminated_eos(tok):
+    ids = enc(tok, "Bye now.") + [tok.eos_token_id]
+    for skip, include, tail in [(True, False, ""), (True, True, ""),
+                                (False, False, ""), (False, True, "<|im_end|>")]:
+        _, d, _ = stream(tok, ids, stop_terminated=True, skip_special_tokens=skip,
+                         include_stop_str_in_output=include)
+        assert d.output_text == "Bye now." + tail, (skip, include)
+
+
+def test_detokenize_false(tok):
+    d = IncrementalDetokenizer(tok, [], SamplingParams(detokenize=False, stop=["a"]))
+    assert d.update(enc(tok, "a b c"), False) is None
+    assert d.get_next_output_text(True, True) == "" and d.output_text == ""
+
+
+def test_prompt_ending_mid_character(tok):
+    ids = enc(tok, "🎉🎉 yes")
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    deltas, d, _ = stream(tok, ids[cut:], prompt_ids=ids[:cut])
+    assert "".join(deltas).endswith("🎉 yes")
+
+
+def test_random_chunks_match_decode(tok):
+    rng = random.Random(0)
+    ids = enc(tok, "".join(TEXTS))
+    d = IncrementalDetokenizer(tok, enc(tok, PROMPT), SamplingParams())
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        d.update(ids[i:i + n], False)
+        i += n
+        out.append(d.get_next_output_text(i >= len(ids), True))
+    assert "".join(out) == detokenize_all(tok, ids)

