@@ -77,6 +77,9 @@ class CacheConfig:
     # Bytes for the KV cache; None: derive from the model (see worker.cache_engine).
     kv_cache_memory: Optional[int] = None
     num_gpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from memory
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0            # GiB of CPU blocks for swap preemption
+    num_cpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from swap_space
 
 
 @dataclass
@@ -85,6 +88,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     chunked_prefill: bool = True
+    preemption_mode: str = "recompute"   # or "swap"
 
 
 @dataclass
@@ -97,6 +101,10 @@ class EngineConfig:
         c, s = self.cache_config, self.scheduler_config
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
+        if s.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {s.preemption_mode!r}")
+        if not (isinstance(c.swap_space, (int, float)) and c.swap_space >= 0):
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {c.swap_space!r}")
         if s.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:

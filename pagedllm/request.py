@@ -35,6 +35,10 @@ _FINISH_REASON = {
 }
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
 class Request:
     def __init__(
         self,
@@ -57,6 +61,16 @@ class Request:
         self.stop_reason: Optional[int | str] = None  # the stop token id or stop string
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine when None
+        self.extra_keys: tuple = ()     # keys that must never share cached blocks (e.g. a LoRA id)
+        self.num_cached_tokens = -1     # prompt tokens found in the prefix cache (-1: not yet looked up)
+
+    def make_child(self, index: int) -> "Request":
+        """A sibling of a parallel-sampling request (n > 1): same prompt, own sampling stream."""
+        child = Request(child_request_id(self.request_id, index), self.prompt_token_ids,
+                        self.sampling_params.child(index), self.eos_token_id, self.arrival_time)
+        child.max_tokens = self.max_tokens
+        child.extra_keys = self.extra_keys
+        return child
 
     # ------------------------------------------------------------ lengths
     @property

@@ -14,6 +14,7 @@ _GREEDY_EPS = 1e-5
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: Optional[int] = None  # sample best_of, return the n of highest cumulative logprob
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1          # -1: off
@@ -55,6 +56,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            bad("best_of", self.best_of, f"an integer >= n ({self.n})")
         if not _is_num(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "a number >= 0")
         if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
@@ -103,6 +106,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """How many sibling sequences the request runs."""
+        return self.best_of or self.n
+
+    def child(self, index: int) -> "SamplingParams":
+        """The params of sibling `index`: one sample, its own seed (seed + index)."""
+        c = self.clone()
+        c.n, c.best_of = 1, None
+        if self.seed is not None:
+            c.seed = self.seed + index
+        if self.best_of is not None and c.logprobs is None:
+            c.logprobs = 0  # best_of ranks siblings by cumulative logprob
+        return c
 
     def clone(self) -> "SamplingParams":
         import copy

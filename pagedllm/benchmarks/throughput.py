@@ -32,25 +32,36 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
 
 
-def _row(system, reqs, in_toks, out_toks, elapsed, **extra) -> dict:
+class _Timer:
+    """Wall time, and the CPU time of this process over it (all threads)."""
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.elapsed = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.c0
+
+
+def _row(system, reqs, in_toks, out_toks, timer, **extra) -> dict:
+    e = timer.elapsed
     return {"system": system, "requests": reqs, "input_tokens": in_toks, "output_tokens": out_toks,
-            "elapsed_s": elapsed, "output_tok_s": out_toks / elapsed,
-            "total_tok_s": (in_toks + out_toks) / elapsed, **extra}
+            "elapsed_s": e, "output_tok_s": out_toks / e, "total_tok_s": (in_toks + out_toks) / e,
+            "cores_used": timer.cpu / e, **extra}
 
 
 def run_pagedllm(llm, requests) -> dict:
     from pagedllm.sampling_params import SamplingParams
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    # Warm-up (first-call allocations, kernel selection) on ids the set does not use, so that a
-    # prefix cache cannot give the timed run a head start.
+    # Warm-up (first-call allocations, kernel selection) on a prompt no request starts with, so
+    # that a prefix cache cannot give the timed run a head start.
     warm = [{"prompt_token_ids": [r.prompt_token_ids[-1]] * 16} for r in requests[:2]]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    with _Timer() as t:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     return _row("pagedllm", len(requests), sum(len(o.prompt_token_ids) for o in outs),
-                sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+                sum(len(o.outputs[0].token_ids) for o in outs), t)
 
 
 def _hf_batch(model, batch, pad_id, torch):
@@ -65,7 +76,9 @@ def _hf_batch(model, batch, pad_id, torch):
     new = max(r.output_len for r in batch)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                          min_new_tokens=new, eos_token_id=None, pad_token_id=pad_id)
-    return (out.shape[1] - width) * len(batch)
+    if out.shape[1] - width != new:  # else the useful count below would credit tokens never made
+        raise RuntimeError(f"transformers stopped after {out.shape[1] - width} of {new} new tokens")
+    return new * len(batch)
 
 
 def run_transformers(model_dir, dtype, tokenizer, requests, batch_size) -> dict:
@@ -77,15 +90,14 @@ def run_transformers(model_dir, dtype, tokenizer, requests, batch_size) -> dict:
     generated = 0
     with torch.inference_mode():
         _hf_batch(model, [Req([r.prompt_token_ids[-1]] * 16, 4) for r in requests[:2]], pad_id, torch)  # warm-up
-        t0 = time.perf_counter()
-        for k, batch in enumerate(batches):
-            generated += _hf_batch(model, batch, pad_id, torch)
-            print(f"  transformers: batch {k + 1}/{len(batches)} done, {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr, flush=True)
-        elapsed = time.perf_counter() - t0
+        with _Timer() as t:
+            for k, batch in enumerate(batches):
+                generated += _hf_batch(model, batch, pad_id, torch)
+                print(f"  transformers: batch {k + 1}/{len(batches)} done, {time.perf_counter() - t.t0:.1f} s",
+                      file=sys.stderr, flush=True)
     useful = sum(r.output_len for r in requests)
     return _row("transformers", len(requests), sum(len(r.prompt_token_ids) for r in requests), useful,
-                elapsed, generated_tokens=generated, batch_size=batch_size, num_batches=len(batches),
+                t, generated_tokens=generated, batch_size=batch_size, num_batches=len(batches),
                 attn_implementation=getattr(model.config, "_attn_implementation", None))
 
 
@@ -137,6 +149,10 @@ def main(ns: argparse.Namespace) -> int:
                        ("input_tokens", "input tokens", "d"), ("output_tokens", "output tokens", "d"),
                        ("elapsed_s", "elapsed s", ".2f"), ("output_tok_s", "output tok/s", ".1f"),
                        ("total_tok_s", "total tok/s", ".1f")])
+    # Other work on the machine skews one phase against the other; a process that got fewer
+    # cores than it has threads was sharing the CPU, so its figure is a lower bound.
+    print("cores used on average (process CPU time / wall time): "
+          + ", ".join(f"{r['system']} {r['cores_used']:.2f}" for r in rows) + f" of {machine['torch_threads']} threads")
     ratio = None
     if len(rows) == 2:
         hf = rows[1]

@@ -1,7 +1,16 @@
-"""KVCacheManager: which physical blocks each request holds, allocated as its tokens arrive."""
+"""KVCacheManager: which physical blocks each request holds, allocated as its tokens arrive.
+
+Sharing happens three ways, all through block ref counts:
+- prefix caching: a full block is known by a hash chained from its parent's hash and its own
+  token ids (plus extra keys); a new request takes the longest run of cached blocks;
+- fork: a child request (parallel sample, beam) starts with its parent's blocks;
+- copy-on-write: before a request writes into a partly filled block that another request
+  also holds, it gets a private copy (the copy itself is done by the model runner).
+"""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
@@ -12,11 +21,41 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
+                      extra_keys: tuple = ()) -> int:
+    """A block's identity: the whole prefix before it (through the parent's hash), its tokens,
+    and extra keys (such as a LoRA id) that must never share. Python's hash of a tuple of
+    ints and None is the same in every process (no string hashing is involved)."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0   # prompt tokens looked up
+    hits: int = 0      # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        # Hashes of each request's full blocks, computed as its tokens arrive.
+        self.req_to_block_hashes: defaultdict[str, list[int]] = defaultdict(list)
+        # (src, dst) block copies owed to copy-on-write, drained by the scheduler each step.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.stats = PrefixCacheStats()
+        # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.pending_swap_out: list[tuple[int, int]] = []   # (device block, cpu block)
+        self.pending_swap_in: list[tuple[int, int]] = []    # (cpu block, device block)
 
     @property
     def usage(self) -> float:
@@ -25,28 +64,134 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> Optional[list[KVCacheBlock]]:
-        """Make room for `num_new_tokens` after the request's computed ones.
+    # ------------------------------------------------------------ prefix cache
+    def _block_hashes(self, request: Request) -> list[int]:
+        """Hashes of the request's full blocks (extended lazily as tokens arrive)."""
+        hashes = self.req_to_block_hashes[request.request_id]
+        bs, tokens = self.block_size, request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), request.extra_keys))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached blocks at the start of the request, and the number of
+        tokens they hold. The last token is always left to compute, so there are logits."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    # ------------------------------------------------------------ allocation
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None
+                       ) -> Optional[list[KVCacheBlock]]:
+        """Make room for `num_new_tokens` after the request's computed ones (and after
+        `new_computed_blocks`, prefix-cache hits not yet counted in num_computed_tokens).
 
         Returns the newly allocated blocks (possibly none), or None when there are not enough
-        free blocks — then nothing was allocated (all or nothing) and the caller preempts.
+        free blocks — then nothing changed (all or nothing) and the caller preempts.
         """
-        if num_new_tokens <= 0:
-            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks[request.request_id]
-        num_required = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new_blocks = num_required - len(blocks)
-        if num_new_blocks > self.block_pool.get_num_free_blocks():
+        bs = self.block_size
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        num_required = cdiv(num_computed + num_new_tokens, bs)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Copy-on-write: the first write lands in a shared, partly filled last block.
+        cow = (num_computed % bs != 0 and blocks and blocks[-1].ref_cnt > 1
+               and len(blocks) == cdiv(num_computed, bs))
+        # Cached hits that sit in the free queue are taken out of it: they count against it.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + cow + num_evictable_hits > self.block_pool.get_num_free_blocks():
             return None
-        if num_new_blocks <= 0:
-            return []
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if cow:
+            src = blocks[-1]
+            dst = self.block_pool.get_new_blocks(1)[0]
+            self.block_pool.free_blocks([src])
+            blocks[-1] = dst
+            self.pending_copies.append((src.block_id, dst.block_id))
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-        return new_blocks
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return ([dst] if cow else []) + new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Blocks that this step fills become findable at once: they are written in this
+        step's forward, before any later request could read them."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        hashes = self._block_hashes(request)
+        for i in range(num_full):
+            if blocks[i].block_hash is None:
+                self.block_pool.cache_block(blocks[i], hashes[i])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child starts with the parent's blocks, shared (ref counts)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.req_to_block_hashes[child.request_id] = list(self.req_to_block_hashes.get(parent.request_id, ()))
+
+    # ------------------------------------------------------------ swap
+    def swap_out(self, request: Request) -> bool:
+        """Move a request's KV to CPU blocks and free its device blocks; False (nothing done)
+        when the swap space is too full."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if len(blocks) > len(self.free_cpu_blocks):
+            return False
+        cpu = [self.free_cpu_blocks.pop() for _ in blocks]
+        self.pending_swap_out.extend(zip((b.block_id for b in blocks), cpu))
+        self.req_to_cpu_blocks[request.request_id] = cpu
+        self.free(request)
+        return True
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.req_to_cpu_blocks
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[KVCacheBlock]]:
+        """Bring a swapped request back, with room for `num_new_tokens` more; None (nothing
+        done) when the device has too few free blocks."""
+        cpu = self.req_to_cpu_blocks[request.request_id]
+        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        blocks = self.block_pool.get_new_blocks(need)
+        self.req_to_blocks[request.request_id] = blocks
+        self.pending_swap_in.extend(zip(cpu, (b.block_id for b in blocks)))
+        self.free_cpu_blocks.extend(reversed(cpu))
+        del self.req_to_cpu_blocks[request.request_id]
+        return blocks
+
+    def drop_swapped(self, request: Request) -> None:
+        cpu = self.req_to_cpu_blocks.pop(request.request_id, None)
+        if cpu:
+            self.free_cpu_blocks.extend(reversed(cpu))
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        out, inn = self.pending_swap_out, self.pending_swap_in
+        self.pending_swap_out, self.pending_swap_in = [], []
+        return out, inn
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (tails are the first to be evicted)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_hashes.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -28,11 +28,22 @@ class Scheduler:
         # Ended since the last step: the runner drops their rows.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_swaps = 0
+        # Forked siblings the model runner has not seen yet: sent as new when first scheduled.
+        self.unsent: set[str] = set()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.sampling_params.num_samples > self.config.max_num_seqs:
+            raise ValueError(f"n / best_of ({request.sampling_params.num_samples}) must be <= "
+                             f"max_num_seqs ({self.config.max_num_seqs})")
+        if request.sampling_params.num_samples > 1 and request.num_prompt_tokens == 1:
+            # Nothing to share before the last prompt token: the siblings start on their own.
+            for i in range(request.sampling_params.num_samples):
+                self.add_request(request.make_child(i))
+            return
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -54,6 +65,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.kv_cache_manager.drop_swapped(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -71,12 +83,13 @@ class Scheduler:
         new_reqs: list[Request] = []
         cached_reqs: list[Request] = []
         preempted: list[Request] = []
+        self._fork_ready_parents()
 
         # 1. Running requests, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(self._num_tokens_to_compute(request), budget)
             if n <= 0:  # nothing to compute (cannot happen unless a request is stale)
                 i += 1
                 continue
@@ -91,7 +104,11 @@ class Scheduler:
                     break
             if blocks is None:
                 break
-            cached_reqs.append(request)
+            if request.request_id in self.unsent:
+                self.unsent.discard(request.request_id)
+                new_reqs.append(request)
+            else:
+                cached_reqs.append(request)
             num_scheduled[request.request_id] = n
             new_block_ids[request.request_id] = [b.block_id for b in blocks]
             budget -= n
@@ -99,18 +116,36 @@ class Scheduler:
 
         # 2. Waiting requests, first come first served; none while we are short of blocks.
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            num_seqs = sum(r.sampling_params.num_samples for r in self.running)
+            while self.waiting and budget > 0:
                 request = self.waiting[0]
-                n = request.num_tokens - request.num_computed_tokens
+                # A parent counts as all the siblings it will fork into.
+                if num_seqs + request.sampling_params.num_samples > self.config.max_num_seqs:
+                    break
+                kv = self.kv_cache_manager
+                swapped = kv.is_swapped(request)
+                hits, num_hit_tokens = ([], 0) if swapped else kv.get_computed_blocks(request)
+                n = self._num_tokens_to_compute(request) - num_hit_tokens
                 if not self.config.chunked_prefill and n > budget:
                     break
                 n = min(n, budget)
-                blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if swapped:
+                    blocks = kv.swap_in(request, n)
+                else:
+                    blocks = kv.allocate_slots(request, n, hits)
                 if blocks is None:
                     break
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                    self.kv_cache_manager.stats.queries += request.num_tokens
+                    self.kv_cache_manager.stats.hits += num_hit_tokens
+                request.num_computed_tokens += num_hit_tokens
                 self.waiting.popleft()
                 self.running.append(request)
+                num_seqs += request.sampling_params.num_samples
                 request.status = RequestStatus.RUNNING
+                if n == 0:
+                    continue  # a parent whose shared prefix is all cached: it forks next step
                 new_reqs.append(request)
                 num_scheduled[request.request_id] = n
                 budget -= n
@@ -128,17 +163,48 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
+            blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
         )
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache_manager.take_pending_swaps()
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step schedules the rest.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         return out
 
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """A parallel-sampling parent computes its prompt but the last token; the siblings it
+        forks into compute that token each (sharing every block before it)."""
+        end = request.num_tokens
+        if request.sampling_params.num_samples > 1:
+            end = request.num_prompt_tokens - 1
+        return end - request.num_computed_tokens
+
+    def _fork_ready_parents(self) -> None:
+        """Parents whose shared prefix is computed become their siblings, in their place."""
+        for parent in [r for r in self.running if r.sampling_params.num_samples > 1
+                       and r.num_computed_tokens == r.num_prompt_tokens - 1]:
+            at = self.running.index(parent)
+            children = [parent.make_child(i) for i in range(parent.sampling_params.num_samples)]
+            for child in children:
+                self.kv_cache_manager.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.num_cached_tokens = parent.num_cached_tokens
+                child.status = RequestStatus.RUNNING
+                self.requests[child.request_id] = child
+            self.running[at:at + 1] = children
+            self._free_request(parent)
+            self.unsent.update(c.request_id for c in children)
+
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        """Swap the request's KV out when asked to and there is room; else recompute later."""
+        self.unsent.discard(request.request_id)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        if self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request):
+            self.num_swaps += 1
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -160,6 +226,7 @@ class Scheduler:
                 finish_reason=request.get_finished_reason().value if finished else None,
                 stop_reason=request.stop_reason,
                 new_logprobs=[logprobs[row]] if logprobs is not None and logprobs[row] else None,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
             ))
             if finished:
                 self.running.remove(request)

@@ -35,6 +35,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)   # (src, dst): copy-on-write
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device)
 
 
 @dataclass

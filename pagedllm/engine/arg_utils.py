@@ -19,6 +19,10 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0             # GiB
+    num_cpu_blocks: Optional[int] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -39,9 +43,12 @@ class EngineArgs:
         sc = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=mc.max_model_len,
-                             chunked_prefill=self.enable_chunked_prefill)
+                             chunked_prefill=self.enable_chunked_prefill,
+                             preemption_mode=self.preemption_mode)
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                         num_gpu_blocks=self.num_gpu_blocks)
+                         num_gpu_blocks=self.num_gpu_blocks,
+                         enable_prefix_caching=self.enable_prefix_caching,
+                         swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks)
         config = EngineConfig(mc, cc, sc)
         config.validate()
         return config

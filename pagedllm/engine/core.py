@@ -24,9 +24,15 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.runner.eos_ids = set(eos_ids)
         self.num_blocks = self._num_blocks()
-        self.runner.init_kv_cache(self.num_blocks)
         cc = config.cache_config
-        self.scheduler = Scheduler(config.scheduler_config, KVCacheManager(self.num_blocks, cc.block_size))
+        self.num_cpu_blocks = 0
+        if config.scheduler_config.preemption_mode == "swap":
+            self.num_cpu_blocks = (cc.num_cpu_blocks if cc.num_cpu_blocks is not None
+                                   else int(cc.swap_space * 2**30) // self.runner.kv_bytes_per_block())
+        self.runner.init_kv_cache(self.num_blocks, self.num_cpu_blocks)
+        kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
+                            num_cpu_blocks=self.num_cpu_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, kv)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", self.num_blocks,
                     cc.block_size, (self.num_blocks - 1) * cc.block_size,
                     self.num_blocks * self.runner.kv_bytes_per_block() / 2**30)

@@ -11,9 +11,10 @@ from transformers import AutoTokenizer
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -36,6 +37,18 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[Optional[int], set[int]]:
     return eos, extra
 
 
+def make_requests(processor: Processor, output_processor: OutputProcessor, request_id: str,
+                  prompt: PromptType, params: SamplingParams, kind: OutputKind,
+                  arrival_time: Optional[float] = None) -> list[Request]:
+    """Validate and tokenise one request, register it with the output processor, and return
+    the core request(s) to add. A request with n > 1 (or best_of) goes to the core as one
+    parent: the core computes its prompt once and forks the siblings over the shared blocks;
+    the output processor gathers the siblings under request_id. Shared by LLMEngine and AsyncLLM."""
+    text, request = processor.process(request_id, prompt, params, arrival_time)
+    output_processor.add_request(request, text, kind)
+    return [request]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -54,26 +67,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: Optional[float] = None) -> None:
         """Validates first (ValueError), so that a bad request never enters the engine."""
-        text, request = self.processor.process(request_id, prompt, params, arrival_time)
-        n = params.n
-        if n == 1:
-            self.output_processor.add_request(request, text, kind)
+        for request in make_requests(self.processor, self.output_processor, request_id, prompt,
+                                     params, kind, arrival_time):
             self.core.add_request(request)
-            return
-        parent = ParentRequest(request_id, n)
-        children = []
-        for i in range(n):
-            child_params = params.clone()
-            child_params.n = 1
-            if params.seed is not None:
-                child_params.seed = params.seed + i
-            _, child = self.processor.process(f"{i}_{request_id}", request.prompt_token_ids,
-                                              child_params, arrival_time)
-            children.append(child)
-        self.output_processor.parents[request_id] = parent
-        for i, child in enumerate(children):
-            self.output_processor.add_request(child, text, kind, parent, i)
-            self.core.add_request(child)
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):

@@ -33,13 +33,26 @@ class RequestStats:
 
 
 class ParentRequest:
-    """n > 1: the children's outputs are gathered into one RequestOutput."""
+    """n > 1 (or best_of > 1): the siblings' outputs are gathered into one RequestOutput; with
+    best_of, the n of highest cumulative logprob are kept when all are done."""
 
-    def __init__(self, request_id: str, n: int) -> None:
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
         self.request_id = request_id
-        self.n = n
-        self.outputs: list[Optional[CompletionOutput]] = [None] * n
+        self.n = params.n
+        self.num_samples = params.num_samples
+        self.user_wants_logprobs = params.logprobs is not None
+        self.outputs: list[Optional[CompletionOutput]] = [None] * self.num_samples
         self.num_finished = 0
+
+    def final_outputs(self) -> list[CompletionOutput]:
+        outs = list(self.outputs)
+        if self.num_samples > self.n:
+            outs = sorted(outs, key=lambda c: c.cumulative_logprob, reverse=True)[:self.n]
+            for i, c in enumerate(outs):
+                c.index = i
+                if not self.user_wants_logprobs:
+                    c.logprobs = c.cumulative_logprob = None
+        return outs
 
 
 class RequestState:
@@ -91,11 +104,21 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
-    def add_request(self, request: Request, prompt: Optional[str], kind: OutputKind,
-                    parent: Optional[ParentRequest] = None, index: int = 0) -> None:
-        if request.request_id in self.states:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.states[request.request_id] = RequestState(request, prompt, self.tokenizer, kind, parent, index)
+    def add_request(self, request: Request, prompt: Optional[str], kind: OutputKind) -> None:
+        """A request with several samples is tracked as its siblings (ids as the core forks them)."""
+        rid = request.request_id
+        if rid in self.states or rid in self.parents:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        num = request.sampling_params.num_samples
+        if num == 1:
+            self.states[rid] = RequestState(request, prompt, self.tokenizer, kind, None, 0)
+            return
+        parent = self.parents[rid] = ParentRequest(rid, request.sampling_params)
+        # best_of needs every sibling's final score before it can choose: no streaming of it.
+        kind = OutputKind.FINAL_ONLY if num > parent.n else kind
+        for i in range(num):
+            child = request.make_child(i)
+            self.states[child.request_id] = RequestState(child, prompt, self.tokenizer, kind, parent, i)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -104,6 +127,8 @@ class OutputProcessor:
         """Drop requests (by their own or a parent's id); returns the child ids to abort in the core."""
         out = []
         for rid in req_ids:
+            if rid in self.parents:
+                out.append(rid)  # the core may still hold the parent, before it forks
             for cid, st in list(self.states.items()):
                 if cid == rid or (st.parent is not None and st.parent.request_id == rid):
                     del self.states[cid]
@@ -158,13 +183,13 @@ class OutputProcessor:
         parent.outputs[st.index] = completion
         if finished:
             parent.num_finished += 1
-        all_done = parent.num_finished == parent.n
+        all_done = parent.num_finished == parent.num_samples
         if all_done:
             self.parents.pop(parent.request_id, None)
         if st.kind == OutputKind.FINAL_ONLY:
             if not all_done:
                 return None
-            outputs = list(parent.outputs)
+            outputs = parent.final_outputs()
         elif st.kind == OutputKind.DELTA:
             outputs = [completion]
         else:

@@ -57,6 +57,9 @@ class Processor:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), "
                              f"got {max(params.logit_bias)}")
+        max_seqs = self.config.scheduler_config.max_num_seqs
+        if params.num_samples > max_seqs:
+            raise ValueError(f"n / best_of ({params.num_samples}) must be <= max_num_seqs ({max_seqs})")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

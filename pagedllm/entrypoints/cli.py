@@ -1,4 +1,4 @@
-"""The `pagedllm` command: download, generate, chat, bench (and serve, later)."""
+"""The `pagedllm` command: download, generate, chat, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space (default 4)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -27,7 +31,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=ns.model, max_model_len=ns.max_model_len, block_size=ns.block_size,
                       max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                       kv_cache_memory=kv, dtype=ns.dtype, seed=ns.seed,
-                      enable_chunked_prefill=ns.enable_chunked_prefill)
+                      enable_chunked_prefill=ns.enable_chunked_prefill,
+                      enable_prefix_caching=ns.enable_prefix_caching,
+                      preemption_mode=ns.preemption_mode, swap_space=ns.swap_space)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +99,17 @@ def cmd_chat(ns) -> int:
     return 0
 
 
+def cmd_serve(ns) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
+    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    return run_server(ns, engine_args_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
     parser.add_argument("--log-level", default="warning")
@@ -113,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (engine core in its own process)")
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+    add_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     from pagedllm.benchmarks.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)

@@ -69,18 +69,8 @@ class LLM:
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
                             continue_final_message=False) -> list[int]:
-        if not isinstance(conversation, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
-            raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
-        tok = self.get_tokenizer()
-        if chat_template is None and tok.chat_template is None:
-            raise ValueError("the model has no chat template; pass chat_template")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                      continue_final_message=continue_final_message,
-                                      chat_template=chat_template, tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt,
+                                   chat_template, continue_final_message)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -99,3 +89,20 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+
+def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, chat_template=None,
+                        continue_final_message=False) -> list[int]:
+    """Token ids of one conversation through the chat template (shared with the server)."""
+    if not isinstance(conversation, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
+        raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
+    tok = tokenizer
+    if chat_template is None and tok.chat_template is None:
+        raise ValueError("the model has no chat template; pass chat_template")
+    ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                  continue_final_message=continue_final_message,
+                                  chat_template=chat_template, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

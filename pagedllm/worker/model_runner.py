@@ -41,13 +41,19 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim].
-        torch.zeros maps pages lazily, so unused blocks cost no memory until first written."""
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim], and
+        the same for the swap space. torch.zeros maps pages lazily, so unused blocks cost no
+        memory until first written."""
         mc = self.config.model_config
-        shape = (num_blocks * self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                          for _ in range(mc.num_layers)]
+
+        def alloc(n):
+            shape = (n * self.block_size, mc.num_kv_heads, mc.head_dim)
+            return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                    for _ in range(mc.num_layers)]
+        self.kv_caches = alloc(num_blocks)
+        # On a GPU the swap space would be pinned host memory; on the CPU both are host memory.
+        self.cpu_caches = alloc(num_cpu_blocks) if num_cpu_blocks else []
 
     # ------------------------------------------------------------ states
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -81,8 +87,24 @@ class ModelRunner:
             batch.add_request(state)
 
     # ------------------------------------------------------------ step
+    def _copy_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
+        """Every layer's K and V of block src into block dst (copy-on-write, swap)."""
+        offs = torch.arange(self.block_size)
+        src = (torch.tensor([s for s, _ in pairs])[:, None] * self.block_size + offs).reshape(-1)
+        dst = (torch.tensor([d for _, d in pairs])[:, None] * self.block_size + offs).reshape(-1)
+        for (k_src, v_src), (k_dst, v_dst) in zip(src_caches, dst_caches):
+            k_dst[dst] = k_src[src]
+            v_dst[dst] = v_src[src]
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # Order matters: a block swapped out this step may be swapped into or copied into.
+        if so.blocks_to_swap_out:
+            self._copy_blocks(so.blocks_to_swap_out, self.kv_caches, self.cpu_caches)
+        if so.blocks_to_swap_in:
+            self._copy_blocks(so.blocks_to_swap_in, self.cpu_caches, self.kv_caches)
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy, self.kv_caches, self.kv_caches)
         self._update_states(so)
         batch = self.input_batch
         if batch.num_reqs == 0:

@@ -1,0 +1,247 @@
+"""Paged attention in Triton: the GPU backend (kernels in triton_kernels.py).
+
+Same cache layout and the same call as the torch backend:
+
+    paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> out [num_tokens, num_heads, head_dim]
+
+with ``meta`` a :class:`TritonAttentionMetadata` (index tensors on the device, built once per
+step and shared by every layer). The lower-level entry points take the tensors directly:
+``write_kv`` (reshape_and_cache) and ``unified_attention`` (varlen, mixed prefill chunks and
+decodes, optional split-K). Every launch's grid depends only on num_tokens, num_reqs and
+num_kv_heads, never on a device value, so no call synchronises with the device when
+``max_query_len`` / ``max_seq_len`` are given as Python ints (they only steer the tile shapes
+and the split-K choice; correctness does not depend on them).
+
+Without a GPU the kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do that).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import triton
+
+from pagedllm.attention.triton_kernels import (reduce_splits_kernel, reshape_and_cache_kernel,
+                                               unified_attention_kernel)
+
+# split-K (flash-decoding) heuristics, for all-decode batches only
+SPLIT_MIN_KEYS = 256        # each split covers at least this many keys of the longest context
+SPLIT_MAX = 16              # at most this many splits (a power of two: few kernel variants)
+DEFAULT_NUM_SMS = 132       # without a CUDA device (the interpreter): an H100's count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+_num_sms_cache: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms_cache:
+        _num_sms_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms_cache[idx]
+
+
+# ---------------------------------------------------------------------------------- metadata
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor      # [num_tokens] int64 (a negative slot is not written)
+    query_start_loc: torch.Tensor   # [num_reqs + 1] int32
+    seq_lens: torch.Tensor          # [num_reqs] int32
+    block_table: torch.Tensor       # [num_reqs, max_blocks] int32
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    num_splits: Optional[int] = None  # None: choose per call (split-K only for all-decode batches)
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def all_decode(self) -> bool:
+        return self.max_query_len <= 1
+
+
+def _as_tensor(x, dtype, device) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    return x.to(device=device, dtype=dtype, non_blocking=True)
+
+
+def build_triton_metadata(query_start_loc: Union[np.ndarray, torch.Tensor],
+                          seq_lens: Union[np.ndarray, torch.Tensor],
+                          block_table: Union[np.ndarray, torch.Tensor], block_size: int,
+                          slot_mapping: torch.Tensor, device: Union[str, torch.device, None] = None,
+                          max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
+                          num_splits: Optional[int] = None) -> TritonAttentionMetadata:
+    """Same inputs as ``metadata.build_attention_metadata`` (host arrays), moved to ``device``.
+    max_query_len / max_seq_len are computed on the host when not given (pass them from
+    ModelInputs to avoid it)."""
+    device = torch.device(device) if device is not None else slot_mapping.device
+    if max_query_len is None or max_seq_len is None:
+        qsl = np.asarray(query_start_loc.cpu() if torch.is_tensor(query_start_loc) else query_start_loc)
+        sl = np.asarray(seq_lens.cpu() if torch.is_tensor(seq_lens) else seq_lens)
+        max_query_len = int(np.diff(qsl).max()) if len(sl) else 0
+        max_seq_len = int(sl.max()) if len(sl) else 0
+    bt = _as_tensor(block_table, torch.int32, device)
+    if bt.dim() != 2 or bt.stride(1) != 1:
+        bt = bt.reshape(bt.shape[0], -1).contiguous()
+    return TritonAttentionMetadata(
+        slot_mapping=_as_tensor(slot_mapping, torch.int64, device),
+        query_start_loc=_as_tensor(query_start_loc, torch.int32, device),
+        seq_lens=_as_tensor(seq_lens, torch.int32, device),
+        block_table=bt, block_size=int(block_size),
+        max_query_len=int(max_query_len), max_seq_len=int(max_seq_len), num_splits=num_splits)
+
+
+# ---------------------------------------------------------------------------------- write K/V
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """reshape_and_cache: k/v [num_tokens, num_kv_heads, head_dim] into the caches
+    [num_slots, num_kv_heads, head_dim] (or a [num_blocks, block_size, ...] view of them) at
+    slot_mapping [num_tokens]; tokens with a negative slot (padding) are skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    kc = k_cache.view(-1, num_kv_heads, head_dim)
+    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    assert v.shape == k.shape and slot_mapping.shape[0] >= num_tokens
+    reshape_and_cache_kernel[(num_tokens,)](
+        k, v, kc, vc, slot_mapping,
+        *k.stride(), *v.stride(), *kc.stride(), *vc.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+reshape_and_cache = write_kv
+
+
+# ---------------------------------------------------------------------------------- attention
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Split-K for all-decode batches whose (request, KV head) programs leave SMs idle and
+    whose contexts are long enough to share out; a power of two in [1, SPLIT_MAX]."""
+    if max_query_len > 1 or max_seq_len < 2 * SPLIT_MIN_KEYS:
+        return 1
+    programs = max(1, num_reqs * num_kv_heads)
+    if programs >= num_sms:
+        return 1
+    want = min(SPLIT_MAX, -(-2 * num_sms // programs), max_seq_len // SPLIT_MIN_KEYS)
+    splits = 1
+    while splits * 2 <= want:
+        splits *= 2
+    return splits
+
+
+def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_dim: int,
+                 block_m: Optional[int], block_q: Optional[int], block_n: Optional[int]):
+    rows_min = max(16, _next_pow2(num_queries_per_kv))
+    if block_m is None:
+        # decode: one query token per program, its query heads as rows; prefill: bigger tiles
+        block_m = rows_min if max_query_len * num_queries_per_kv <= rows_min else max(64, rows_min)
+    if block_q is None:
+        block_q = 1 if max_query_len <= 1 else block_m // num_queries_per_kv
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, "BLOCK_M: a power of two >= 16"
+    assert 1 <= block_q and block_q * num_queries_per_kv <= block_m, "BLOCK_Q * (H / Hkv) must fit BLOCK_M"
+    if block_n is None:
+        block_n = 32 if _next_pow2(head_dim) <= 128 else 16
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "BLOCK_N: a power of two >= 16"
+    return block_m, block_q, block_n
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, block_size: int, scale: float,
+                      out: Optional[torch.Tensor] = None,
+                      max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
+                      num_splits: Optional[int] = None,
+                      block_m: Optional[int] = None, block_q: Optional[int] = None,
+                      block_n: Optional[int] = None,
+                      fp32_precision: str = "ieee") -> torch.Tensor:
+    """Varlen paged attention over the cache (the step's K/V must already be written).
+
+    q [num_tokens, num_heads, head_dim]; caches [num_slots, num_kv_heads, head_dim];
+    query_start_loc [num_reqs + 1] int32, seq_lens [num_reqs] int32, block_table
+    [num_reqs, max_blocks] int32, all on q's device. Request r's new tokens are
+    q[qsl[r]:qsl[r+1]] at positions seq_lens[r] - q_len .. seq_lens[r] - 1: causal among
+    themselves, full over the cached past. Tokens past qsl[num_reqs] (padding) are left
+    unwritten in ``out``. num_splits: None chooses (split-K only for all-decode batches with
+    long contexts), 1 forces the one-pass kernel, n > 1 forces n splits.
+    fp32_precision: tl.dot precision for float32 inputs ("ieee" exact, "tf32" faster on GPU).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    kc = k_cache.view(-1, num_kv_heads, head_dim)
+    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert kc.dtype == q.dtype and vc.dtype == q.dtype, "q and the caches must share a dtype"
+    assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+    assert query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    nq = num_heads // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if max_query_len is None:   # device sync: pass them when they are known on the host
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    block_m, block_q, block_n = _tile_shapes(nq, max_query_len, head_dim, block_m, block_q, block_n)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len,
+                                       _num_sms(q.device))
+    head_pad = _next_pow2(max(16, head_dim))
+    precision = fp32_precision if q.dtype == torch.float32 else None   # None: the target's default
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
+                               device=q.device)
+        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out   # unused
+    num_warps = 4 if block_m * head_pad >= 64 * 64 else 2
+    unified_attention_kernel[grid](
+        q, kc, vc, out, part_acc, part_m, part_l,
+        block_table, query_start_loc, seq_lens,
+        float(scale), num_reqs,
+        *q.stride(), *kc.stride(), *vc.stride(), *out.stride(),
+        block_table.stride(0),
+        NUM_QUERIES_PER_KV=nq, NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=int(block_size),
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=2,
+    )
+    if num_splits > 1:
+        reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_m, part_l, query_start_loc, num_reqs,
+            *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
+            num_warps=1 if head_pad <= 64 else 2,
+        )
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: TritonAttentionMetadata, scale: float,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The torch backend's call: write this step's K/V at meta.slot_mapping, then attend.
+    q [T, H, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, H, D]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return unified_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                             meta.block_table, meta.block_size, scale, out=out,
+                             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                             num_splits=meta.num_splits)

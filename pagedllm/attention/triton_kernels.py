@@ -1,0 +1,206 @@
+"""Triton kernels of the GPU attention backend (the Python glue is in triton_backend.py).
+
+Cache layout (the same as the torch backend's): per layer two tensors
+[num_blocks * block_size, num_kv_heads, head_dim]; slot = block_id * block_size + offset.
+The kernels address it only through its strides, so a [num_blocks, block_size, ...] view of
+the same memory works as well.
+
+Kernels
+- ``reshape_and_cache_kernel``: one program per new token writes its K and V
+  [num_kv_heads, head_dim] at ``slot_mapping[token]``; a negative slot (padding) is skipped.
+- ``unified_attention_kernel``: varlen paged attention for a batch that mixes prefill chunks
+  (with or without cached past) and decodes. One program per (query block, KV head[, split]).
+  A query block is BLOCK_Q consecutive new tokens of one request times the NUM_QUERIES_PER_KV
+  query heads that share the KV head, flattened into BLOCK_M = BLOCK_Q * NUM_QUERIES_PER_KV
+  (padded to a power of two >= 16) rows, so a K/V tile read from the cache serves every query
+  head of its group (GQA) and both matmuls are ``tl.dot``s. KV tiles of BLOCK_N keys are read
+  straight from the paged cache through the block table (one block-table lookup per key, so
+  BLOCK_N is independent of block_size); online softmax in float32, base 2.
+  With NUM_SPLITS > 1 (split-K / flash-decoding) the third grid axis cuts each program's KV
+  range into NUM_SPLITS pieces of whole tiles; each writes its unnormalised partial
+  (max, sum, acc), and ``reduce_splits_kernel`` combines them.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcs, stride_kch, stride_kcd,
+    stride_vcs, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask)
+    tl.store(k_cache_ptr + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request whose query blocks contain global query block ``q_block``.
+
+    Request i owns the global ids [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): at least
+    cdiv(q_len, BLOCK_Q) of them, strictly increasing in i, so a binary search finds it and the
+    grid size num_tokens // BLOCK_Q + num_reqs depends on no device value."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    # split-K partials (unused when NUM_SPLITS == 1)
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale, num_reqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcs, stride_kch, stride_kcd,
+    stride_vcs, stride_vch, stride_vcd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    if q_block_local * BLOCK_Q >= q_len:  # past this request's last query block
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len          # tokens already in the cache before this step
+
+    # Rows: (query token, query head of this KV head's group) flattened.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_pos = q_block_local * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV   # index inside the chunk
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_pos < q_len)
+    token = (q_start + q_pos).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    # Position of each query in its sequence: it attends keys 0 ..= q_abs.
+    q_abs = context_len + q_pos
+
+    # Keys this query block needs at all, as whole tiles, then this split's share of them.
+    kv_len = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    qk_scale = scale * 1.4426950408889634   # exp(x) = exp2(x * log2(e))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_off = kv_head.to(tl.int64)
+
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * BLOCK_N + offs_n
+        key_valid = key_pos < kv_len
+        phys = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = phys * BLOCK_SIZE + key_pos % BLOCK_SIZE
+        kv_mask = key_valid[None, :] & d_mask[:, None]
+        k = tl.load(k_cache_ptr + slot[None, :] * stride_kcs + kv_off * stride_kch
+                    + offs_d[:, None] * stride_kcd, mask=kv_mask, other=0.0)          # [HEAD_PAD, BLOCK_N]
+        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_off * stride_vch
+                    + offs_d[None, :] * stride_vcd,
+                    mask=key_valid[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_N, HEAD_PAD]
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                   # [BLOCK_M, BLOCK_N]
+        attend = key_valid[None, :] & (key_pos[None, :] <= q_abs[:, None]) & row_valid[:, None]
+        s = tl.where(attend, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing to attend so far keeps m = -inf; subtract 0 instead to avoid nan.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    else:
+        # partials: m/l [num_tokens, NUM_HEADS, NUM_SPLITS], acc [num_tokens, NUM_HEADS, NUM_SPLITS, HEAD_PAD]
+        row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=row_valid)
+        tl.store(part_l_ptr + row, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr, num_reqs,
+    stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out[token, head] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):  # padding token: never attended
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_PAD)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))   # empty splits weigh 0
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    out = num / tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
