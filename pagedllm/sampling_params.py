@@ -35,6 +35,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
     detokenize: bool = True
+    # Internal (beam search): the core reports logprobs but appends no token; the caller
+    # chooses the next token and appends it or forks the request.
+    external_tokens: bool = False
     # Filled by the engine from the tokenizer / generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -31,6 +31,8 @@ class Scheduler:
         self.num_swaps = 0
         # Forked siblings the model runner has not seen yet: sent as new when first scheduled.
         self.unsent: set[str] = set()
+        # Tokens appended from outside (beam search) that the runner has not seen yet.
+        self.pending_tokens: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -64,6 +66,8 @@ class Scheduler:
         return done
 
     def _free_request(self, request: Request) -> None:
+        self.pending_tokens.pop(request.request_id, None)
+        self.unsent.discard(request.request_id)
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.drop_swapped(request)
         self.finished_req_ids.add(request.request_id)
@@ -157,7 +161,8 @@ class Scheduler:
                                r.num_computed_tokens)
                 for r in new_reqs],
             scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens)
+                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens,
+                                  self.pending_tokens.pop(r.request_id, []))
                 for r in cached_reqs],
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
@@ -196,9 +201,39 @@ class Scheduler:
             self._free_request(parent)
             self.unsent.update(c.request_id for c in children)
 
+    # ------------------------------------------------------------ external tokens (beam search)
+    def append_token(self, req_id: str, token_id: int) -> None:
+        """Append a token chosen outside the core to a request that awaits one."""
+        request = self.requests[req_id]
+        request.append_output_token_ids([token_id])
+        if request.status == RequestStatus.RUNNING and req_id not in self.unsent:
+            self.pending_tokens.setdefault(req_id, []).append(token_id)
+
+    def fork_request(self, parent_id: str, child_id: str, token_id: int) -> Request:
+        """A new request continuing `parent_id` with one more token, over the parent's blocks."""
+        parent = self.requests[parent_id]
+        if child_id in self.requests:
+            raise ValueError(f"request_id {child_id!r} is already in use")
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
+                        parent.arrival_time)
+        child.max_tokens, child.extra_keys = parent.max_tokens, parent.extra_keys
+        child.append_output_token_ids(parent.output_token_ids + [token_id])
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            self.kv_cache_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+            self.unsent.add(child_id)
+        else:  # the parent was preempted: the child computes from scratch
+            self.waiting.appendleft(child)
+        return child
+
     def _preempt(self, request: Request) -> None:
         """Swap the request's KV out when asked to and there is room; else recompute later."""
         self.unsent.discard(request.request_id)
+        self.pending_tokens.pop(request.request_id, None)  # resumed requests carry all tokens
         request.status = RequestStatus.PREEMPTED
         if self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request):
             self.num_swaps += 1
@@ -219,6 +254,10 @@ class Scheduler:
             new_ids = runner_output.sampled_token_ids[row]
             if request is None or not new_ids or request.is_finished():
                 continue  # mid-prefill, or ended (aborted) while the step ran
+            if request.sampling_params.external_tokens:
+                # Beam search: report the logprobs; the caller appends the chosen token.
+                outputs.append(EngineCoreOutput(req_id, [], new_logprobs=[logprobs[row]]))
+                continue
             request.append_output_token_ids(new_ids)
             finished = self._check_stop(request)
             outputs.append(EngineCoreOutput(

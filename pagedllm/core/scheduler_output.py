@@ -25,6 +25,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)  # appended from outside (beam search)
 
 
 @dataclass

@@ -54,6 +54,16 @@ class LLM:
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
+    def beam_search(self, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
+                    ignore_eos: bool = False):
+        """Beam search per prompt; beams share KV blocks. Returns BeamSearchOutput per prompt,
+        its `sequences` best first (as transformers' generate(num_beams=beam_width))."""
+        from pagedllm.engine.beam_search import beam_search
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return beam_search(self.llm_engine, list(prompts), beam_width, max_tokens, length_penalty, ignore_eos)
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: Optional[str] = None,
              continue_final_message: bool = False) -> list[RequestOutput]:

@@ -72,10 +72,13 @@ class ModelRunner:
             state.block_ids.extend(data.new_block_ids)
             row = batch.req_id_to_index.get(data.req_id)
             if row is None:
+                state.token_ids.extend(data.new_token_ids)
                 batch.add_request(state)
             else:
                 batch.num_computed_tokens_cpu[row] = data.num_computed_tokens
                 batch.append_block_ids(row, data.new_block_ids)
+                for t in data.new_token_ids:
+                    batch.append_token(row, t)
         for data in so.scheduled_new_reqs:
             params = data.sampling_params
             gen = self.generators.get(data.req_id)
@@ -127,7 +130,8 @@ class ModelRunner:
                                    out.sampled_token_ranks.tolist())
             for i, row in enumerate(rows.tolist()):
                 sampled[row] = [token_ids[i]]
-                batch.append_token(row, token_ids[i])
+                if not batch.states[row].sampling_params.external_tokens:
+                    batch.append_token(row, token_ids[i])
                 if logprobs is not None and batch.states[row].sampling_params.logprobs is not None:
                     k = batch.states[row].sampling_params.logprobs
                     logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])

@@ -1,0 +1,67 @@
+"""Beam search equals transformers' generate(num_beams=k, do_sample=False, length_penalty=...)
+on the same model, and its beams share KV blocks (fork + copy-on-write)."""
+import pytest
+import torch
+
+from pagedllm import LLM
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "My favourite season is",
+           "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_model_len=512)
+
+
+@pytest.mark.parametrize("width, length_penalty", [(2, 1.0), (4, 0.6), (4, 1.5)])
+def test_beam_search_matches_transformers(llm, hf_model, tokenizer, width, length_penalty):
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts], width, 20, length_penalty)
+    for p, out in zip(prompts, ours):
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    num_beams=width, do_sample=False, length_penalty=length_penalty,
+                                    max_new_tokens=20, early_stopping=False)[0, len(p):].tolist()
+        best = out.sequences[0]
+        # transformers pads a hypothesis that ended early with the pad id (here the EOS id).
+        assert best.tokens == ref[:len(best.tokens)] and all(t == 2 for t in ref[len(best.tokens):]), \
+            (tokenizer.decode(p), best.tokens, ref)
+        assert len(out.sequences) == width
+        assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+
+
+def test_beams_share_blocks(llm):
+    """Mid-search, the beams of one 200-token prompt hold its blocks once."""
+    engine = llm.llm_engine
+    kv = engine.core.scheduler.kv_cache_manager
+    seen = []
+    step = engine.core.step
+
+    def spy():
+        out = step()
+        sched = engine.core.scheduler
+        if len(sched.running) == 4:
+            seen.append(kv.block_pool.num_blocks - 1 - kv.num_free_blocks())
+        return out
+    engine.core.step = spy
+    try:
+        llm.beam_search({"prompt_token_ids": [(i * 31) % 3000 + 100 for i in range(200)]}, 4, 12, ignore_eos=True)
+    finally:
+        engine.core.step = step
+    assert seen, "the search never had 4 live beams"
+    # 12 full blocks of the prompt once + at most 2 own blocks per beam; private copies would be 4 x 13.
+    assert max(seen) <= 200 // 16 + 4 * 2, seen
+
+
+def test_beam_search_bad_input(llm):
+    with pytest.raises(ValueError, match="beam_width"):
+        llm.beam_search("Hi", 0, 5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.beam_search("Hi", 2, 0)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.beam_search("", 2, 5)
