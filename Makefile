@@ -21,7 +21,7 @@ download: $(STAMP)
 	$(BIN)/pagedllm download
 
 run: $(STAMP)
-	$(BIN)/pagedllm generate "The capital of France is" "Write a haiku about the sea." --max-tokens 48
+	$(BIN)/pagedllm generate --chat-template "What is the capital of France?" "Write a haiku about the sea." --max-tokens 64
 
 test: $(STAMP)
 	$(BIN)/pagedllm download

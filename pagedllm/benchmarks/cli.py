@@ -10,3 +10,12 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_engine_args(p)
     throughput.add_cli_args(p)
     p.set_defaults(func=throughput.main)
+    from pagedllm.benchmarks import prefix_caching
+    p = bsub.add_parser("prefix-caching", help="shared-prefix workload, prefix caching on vs off")
+    add_engine_args(p)
+    prefix_caching.add_cli_args(p)
+    p.set_defaults(func=prefix_caching.main)
+    from pagedllm.benchmarks import serve
+    p = bsub.add_parser("serve", help="load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles")
+    serve.add_cli_args(p)
+    p.set_defaults(func=serve.main)
