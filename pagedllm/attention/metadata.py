@@ -24,14 +24,19 @@ class AttentionMetadata:
     decode_token_idx: Optional[torch.Tensor]    # [Bd] token index of each decode query
     decode_kv_slots: Optional[torch.Tensor]     # [Bd, L] cache slots, padded with slot 0
     decode_mask: Optional[torch.Tensor]         # [Bd, 1, 1, L] bool, True = attend
+    # For the C++ kernel, which reads pages through the block table instead of gathered slots.
+    decode_block_table: Optional[torch.Tensor]  # [Bd, max_blocks] int32
+    decode_seq_lens: Optional[torch.Tensor]     # [Bd] int32
+    block_size: int
     prefills: list[PrefillChunk]
     all_decode: bool
 
 
 def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                              block_table: np.ndarray, block_size: int,
-                             slot_mapping: torch.Tensor) -> AttentionMetadata:
-    """query_start_loc [num_reqs+1], seq_lens [num_reqs], block_table [num_reqs, max_blocks]."""
+                             slot_mapping: torch.Tensor, decode_by_pages: bool = False) -> AttentionMetadata:
+    """query_start_loc [num_reqs+1], seq_lens [num_reqs], block_table [num_reqs, max_blocks].
+    decode_by_pages: the decode kernel reads pages itself (no slot matrix needed)."""
     q_lens = np.diff(query_start_loc)
     computed = seq_lens - q_lens
     decode_rows = np.nonzero(q_lens == 1)[0]
@@ -41,8 +46,13 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
         nb = -(length // -block_size)
         return (block_table[rows, :nb, None].astype(np.int64) * block_size + offsets).reshape(len(rows), -1)[:, :length]
 
-    decode_token_idx = decode_kv_slots = decode_mask = None
-    if len(decode_rows):
+    decode_token_idx = decode_kv_slots = decode_mask = decode_bt = decode_sl = None
+    if len(decode_rows) and decode_by_pages:
+        L = int(seq_lens[decode_rows].max())
+        decode_token_idx = torch.from_numpy(query_start_loc[decode_rows].astype(np.int64))
+        decode_bt = torch.from_numpy(np.ascontiguousarray(block_table[decode_rows, :-(L // -block_size)]))
+        decode_sl = torch.from_numpy(seq_lens[decode_rows].astype(np.int32))
+    elif len(decode_rows):
         L = int(seq_lens[decode_rows].max())
         slots = slots_of(decode_rows, L)                                        # [Bd, L]
         valid = np.arange(L)[None, :] < seq_lens[decode_rows][:, None]          # [Bd, L]
@@ -61,4 +71,4 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
             mask = torch.arange(s)[None, :] <= (c + torch.arange(end - start))[:, None]
             prefills.append(PrefillChunk(start, end, kv_slots, mask))
     return AttentionMetadata(slot_mapping, decode_token_idx, decode_kv_slots, decode_mask,
-                             prefills, all_decode=not prefills)
+                             decode_bt, decode_sl, block_size, prefills, all_decode=not prefills)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.cpu_kernels import decode_kernel
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -25,7 +26,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
-    if meta.decode_token_idx is not None:
+    if meta.decode_block_table is not None:   # the C++ kernel reads the pages directly
+        out[meta.decode_token_idx] = decode_kernel()(q[meta.decode_token_idx], k_cache, v_cache,
+                                                     meta.decode_block_table, meta.decode_seq_lens,
+                                                     meta.block_size, scale)
+    elif meta.decode_token_idx is not None:
         qd = q[meta.decode_token_idx].unsqueeze(2)                  # [Bd, H, 1, D]
         kd = k_cache[meta.decode_kv_slots].transpose(1, 2)          # [Bd, Hkv, L, D]
         vd = v_cache[meta.decode_kv_slots].transpose(1, 2)

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import torch
 
+from pagedllm.attention.cpu_kernels import decode_kernel
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -18,14 +19,22 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel=None) -> None:
+        """parallel (distributed.parallel_state.ParallelContext): this rank's shard of a model
+        split by tensor / pipeline parallelism (executor/worker.py); None: the whole model."""
         self.config = config
+        self.parallel = parallel
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.block_size = cc.block_size
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.vocab_size
-        self.model = load_model(mc)
+        self.model = load_model(mc, parallel)
+        # This rank's KV cache: the layers of its pipeline stage, the KV heads of its TP share.
+        self.num_cache_layers = mc.num_layers if parallel is None else parallel.shard.num_layers
+        self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
         self.dtype = next(self.model.parameters()).dtype
+        # Decode attention straight from the pages when the C++ kernel builds (float32 CPU).
+        self.decode_by_pages = self.dtype == torch.float32 and decode_kernel() is not None
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -39,7 +48,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         mc = self.config.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * self.num_cache_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim], and
@@ -48,9 +57,9 @@ class ModelRunner:
         mc = self.config.model_config
 
         def alloc(n):
-            shape = (n * self.block_size, mc.num_kv_heads, mc.head_dim)
+            shape = (n * self.block_size, self.num_kv_heads, mc.head_dim)
             return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                    for _ in range(mc.num_layers)]
+                    for _ in range(self.num_cache_layers)]
         self.kv_caches = alloc(num_blocks)
         # On a GPU the swap space would be pinned host memory; on the CPU both are host memory.
         self.cpu_caches = alloc(num_cpu_blocks) if num_cpu_blocks else []
@@ -101,22 +110,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # Order matters: a block swapped out this step may be swapped into or copied into.
-        if so.blocks_to_swap_out:
-            self._copy_blocks(so.blocks_to_swap_out, self.kv_caches, self.cpu_caches)
-        if so.blocks_to_swap_in:
-            self._copy_blocks(so.blocks_to_swap_in, self.cpu_caches, self.kv_caches)
-        if so.blocks_to_copy:
-            self._copy_blocks(so.blocks_to_copy, self.kv_caches, self.kv_caches)
-        self._update_states(so)
-        batch = self.input_batch
-        if batch.num_reqs == 0:
+        prepared = self._prepare(so)
+        if prepared is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = batch.prepare_inputs(so.num_scheduled_tokens)
-        meta = build_attention_metadata(inputs.query_start_loc.numpy(), inputs.seq_lens.numpy(),
-                                        batch.block_table_np[:batch.num_reqs], self.block_size,
-                                        inputs.slot_mapping)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        inputs, meta = prepared
+        batch = self.input_batch
+        hidden = self._forward(inputs, meta)
         sampled = [[] for _ in inputs.req_ids]
         logprobs = None
         rows = inputs.sample_rows
@@ -137,6 +136,30 @@ class ModelRunner:
                     logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _prepare(self, so: SchedulerOutput):
+        """Block copies, the batch brought in step with `so`, and this step's (inputs, attention
+        metadata); None when no request runs. Shared with the workers of a split model."""
+        # Order matters: a block swapped out this step may be swapped into or copied into.
+        if so.blocks_to_swap_out:
+            self._copy_blocks(so.blocks_to_swap_out, self.kv_caches, self.cpu_caches)
+        if so.blocks_to_swap_in:
+            self._copy_blocks(so.blocks_to_swap_in, self.cpu_caches, self.kv_caches)
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy, self.kv_caches, self.kv_caches)
+        self._update_states(so)
+        batch = self.input_batch
+        if batch.num_reqs == 0:
+            return None
+        inputs = batch.prepare_inputs(so.num_scheduled_tokens)
+        meta = build_attention_metadata(inputs.query_start_loc.numpy(), inputs.seq_lens.numpy(),
+                                        batch.block_table_np[:batch.num_reqs], self.block_size,
+                                        inputs.slot_mapping, decode_by_pages=self.decode_by_pages)
+        return inputs, meta
+
+    def _forward(self, inputs, meta) -> torch.Tensor:
+        """The model over this step's tokens -> final hidden states [num_tokens, hidden]."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         states = [self.input_batch.states[r] for r in rows.tolist()]
