@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast download bench clean
+.PHONY: install run serve test test-fast download bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ download: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/pagedllm generate --chat-template "What is the capital of France?" "Write a haiku about the sea." --max-tokens 64
+
+serve: $(STAMP)
+	$(BIN)/pagedllm serve
 
 test: $(STAMP)
 	$(BIN)/pagedllm download

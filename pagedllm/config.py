@@ -1,4 +1,4 @@
-"""EngineConfig = ModelConfig + CacheConfig + SchedulerConfig (+ ParallelConfig later).
+"""EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + ParallelConfig.
 
 Only plain values here: the core reads SchedulerConfig / CacheConfig without torch.
 """
@@ -92,10 +92,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split over processes (see pagedllm/distributed, pagedllm/executor)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1               # engine replicas behind one router
+    distributed_executor_backend: Optional[str] = None   # "mp" (default when split) or "ray"
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one engine replica (data parallelism multiplies replicas, not this)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         c, s = self.cache_config, self.scheduler_config
@@ -109,6 +124,18 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        p = self.parallel_config
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            v = getattr(p, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if p.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {p.distributed_executor_backend!r}")
+        if p.world_size > 1:
+            from pagedllm.distributed.sharding import validate_parallel_sizes
+            validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
+                                    p.pipeline_parallel_size)
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")

@@ -75,8 +75,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not (-2 <= v <= 2):
                 bad(name, v, "in [-2, 2]")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", self.seed, "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not (-2**63 <= self.seed < 2**63)):
+            bad("seed", self.seed, "a 64-bit integer or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -26,6 +26,8 @@ def llm(model_dir):
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"stop": [""]}, "stop"),
     ({"logprobs": 50}, "logprobs"),
+    ({"seed": 2**70}, "seed"),
+    ({"best_of": 1, "n": 2}, "best_of"),
     ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
 ])
 def test_bad_sampling_params(kwargs, field):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
 @dataclass
@@ -23,6 +23,10 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0             # GiB
     num_cpu_blocks: Optional[int] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None   # "mp" (default) or "ray"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -49,6 +53,10 @@ class EngineArgs:
                          num_gpu_blocks=self.num_gpu_blocks,
                          enable_prefix_caching=self.enable_prefix_caching,
                          swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks)
-        config = EngineConfig(mc, cc, sc)
+        pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                            pipeline_parallel_size=self.pipeline_parallel_size,
+                            data_parallel_size=self.data_parallel_size,
+                            distributed_executor_backend=self.distributed_executor_backend)
+        config = EngineConfig(mc, cc, sc, pc)
         config.validate()
         return config

@@ -5,6 +5,8 @@ It owns the KV cache; it knows nothing of text. The server runs it in its own pr
 from __future__ import annotations
 
 import logging
+import os
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -19,9 +21,24 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
 
 class EngineCore:
+    batch_queue = None   # pipeline parallelism: steps in flight (see _init_cache)
+
     def __init__(self, config: EngineConfig, eos_ids: set[int]) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        if config.parallel_config.world_size > 1:
+            # Tensor / pipeline parallelism: the executor runs rank 0 here and starts the
+            # other ranks; it has a ModelRunner's face (see pagedllm/executor).
+            from pagedllm.executor import make_executor
+            self.runner = make_executor(config)
+        else:
+            self.runner = ModelRunner(config)
+        try:
+            self._init_cache(config, eos_ids)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_cache(self, config: EngineConfig, eos_ids: set[int]) -> None:
         self.runner.eos_ids = set(eos_ids)
         self.num_blocks = self._num_blocks()
         cc = config.cache_config
@@ -33,6 +50,16 @@ class EngineCore:
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, kv)
+        # Pipeline parallelism: up to pipeline_parallel_size steps in flight, so that no stage
+        # waits for the others (recompute preemption only: a swapped-out request must not
+        # have a step in flight; PAGEDLLM_PP_BATCH_QUEUE=0 turns it off to compare).
+        pc = config.parallel_config
+        self.batch_queue = None
+        if (pc.pipeline_parallel_size > 1 and hasattr(self.runner, "submit")
+                and config.scheduler_config.preemption_mode == "recompute"
+                and os.environ.get("PAGEDLLM_PP_BATCH_QUEUE", "1") != "0"):
+            self.batch_queue = deque()
+            self.batch_queue_size = pc.pipeline_parallel_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", self.num_blocks,
                     cc.block_size, (self.num_blocks - 1) * cc.block_size,
                     self.num_blocks * self.runner.kv_bytes_per_block() / 2**30)
@@ -50,6 +77,12 @@ class EngineCore:
                              f"{self.runner.kv_bytes_per_block()} bytes")
         return int(min(useful, by_memory))
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a split model (nothing to do in one process)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
@@ -60,8 +93,29 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
         ro = self.runner.execute_model(so)
         return self.scheduler.update_from_output(so, ro)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Schedule and submit a step while fewer than batch_queue_size are in flight; else
+        (or when nothing new can run) finish the oldest one and apply its output. The scheduler
+        counts scheduled tokens as computed, so a request with a step in flight is not
+        scheduled again until its output is in (a prefill's next chunk may be)."""
+        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
+            so = self.scheduler.schedule()
+            handle = self.runner.submit(so)
+            if so.total_num_scheduled_tokens > 0:
+                self.batch_queue.append((so, handle))
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return []
+            else:   # only bookkeeping (finished / preempted ids): done at once
+                self.scheduler.update_from_output(so, self.runner.finish(handle))
+        if not self.batch_queue:
+            return []
+        so, handle = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(so, self.runner.finish(handle))

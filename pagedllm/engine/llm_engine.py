@@ -51,6 +51,9 @@ def make_requests(processor: Processor, output_processor: OutputProcessor, reque
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs replicas behind the API server's router "
+                             "(`pagedllm serve --data-parallel-size N`); the offline engine is one replica")
         self.config = config
         model_dir = config.model_config.model
         self.tokenizer = load_tokenizer(model_dir)
@@ -84,6 +87,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a split model (tensor / pipeline parallelism)."""
+        self.core.shutdown()
 
     @property
     def num_preemptions(self) -> int:

@@ -24,6 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space (default 4)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer over N processes (torch.distributed; default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into N pipeline stages, one process each (default 1)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="N engine replicas behind a prefix-cache-aware router (serve; default 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="where the ranks run: local processes (mp, default) or a Ray cluster "
+                        "(RAY_ADDRESS, else a local one)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -33,7 +42,11 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       kv_cache_memory=kv, dtype=ns.dtype, seed=ns.seed,
                       enable_chunked_prefill=ns.enable_chunked_prefill,
                       enable_prefix_caching=ns.enable_prefix_caching,
-                      preemption_mode=ns.preemption_mode, swap_space=ns.swap_space)
+                      preemption_mode=ns.preemption_mode, swap_space=ns.swap_space,
+                      tensor_parallel_size=ns.tensor_parallel_size,
+                      pipeline_parallel_size=ns.pipeline_parallel_size,
+                      data_parallel_size=ns.data_parallel_size,
+                      distributed_executor_backend=ns.distributed_executor_backend)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

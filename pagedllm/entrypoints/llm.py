@@ -25,6 +25,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor / pipeline parallelism); they are also
+        stopped when the LLM is garbage-collected or the interpreter exits."""
+        self.llm_engine.shutdown()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -38,11 +38,17 @@ def iter_weights(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: ModelConfig) -> torch.nn.Module:
+def load_model(config: ModelConfig, parallel=None) -> torch.nn.Module:
+    """parallel (pagedllm.distributed.parallel_state.ParallelContext): load only this rank's
+    shard (tensor / pipeline parallelism); None: the whole model."""
     cls = get_model_class(config.hf_config)
     dtype = _dtype(config)
     with torch.device("meta"):
-        model = cls(config.hf_config, config.max_model_len)
+        if parallel is None:
+            model = cls(config.hf_config, config.max_model_len)
+        else:
+            from pagedllm.models.parallel_llama import ParallelLlamaForCausalLM
+            model = ParallelLlamaForCausalLM(config.hf_config, config.max_model_len, parallel)
     model = model.to_empty(device="cpu")
     # Buffers (RoPE tables) were made on meta: build them again for real.
     model.rope.__init__(config.hf_config, config.head_dim, config.max_model_len)
@@ -55,6 +61,10 @@ def load_model(config: ModelConfig) -> torch.nn.Module:
         if name == "lm_head.weight" and model.tie_word_embeddings:
             continue
         target, shard = _map_name(name)
+        if parallel is not None:
+            tensor = model.shard_weight(target, shard, tensor)
+            if tensor is None:  # held by another rank
+                continue
         if shard is None:
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in {config.model}")

@@ -1,0 +1,200 @@
+"""`pagedllm bench serve`: load a running OpenAI-compatible server and measure it.
+
+Random token-id prompts (fixed by --seed, new ones for every run) go to /v1/completions as streams with
+ignore_eos, so every request produces exactly its output length. Requests are sent either
+as fast as --concurrency allows, or at a Poisson --request-rate (still capped by
+--concurrency). Per request: time to first token (TTFT), time per output token after the
+first (TPOT), the gaps between streamed chunks (ITL) and end-to-end latency (E2E).
+Printed as a table (one row per --concurrency value) and saved as JSON (--output-json).
+
+    pagedllm serve &
+    pagedllm bench serve --concurrency 1 8 32 --num-prompts 32 \\
+        --random-input-len 128 --random-output-len 32 --output-json serve.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--model", default=None, help="the served model name (default: the server's first)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model directory whose tokenizer makes the random prompts (default: the default model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8],
+                   help="most requests in flight; several values run one after the other (default 8)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per run (default 64)")
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)] (default 0: fixed)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each run")
+    p.add_argument("--output-json", default=None, metavar="PATH")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one(client, url: str, headers: dict, body: dict) -> RequestResult:
+    res = RequestResult(prompt_len=len(body["prompt"]))
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices") and (chunk["choices"][0].get("text") or chunk["choices"][0].get("finish_reason")):
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_len = chunk["usage"]["completion_tokens"]
+        res.e2e = time.perf_counter() - t0
+        res.ok = res.output_len > 0
+        if not res.ok:
+            res.error = "no usage / no tokens"
+    except Exception as e:  # noqa: BLE001 - a benchmark counts failures, it does not stop
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def _run(base_url: str, headers: dict, bodies: list[dict], concurrency: int, rate: float,
+               seed: int) -> tuple[list[RequestResult], float]:
+    import httpx
+    url = base_url.rstrip("/") + "/v1/completions"
+    sem = asyncio.Semaphore(concurrency)
+    rng = np.random.default_rng(seed)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        async def limited(body):
+            async with sem:
+                return await _one(client, url, headers, body)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(body)))
+            if math.isfinite(rate) and rate > 0:
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def _pct(xs, q) -> float:
+    return float(np.percentile(xs, q)) * 1000 if len(xs) else float("nan")
+
+
+def summarize(results: list[RequestResult], duration: float, concurrency: int) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    itl = [x for r in ok for x in r.itl]
+    e2e = [r.e2e for r in ok]
+    out_toks = sum(r.output_len for r in ok)
+    in_toks = sum(r.prompt_len for r in ok)
+    row = {"concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok),
+           "duration_s": duration, "request_throughput": len(ok) / duration,
+           "output_throughput": out_toks / duration, "total_token_throughput": (in_toks + out_toks) / duration,
+           "input_tokens": in_toks, "output_tokens": out_toks}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        row[f"mean_{name}_ms"] = float(np.mean(xs)) * 1000 if xs else float("nan")
+        for q in (50, 90, 99):
+            row[f"p{q}_{name}_ms"] = _pct(xs, q)
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        row["errors"] = errors[:5]
+    return row
+
+
+def _model_name(base_url: str, headers: dict) -> str:
+    import httpx
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def main(ns: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.common import command_line, print_table, random_requests, write_json
+    from pagedllm.models.download import resolve_model
+    from transformers import AutoTokenizer
+    if ns.num_prompts < 1 or any(c < 1 for c in ns.concurrency):
+        raise ValueError("--num-prompts and --concurrency must be >= 1")
+    if not (0 <= ns.random_range_ratio < 1):
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ns.random_range_ratio}")
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    model = ns.model or _model_name(ns.base_url, headers)
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(ns.tokenizer)))
+
+    def span(n):
+        return max(1, int(n * (1 - ns.random_range_ratio))), max(1, int(n * (1 + ns.random_range_ratio)))
+
+    def bodies_for(seed):
+        reqs = random_requests(tok, ns.num_prompts, span(ns.random_input_len), span(ns.random_output_len), seed)
+        return [{"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0,
+                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for r in reqs]
+
+    rows = []
+    for i, c in enumerate(ns.concurrency):
+        # Fresh prompts for every run, so that the prefix cache cannot carry one run into the next.
+        bodies = bodies_for(ns.seed + i)
+        warm = [{**bodies[0], "prompt": bodies[0]["prompt"][-8:][::-1], "max_tokens": 4}] * ns.warmup
+        if warm:
+            asyncio.run(_run(ns.base_url, headers, warm, c, math.inf, ns.seed))
+        results, duration = asyncio.run(_run(ns.base_url, headers, bodies, c, ns.request_rate, ns.seed))
+        row = summarize(results, duration, c)
+        rows.append(row)
+        print(f"concurrency {c}: {row['completed']} done, {row['failed']} failed in {duration:.1f} s", flush=True)
+        for e in row.get("errors", []):
+            print(f"  error: {e}")
+
+    print(f"\nserver {ns.base_url} (model {model}); {ns.num_prompts} requests per run, input "
+          f"{ns.random_input_len} / output {ns.random_output_len} tokens, request rate {ns.request_rate}")
+    print_table(rows, [("concurrency", "conc", "d"), ("request_throughput", "req/s", ".2f"),
+                       ("output_throughput", "out tok/s", ".1f"),
+                       ("p50_ttft_ms", "TTFT p50", ".0f"), ("p90_ttft_ms", "p90", ".0f"), ("p99_ttft_ms", "p99", ".0f"),
+                       ("p50_tpot_ms", "TPOT p50", ".1f"), ("p90_tpot_ms", "p90", ".1f"), ("p99_tpot_ms", "p99", ".1f"),
+                       ("p50_itl_ms", "ITL p50", ".1f"), ("p90_itl_ms", "p90", ".1f"), ("p99_itl_ms", "p99", ".1f"),
+                       ("p50_e2e_ms", "E2E p50", ".0f"), ("p90_e2e_ms", "p90", ".0f"), ("p99_e2e_ms", "p99", ".0f")])
+    print("(latencies in ms)")
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "base_url": ns.base_url, "model": model,
+                                    "num_prompts": ns.num_prompts, "random_input_len": ns.random_input_len,
+                                    "random_output_len": ns.random_output_len,
+                                    "random_range_ratio": ns.random_range_ratio,
+                                    "request_rate": None if math.isinf(ns.request_rate) else ns.request_rate,
+                                    "seed": ns.seed, "runs": rows})
+        print(f"saved {ns.output_json}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -1,0 +1,329 @@
+"""AsyncLLM: the engine as the API server sees it, one async stream of outputs per request.
+
+The server process holds the Processor (validation, tokenisation) and the OutputProcessor
+(detokenisation, stop strings, n > 1 fan-in); the EngineCore runs in its own process
+(core_proc.py) and is reached through a CoreClient. A background task reads the core's
+outputs, detokenises them and feeds each request's asyncio queue. A stream that is closed
+or cancelled before its request finished (the client went away) aborts the request in the
+core, which frees its KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncGenerator, Optional
+
+from pagedllm.engine import serial
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_client import CoreClient, EngineDeadError  # noqa: F401 (CoreClient: the type)
+from pagedllm.engine.llm_engine import eos_token_ids, load_tokenizer, make_requests
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.metrics import EngineMetrics, StatLogger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.engine.async_llm")
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests waiting than --max-waiting-requests: refused, not queued."""
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs, model_name: Optional[str] = None,
+                 max_waiting_requests: Optional[int] = None, log_level: str = "INFO",
+                 log_stats_interval: float = 5.0) -> None:
+        self.config = engine_args.create_engine_config()
+        model_dir = self.config.model_config.model
+        self.model_name = model_name or model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos, self.extra_eos = eos_token_ids(model_dir, self.tokenizer)
+        self.max_waiting_requests = max_waiting_requests
+        self.max_num_seqs = self.config.scheduler_config.max_num_seqs
+        self.max_model_len = self.config.model_config.max_model_len
+        self.metrics = EngineMetrics(self.model_name)
+        self.stat_logger = StatLogger(self.metrics, log_stats_interval)
+        self._log_level = log_level
+        self.client: Optional[CoreClient] = None
+        self.processor: Optional[Processor] = None
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.num_blocks = 0
+        self.core_pid: Optional[int] = None
+        self.errored: Optional[BaseException] = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    @classmethod
+    async def create(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
+        self = cls(engine_args, **kwargs)
+        await self.start()
+        return self
+
+    async def start(self, timeout: float = 900.0) -> None:
+        eos_ids = ({self.eos} if self.eos is not None else set()) | self.extra_eos
+        from pagedllm.engine.dp_client import make_core_client  # one core, or K replicas (data parallel)
+        self.client = make_core_client(self.config, eos_ids, self._log_level)
+        try:
+            ready = await self.client.wait_ready(timeout)
+        except BaseException:
+            self.client.shutdown(timeout=2)
+            raise
+        self.num_blocks = ready["num_blocks"]
+        self.core_pid = ready["pid"]
+        self.processor = Processor(self.config, self.tokenizer, self.eos, self.extra_eos, self.num_blocks)
+        self.metrics.kv_num_blocks.set(self.num_blocks)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.client.proc.sentinel, self._on_core_exit)
+        self._tasks = [loop.create_task(self._output_loop(), name="pagedllm-output-loop"),
+                       loop.create_task(self._log_loop(), name="pagedllm-stat-logger")]
+
+    # ------------------------------------------------------------ state
+    def check_health(self) -> None:
+        if self.errored is not None:
+            raise self.errored
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        if self.client is None or not self.client.proc.is_alive():
+            raise EngineDeadError("the engine core process is not running")
+
+    def num_waiting_estimate(self, new_seqs: int = 0) -> int:
+        """Sequences that would be waiting with `new_seqs` more: beyond max_num_seqs in flight,
+        or (when the KV cache is the limit) as many as the core last reported waiting."""
+        est = len(self.output_processor.states) + new_seqs - self.max_num_seqs
+        core_waiting = self.metrics.core_stats["waiting"]
+        if core_waiting:
+            est = max(est, core_waiting + new_seqs)
+        return max(est, 0)
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                    kind: OutputKind = OutputKind.DELTA,
+                    arrival_time: Optional[float] = None) -> "RequestStream":
+        """Validate, tokenise and send one request to the core; returns its output stream
+        (DELTA: only what is new each time; FINAL_ONLY: once, at the end). Raises ValueError
+        (bad input), EngineOverloadedError or EngineDeadError before anything is queued."""
+        self.check_health()
+        if (self.max_waiting_requests is not None
+                and self.num_waiting_estimate(getattr(params, "num_samples", params.n)) > self.max_waiting_requests):
+            self.metrics.rejected.labels(self.model_name, "overloaded").inc()
+            raise EngineOverloadedError(
+                f"The server is overloaded: more than {self.max_waiting_requests} requests are waiting "
+                "(--max-waiting-requests). Please retry later.")
+        if request_id in self.queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        requests = make_requests(self.processor, self.output_processor, request_id, prompt, params,
+                                 kind, arrival_time)
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        stream = RequestStream(self, request_id, q)
+        try:
+            self.client.send({"t": "add", "r": [serial.encode_request(r) for r in requests]})
+        except BaseException:
+            stream.close()
+            raise
+        self.metrics.add_prompt_tokens(requests[0].num_prompt_tokens)
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       kind: OutputKind = OutputKind.DELTA,
+                       arrival_time: Optional[float] = None) -> AsyncGenerator[RequestOutput, None]:
+        """add_request + iterate; closing the generator early aborts the request."""
+        stream = self.add_request(prompt, params, request_id, kind, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and end it in the core (its blocks go back at once)."""
+        now = time.time()
+        states = [st for st in self.output_processor.states.values()
+                  if st.request_id == request_id or (st.parent is not None and st.parent.request_id == request_id)]
+        child_ids = self.output_processor.abort_requests([request_id])
+        for st in states:
+            self.metrics.finish("abort", st.stats.arrival_time, None, None, 0, now)
+        if child_ids and self.client is not None and self.client.dead is None and self.errored is None:
+            try:
+                self.client.send({"t": "abort", "ids": child_ids})
+            except EngineDeadError:
+                pass
+        if child_ids:
+            logger.debug("aborted request %s (%d sequences)", request_id, len(child_ids))
+
+    def abort_all(self, reason: BaseException) -> None:
+        """Shutdown: end every request in flight (their streams get `reason`)."""
+        for rid, q in list(self.queues.items()):
+            self.abort(rid)
+            q.put_nowait(reason)
+
+    def stop_accepting(self) -> None:
+        """Shutdown begins: new requests get EngineDeadError (503), those in flight are aborted."""
+        self._stopping = True
+        self.abort_all(EngineDeadError("the server is shutting down"))
+
+    async def get_core_stats(self, timeout: float = 5.0) -> dict:
+        self.check_health()
+        return await self.client.call_utility("get_stats", timeout=timeout)
+
+    # ------------------------------------------------------------ outputs
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                msg = await self.client.recv()
+                t = msg.get("t")
+                if t == "out":
+                    self._process(msg)
+                elif t == "stats":
+                    self.metrics.update_core_stats(msg["s"])
+                elif t == "util":
+                    self.client.resolve_utility(msg)
+                elif t == "error":
+                    self._fail(EngineDeadError(f"the engine core failed: {msg.get('exc')}: {msg.get('msg')}"))
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug here must not leave requests hanging
+            logger.exception("the output loop failed")
+            self._fail(EngineDeadError(f"the output loop failed: {type(e).__name__}: {e}"))
+
+    def _process(self, msg: dict) -> None:
+        m = self.metrics
+        m.update_core_stats(msg["s"])
+        for _rid, queue_time in msg.get("q") or ():
+            m.queue_time.observe(queue_time)
+        outputs = [serial.decode_output(v) for v in msg["o"]]
+        if not outputs:
+            return
+        now = time.time()
+        states = self.output_processor.states
+        seen = []
+        num_gen = 0
+        for o in outputs:
+            st = states.get(o.req_id)
+            if st is None:
+                continue
+            s = st.stats
+            if o.new_token_ids:
+                if s.first_token_time is None:
+                    m.ttft.observe(max(now - s.arrival_time, 0.0))
+                else:
+                    m.itl.observe(max(now - s.last_token_time, 0.0))
+                num_gen += len(o.new_token_ids)
+            seen.append(st)
+        if num_gen:
+            m.add_generation_tokens(num_gen)
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+        if to_abort:
+            try:
+                self.client.send({"t": "abort", "ids": to_abort})
+            except EngineDeadError:
+                pass
+        for st in seen:
+            if st.finish_reason is not None:
+                m.finish(st.finish_reason, st.stats.arrival_time, st.stats.first_token_time,
+                         st.stats.last_token_time, len(st.output_token_ids), now)
+        for ro in request_outputs:
+            q = self.queues.get(ro.request_id)
+            if q is not None:
+                q.put_nowait(ro)
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stat_logger.interval)
+            try:
+                self.stat_logger.log()
+            except Exception:  # pragma: no cover
+                logger.exception("stats logging failed")
+
+    # ------------------------------------------------------------ failure / stop
+    def _on_core_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.client.proc.sentinel)
+        if self._stopping:
+            return
+        self.client.proc.join(0.1)
+        code = self.client.proc.exitcode
+        logger.error("the engine core process died (exit code %s): every request now gets 503", code)
+        self._fail(EngineDeadError(f"the engine core process died (exit code {code})"))
+
+    def _fail(self, err: EngineDeadError) -> None:
+        if self.errored is None:
+            self.errored = err
+        if self.client is not None:
+            self.client.mark_dead(err)
+        for rid, q in list(self.queues.items()):
+            self.output_processor.abort_requests([rid])
+            q.put_nowait(err)
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    async def shutdown(self) -> None:
+        """Abort what is in flight and stop the core process (idempotent)."""
+        if self._stopping and self.client is None:
+            return
+        self.stop_accepting()
+        await asyncio.sleep(0)  # let the streams see it
+        for t in self._tasks:
+            t.cancel()
+        if self.client is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.client.proc.sentinel)
+            except Exception:
+                pass
+            client, self.client = self.client, None
+            await asyncio.get_running_loop().run_in_executor(None, client.shutdown)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. close() (or a cancellation while
+    waiting) before the request finished aborts it in the core."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue = queue
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:  # cancelled: the client went away
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def __del__(self) -> None:
+        # Safety net: a stream dropped unread (e.g. a response cancelled before it began
+        # iterating) still aborts its request, so that no blocks or queue entries leak.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.engine.queues.get(self.request_id) is self.queue:
+            del self.engine.queues[self.request_id]
+        if not self.finished:
+            self.engine.abort(self.request_id)

@@ -1,0 +1,217 @@
+"""The EngineCore process: the scheduler, the KV cache and the model runner in a busy loop.
+
+    loop { take every waiting message (add / abort / utility / shutdown) -> step while there
+           is work -> push the step's EngineCoreOutputs and the scheduler's stats }
+
+It knows nothing of text or HTTP: requests arrive tokenised (the server's Processor) and
+outputs leave as token ids (the server's OutputProcessor detokenises them). Messages are
+msgpack (see serial.py). The process ends on a shutdown message, on SIGTERM, or when its
+parent dies (PR_SET_PDEATHSIG, and a parent check while idle), so it is never left behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from pagedllm.engine import serial
+from pagedllm.request import Request, RequestStatus
+
+logger = logging.getLogger("pagedllm.engine.core_proc")
+
+IDLE_POLL_MS = 500
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent process dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_pid: int,
+                    log_level: str = "INFO") -> None:
+    """Entry point of the core process (multiprocessing, spawn)."""
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedllm").setLevel(log_level.upper())  # not torch's chatter
+    # Ctrl-C reaches the whole process group: the server decides and tells us to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_term(signum, frame):
+        raise _Stop()
+    signal.signal(signal.SIGTERM, on_term)
+
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(output_addr)
+    code = 0
+    core = None
+    try:
+        try:
+            from pagedllm.engine.core import EngineCore
+            core = EngineCore(config, eos_ids=set(eos_ids))
+        except _Stop:
+            raise
+        except BaseException as e:
+            if not isinstance(e, ValueError):  # a ValueError is a bad setting, said in one line by the server
+                logger.error("the engine core failed to start:\n%s", traceback.format_exc())
+            out_sock.send(serial.pack({"t": "error", "exc": type(e).__name__, "msg": str(e)}))
+            code = 1
+        if core is not None:
+            out_sock.send(serial.pack({"t": "ready", "num_blocks": core.num_blocks, "pid": os.getpid()}))
+            EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
+    except _Stop:
+        logger.info("engine core: SIGTERM, exiting")
+    except BaseException as e:
+        logger.error("the engine core died:\n%s", traceback.format_exc())
+        try:
+            out_sock.send(serial.pack({"t": "error", "exc": type(e).__name__, "msg": str(e)}), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        code = 1
+    finally:
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()  # the worker processes of a split model, if any
+            except Exception:
+                logger.exception("engine core: shutdown of its workers failed")
+        in_sock.close(linger=0)
+        out_sock.close()
+        ctx.term()
+    if code:
+        sys.exit(code)
+
+
+class EngineCoreProc:
+    def __init__(self, core, in_sock, out_sock, parent_pid: int) -> None:
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.parent_pid = parent_pid
+        self.scheduler = core.scheduler
+        self.num_added = 0
+        # Requests not yet scheduled once: their queue time is reported when they are.
+        self.unscheduled: dict[str, Request] = {}
+        self.stop = False
+
+    # ------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        s = self.scheduler
+        pool = s.kv_cache_manager.block_pool
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "kv_usage": pool.get_usage(),
+                "used_blocks": (pool.num_blocks - 1) - pool.get_num_free_blocks(),
+                "num_blocks": pool.num_blocks,
+                "preemptions": s.num_preemptions, "num_added": self.num_added,
+                "prefix_cache_queries": s.kv_cache_manager.stats.queries,
+                "prefix_cache_hits": s.kv_cache_manager.stats.hits}
+
+    def _send(self, msg: dict) -> None:
+        self.out_sock.send(serial.pack(msg))
+
+    # ------------------------------------------------------------ input
+    def handle(self, msg: dict) -> None:
+        t = msg.get("t")
+        if t == "add":
+            rejected = []
+            for enc in msg["r"]:
+                self.num_added += 1
+                req = serial.decode_request(enc)
+                try:
+                    self.core.add_request(req)
+                except ValueError as e:  # e.g. a duplicate id: end it, keep the engine running
+                    logger.warning("request %s rejected by the core: %s", req.request_id, e)
+                    rejected.append(serial.encode_output(_aborted(req.request_id)))
+                    continue
+                self.unscheduled[req.request_id] = req
+            if rejected:
+                self._send({"t": "out", "o": rejected, "s": self.stats(), "q": []})
+        elif t == "abort":
+            ids = msg["ids"]
+            self.core.abort_requests(ids)
+            for rid in ids:
+                self.unscheduled.pop(rid, None)
+        elif t == "util":
+            try:
+                result, err = self.utility(msg["m"], msg.get("a") or []), None
+            except Exception as e:  # report to the caller, keep running
+                result, err = None, f"{type(e).__name__}: {e}"
+            self._send({"t": "util", "id": msg["id"], "r": result, "e": err})
+        elif t == "shutdown":
+            self.stop = True
+        else:
+            logger.warning("engine core: unknown message type %r", t)
+
+    def utility(self, method: str, args: list):
+        if method == "get_stats":
+            return self.stats()
+        if method == "ping":
+            return "pong"
+        raise ValueError(f"unknown utility method {method!r}")
+
+    def drain(self) -> bool:
+        handled = False
+        while True:
+            try:
+                data = self.in_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            self.handle(serial.unpack(data))
+            handled = True
+
+    # ------------------------------------------------------------ loop
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.in_sock, zmq.POLLIN)
+        while not self.stop:
+            busy = self.core.has_unfinished_requests()
+            handled = False
+            if busy:
+                handled = self.drain()
+            elif poller.poll(IDLE_POLL_MS):
+                handled = self.drain()
+            elif os.getppid() != self.parent_pid:
+                logger.warning("engine core: the server process is gone, exiting")
+                return
+            if self.stop:
+                break
+            if self.core.has_unfinished_requests():
+                t0 = time.time()
+                outputs = self.core.step()
+                self._send({"t": "out", "o": [serial.encode_output(o) for o in outputs],
+                            "s": self.stats(), "q": self._queue_events(t0)})
+            elif handled:
+                self._send({"t": "stats", "s": self.stats()})
+
+    def _queue_events(self, t0: float) -> list:
+        events = []
+        for rid, req in list(self.unscheduled.items()):
+            if req.status == RequestStatus.WAITING:
+                continue
+            del self.unscheduled[rid]
+            if req.status != RequestStatus.FINISHED_ABORTED:
+                events.append([rid, max(t0 - req.arrival_time, 0.0)])
+        return events
+
+
+def _aborted(req_id: str):
+    from pagedllm.core.scheduler_output import EngineCoreOutput
+    return EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="abort")

@@ -1,0 +1,25 @@
+"""The `pagedllm serve` flags (named like vLLM's). No heavy imports here: the CLI builds every
+subcommand's parser at start."""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None,
+                   help="model directory (same as --model); default: SmolLM2-135M-Instruct")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients give as `model` (default: the model as given)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+                        "(default: $PAGEDLLM_API_KEY, else none)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="refuse with 503 a request that would make more than this many wait (default 1024)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--log-level", dest="serve_log_level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--log-stats-interval", type=float, default=5.0,
+                   help="seconds between stats lines while busy (default 5)")

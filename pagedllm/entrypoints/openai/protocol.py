@@ -1,0 +1,257 @@
+"""The OpenAI API's request and response bodies (the subset pagedllm serves), as pydantic models.
+
+Requests are strict about types (a string is not a number, 1 is not true) and reject NaN /
+infinity, as OpenAI does; unknown fields are ignored, as vLLM does. Range checks that the
+engine also makes (SamplingParams) are left to it, so that there is one source of truth and
+one wording; the few here guard what would otherwise reach the engine unchecked.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+from pagedllm.sampling_params import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # OpenAI's limit on n
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ errors
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------ shared
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[StrictBool] = False
+    continuous_usage_stats: Optional[StrictBool] = False
+
+
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+def usage_dict(prompt: int, gen: int, cached: Optional[int] = None) -> dict:
+    """A usage object for a stream chunk; the final one also says how much of the prompt was cached."""
+    u = {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
+    if cached is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    # Prompt tokens found in the prefix cache (as OpenAI reports cached input).
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions (OpenAI's and the vLLM extras)."""
+    model: Optional[StrictStr] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    n: Optional[StrictInt] = 1
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    seed: Optional[StrictInt] = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[Number] = 0.0
+    frequency_penalty: Optional[Number] = 0.0
+    logit_bias: Optional[dict[StrictStr, Number]] = None
+    user: Optional[StrictStr] = None
+    # Extras (vLLM's names).
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: Optional[list[StrictInt]] = None
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+
+    @field_validator("n")
+    @classmethod
+    def _n_range(cls, v):
+        if v is not None and not (1 <= v <= MAX_N):
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {v}")
+        return v
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """ValueError (from SamplingParams) on an out-of-range value."""
+        return SamplingParams(
+            n=self.n if self.n is not None else 1,
+            best_of=getattr(self, "best_of", None),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self.logit_bias,
+        )
+
+
+# ------------------------------------------------------------------ completions
+PromptInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: Optional[StrictInt] = 16
+    logprobs: Optional[StrictInt] = None
+    echo: StrictBool = False
+    best_of: Optional[StrictInt] = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_range(cls, v):
+        if v is not None and not (1 <= v <= MAX_N):
+            raise ValueError(f"best_of must be an integer in [1, {MAX_N}], got {v}")
+        return v
+    suffix: Optional[StrictStr] = None
+    add_special_tokens: StrictBool = True
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+# ------------------------------------------------------------------ chat
+class ContentPart(OpenAIBaseModel):
+    type: StrictStr
+    text: Optional[StrictStr] = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: StrictStr
+    content: Optional[Union[StrictStr, list[ContentPart]]] = None
+    name: Optional[StrictStr] = None
+
+    def text(self) -> Optional[str]:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.type != "text" or p.text is None:
+                raise ValueError(f"message content of type {p.type!r} is not supported (text only)")
+            parts.append(p.text)
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    echo: StrictBool = False
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class ChatLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprobContent(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIBaseModel):
+    content: Optional[list[ChatLogprobContent]] = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+# ------------------------------------------------------------------ tokenizer endpoints
+class TokenizeRequest(OpenAIBaseModel):
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]

@@ -1,0 +1,166 @@
+"""What the completion and chat handlers share: errors in OpenAI's shape, the model-name and
+context-length checks, logprob conversion, merging several request streams into one."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Optional, Sequence
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.outputs import Logprob, RequestOutput
+
+logger = logging.getLogger("pagedllm.server")
+
+
+class OpenAIError(Exception):
+    """Becomes {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def sse(obj) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error(e: BaseException) -> OpenAIError:
+    """An error met after a stream started: it goes into the stream as an error event."""
+    from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, (EngineDeadError, EngineOverloadedError)):
+        return OpenAIError(str(e), status=503, type="service_unavailable", code="engine_unavailable")
+    logger.error("error in a stream: %s: %s", type(e).__name__, e, exc_info=e)
+    return OpenAIError("internal server error", status=500, type="internal_error")
+
+
+def _token_bytes_decoder():
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 chat_template: Optional[str] = None) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.model_name = self.served_model_names[0]
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._byte_decoder = None
+        self._bytes_cache: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------ checks
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404,
+                              type="invalid_request_error", param="model", code="model_not_found")
+
+    def check_context(self, num_prompt: int, max_tokens: Optional[int], what: str,
+                      max_tokens_param: str = "max_tokens") -> int:
+        """The number of tokens to generate; OpenAIError 400 when the prompt and the completion
+        do not fit in the context (OpenAI's wording, with the numbers)."""
+        n = self.max_model_len
+        if max_tokens is None:
+            if num_prompt >= n:
+                raise OpenAIError(
+                    f"This model's maximum context length is {n} tokens. However, your {what} resulted in "
+                    f"{num_prompt} tokens. Please reduce the length of the {what}.",
+                    param=what, code="context_length_exceeded")
+            return n - num_prompt
+        if num_prompt + max_tokens > n:
+            raise OpenAIError(
+                f"This model's maximum context length is {n} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or completion.",
+                param=what, code="context_length_exceeded")
+        return max_tokens
+
+    # ------------------------------------------------------------ logprobs
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own bytes (byte-level BPE), else the UTF-8 of its text."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is not None:
+            return cached
+        out = None
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+            if isinstance(piece, str):
+                if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                    out = [int(piece[3:5], 16)]
+                else:
+                    if self._byte_decoder is None:
+                        self._byte_decoder = _token_bytes_decoder()
+                    if piece and all(c in self._byte_decoder for c in piece):
+                        out = [self._byte_decoder[c] for c in piece]
+        except Exception:
+            out = None
+        if out is None:
+            out = list(text.encode("utf-8"))
+        self._bytes_cache[token_id] = out
+        return out
+
+    @staticmethod
+    def sampled_and_top(pos: dict[int, Logprob], k: int):
+        """(sampled id, its Logprob), and the top k (id, Logprob) by rank."""
+        items = list(pos.items())
+        sampled = items[0]
+        top = sorted((it for it in items if it[1].rank is not None and it[1].rank <= k),
+                     key=lambda it: it[1].rank)[:k]
+        return sampled, top
+
+    def token_str(self, tid: int, lp: Logprob) -> str:
+        return lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])
+
+    # ------------------------------------------------------------ streams
+    @staticmethod
+    async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index of the stream, output) as they come from several streams; closing the
+        merged iterator (or an error in one) closes them all, aborting what is unfinished."""
+        if len(streams) == 1:
+            try:
+                async for out in streams[0]:
+                    yield 0, out
+            finally:
+                streams[0].close()
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    q.put_nowait((i, out))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                q.put_nowait((i, e))
+            finally:
+                q.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            done = 0
+            while done < len(streams):
+                i, item = await q.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()

@@ -1,0 +1,140 @@
+"""The mp executor: ranks 1..world_size-1 in local processes (multiprocessing, spawn), each
+with a pipe for its control messages. Workers end with the driver: a graceful shutdown
+message, else SIGTERM, else SIGKILL; and on their own when the driver's end of the pipe closes
+(the driver died) or the parent process is gone."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+import weakref
+from typing import Optional
+
+from pagedllm.executor.base import DistributedExecutor, ExecutorError
+
+logger = logging.getLogger(__name__)
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _reap(procs: list, stats_box: list) -> None:
+    """Last resort (garbage collection, interpreter exit): no worker outlives the driver."""
+    if stats_box and stats_box[0].steps:
+        logger.info("mp executor, driver's communication: %s", stats_box[0].summary())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+class MultiprocExecutor(DistributedExecutor):
+    backend_name = "mp"
+
+    def _start_workers(self) -> None:
+        from pagedllm.executor.worker import run_worker_process
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list = []
+        self.conns: list = []
+        self._errors: dict[int, str] = {}
+        self._finalizer = weakref.finalize(self, _reap, self.procs, self._stats_box)
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(1, self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            p = ctx.Process(target=run_worker_process, name=f"pagedllm-worker-{rank}", daemon=True,
+                            args=(self.config, rank, self.host, self.master_port, self.host,
+                                  self.num_threads, child_conn, level))
+            p.start()
+            child_conn.close()
+            self.procs.append(p)
+            self.conns.append(parent_conn)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in getattr(self, "procs", [])]
+
+    def _send_all(self, method: str, args: tuple, ranks=None) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            if ranks is not None and rank not in ranks:
+                continue
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, ConnectionResetError, OSError) as e:
+                dead = self._dead_worker(wait=2.0)
+                raise ExecutorError(f"{dead or f'worker rank {rank} is unreachable ({e})'}; "
+                                    "the engine cannot continue") from e
+
+    def _collect_all(self, timeout: float, what: str) -> list:
+        deadline = time.monotonic() + timeout
+        results = []
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while True:
+                if conn.poll(0.2):
+                    try:
+                        kind, value = conn.recv()
+                    except EOFError:
+                        raise ExecutorError(f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)} "
+                                            f"while {what}") from None
+                    if kind == "error":
+                        raise ExecutorError(value)
+                    results.append(value)
+                    break
+                if not p.is_alive():
+                    raise ExecutorError(f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)} "
+                                        f"while {what}")
+                if time.monotonic() > deadline:
+                    raise ExecutorError(f"worker rank {rank} did not answer within {timeout:.0f} s "
+                                        f"while {what}")
+        return results
+
+    def _dead_worker(self, wait: float = 0.0) -> Optional[str]:
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+                try:
+                    if conn.poll(0):
+                        kind, value = conn.recv()
+                        if kind == "error":
+                            self._errors[rank] = value
+                except (EOFError, OSError):
+                    pass
+                if rank in self._errors:
+                    return self._errors[rank]
+                if p.exitcode is not None:
+                    return f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _stop_workers(self) -> None:
+        procs = getattr(self, "procs", [])
+        for p, conn in zip(procs, self.conns):
+            if p.is_alive():
+                try:
+                    conn.send(("shutdown", ()))
+                except Exception:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for conn in getattr(self, "conns", []):
+            conn.close()
+        if procs:
+            self._finalizer.detach()

@@ -1,0 +1,265 @@
+"""One rank of a model split by tensor / pipeline parallelism: its model runner, and the loop
+that a worker process (mp executor) or a Ray actor (ray executor) runs.
+
+Every rank keeps the same persistent InputBatch as the driver (rank 0) and runs the same
+`SchedulerOutput` each step, so that every rank builds the same positions, slot mapping and
+attention metadata for its own shard of the model and its own KV cache (same block layout,
+its own KV heads / layers). Only the driver samples. The others learn the sampled tokens with
+the next step's message (`prev_sampled`), before they bring their batch in step with it: the
+same order in which the driver appended them, so every rank's batch stays identical.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.input_batch import CachedRequestState
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampler import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A pipelined step submitted on stage 0, waiting for the last stage's hidden states."""
+    req_ids: list[str]
+    rows: list[int]                    # rows that sample, in the step's batch order
+    states: list[CachedRequestState]   # their states (they may leave the batch meanwhile)
+    sampling: Optional[SamplingMetadata]
+
+
+class ParallelModelRunner(ModelRunner):
+    """ModelRunner over one rank's shard.
+
+    Tensor parallelism only (one stage): the driver calls execute_model (the base class: the
+    model's row-parallel layers all-reduce, the LM head gathers the logits on the driver, which
+    samples); the other ranks call execute_model_worker.
+
+    Pipeline parallelism: a step is submitted on every rank (stage 0 embeds and runs its layers,
+    every stage hands its hidden states to the next without waiting, the last stage sends the
+    final hidden states of the rows that sample back to stage 0) and finished later on stage 0
+    (receive those rows, LM head, sample). Between the two, stage 0 can submit the next steps:
+    that keeps several steps in flight (EngineCore's batch queue). The states of a step's
+    sampled rows are captured at submit time, since the batch moves on meanwhile.
+    """
+
+    def __init__(self, config: EngineConfig, parallel) -> None:
+        super().__init__(config, parallel)
+        self.hidden_size = config.model_config.hidden_size
+        self._pending_rows: deque[int] = deque()   # stage-0 TP workers: rows of unfinished steps
+
+    # ------------------------------------------------------------ pipeline stages
+    def _run_stage(self, inputs, meta) -> None:
+        """This rank's layers for one step, handing the result on (pipeline only)."""
+        pc = self.parallel
+        hidden_in = None
+        if not pc.is_first_stage:
+            hidden_in = pc.recv_prev(torch.empty(inputs.input_ids.shape[0], self.hidden_size, dtype=self.dtype))
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden_in)
+        if not pc.is_last_stage:
+            pc.send_next(hidden)
+        elif len(inputs.sample_rows):
+            # Only the rows that sample go back to stage 0, which holds the LM head.
+            pc.send_to_first(hidden[inputs.logits_indices])
+
+    def _recv_final_rows(self, num_rows: int) -> torch.Tensor:
+        return self.parallel.recv_from_last(torch.empty(num_rows, self.hidden_size, dtype=self.dtype))
+
+    def _advance(self, inputs) -> None:
+        batch = self.input_batch
+        batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.parallel.pp_size == 1:
+            return super().execute_model(so)
+        return self.finish_step(self.submit_step(so))
+
+    @torch.inference_mode()
+    def submit_step(self, so: SchedulerOutput) -> Optional[PendingStep]:
+        """Driver, pipeline: stage 0's part of a step; None when nothing runs."""
+        prepared = self._prepare(so)
+        if prepared is None:
+            return None
+        inputs, meta = prepared
+        self._run_stage(inputs, meta)
+        rows = inputs.sample_rows
+        batch = self.input_batch
+        pending = PendingStep(inputs.req_ids, rows.tolist(), [batch.states[r] for r in rows.tolist()],
+                              self._sampling_metadata(rows) if len(rows) else None)
+        self._advance(inputs)
+        return pending
+
+    @torch.inference_mode()
+    def finish_step(self, pending: Optional[PendingStep]) -> ModelRunnerOutput:
+        """Driver, pipeline: receive the step's final hidden states, sample, append."""
+        if pending is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        sampled = [[] for _ in pending.req_ids]
+        logprobs = None
+        if pending.rows:
+            logits = self.model.compute_logits(self._recv_final_rows(len(pending.rows)))
+            out = self.sampler(logits, pending.sampling)
+            token_ids = out.sampled_token_ids.tolist()
+            if out.logprobs is not None:
+                logprobs = [None] * len(pending.req_ids)
+                ids, lps, ranks = (out.logprob_token_ids.tolist(), out.logprobs.tolist(),
+                                   out.sampled_token_ranks.tolist())
+            batch = self.input_batch
+            for i, (row, state) in enumerate(zip(pending.rows, pending.states)):
+                sampled[row] = [token_ids[i]]
+                params = state.sampling_params
+                if not params.external_tokens:
+                    now = batch.req_id_to_index.get(state.req_id)
+                    if now is not None and batch.states[now] is state:
+                        batch.append_token(now, token_ids[i])
+                    else:   # out of the batch (it is in flight, or gone): its state only
+                        state.token_ids.append(token_ids[i])
+                if logprobs is not None and params.logprobs is not None:
+                    k = params.logprobs
+                    logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+        return ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    # ------------------------------------------------------------ the other ranks
+    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """The tokens the driver sampled (and appended) in the steps it finished since the last
+        message. A request that sampled is out of the batch until it has its token (the
+        scheduler does not schedule it again before), so the order matches the driver's."""
+        batch = self.input_batch
+        for req_id, token_ids in sampled.items():
+            state = self.requests.get(req_id)
+            if state is None or state.sampling_params.external_tokens:
+                continue   # finished or preempted meanwhile
+            row = batch.req_id_to_index.get(req_id)
+            for t in token_ids:
+                if row is not None:
+                    batch.append_token(row, t)
+                else:
+                    state.token_ids.append(t)
+
+    @torch.inference_mode()
+    def execute_model_worker(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> None:
+        self.apply_sampled(prev_sampled)
+        prepared = self._prepare(so)
+        pc = self.parallel
+        if prepared is None:
+            if pc.pp_size > 1 and pc.is_first_stage:
+                self._pending_rows.append(-1)
+            return
+        inputs, meta = prepared
+        if pc.pp_size == 1:
+            hidden = self._forward(inputs, meta)
+            if len(inputs.sample_rows):
+                self.model.compute_logits(hidden[inputs.logits_indices])   # this rank's vocab slice
+        else:
+            self._run_stage(inputs, meta)
+            if pc.is_first_stage:
+                self._pending_rows.append(len(inputs.sample_rows))
+        self._advance(inputs)
+
+    @torch.inference_mode()
+    def finish_step_worker(self) -> None:
+        """Stage-0 TP ranks other than the driver: their share of the LM head for the oldest
+        unfinished step (the driver gathers and samples)."""
+        num_rows = self._pending_rows.popleft()
+        if num_rows > 0:
+            self.model.compute_logits(self._recv_final_rows(num_rows))
+
+
+class Worker:
+    """A non-driver rank: the object behind a worker process or a Ray actor."""
+
+    def __init__(self, config: EngineConfig, rank: int, master_addr: str, master_port: int,
+                 host: str, num_threads: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.master_addr, self.master_port, self.host = master_addr, master_port, host
+        self.num_threads = num_threads
+        self.runner: Optional[ParallelModelRunner] = None
+        self.parallel = None
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def init_device(self) -> int:
+        """Join the process groups, load this rank's shard; -> its KV bytes per block."""
+        from pagedllm.distributed.parallel_state import init_parallel_context
+        torch.set_num_threads(self.num_threads)
+        if self.host is None:   # a Ray actor: this node's address
+            import ray
+            self.host = ray.util.get_node_ip_address()
+        pc = self.config.parallel_config
+        self.parallel = init_parallel_context(
+            self.config.model_config.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+            self.rank, self.master_addr, self.master_port, self.host)
+        self.runner = ParallelModelRunner(self.config, self.parallel)
+        return self.runner.kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+
+    def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> None:
+        self.runner.execute_model_worker(so, prev_sampled)
+
+    def finish_step(self) -> None:
+        self.runner.finish_step_worker()
+
+    def comm_stats(self) -> dict:
+        return self.parallel.stats.as_dict() if self.parallel else {}
+
+    def shutdown(self) -> None:
+        if self.parallel is not None:
+            self.parallel.close()
+            self.parallel = None
+
+
+def run_worker_process(config: EngineConfig, rank: int, master_addr: str, master_port: int,
+                       host: str, num_threads: int, conn, log_level: int) -> None:
+    """Entry point of an mp worker process. Messages on `conn` are (method, args); every one but
+    execute_model is answered with ("ok", result). A failure is sent as ("error", text) and ends
+    the process; the driver's next collective fails at once, and it reports the text. The
+    process also ends when the driver is gone (its end of the pipe closes)."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's to handle
+    parent = os.getppid()
+    worker = Worker(config, rank, master_addr, master_port, host, num_threads)
+    try:
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:
+                    return
+                continue
+            method, args = conn.recv()
+            if method == "shutdown":
+                break
+            result = getattr(worker, method)(*args)
+            if method not in ("execute_model", "finish_step"):
+                conn.send(("ok", result))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return   # the driver is gone or ended us
+    except BaseException:
+        text = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
+        logger.error("%s", text)
+        try:
+            conn.send(("error", text))
+        except Exception:
+            pass
+        sys.exit(1)
+    finally:
+        worker.shutdown()
+    try:
+        conn.send(("ok", None))   # the shutdown is done
+    except Exception:
+        pass

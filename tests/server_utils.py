@@ -1,0 +1,180 @@
+"""A real `pagedllm serve` in a subprocess on 127.0.0.1 (a free port), for the server tests."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of a session (the server started its own)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            out.append(int(d))
+    return out
+
+
+def child_pids(pid: int) -> list[tuple[int, str]]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid:
+            out.append((int(d), cmd))
+    return out
+
+
+class RemoteServer:
+    def __init__(self, args: list[str], api_key: Optional[str] = None, start_timeout: float = 300.0) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
+               "--log-stats-interval", "1", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PAGEDLLM_API_KEY", None)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                     start_new_session=True)
+        self._wait_ready(start_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}) during start-up:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"the server was not ready after {timeout} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw):
+        import openai
+        kw.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def async_client(self, **kw):
+        import openai
+        kw.setdefault("timeout", 120)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """name{labels} -> value, and the bare name of a single-series metric -> value."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
+            if not m:
+                continue
+            name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+            out[name + labels] = value
+            labels_wo_model = re.sub(r'model_name="[^"]*",?', "", labels).replace(",}", "}")
+            out[name + ("" if labels_wo_model in ("{}", "") else labels_wo_model)] = value
+        return out
+
+    def core_pid(self) -> int:
+        pids = [p for p, cmd in child_pids(self.proc.pid) if "spawn_main" in cmd]
+        assert len(pids) == 1, child_pids(self.proc.pid)
+        return pids[0]
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Last resort (teardown): the whole session, by its id."""
+        for pid in session_pids(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.terminate(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self.log.close()
+        keep = os.environ.get("PAGEDLLM_TEST_SERVER_LOG")  # debugging: keep the server's log
+        if keep:
+            with open(keep, "a") as f:
+                f.write(self.log_text())
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+def assert_error(r: httpx.Response, status: int, code=None):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert "Traceback" not in err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    return err

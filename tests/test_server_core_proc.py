@@ -1,0 +1,165 @@
+"""The engine-core process loop and its messages, without a model (milliseconds): the msgpack
+encoding round-trips every type that crosses the boundary, and EngineCoreProc, driven over
+real ZMQ sockets with a real scheduler and a fake model runner, handles add / abort /
+utility / shutdown, reports stats and queue times, and frees an aborted request's blocks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.engine import serial
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core_proc import EngineCoreProc
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+TOKEN = 1000
+
+
+def test_serial_round_trip():
+    sp = SamplingParams(n=2, best_of=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1,
+                        presence_penalty=0.5, frequency_penalty=-0.5, seed=2 ** 62, max_tokens=7, min_tokens=2,
+                        stop=["a", "bc"], stop_token_ids=[3, 4], include_stop_str_in_output=True, ignore_eos=True,
+                        logprobs=3, skip_special_tokens=False, logit_bias={5: -100.0, 7: 2.5})
+    sp.all_stop_token_ids = {3, 4, 9}
+    back = serial.decode_sampling_params(serial.unpack(serial.pack(serial.encode_sampling_params(sp))))
+    assert back == sp and back.all_stop_token_ids == {3, 4, 9} and back.logit_bias == {5: -100.0, 7: 2.5}
+
+    req = Request("r-1", [1, 2, 3], sp, eos_token_id=2, arrival_time=123.5)
+    req.max_tokens = 9
+    req.extra_keys = ("lora", 3)
+    back = serial.decode_request(serial.unpack(serial.pack(serial.encode_request(req))))
+    assert (back.request_id, back.prompt_token_ids, back.eos_token_id, back.arrival_time, back.max_tokens,
+            back.extra_keys) == ("r-1", [1, 2, 3], 2, 123.5, 9, ("lora", 3))
+    assert back.sampling_params == sp and back.num_computed_tokens == 0
+
+    out = EngineCoreOutput("r-1", [5, 6], "stop", "bc", [([5, 7], [-0.1, -2.0], 1), ([6], [-0.5], 2)], 4)
+    assert serial.decode_output(serial.unpack(serial.pack(serial.encode_output(out)))) == out
+
+
+class FakeRunner:
+    """One token (TOKEN) for each request whose step reaches its last known token."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def execute_model(self, so):
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            r = self.scheduler.requests[rid]
+            sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
+        time.sleep(0.002)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def _fake_core(num_blocks=64, block_size=4) -> EngineCore:
+    core = EngineCore.__new__(EngineCore)
+    core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256),
+                               KVCacheManager(num_blocks, block_size))
+    core.runner = FakeRunner(core.scheduler)
+    core.num_blocks = num_blocks
+    return core
+
+
+@pytest.fixture
+def proc(tmp_path):
+    ctx = zmq.Context()
+    to_core, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_core.bind(f"ipc://{tmp_path}/in")
+    from_core.bind(f"ipc://{tmp_path}/out")
+    core_in, core_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    core_in.connect(f"ipc://{tmp_path}/in")
+    core_out.connect(f"ipc://{tmp_path}/out")
+    import os
+    p = EngineCoreProc(_fake_core(), core_in, core_out, os.getppid())
+    t = threading.Thread(target=p.run, daemon=True)
+    t.start()
+
+    def send(msg):
+        to_core.send(serial.pack(msg))
+
+    def recv(timeout_ms=5000):
+        assert from_core.poll(timeout_ms), "no message from the core"
+        return serial.unpack(from_core.recv())
+
+    yield p, send, recv
+    send({"t": "shutdown"})
+    t.join(5)
+    assert not t.is_alive()
+    for s in (to_core, from_core, core_in, core_out):
+        s.close(linger=0)
+    ctx.term()
+
+
+def _req(rid, n_prompt, max_tokens):
+    r = Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                eos_token_id=2, arrival_time=time.time())
+    r.max_tokens = max_tokens
+    return serial.encode_request(r)
+
+
+@pytest.mark.timeout(30)
+def test_core_proc_add_step_abort_utility(proc):
+    p, send, recv = proc
+    send({"t": "add", "r": [_req("a", 5, 3), _req("b", 9, 200)]})
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    finished = {}
+    queued = set()
+    while "a" not in finished:
+        msg = recv()
+        assert msg["t"] == "out", msg
+        assert set(msg["s"]) >= {"running", "waiting", "kv_usage", "used_blocks", "num_blocks", "preemptions"}
+        queued |= {rid for rid, qt in msg["q"] if qt >= 0}
+        for o in map(serial.decode_output, msg["o"]):
+            got[o.req_id] += o.new_token_ids
+            if o.finish_reason:
+                finished[o.req_id] = o.finish_reason
+    assert got["a"] == [TOKEN] * 3 and finished["a"] == "length"
+    assert queued == {"a", "b"}
+    # a utility call is answered between steps
+    send({"t": "util", "id": 7, "m": "get_stats", "a": []})
+    send({"t": "util", "id": 8, "m": "nope", "a": []})
+    replies = {}
+    while len(replies) < 2:
+        msg = recv()
+        if msg["t"] == "util":
+            replies[msg["id"]] = msg
+    assert replies[7]["e"] is None and replies[7]["r"]["running"] == 1 and replies[7]["r"]["used_blocks"] > 0
+    assert "unknown utility" in replies[8]["e"]
+    # abort b: its blocks come back, and a stats message says so once the core is idle
+    send({"t": "abort", "ids": ["b"]})
+    deadline = time.time() + 5
+    while True:
+        msg = recv()
+        if msg["t"] == "stats":
+            break
+        assert time.time() < deadline
+    assert msg["s"]["used_blocks"] == 0 and msg["s"]["running"] == 0 and msg["s"]["kv_usage"] == 0
+    assert p.scheduler.kv_cache_manager.num_free_blocks() == p.core.num_blocks - 1
+
+
+@pytest.mark.timeout(30)
+def test_core_proc_duplicate_id_is_rejected_not_fatal(proc):
+    p, send, recv = proc
+    send({"t": "add", "r": [_req("x", 3, 50)]})
+    send({"t": "add", "r": [_req("x", 3, 2)]})  # same id: ended at once, the engine goes on
+    aborted = False
+    while not aborted:
+        msg = recv()
+        for o in map(serial.decode_output, msg.get("o", [])):
+            if o.req_id == "x" and o.finish_reason == "abort":
+                aborted = True
+    send({"t": "util", "id": 1, "m": "ping", "a": []})
+    while True:
+        msg = recv()
+        if msg["t"] == "util":
+            assert msg["r"] == "pong"
+            break

@@ -1,0 +1,133 @@
+"""The server under faults: a wrong or missing API key (401), overload past
+--max-waiting-requests (503 at once, the admitted requests finish), and a dead engine core
+(503 everywhere, /health fails, no hang, and SIGTERM still ends everything). One small server
+(one sequence at a time, one waiting at most), stopped by the last test."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_utils import RemoteServer, assert_error, session_pids
+
+pytestmark = pytest.mark.model
+
+KEY = "sk-pagedllm-test"
+MODEL = "SmolLM2-135M-Instruct"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = RemoteServer(["--max-model-len", "512", "--kv-cache-memory", "0.05", "--max-num-seqs", "1",
+                        "--max-waiting-requests", "1", "--chat-template", TEMPLATE,
+                        "--served-model-name", "my-model", MODEL], api_key=KEY)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_api_key(server):
+    url = server.base_url + "/models"
+    assert_error(httpx.get(url), 401, "invalid_api_key")
+    assert_error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401, "invalid_api_key")
+    assert_error(httpx.post(server.base_url + "/completions", json={"prompt": "hi"}), 401, "invalid_api_key")
+    assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "hi"}), 401, "invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in server.client().models.list().data] == ["my-model", MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200  # monitoring needs no key
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    r = server.client().completions.create(model="my-model", prompt="Hi", max_tokens=2)
+    assert r.model == "my-model" and r.usage.completion_tokens <= 2
+
+
+@pytest.mark.timeout(60)
+def test_chat_template_flag(server, tokenizer):
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}, headers=server.headers())
+    assert r.json()["tokens"] == tokenizer("user: Hi\nassistant:")["input_ids"]
+    r = server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert r.usage.prompt_tokens == len(tokenizer("user: Hi\nassistant:")["input_ids"])
+
+
+@pytest.mark.timeout(180)
+def test_overload_503_at_once_admitted_finish(server):
+    client = server.client()
+    results = {}
+
+    def run(name, max_tokens):
+        try:
+            r = client.completions.create(model="my-model", prompt=f"Request {name}:", max_tokens=max_tokens,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            results[name] = r
+        except Exception as e:  # noqa: BLE001 - reported by the asserts below
+            results[name] = e
+
+    # A runs (max_num_seqs=1); B waits (the one waiting place); C is refused.
+    a = threading.Thread(target=run, args=("A", 60))
+    a.start()
+    deadline = time.monotonic() + 60
+    while server.metrics()["pagedllm:num_requests_running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    b = threading.Thread(target=run, args=("B", 4))
+    b.start()
+    while server.metrics()["pagedllm:num_requests_waiting"] < 1 and "B" not in results:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    r = httpx.post(server.base_url + "/completions", headers=server.headers(),
+                   json={"model": "my-model", "prompt": "C", "max_tokens": 4}, timeout=30)
+    assert time.monotonic() - t0 < 5
+    err = assert_error(r, 503, "server_overloaded")
+    assert "max-waiting-requests" in err["message"]
+    with pytest.raises(openai.InternalServerError):  # 503 through the client too (no retries)
+        client.chat.completions.create(model="my-model", messages=[{"role": "user", "content": "C"}], max_tokens=2)
+    a.join(120)
+    b.join(120)
+    assert not isinstance(results["A"], Exception), results["A"]
+    assert not isinstance(results["B"], Exception), results["B"]
+    assert results["A"].usage.completion_tokens == 60 and results["A"].choices[0].finish_reason == "length"
+    assert results["B"].usage.completion_tokens == 4
+    m = server.metrics()
+    assert m['pagedllm:request_rejected_total{reason="overloaded"}'] >= 2
+    # and afterwards the server takes requests again
+    assert client.completions.create(model="my-model", prompt="again", max_tokens=2).choices
+
+
+@pytest.mark.timeout(120)
+def test_core_death_503_and_clean_exit(server):
+    client = server.client()
+    core = server.core_pid()
+    body = {"model": "my-model", "prompt": "Count slowly:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers(),
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                break
+        os.kill(core, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = [line for line in lines if line]
+    assert time.monotonic() - t0 < 15, "the stream hung after the core died"
+    assert rest[-1] == "data: [DONE]" and any('"error"' in line for line in rest), rest
+    assert_error(httpx.get(server.url + "/health"), 503)
+    assert_error(httpx.post(server.base_url + "/completions", headers=server.headers(),
+                            json={"prompt": "hi", "max_tokens": 2}, timeout=10), 503)
+    assert_error(httpx.post(server.base_url + "/chat/completions", headers=server.headers(), timeout=10,
+                            json={"messages": [{"role": "user", "content": "hi"}], "stream": True}), 503)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="my-model", prompt="hi", max_tokens=2)
+    # bad input is still a 4xx, not a 5xx
+    assert_error(httpx.post(server.base_url + "/completions", headers=server.headers(), json={"prompt": 3}), 400)
+    assert "engine core process died" in server.log_text()
+    assert server.terminate(timeout=30) == 0
+    time.sleep(0.5)
+    assert session_pids(server.proc.pid) == []
