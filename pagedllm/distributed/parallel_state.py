@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch

@@ -5,7 +5,7 @@ Every rank keeps the same persistent InputBatch as the driver (rank 0) and runs 
 `SchedulerOutput` each step, so that every rank builds the same positions, slot mapping and
 attention metadata for its own shard of the model and its own KV cache (same block layout,
 its own KV heads / layers). Only the driver samples. The others learn the sampled tokens with
-the next step's message (`prev_sampled`), before they bring their batch in step with it: the
+the driver's next message (`prev_sampled`), before they bring their batch in step with it: the
 same order in which the driver appended them, so every rank's batch stays identical.
 """
 from __future__ import annotations
@@ -228,7 +228,7 @@ class Worker:
 def run_worker_process(config: EngineConfig, rank: int, master_addr: str, master_port: int,
                        host: str, num_threads: int, conn, log_level: int) -> None:
     """Entry point of an mp worker process. Messages on `conn` are (method, args); every one but
-    execute_model is answered with ("ok", result). A failure is sent as ("error", text) and ends
+    the step calls (execute_model, finish_step) is answered with ("ok", result). A failure is sent as ("error", text) and ends
     the process; the driver's next collective fails at once, and it reports the text. The
     process also ends when the driver is gone (its end of the pipe closes)."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
