@@ -22,9 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live processes of a session (the server started its own)."""
-    out = []
+def _proc_stats():
+    """(pid, fields of /proc/PID/stat after the command name) of every live process."""
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -33,28 +32,24 @@ def session_pids(sid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            out.append(int(d))
-    return out
+        yield int(d), stat[stat.rindex(")") + 2:].split()
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of a session (the server started its own)."""
+    return [pid for pid, fields in _proc_stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
 def child_pids(pid: int) -> list[tuple[int, str]]:
     out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
+    for child, fields in _proc_stats():
+        if int(fields[1]) != pid:
             continue
         try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                out.append((child, f.read().replace(b"\0", b" ").decode(errors="replace")))
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid:
-            out.append((int(d), cmd))
     return out
 
 
