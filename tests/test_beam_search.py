@@ -16,19 +16,31 @@ def llm(model_dir):
     return LLM(model_dir, max_model_len=512)
 
 
+EOS = 2
+
+
+def hf_beam_search(hf_model, prompt_ids, width, length_penalty, max_new_tokens, num_return=1):
+    """transformers' generate(num_beams=width): the num_return best hypotheses, best first, each
+    cut after its EOS (transformers pads a hypothesis that ended early with the pad id, here EOS)."""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                num_beams=width, do_sample=False, length_penalty=length_penalty,
+                                max_new_tokens=max_new_tokens, early_stopping=False,
+                                num_return_sequences=num_return)
+    seqs = []
+    for row in out[:, len(prompt_ids):].tolist():
+        seqs.append(row[:row.index(EOS) + 1] if EOS in row else row)
+    return seqs
+
+
 @pytest.mark.parametrize("width, length_penalty", [(2, 1.0), (4, 0.6), (4, 1.5)])
 def test_beam_search_matches_transformers(llm, hf_model, tokenizer, width, length_penalty):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts], width, 20, length_penalty)
     for p, out in zip(prompts, ours):
-        with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    num_beams=width, do_sample=False, length_penalty=length_penalty,
-                                    max_new_tokens=20, early_stopping=False)[0, len(p):].tolist()
+        (ref,) = hf_beam_search(hf_model, p, width, length_penalty, 20)
         best = out.sequences[0]
-        # transformers pads a hypothesis that ended early with the pad id (here the EOS id).
-        assert best.tokens == ref[:len(best.tokens)] and all(t == 2 for t in ref[len(best.tokens):]), \
-            (tokenizer.decode(p), best.tokens, ref)
+        assert best.tokens == ref, (tokenizer.decode(p), best.tokens, ref)
         assert len(out.sequences) == width
         assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
     pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool

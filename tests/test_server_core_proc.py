@@ -1,6 +1,6 @@
 """The engine-core process loop and its messages, without a model (milliseconds): the msgpack
 encoding round-trips every type that crosses the boundary, and EngineCoreProc, driven over
-real ZMQ sockets with a real scheduler and a fake model runner, handles add / abort /
+real ZMQ sockets with a real scheduler and a fake model runner, handles add / beam / abort /
 utility / shutdown, reports stats and queue times, and frees an aborted request's blocks."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.engine import serial
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence, beam_params
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import EngineCoreProc
 from pagedllm.request import Request
@@ -43,21 +44,30 @@ def test_serial_round_trip():
     out = EngineCoreOutput("r-1", [5, 6], "stop", "bc", [([5, 7], [-0.1, -2.0], 1), ([6], [-0.5], 2)], 4)
     assert serial.decode_output(serial.unpack(serial.pack(serial.encode_output(out)))) == out
 
+    beams = BeamSearchOutput([1, 2], [BeamSequence([5, 2], -0.5, -0.25, finish_reason="stop"),
+                                      BeamSequence([6, 7], -0.9, -0.45)], "r-2", 16)
+    back = serial.decode_beam_output(serial.unpack(serial.pack(serial.encode_beam_output(beams))))
+    assert back == (beams, None)
+
 
 class FakeRunner:
-    """One token (TOKEN) for each request whose step reaches its last known token."""
+    """One token (TOKEN) for each request whose step reaches its last known token; asked for
+    logprobs, it ranks TOKEN, TOKEN + 1, ... at -0.5, -1.0, ..."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
     def execute_model(self, so):
         req_ids = list(so.num_scheduled_tokens)
-        sampled = []
+        sampled, logprobs = [], []
         for rid in req_ids:
             r = self.scheduler.requests[rid]
             sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
+            k = r.sampling_params.logprobs
+            logprobs.append(None if k is None else ([TOKEN] + [TOKEN + j for j in range(k)],
+                                                    [-0.5] + [-0.5 * (j + 1) for j in range(k)], 1))
         time.sleep(0.002)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
 
 def _fake_core(num_blocks=64, block_size=4) -> EngineCore:
@@ -163,3 +173,58 @@ def test_core_proc_duplicate_id_is_rejected_not_fatal(proc):
         if msg["t"] == "util":
             assert msg["r"] == "pong"
             break
+
+
+def _beam_req(rid, n_prompt, width, max_tokens):
+    r = Request(rid, list(range(10, 10 + n_prompt)), beam_params(width, max_tokens), eos_token_id=2,
+                arrival_time=time.time())
+    r.max_tokens = max_tokens
+    return serial.encode_request(r)
+
+
+@pytest.mark.timeout(30)
+def test_core_proc_beam_search(proc):
+    """A search runs interleaved with a normal request; only its ranked result leaves the core;
+    an aborted search frees its beams' blocks."""
+    p, send, recv = proc
+    send({"t": "add", "r": [_req("a", 5, 6)]})
+    send({"t": "beam", "r": _beam_req("s", 6, 2, 4), "w": 2, "lp": 1.0, "eos": None})
+    send({"t": "beam", "r": _beam_req("t", 6, 2, 200), "w": 2, "lp": 1.0, "eos": None})
+    got, results, n_msgs = [], {}, 0
+    while "s" not in results or len(got) < 6:
+        msg = recv()
+        n_msgs += 1
+        if n_msgs == 3:
+            send({"t": "abort", "ids": ["t"]})
+        outs = [serial.decode_output(o) for o in msg.get("o", [])]
+        assert {o.req_id for o in outs} <= {"a"}, outs   # the beams' outputs stay in the core
+        got += [t for o in outs for t in o.new_token_ids]
+        for enc in msg.get("b", []):
+            out, err = serial.decode_beam_output(enc)
+            assert err is None
+            results[out.request_id] = out
+    assert got == [TOKEN] * 6
+    # Each beam ranks TOKEN + j at -0.5 (j + 1): the two best 4-token hypotheses.
+    assert [h.tokens for h in results["s"].sequences] == [[TOKEN] * 4, [TOKEN] * 3 + [TOKEN + 1]]
+    assert [h.score for h in results["s"].sequences] == [-2.0 / 4, -2.5 / 4]
+    assert results["s"].prompt_token_ids == list(range(10, 16)) and "t" not in results
+    # The aborted search ends silently and its blocks come back.
+    deadline = time.time() + 5
+    while True:
+        send({"t": "util", "id": 0, "m": "get_stats", "a": []})
+        msg = recv()
+        while msg["t"] != "util":
+            assert not msg.get("b"), "the aborted search must not report"
+            msg = recv()
+        if msg["r"]["running"] == 0:
+            break
+        assert time.time() < deadline
+    assert msg["r"]["used_blocks"] == 0 and not p.beams.has_searches()
+    # A duplicate search id is answered with an error, not fatal.
+    send({"t": "beam", "r": _beam_req("u", 3, 2, 50), "w": 2, "lp": 1.0, "eos": None})
+    send({"t": "beam", "r": _beam_req("u", 3, 2, 50), "w": 2, "lp": 1.0, "eos": None})
+    errors = []
+    while not errors:
+        errors = [e for e in (serial.decode_beam_output(b)[1] for b in recv().get("b", [])) if e]
+    assert "already in use" in errors[0]
+    send({"t": "abort", "ids": ["u"]})

@@ -5,17 +5,20 @@ The server process holds the Processor (validation, tokenisation) and the Output
 (core_proc.py) and is reached through a CoreClient. A background task reads the core's
 outputs, detokenises them and feeds each request's asyncio queue. A stream that is closed
 or cancelled before its request finished (the client went away) aborts the request in the
-core, which frees its KV blocks at once.
+core, which frees its KV blocks at once. A beam search runs in the core (engine/beam_search.py)
+and comes back as one ranked result (BeamSearchHandle), aborted the same way.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import uuid
 from typing import AsyncGenerator, Optional
 
 from pagedllm.engine import serial
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchOutput, beam_params, check_beam_args, detokenize
 from pagedllm.engine.core_client import CoreClient, EngineDeadError  # noqa: F401 (CoreClient: the type)
 from pagedllm.engine.llm_engine import eos_token_ids, load_tokenizer, make_requests
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
@@ -52,6 +55,7 @@ class AsyncLLM:
         self.processor: Optional[Processor] = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.beam_searches: dict[str, float] = {}   # searches running in the core: id -> arrival time
         self.num_blocks = 0
         self.core_pid: Optional[int] = None
         self.errored: Optional[BaseException] = None
@@ -107,15 +111,7 @@ class AsyncLLM:
         """Validate, tokenise and send one request to the core; returns its output stream
         (DELTA: only what is new each time; FINAL_ONLY: once, at the end). Raises ValueError
         (bad input), EngineOverloadedError or EngineDeadError before anything is queued."""
-        self.check_health()
-        if (self.max_waiting_requests is not None
-                and self.num_waiting_estimate(getattr(params, "num_samples", params.n)) > self.max_waiting_requests):
-            self.metrics.rejected.labels(self.model_name, "overloaded").inc()
-            raise EngineOverloadedError(
-                f"The server is overloaded: more than {self.max_waiting_requests} requests are waiting "
-                "(--max-waiting-requests). Please retry later.")
-        if request_id in self.queues:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_admission(request_id, getattr(params, "num_samples", params.n))
         requests = make_requests(self.processor, self.output_processor, request_id, prompt, params,
                                  kind, arrival_time)
         q: asyncio.Queue = asyncio.Queue()
@@ -128,6 +124,46 @@ class AsyncLLM:
             raise
         self.metrics.add_prompt_tokens(requests[0].num_prompt_tokens)
         return stream
+
+    def _check_admission(self, request_id: str, num_seqs: int) -> None:
+        self.check_health()
+        if (self.max_waiting_requests is not None
+                and self.num_waiting_estimate(num_seqs) > self.max_waiting_requests):
+            self.metrics.rejected.labels(self.model_name, "overloaded").inc()
+            raise EngineOverloadedError(
+                f"The server is overloaded: more than {self.max_waiting_requests} requests are waiting "
+                "(--max-waiting-requests). Please retry later.")
+        if request_id in self.queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def add_beam_search(self, prompt: PromptType, width: int, max_tokens: int, length_penalty: float = 1.0,
+                        ignore_eos: bool = False, request_id: Optional[str] = None) -> "BeamSearchHandle":
+        """Validate, tokenise and start a beam search in the core; returns the handle whose
+        result() is the ranked sequences. Raises ValueError (bad input), EngineOverloadedError
+        or EngineDeadError before anything is sent."""
+        check_beam_args(width, max_tokens, length_penalty)
+        request_id = request_id or f"beam-{uuid.uuid4().hex}"
+        self._check_admission(request_id, width)
+        _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens))
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        self.beam_searches[request_id] = request.arrival_time
+        handle = BeamSearchHandle(self, request_id, q)
+        try:
+            self.client.send({"t": "beam", "r": serial.encode_request(request), "w": width,
+                              "lp": float(length_penalty), "eos": None if ignore_eos else self.eos})
+        except BaseException:
+            del self.beam_searches[request_id]
+            handle.close()
+            raise
+        self.metrics.add_prompt_tokens(request.num_prompt_tokens)
+        return handle
+
+    async def beam_search(self, prompt: PromptType, width: int, max_tokens: int, length_penalty: float = 1.0,
+                          ignore_eos: bool = False, request_id: Optional[str] = None) -> BeamSearchOutput:
+        """The search's sequences, best first, with their text; cancelling it aborts the search."""
+        handle = self.add_beam_search(prompt, width, max_tokens, length_penalty, ignore_eos, request_id)
+        return await handle.result()
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        kind: OutputKind = OutputKind.DELTA,
@@ -142,19 +178,27 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Forget the request here and end it in the core (its blocks go back at once)."""
+        if request_id in self.beam_searches:
+            del self.beam_searches[request_id]
+            self.metrics.finish("abort", 0.0, None, None, 0, 0.0)
+            self._send_abort([request_id])
+            return
         now = time.time()
         states = [st for st in self.output_processor.states.values()
                   if st.request_id == request_id or (st.parent is not None and st.parent.request_id == request_id)]
         child_ids = self.output_processor.abort_requests([request_id])
         for st in states:
             self.metrics.finish("abort", st.stats.arrival_time, None, None, 0, now)
-        if child_ids and self.client is not None and self.client.dead is None and self.errored is None:
+        if child_ids:
+            self._send_abort(child_ids)
+            logger.debug("aborted request %s (%d sequences)", request_id, len(child_ids))
+
+    def _send_abort(self, ids: list[str]) -> None:
+        if self.client is not None and self.client.dead is None and self.errored is None:
             try:
-                self.client.send({"t": "abort", "ids": child_ids})
+                self.client.send({"t": "abort", "ids": ids})
             except EngineDeadError:
                 pass
-        if child_ids:
-            logger.debug("aborted request %s (%d sequences)", request_id, len(child_ids))
 
     def abort_all(self, reason: BaseException) -> None:
         """Shutdown: end every request in flight (their streams get `reason`)."""
@@ -197,6 +241,8 @@ class AsyncLLM:
         m.update_core_stats(msg["s"])
         for _rid, queue_time in msg.get("q") or ():
             m.queue_time.observe(queue_time)
+        for enc in msg.get("b") or ():
+            self._beam_result(*serial.decode_beam_output(enc))
         outputs = [serial.decode_output(v) for v in msg["o"]]
         if not outputs:
             return
@@ -232,6 +278,21 @@ class AsyncLLM:
             q = self.queues.get(ro.request_id)
             if q is not None:
                 q.put_nowait(ro)
+
+    def _beam_result(self, out: BeamSearchOutput, error: Optional[str]) -> None:
+        arrival = self.beam_searches.pop(out.request_id, None)
+        if arrival is None:
+            return   # aborted meanwhile
+        q = self.queues.get(out.request_id)
+        if error is not None:
+            self.metrics.finish("abort", arrival, None, None, 0, time.time())
+            item = RuntimeError(f"the engine core refused the beam search: {error}")
+        else:
+            self.metrics.add_generation_tokens(sum(len(h.tokens) for h in out.sequences))
+            self.metrics.finish("stop", arrival, None, None, 0, time.time())
+            item = detokenize(self.tokenizer, out)
+        if q is not None:
+            q.put_nowait(item)
 
     async def _log_loop(self) -> None:
         while True:
@@ -279,6 +340,42 @@ class AsyncLLM:
                 pass
             client, self.client = self.client, None
             await asyncio.get_running_loop().run_in_executor(None, client.shutdown)
+
+
+class BeamSearchHandle:
+    """One beam search in flight: result() waits for its ranked sequences. close() (or a
+    cancellation while waiting) before the result came aborts the search in the core."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue = queue
+        self.closed = False
+
+    async def result(self) -> BeamSearchOutput:
+        if self.closed:
+            raise RuntimeError(f"beam search {self.request_id!r} is closed")
+        try:
+            item = await self.queue.get()
+        finally:
+            self.close()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __del__(self) -> None:
+        try:   # safety net, as RequestStream's
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.engine.queues.get(self.request_id) is self.queue:
+            del self.engine.queues[self.request_id]
+        self.engine.abort(self.request_id)   # a no-op once the result is in
 
 
 class RequestStream:

@@ -1,10 +1,12 @@
 """The EngineCore process: the scheduler, the KV cache and the model runner in a busy loop.
 
-    loop { take every waiting message (add / abort / utility / shutdown) -> step while there
-           is work -> push the step's EngineCoreOutputs and the scheduler's stats }
+    loop { take every waiting message (add / beam / abort / utility / shutdown) -> step while
+           there is work -> push the step's EngineCoreOutputs and the scheduler's stats }
 
 It knows nothing of text or HTTP: requests arrive tokenised (the server's Processor) and
-outputs leave as token ids (the server's OutputProcessor detokenises them). Messages are
+outputs leave as token ids (the server's OutputProcessor detokenises them). Beam searches run
+here (a BeamSearchDriver fed each step's outputs), so that choosing and forking beams costs
+no round trip to the server; only each search's ranked result leaves. Messages are
 msgpack (see serial.py). The process ends on a shutdown message, on SIGTERM, or when its
 parent dies (PR_SET_PDEATHSIG, and a parent check while idle), so it is never left behind.
 """
@@ -20,6 +22,7 @@ import traceback
 import zmq
 
 from pagedllm.engine import serial
+from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedllm.engine.core_proc")
@@ -107,6 +110,7 @@ class EngineCoreProc:
         self.out_sock = out_sock
         self.parent_pid = parent_pid
         self.scheduler = core.scheduler
+        self.beams = BeamSearchDriver(core)
         self.num_added = 0
         # Requests not yet scheduled once: their queue time is reported when they are.
         self.unscheduled: dict[str, Request] = {}
@@ -144,8 +148,12 @@ class EngineCoreProc:
                 self.unscheduled[req.request_id] = req
             if rejected:
                 self._send({"t": "out", "o": rejected, "s": self.stats(), "q": []})
+        elif t == "beam":
+            self.add_beam_search(msg)
         elif t == "abort":
             ids = msg["ids"]
+            for rid in ids:
+                self.beams.abort(rid)
             self.core.abort_requests(ids)
             for rid in ids:
                 self.unscheduled.pop(rid, None)
@@ -159,6 +167,20 @@ class EngineCoreProc:
             self.stop = True
         else:
             logger.warning("engine core: unknown message type %r", t)
+
+    def add_beam_search(self, msg: dict) -> None:
+        self.num_added += 1
+        req = serial.decode_request(msg["r"])
+        search_id = req.request_id
+        try:
+            self.beams.add(req, msg["w"], msg["lp"], msg.get("eos"))
+        except ValueError as e:  # e.g. a duplicate id: answer it, keep the engine running
+            logger.warning("beam search %s rejected by the core: %s", search_id, e)
+            refused = BeamSearchOutput(req.prompt_token_ids, [], search_id)
+            self._send({"t": "out", "o": [], "b": [serial.encode_beam_output(refused, str(e))],
+                        "s": self.stats(), "q": []})
+            return
+        self.unscheduled[req.request_id] = req   # the first beam: its queue time is the search's
 
     def utility(self, method: str, args: list):
         if method == "get_stats":
@@ -196,8 +218,14 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 t0 = time.time()
                 outputs = self.core.step()
-                self._send({"t": "out", "o": [serial.encode_output(o) for o in outputs],
-                            "s": self.stats(), "q": self._queue_events(t0)})
+                # The beams' outputs feed their searches; only ended searches go out.
+                others = [o for o in outputs if not self.beams.owns(o.req_id)]
+                ended = self.beams.on_outputs(outputs) if len(others) < len(outputs) else []
+                msg = {"t": "out", "o": [serial.encode_output(o) for o in others],
+                       "s": self.stats(), "q": self._queue_events(t0)}
+                if ended:
+                    msg["b"] = [serial.encode_beam_output(b) for b in ended]
+                self._send(msg)
             elif handled:
                 self._send({"t": "stats", "s": self.stats()})
 

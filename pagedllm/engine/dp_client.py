@@ -6,9 +6,11 @@ call_utility, resolve_utility, mark_dead, shutdown, dead, proc), so the server i
 
 - "add": each request goes to the replica the router picks (dp_router.py); when every replica
   is at its limit the send raises EngineOverloadedError at once (HTTP 503 in the server).
+- "beam": the search goes, whole, to the replica the router picks (its beams never leave it).
 - "abort": to the replica that holds each request (a forked sample `{i}_{id}` to its parent's).
 - recv(): the replicas' messages merged; utility replies are resolved here, finished outputs
-  lower the router's load, and each message's stats are replaced by the sum over replicas.
+  (and beam results) lower the router's load, and each message's stats are replaced by the sum
+  over replicas.
 - proc: a view of the K processes: alive while all are; its sentinel becomes readable when
   any of them ends (a dead replica takes the server's engine down, as one core's death does).
 
@@ -152,6 +154,14 @@ class DPCoreClient:
                 raise EngineOverloadedError(f"The server is overloaded: {e}") from e
             for idx, encs in by_replica.items():
                 self.clients[idx].send({**msg, "r": encs})
+        elif t == "beam":
+            enc = msg["r"]
+            try:
+                d = self.router.route(enc[0], enc[1], _tuples(tuple(enc[6] or ())))
+            except RouterOverloadedError as e:
+                from pagedllm.engine.async_llm import EngineOverloadedError
+                raise EngineOverloadedError(f"The server is overloaded: {e}") from e
+            self.clients[d.replica].send(msg)
         elif t == "abort":
             by_replica = {}
             for req_id in msg["ids"]:
@@ -185,6 +195,8 @@ class DPCoreClient:
                     out = serial.decode_output(o)
                     if out.finish_reason is not None:
                         self._ended(out.req_id)
+                for b in msg.get("b") or ():
+                    self._ended(b[0])
             return msg
 
     def _ended(self, req_id: str, whole: bool = False) -> None:

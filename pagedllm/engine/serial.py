@@ -6,11 +6,17 @@ a type tag "t":
 
   server -> core                               core -> server
   {"t": "add", "r": [encoded Request, ...]}     {"t": "ready", "num_blocks": int, "pid": int}
-  {"t": "abort", "ids": [req_id, ...]}          {"t": "out", "o": [encoded EngineCoreOutput],
-  {"t": "util", "id": int, "m": name,             "s": stats, "q": [[req_id, queue_s], ...]}
-   "a": [args]}                                 {"t": "stats", "s": stats}
-  {"t": "shutdown"}                             {"t": "util", "id": int, "r": result, "e": error}
-                                                {"t": "error", "exc": name, "msg": str}  (dying)
+  {"t": "beam", "r": encoded Request,           {"t": "out", "o": [encoded EngineCoreOutput],
+   "w": width, "lp": length_penalty,              "s": stats, "q": [[req_id, queue_s], ...],
+   "eos": int | None}                             "b": [encoded beam result, ...] (optional)}
+  {"t": "abort", "ids": [req_id, ...]}          {"t": "stats", "s": stats}
+  {"t": "util", "id": int, "m": name,           {"t": "util", "id": int, "r": result, "e": error}
+   "a": [args]}                                 {"t": "error", "exc": name, "msg": str}  (dying)
+  {"t": "shutdown"}
+
+"beam" starts a beam search in the core (engine/beam_search.py); its beams never leave the
+core: one beam result for the search's request id comes back when it ends (or at once, with
+an error, when the core refuses it). An "abort" of that id ends the search.
 
 stats: {"running", "waiting", "kv_usage", "used_blocks", "num_blocks", "preemptions",
 "num_added"}: the scheduler's state after the step (or after an abort) that sent it.
@@ -18,11 +24,12 @@ stats: {"running", "waiting", "kv_usage", "used_blocks", "num_blocks", "preempti
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -89,3 +96,17 @@ def decode_output(v: list) -> EngineCoreOutput:
         lps = [None if e is None else (e[0], e[1], e[2]) for e in lps]
     return EngineCoreOutput(req_id=req_id, new_token_ids=ids, finish_reason=finish,
                             stop_reason=stop, new_logprobs=lps, num_cached_tokens=cached)
+
+
+# ---------------------------------------------------------------- beam search results
+def encode_beam_output(o: BeamSearchOutput, error: Optional[str] = None) -> list:
+    seqs = [[list(h.tokens), float(h.cum_logprob), float(h.score), h.finish_reason] for h in o.sequences]
+    return [o.request_id, list(o.prompt_token_ids), seqs, o.num_cached_tokens, error]
+
+
+def decode_beam_output(v: list) -> tuple[BeamSearchOutput, Optional[str]]:
+    """The result, and the core's error message when it refused the search."""
+    req_id, prompt_ids, seqs, cached, error = v
+    out = BeamSearchOutput(prompt_ids, [BeamSequence(t, c, s, finish_reason=f) for t, c, s, f in seqs],
+                           req_id, cached)
+    return out, error

@@ -17,6 +17,13 @@ from pagedllm.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # OpenAI's limit on n
+# Beam search is deterministic and ends on EOS or max_tokens alone: a field that would change
+# the result is refused (400 naming it) unless it has one of these neutral values.
+_BEAM_NEUTRAL = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
+                 "repetition_penalty": (None, 1), "presence_penalty": (None, 0),
+                 "frequency_penalty": (None, 0), "logit_bias": (None, {}), "stop": (None, []),
+                 "stop_token_ids": (None, []), "min_tokens": (0,), "best_of": (None,),
+                 "top_logprobs": (None,)}
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -91,6 +98,9 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # vLLM's beam search: n is the beam width, the n best hypotheses are the choices.
+    use_beam_search: StrictBool = False
+    length_penalty: Number = 1.0
 
     @field_validator("n")
     @classmethod
@@ -98,6 +108,16 @@ class _SamplingFields(OpenAIBaseModel):
         if v is not None and not (1 <= v <= MAX_N):
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {v}")
         return v
+
+    def beam_search_conflict(self) -> Optional[str]:
+        """The first field set to a value that beam search cannot honour, if any."""
+        logprobs = getattr(self, "logprobs", None)
+        if logprobs is not None and logprobs is not False:   # completions' 0 asks for logprobs too
+            return "logprobs"
+        for name, neutral in _BEAM_NEUTRAL.items():
+            if name in type(self).model_fields and getattr(self, name) not in neutral:
+                return name
+        return None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """ValueError (from SamplingParams) on an out-of-range value."""

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages through the chat template -> n choices, streamed
-(a role delta, then content deltas, then the finish reason) or not."""
+(a role delta, then content deltas, then the finish reason) or not. With use_beam_search, the
+n best hypotheses of a search of width n, best first."""
 from __future__ import annotations
 
 import time
@@ -48,6 +49,8 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is not None and max_tokens < 1:
             raise OpenAIError(f"{param} must be an integer >= 1, got {max_tokens}", param=param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.use_beam_search:
+            self.check_beam_search(req)
         try:
             req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)  # the values, first
         except ValueError as e:
@@ -63,6 +66,11 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(str(e)) from None
         request_id = random_id("chatcmpl")
         created = int(time.time())
+        if req.use_beam_search:
+            handles = self.start_beam_searches(req, [(ids, max_tokens)], request_id)
+            if req.stream:
+                return self._beam_stream(req, request_id, created, handles, len(ids))
+            return await self._beam_full(request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind)
         if req.stream:
@@ -102,6 +110,40 @@ class OpenAIServingChat(OpenAIServing):
                                                       total_tokens=num_prompt + num_gen,
                                                       prompt_tokens_details=PromptTokensDetails(
                                                           cached_tokens=final.num_cached_tokens)))
+
+    # ------------------------------------------------------------ beam search
+    async def _beam_full(self, request_id, created, handles, num_prompt) -> ChatCompletionResponse:
+        (res,) = await self.beam_results(handles)
+        choices = [ChatCompletionChoice(index=j, message=ChatResponseMessage(content=h.text),
+                                        finish_reason=h.finish_reason)
+                   for j, h in enumerate(res.sequences)]
+        num_gen = sum(len(h.tokens) for h in res.sequences)
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                      usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                                      total_tokens=num_prompt + num_gen,
+                                                      prompt_tokens_details=PromptTokensDetails(
+                                                          cached_tokens=res.num_cached_tokens)))
+
+    async def _beam_stream(self, req, request_id, created, handles, num_prompt) -> AsyncIterator[str]:
+        """Beam search has no partial output: each final choice in one chunk (role, content and
+        finish reason), then [DONE]."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            full = await self._beam_full(request_id, created, handles, num_prompt)
+            head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_name}
+            for c in full.choices:
+                chunk = {**head, "choices": [{"index": c.index, "delta": {"role": "assistant",
+                                                                          "content": c.message.content},
+                                              "logprobs": None, "finish_reason": c.finish_reason}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": full.usage.model_dump()})
+        except Exception as e:  # the engine died or the server is stopping
+            yield sse(stream_error(e).body())
+        yield SSE_DONE
 
     # ------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, created, stream, num_prompt) -> AsyncIterator[str]:

@@ -1,5 +1,6 @@
 """POST /v1/completions: a prompt (string, list of strings, token ids or lists of them) ->
-choices (prompt i, sample j has index i * n + j), streamed or not."""
+choices (prompt i, sample j has index i * n + j), streamed or not. With use_beam_search, one
+search of width n per prompt: its n best hypotheses are the choices, best first."""
 from __future__ import annotations
 
 import time
@@ -49,6 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._prompts(req)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise OpenAIError(f"max_tokens must be an integer >= 1, got {req.max_tokens}", param="max_tokens")
+        if req.use_beam_search:
+            self.check_beam_search(req)
         per_prompt = []
         try:
             req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs)  # the values, first
@@ -60,6 +63,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
         request_id = random_id("cmpl")
         created = int(time.time())
+        texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids, _ in per_prompt]
+        num_prompt_tokens = sum(len(ids) for _, ids, _ in per_prompt)
+        if req.use_beam_search:
+            handles = self.start_beam_searches(req, [(ids, p.max_tokens) for _, ids, p in per_prompt], request_id)
+            if req.stream:
+                return self._beam_stream(req, request_id, created, handles, texts, num_prompt_tokens)
+            return await self._beam_full(req, request_id, created, handles, texts, num_prompt_tokens)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         streams = []
         try:
@@ -70,8 +80,6 @@ class OpenAIServingCompletion(OpenAIServing):
             for s in streams:
                 s.close()
             raise
-        texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids, _ in per_prompt]
-        num_prompt_tokens = sum(len(ids) for _, ids, _ in per_prompt)
         if req.stream:
             return self._stream(req, request_id, created, streams, texts, num_prompt_tokens)
         return await self._full(req, request_id, created, streams, texts, num_prompt_tokens)
@@ -113,6 +121,40 @@ class OpenAIServingCompletion(OpenAIServing):
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
         return CompletionResponse(id=request_id, created=created, model=self.model_name,
                                   choices=choices, usage=usage)
+
+    # ------------------------------------------------------------ beam search
+    async def _beam_full(self, req, request_id, created, handles, texts, num_prompt_tokens) -> CompletionResponse:
+        n = req.n or 1
+        results = await self.beam_results(handles)
+        choices, num_gen = [], 0
+        for i, res in enumerate(results):
+            prefix = texts[i] if req.echo else ""
+            for j, h in enumerate(res.sequences):
+                choices.append(CompletionChoice(index=i * n + j, text=prefix + h.text, finish_reason=h.finish_reason))
+                num_gen += len(h.tokens)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen,
+                          total_tokens=num_prompt_tokens + num_gen,
+                          prompt_tokens_details=PromptTokensDetails(
+                              cached_tokens=sum(r.num_cached_tokens for r in results)))
+        return CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                  choices=choices, usage=usage)
+
+    async def _beam_stream(self, req, request_id, created, handles, texts, num_prompt_tokens) -> AsyncIterator[str]:
+        """Beam search has no partial output: the final choices, one chunk each, then [DONE]."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            full = await self._beam_full(req, request_id, created, handles, texts, num_prompt_tokens)
+            head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+            for c in full.choices:
+                chunk = {**head, "choices": [c.model_dump()]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": full.usage.model_dump()})
+        except Exception as e:  # the engine died or the server is stopping
+            yield sse(stream_error(e).body())
+        yield SSE_DONE
 
     # ------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, created, streams, texts, num_prompt_tokens) -> AsyncIterator[str]:

@@ -1,5 +1,6 @@
 """What the completion and chat handlers share: errors in OpenAI's shape, the model-name and
-context-length checks, logprob conversion, merging several request streams into one."""
+context-length checks, logprob conversion, merging several request streams into one, and
+beam search (use_beam_search: n is the width; the search runs in the engine core)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,8 @@ import json
 import logging
 from typing import AsyncIterator, Optional, Sequence
 
-from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.engine.async_llm import AsyncLLM, BeamSearchHandle, RequestStream
+from pagedllm.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchOutput
 from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
@@ -86,6 +88,53 @@ class OpenAIServing:
                 f"Please reduce the length of the {what} or completion.",
                 param=what, code="context_length_exceeded")
         return max_tokens
+
+    # ------------------------------------------------------------ beam search
+    @staticmethod
+    def check_beam_search(req) -> int:
+        """The beam width (n); OpenAIError 400 naming a field beam search cannot honour."""
+        n = req.n if req.n is not None else 1
+        if not 1 <= n <= MAX_BEAM_WIDTH:
+            raise OpenAIError(f"n (the beam width with use_beam_search) must be an integer in "
+                              f"[1, {MAX_BEAM_WIDTH}], got {n}", param="n")
+        bad = req.beam_search_conflict()
+        if bad is not None:
+            raise OpenAIError(f"{bad} is not supported with use_beam_search (beam search is deterministic "
+                              "and stops on EOS or the token limit only)", param=bad)
+        return n
+
+    def start_beam_searches(self, req, prompts: list[tuple[list[int], int]], request_id: str) -> list[BeamSearchHandle]:
+        """One search per (prompt ids, max_tokens), all validated and sent, or none."""
+        handles: list[BeamSearchHandle] = []
+        try:
+            for i, (ids, max_tokens) in enumerate(prompts):
+                handles.append(self.engine.add_beam_search(
+                    {"prompt_token_ids": ids}, req.n or 1, max_tokens, req.length_penalty,
+                    req.ignore_eos, f"{request_id}-{i}"))
+        except BaseException as e:
+            for h in handles:
+                h.close()
+            if isinstance(e, ValueError):
+                raise OpenAIError(str(e)) from None
+            raise
+        return handles
+
+    @staticmethod
+    async def beam_results(handles: Sequence[BeamSearchHandle]) -> list[BeamSearchOutput]:
+        """Every search's result; an error or a cancellation aborts the searches still running."""
+        tasks = [asyncio.ensure_future(h.result()) for h in handles]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()   # a no-op for those done
+            for h in handles:
+                h.close()
+        errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # all retrieved
+        for e in errors:
+            if e is not None:
+                raise e
+        return [t.result() for t in tasks]
 
     # ------------------------------------------------------------ logprobs
     def token_bytes(self, token_id: int, text: str) -> list[int]:

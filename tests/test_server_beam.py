@@ -1,0 +1,151 @@
+"""Beam search in the OpenAI server (`use_beam_search`, `n` = the width): a real `pagedllm serve`
+subprocess, the official `openai` client. The choices equal transformers'
+generate(num_beams=n, num_return_sequences=n), best first; a normal request running at the
+same time is unaffected; bad input is a 400 naming the field; the beams' blocks come back."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from server_utils import RemoteServer, assert_error
+from test_beam_search import hf_beam_search
+
+pytestmark = pytest.mark.model
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = RemoteServer(["--max-model-len", "512", "--kv-cache-memory", "0.25", "--max-num-seqs", "32"])
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def beam(**kw):
+    return {"use_beam_search": True, **kw}
+
+
+def _wait_idle(server, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    m = server.metrics()
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0 \
+                and m["pagedllm:num_requests_waiting"] == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"blocks not freed: {m}")
+
+
+def _check_choices(choices, refs, tokenizer):
+    """choices (text) against transformers' hypotheses (token ids), best first; -> tokens in all."""
+    assert [c.text if hasattr(c, "text") else c.message.content for c in choices] == \
+        [tokenizer.decode(r, skip_special_tokens=True) for r in refs]
+    assert [c.finish_reason for c in choices] == ["stop" if r[-1] == 2 else "length" for r in refs]
+    return sum(len(r) for r in refs)
+
+
+# ------------------------------------------------------------------ equal to transformers
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("width, length_penalty", [(2, 1.0), (4, 0.6)])
+def test_completion_beam_matches_transformers(client, hf_model, tokenizer, width, length_penalty):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, n=width,
+                                  extra_body=beam(length_penalty=length_penalty))
+    assert [c.index for c in r.choices] == list(range(len(PROMPTS) * width))
+    num_gen = 0
+    for i, p in enumerate(PROMPTS):
+        ids = tokenizer(p)["input_ids"]
+        refs = hf_beam_search(hf_model, ids, width, length_penalty, MAX_TOKENS, num_return=width)
+        num_gen += _check_choices(r.choices[i * width:(i + 1) * width], refs, tokenizer)
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (prompt_tokens, num_gen, prompt_tokens + num_gen)
+
+
+@pytest.mark.timeout(300)
+def test_chat_beam_matches_transformers_and_streams(client, hf_model, tokenizer):
+    width = 4
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, n=width, extra_body=beam())
+    r = client.chat.completions.create(**kw)
+    ids = list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    refs = hf_beam_search(hf_model, ids, width, 1.0, MAX_TOKENS, num_return=width)
+    assert [c.index for c in r.choices] == list(range(width))
+    num_gen = _check_choices(r.choices, refs, tokenizer)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), num_gen)
+    # Streaming: each final choice in one chunk, then the usage.
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert [(c.choices[0].index, c.choices[0].delta.role, c.choices[0].delta.content, c.choices[0].finish_reason)
+            for c in chunks[:-1]] == [(c.index, "assistant", c.message.content, c.finish_reason) for c in r.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == num_gen
+
+
+@pytest.mark.timeout(120)
+def test_completion_beam_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, n=2, echo=True, extra_body=beam())
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason) for c in chunks] == \
+        [(c.index, c.text, c.finish_reason) for c in full.choices]
+    assert all(c.text.startswith(PROMPTS[0]) for c in full.choices)
+
+
+# ------------------------------------------------------------------ interleaved with normal requests
+@pytest.mark.timeout(300)
+def test_normal_request_unaffected_by_beam_search(server, client):
+    normal = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0)
+    alone = client.completions.create(**normal).choices[0].text
+    aclient = server.async_client()
+
+    async def together():
+        searches = [aclient.completions.create(model=MODEL, prompt=p, max_tokens=16, n=4, extra_body=beam())
+                    for p in PROMPTS]
+        return await asyncio.gather(aclient.completions.create(**normal), *searches)
+
+    plain, *searched = asyncio.run(together())
+    assert plain.choices[0].text == alone
+    assert all(len(s.choices) == 4 for s in searched)
+    _wait_idle(server)
+
+
+# ------------------------------------------------------------------ bad input, aborts, blocks
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "n": 11}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 11}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "temperature": 0.7}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "stop": ["."]}, "stop"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "length_penalty": "long"}, "length_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "use_beam_search": 1}, "use_beam_search"),
+])
+def test_beam_bad_input_is_400(server, path, body, param):
+    r = httpx.post(server.url + path, json={"use_beam_search": True, "max_tokens": 4, **body}, timeout=30)
+    assert assert_error(r, 400)["param"] == param
+
+
+@pytest.mark.timeout(120)
+def test_disconnect_aborts_search_and_blocks_come_back(server):
+    before = _wait_idle(server)
+    aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
+    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "ignore_eos": True,
+            "n": 4, "use_beam_search": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", json=body, timeout=httpx.Timeout(60, read=2))
+    after = _wait_idle(server)
+    assert after['pagedllm:request_success_total{finished_reason="abort"}'] == aborted0 + 1
+    assert after["pagedllm:kv_cache_usage_perc"] == 0
