@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run serve test test-fast download bench clean
+.PHONY: install run serve test test-fast download bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pagedllm bench throughput
+
+# llama-cpp-python for `pagedllm bench latency --llama-cpp f32 q4_1`; kept out of `make test`.
+bench-deps: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install -q 'llama-cpp-python'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

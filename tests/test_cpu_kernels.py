@@ -9,7 +9,7 @@ from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.torch_backend import paged_attention
 
 
-@pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (4, 4, 32, 4), (16, 2, 64, 32)])
+@pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (4, 4, 32, 4), (16, 2, 64, 32), (8, 2, 128, 16)])
 def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
     if decode_kernel() is None:
         pytest.skip("the C++ kernel could not be built here (no compiler / ninja)")
@@ -38,3 +38,53 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
         meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages)
         outs.append(paged_attention(q, k, v, kc, vc, meta, D ** -0.5))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+def test_fused_cpu_ops_match_the_torch_layers():
+    """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
+    partial rotary dim): the fused ops equal the torch code of models/llama.py."""
+    from pagedllm.models.cpu_ops import cpu_ops
+    from pagedllm.models.llama import LlamaMLP, RMSNorm, RotaryEmbedding
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("the C++ ops could not be built here (no compiler / ninja)")
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        norm = RMSNorm(576, 1e-5)
+        norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(37, 576) * 3
+        ref = norm(x)
+        norm.ops = ops
+        torch.testing.assert_close(norm(x), ref, rtol=1e-6, atol=1e-6)
+
+        mlp = LlamaMLP(64, 96)
+        x = torch.randn(5, 64)
+        ref = mlp(x)
+        mlp.ops = ops
+        torch.testing.assert_close(mlp(x), ref, rtol=1e-6, atol=1e-6)
+
+        for partial in (1.0, 0.5):
+            rope = RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 512)
+            qkv = torch.randn(7, (9 + 2 * 3) * 64)
+            pos = torch.tensor([0, 5, 100, 511, 3, 2, 1])
+            q, k, v = qkv.split([576, 192, 192], dim=-1)
+            q, k = q.view(7, 9, 64), k.view(7, 3, 64)
+            q_ref, k_ref = (t.clone() for t in rope(pos, q, k))
+            v_before = v.clone()
+            rope.ops = ops
+            q_new, k_new = rope(pos, q, k)
+            torch.testing.assert_close(q_new, q_ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(k_new, k_ref, rtol=1e-6, atol=1e-6)
+            assert torch.equal(v, v_before)   # in place on q and k only
+
+
+@pytest.mark.parametrize("rows", [1, 7, 128, 600])
+def test_packed_linear_matches_f_linear(rows):
+    from pagedllm.models.cpu_linear import PackedLinear, packed_linear_supported
+    if not packed_linear_supported(torch.float32):
+        pytest.skip("oneDNN linear not available in this torch build")
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(576, 1728, bias=True)
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)

@@ -20,9 +20,153 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+// One (request, KV head): the G query heads that share the KV head, over the L keys reached
+// through the block table. k, v point at this KV head of slot 0; ks / vs are slot strides.
+struct Task {
+  const float* q; const float* k; const float* v; const int32_t* blocks;
+  int64_t L, block_size, ks, vs, G, D; float scale; float* scores; float* out;
+};
+
+static void softmax_rows(float* s, int64_t G, int64_t L);
+
+// Portable path: any D, any CPU.
+static void decode_task_scalar(const Task& t) {
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const float* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < t.G; ++g) {
+        float s = 0.f;
+        for (int64_t d = 0; d < t.D; ++d) s += t.q[g * t.D + d] * kb[j * t.ks + d];
+        t.scores[g * t.L + t0 + j] = s * t.scale;
+      }
+  }
+  softmax_rows(t.scores, t.G, t.L);
+  std::fill(t.out, t.out + t.G * t.D, 0.f);
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const float* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < t.G; ++g) {
+        const float p = t.scores[g * t.L + t0 + j];
+        for (int64_t d = 0; d < t.D; ++d) t.out[g * t.D + d] += p * vb[j * t.vs + d];
+      }
+  }
+}
+
+#ifdef __AVX512F__
+// e^x for x <= 0 (scores minus their max): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by its
+// degree-7 Taylor polynomial (relative error ~1e-8, below float rounding).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Blocks sit anywhere in the cache, so no hardware prefetcher runs ahead across a block
+// boundary: ask for block blk + 1's rows of this head while block blk is being read.
+static inline void prefetch_block(const Task& t, const float* base, int64_t blk, int64_t stride) {
+  const int64_t t0 = blk * t.block_size;
+  if (t0 >= t.L) return;
+  const int64_t n = std::min(t.block_size, t.L - t0);
+  const char* b = (const char*)(base + (int64_t)t.blocks[blk] * t.block_size * stride);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < t.D * 4; c += 64) _mm_prefetch(b + j * stride * 4 + c, _MM_HINT_T0);
+}
+
+// ND = D / 16 vectors a head row. Scores: each key row is loaded once into registers and
+// dotted with the G query heads. Output: GN heads at a time accumulate in registers while
+// the value rows stream past once.
+template <int ND, int GN>
+static void pv_heads(const Task& t, int64_t g0) {
+  __m512 acc[GN][ND];
+  for (int gi = 0; gi < GN; ++gi)
+    for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
+  prefetch_block(t, t.v, 0, t.vs);
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const float* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    prefetch_block(t, t.v, blk + 1, t.vs);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = vb + j * t.vs;
+      __m512 vv[ND];
+      for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int gi = 0; gi < GN; ++gi) {
+        const __m512 p = _mm512_set1_ps(t.scores[(g0 + gi) * t.L + t0 + j]);
+        for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
+      }
+    }
+  }
+  for (int gi = 0; gi < GN; ++gi)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(t.out + (g0 + gi) * t.D + 16 * c, acc[gi][c]);
+}
+
+template <int ND>
+static void decode_task_avx512(const Task& t) {
+  prefetch_block(t, t.k, 0, t.ks);
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const float* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
+    prefetch_block(t, t.k, blk + 1, t.ks);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 kv[ND];
+      for (int c = 0; c < ND; ++c) kv[c] = _mm512_loadu_ps(kb + j * t.ks + 16 * c);
+      for (int64_t g = 0; g < t.G; ++g) {
+        const float* qg = t.q + g * t.D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+        for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
+        t.scores[g * t.L + t0 + j] = _mm512_reduce_add_ps(acc) * t.scale;
+      }
+    }
+  }
+  softmax_rows(t.scores, t.G, t.L);
+  constexpr int GMAX = ND >= 8 ? 1 : 8 / ND;   // keep GN x ND accumulators within 16 registers
+  int64_t g = 0;
+  for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX>(t, g);
+  for (; g < t.G; ++g) pv_heads<ND, 1>(t, g);
+}
+#endif
+
+static void softmax_rows(float* s, int64_t G, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < L; ++i) m = sg[i] > m ? sg[i] : m;
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vm = _mm512_set1_ps(m);
+    for (; i + 16 <= L; i += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), vm));
+      _mm512_storeu_ps(sg + i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; i < L; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
+    const float inv = 1.f / sum;
+    for (i = 0; i < L; ++i) sg[i] *= inv;
+  }
+}
 
 // q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
 // seq_lens [B] int32 -> out [B, H, D]. float32 only.
@@ -30,75 +174,46 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_table, torch::Tensor seq_lens,
                            int64_t block_size, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat);
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
   q = q.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const int64_t G = H / Hkv, NB = block_table.size(1);
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t ks = k_cache.stride(0), kh = k_cache.stride(1);
-  const int64_t vs = v_cache.stride(0), vh = v_cache.stride(1);
-  const float fscale = (float)scale;
+  const int64_t max_len = B ? *std::max_element(sl, sl + B) : 0;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D);
+    std::vector<float> scores(G * max_len);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hkv, h = idx % Hkv;
-      const int64_t L = sl[b];
-      scores.assign(G * L, 0.f);
-      const float* qb = qp + (b * H + h * G) * D;
-      // Scores: each key is read once for all G query heads of its group.
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = (int64_t)bt[b * NB + t / block_size] * block_size + t % block_size;
-        const float* k = kp + slot * ks + h * kh;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qb + g * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
-          scores[g * L + t] = s * fscale;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = (int64_t)bt[b * NB + t / block_size] * block_size + t % block_size;
-        const float* v = vp + slot * vs + h * vh;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (b * H + h * G + g) * D);
+      Task t{q.data_ptr<float>() + (b * H + h * G) * D,
+             k_cache.data_ptr<float>() + h * k_cache.stride(1),
+             v_cache.data_ptr<float>() + h * v_cache.stride(1),
+             block_table.data_ptr<int32_t>() + b * NB,
+             sl[b], block_size, k_cache.stride(0), v_cache.stride(0), G, D, (float)scale,
+             scores.data(), out.data_ptr<float>() + (b * H + h * G) * D};
+#ifdef __AVX512F__
+      if (D == 64) { decode_task_avx512<4>(t); continue; }
+      if (D == 128) { decode_task_avx512<8>(t); continue; }
+#endif
+      decode_task_scalar(t);
     }
   });
   return out;
 }
 """
 
-def _build():
+def build_cpu_extension(name: str, source: str, functions: list[str]):
+    """Compile C++ source with torch's cpp_extension (cached under $TORCH_EXTENSIONS_DIR) ->
+    the module, or None (no compiler / ninja, or PAGEDLLM_NO_CPU_KERNELS set): callers keep
+    their torch path."""
     if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
         return None
     try:
         from torch.utils.cpp_extension import load_inline
-        mod = load_inline(name="pagedllm_cpu_kernels_v1", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                          extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
-        return mod.paged_decode
-    except Exception as e:  # no compiler, no ninja: the torch path still works
-        logger.warning("C++ paged-attention kernel not built (%s); using the torch path", e)
+        return load_inline(name=name, cpp_sources=[source], functions=functions,
+                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
+    except Exception as e:
+        logger.warning("C++ kernels %s not built (%s); using the torch path", name, e)
         return None
 
 
@@ -111,5 +226,6 @@ def decode_kernel():
     global _kernel, _tried
     if not _tried:
         _tried = True
-        _kernel = _build()
+        mod = build_cpu_extension("pagedllm_cpu_kernels_v4", _SOURCE, ["paged_decode"])
+        _kernel = mod.paged_decode if mod is not None else None
     return _kernel

@@ -57,6 +57,23 @@ def random_requests(tokenizer, num: int, in_range: tuple[int, int], out_range: t
     return [Req(rng.choice(vocab, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
 
 
+def add_workload_args(p) -> None:
+    """The offline throughput workload of the core-engine issue (shared by throughput / roofline)."""
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--min-input-len", type=int, default=16)
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--min-output-len", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random requests")
+
+
+def workload_requests(tokenizer, ns) -> list[Req]:
+    if ns.num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {ns.num_prompts}")
+    return random_requests(tokenizer, ns.num_prompts, (ns.min_input_len, ns.max_input_len),
+                           (ns.min_output_len, ns.max_output_len), ns.dataset_seed)
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """columns: (key, header, format spec); right-aligned except the first."""
     cells = [[h for _, h, _ in columns]] + [[format(r[k], f) for k, _, f in columns] for r in rows]

@@ -40,6 +40,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each run")
+    p.add_argument("--offline", action="store_true",
+                   help="after the server runs, send the same requests through LLM.generate in this "
+                        "process (max_num_seqs = the concurrency, the --tokenizer model) and print "
+                        "the server's output throughput as a share of the offline one")
     p.add_argument("--output-json", default=None, metavar="PATH")
 
 
@@ -146,6 +150,21 @@ def _model_name(base_url: str, headers: dict) -> str:
     return r.json()["data"][0]["id"]
 
 
+def _offline_rate(tok, bodies: list[dict], concurrency: int) -> float:
+    """The same requests through LLM.generate (the server's engine defaults, at most
+    `concurrency` sequences a step) -> output tokens/s. The server stays idle meanwhile."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+    llm = LLM(model=tok.name_or_path, max_num_seqs=concurrency)
+    prompts = [{"prompt_token_ids": b["prompt"]} for b in bodies]
+    params = [SamplingParams(temperature=0, max_tokens=b["max_tokens"], ignore_eos=True) for b in bodies]
+    llm.generate([{"prompt_token_ids": b["prompt"][-8:][::-1]} for b in bodies[:2]],
+                 SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
 def main(ns: argparse.Namespace) -> int:
     from pagedllm.benchmarks.common import command_line, print_table, random_requests, write_json
     from pagedllm.models.download import resolve_model
@@ -189,6 +208,12 @@ def main(ns: argparse.Namespace) -> int:
                        ("p50_itl_ms", "ITL p50", ".1f"), ("p90_itl_ms", "p90", ".1f"), ("p99_itl_ms", "p99", ".1f"),
                        ("p50_e2e_ms", "E2E p50", ".0f"), ("p90_e2e_ms", "p90", ".0f"), ("p99_e2e_ms", "p99", ".0f")])
     print("(latencies in ms)")
+    if ns.offline:
+        for i, row in enumerate(rows):
+            row["offline_output_throughput"] = _offline_rate(tok, bodies_for(ns.seed + i), row["concurrency"])
+            row["server_vs_offline"] = row["output_throughput"] / row["offline_output_throughput"]
+            print(f"concurrency {row['concurrency']}: offline {row['offline_output_throughput']:.1f} out tok/s; "
+                  f"server / offline = {row['server_vs_offline']:.3f}")
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "base_url": ns.base_url, "model": model,
                                     "num_prompts": ns.num_prompts, "random_input_len": ns.random_input_len,

@@ -13,17 +13,12 @@ import gc
 import sys
 import time
 
-from pagedllm.benchmarks.common import (Req, command_line, machine_info, print_table, random_requests,
-                                        write_json)
+from pagedllm.benchmarks.common import (Req, add_workload_args, command_line, machine_info, print_table,
+                                        workload_requests, write_json)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--min-input-len", type=int, default=16)
-    p.add_argument("--max-input-len", type=int, default=512)
-    p.add_argument("--min-output-len", type=int, default=16)
-    p.add_argument("--max-output-len", type=int, default=256)
-    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random requests")
+    add_workload_args(p)
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="transformers static batch size (default: --max-num-seqs)")
     p.add_argument("--hf-num-prompts", type=int, default=None,
@@ -108,7 +103,7 @@ def main(ns: argparse.Namespace) -> int:
 
     eargs = engine_args_from(ns)
     hf_bs = ns.hf_batch_size or eargs.max_num_seqs
-    for name, v in (("num_prompts", ns.num_prompts), ("hf_batch_size", hf_bs),
+    for name, v in (("hf_batch_size", hf_bs),
                     ("hf_num_prompts", ns.hf_num_prompts)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
@@ -118,8 +113,7 @@ def main(ns: argparse.Namespace) -> int:
     # "auto" is float32 on the CPU path (see models/loader.py); the baseline must use the same.
     dtype = torch.float32 if mc.dtype == "auto" else getattr(torch, mc.dtype)
     tokenizer = llm.get_tokenizer()
-    requests = random_requests(tokenizer, ns.num_prompts, (ns.min_input_len, ns.max_input_len),
-                               (ns.min_output_len, ns.max_output_len), ns.dataset_seed)
+    requests = workload_requests(tokenizer, ns)
     machine = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "

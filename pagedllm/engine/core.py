@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.profiler import PROFILER
 from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -97,9 +98,13 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
+        PROFILER.begin_step()
         so = self.scheduler.schedule()
+        PROFILER.mark("schedule")
         ro = self.runner.execute_model(so)
-        return self.scheduler.update_from_output(so, ro)
+        outputs = self.scheduler.update_from_output(so, ro)
+        PROFILER.mark("scheduler_update")
+        return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Schedule and submit a step while fewer than batch_queue_size are in flight; else

@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.profiler import PROFILER
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
@@ -83,6 +84,8 @@ class LLMEngine:
         outputs, to_abort = self.output_processor.process_outputs(self.core.step())
         if to_abort:
             self.core.abort_requests(to_abort)
+        PROFILER.mark("output_processing")
+        PROFILER.end_step()
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -17,12 +17,16 @@ from pagedllm.attention.torch_backend import paged_attention
 
 
 class RMSNorm(nn.Module):
+    ops = None   # fused CPU ops (models/cpu_ops.py), set at load time where they apply
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         # As transformers: normalise in float32, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -58,6 +62,7 @@ def rope_inv_freq(hf: dict, head_dim: int) -> tuple[torch.Tensor, float]:
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once at start-up."""
+    ops = None   # fused CPU ops (models/cpu_ops.py): rotate q and k in place
 
     def __init__(self, hf: dict, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -71,6 +76,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated (rotate-half convention)."""
+        if self.ops is not None:
+            self.ops.rotary_embedding_(q, k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)     # [T, 1, rot]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
@@ -106,6 +114,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    ops = None   # fused CPU ops (models/cpu_ops.py): silu(gate) * up in one pass
+
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
@@ -113,7 +123,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)                                  # [T, 2I]
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.models.cpu_linear import pack_linears
+from pagedllm.models.cpu_ops import enable_fused_cpu_ops
 from pagedllm.models.registry import get_model_class
 
 # HF name -> (our name, shard index within a fused parameter or None)
@@ -83,7 +85,10 @@ def load_model(config: ModelConfig, parallel=None) -> torch.nn.Module:
         raise ValueError(f"weights missing from {config.model}: {sorted(missing or pending)[:5]}")
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval().requires_grad_(False)
+    pack_linears(model)   # after the dtype cast: the packed copy is made in the final dtype
+    enable_fused_cpu_ops(model)
+    return model
 
 
 def _map_name(name: str) -> tuple[str, int | None]:

@@ -12,6 +12,7 @@ from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
+from pagedllm.profiler import PROFILER
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
@@ -114,6 +115,8 @@ class ModelRunner:
         if prepared is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs, meta = prepared
+        PROFILER.note_batch(len(inputs.input_ids), len(inputs.req_ids))
+        PROFILER.mark("prepare_inputs")
         batch = self.input_batch
         hidden = self._forward(inputs, meta)
         sampled = [[] for _ in inputs.req_ids]
@@ -121,7 +124,9 @@ class ModelRunner:
         rows = inputs.sample_rows
         if len(rows):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [len(rows), V]
+            PROFILER.mark("forward")
             out = self.sampler(logits, self._sampling_metadata(rows))
+            PROFILER.mark("sample")
             token_ids = out.sampled_token_ids.tolist()
             if out.logprobs is not None:
                 logprobs = [None] * len(inputs.req_ids)
@@ -134,7 +139,10 @@ class ModelRunner:
                 if logprobs is not None and batch.states[row].sampling_params.logprobs is not None:
                     k = batch.states[row].sampling_params.logprobs
                     logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+        else:
+            PROFILER.mark("forward")
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        PROFILER.mark("runner_update")
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
     def _prepare(self, so: SchedulerOutput):

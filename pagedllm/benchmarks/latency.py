@@ -1,0 +1,182 @@
+"""`pagedllm bench latency`: time to first token and time per output token of a batch of
+B requests (B = 1, 64, ...), a per-phase step profile (`--profile`), and at batch 1 the same
+single stream through llama-cpp-python (`--llama-cpp`), on the same weights and threads.
+
+pagedllm runs through LLMEngine with streaming outputs (what the server does), one
+`step()` at a time, so that prefill steps and decode steps are timed apart.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from pagedllm.benchmarks.common import command_line, machine_info, print_table, random_requests, write_json
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="print where a step's time goes, phase by phase")
+    p.add_argument("--llama-cpp", nargs="+", default=None, metavar="PRECISION",
+                   help="also run llama-cpp-python at batch 1 on the default model's GGUF, in these "
+                        "weight precisions: f32 (the same weights as pagedllm's, dequantised) and/or "
+                        "q4_1 (the file as shipped)")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
+
+
+def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) -> dict:
+    """One batch through the engine, step by step -> TTFT, decode time per step, profile."""
+    from pagedllm.engine.output_processor import OutputKind
+    from pagedllm.profiler import PROFILER, summarize
+    from pagedllm.sampling_params import SamplingParams
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"lat-{len(prompts)}-{i}", {"prompt_token_ids": p}, params, kind=OutputKind.DELTA)
+    if profile:
+        PROFILER.start()
+    step_times, first_token, produced = [], None, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        ts = time.perf_counter()
+        outs = engine.step()
+        step_times.append(time.perf_counter() - ts)
+        produced += sum(len(o.outputs[0].token_ids) for o in outs)
+        if first_token is None and produced >= len(prompts):
+            first_token = time.perf_counter() - t0   # every request has its first token
+            decode_from = len(step_times)
+    total = time.perf_counter() - t0
+    steps = PROFILER.stop() if profile else []
+    decode_steps = step_times[decode_from:]
+    row = {"system": "pagedllm", "batch": len(prompts), "ttft_s": first_token, "total_s": total,
+           "output_tokens": produced,
+           "tpot_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1),
+           "decode_tok_s": len(prompts) * len(decode_steps) / max(sum(decode_steps), 1e-9),
+           "output_tok_s": produced / total}
+    if profile:
+        row["profile_decode"] = summarize([s for s in steps if s["num_tokens"] == s["num_reqs"]])
+        row["profile_all"] = summarize(steps)
+    return row
+
+
+def _gguf(precision: str) -> str:
+    """The shipped Q4_1 file, or a float32 copy of it made once with llama.cpp's own quantize
+    tool (dequantised: the same numbers pagedllm's float32 model directory holds)."""
+    from pagedllm.models.download import find_gguf, pagedllm_home
+    src = str(find_gguf())
+    if precision == "q4_1":
+        return src
+    if precision != "f32":
+        raise ValueError(f"--llama-cpp precision must be f32 or q4_1, got {precision!r}")
+    import llama_cpp
+    out = os.path.join(pagedllm_home(), "bench", os.path.basename(src).replace("Q4_1", "F32"))
+    if not os.path.exists(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+        params.allow_requantize = True
+        tmp = out + ".tmp"
+        if llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not write {out}")
+        os.replace(tmp, out)
+    return out
+
+
+def run_llama_cpp(precision: str, prompt: list[int], output_len: int, threads: int) -> dict:
+    """Greedy single stream: the prompt in one eval, then one eval per new token (EOS ignored)."""
+    import llama_cpp
+    import numpy as np
+    llm = llama_cpp.Llama(model_path=_gguf(precision), n_ctx=len(prompt) + output_len + 16, n_batch=512,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def next_token() -> int:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        return int(logits.argmax())
+
+    for _ in range(2):   # the first pass warms up; the second is timed
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = next_token()
+        ttft = time.perf_counter() - t0
+        tokens = [tok]
+        for _ in range(output_len - 1):
+            llm.eval([tok])
+            tok = next_token()
+            tokens.append(tok)
+        total = time.perf_counter() - t0
+    decode = total - ttft
+    return {"system": f"llama.cpp {precision}", "batch": 1, "ttft_s": ttft, "total_s": total,
+            "output_tokens": len(tokens), "tpot_ms": 1e3 * decode / (output_len - 1),
+            "decode_tok_s": (output_len - 1) / decode, "output_tok_s": len(tokens) / total,
+            "token_ids": tokens}
+
+
+def _print_profile(name: str, prof: dict) -> None:
+    if not prof.get("steps"):
+        return
+    print(f"\n{name}: {prof['steps']} steps, {prof['mean_tokens']:.0f} tokens / {prof['mean_reqs']:.0f} "
+          f"requests a step, {prof['step_ms']:.2f} ms a step")
+    print_table([{"phase": p, "ms": v["ms"], "pct": v["pct"]} for p, v in prof["phases"].items()],
+                [("phase", "phase", ""), ("ms", "ms / step", ".3f"), ("pct", "% of step", ".1f")])
+    print(f"engine overhead (all but forward): {prof['overhead_pct']:.1f}% of the step")
+
+
+def main(ns: argparse.Namespace) -> int:
+    import torch
+    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    for name, v in (("input_len", ns.input_len), ("output_len", ns.output_len), *(("batch_size", b) for b in ns.batch_size)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    eargs = engine_args_from(ns)
+    if max(ns.batch_size) > eargs.max_num_seqs:
+        raise ValueError(f"batch_size {max(ns.batch_size)} exceeds --max-num-seqs {eargs.max_num_seqs}")
+    llm = LLM(**vars(eargs))
+    tok = llm.get_tokenizer()
+    machine = machine_info()
+    print(f"command: {command_line()}")
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
+          f"with {machine['torch_threads']} threads")
+    print(f"model: {llm.llm_engine.config.model_config.model} (dtype {ns.dtype}), "
+          f"input {ns.input_len} tokens, output {ns.output_len} tokens, greedy, ignore_eos")
+    warm = [[tok.eos_token_id or 0] * 8]
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    rows = []
+    for b in ns.batch_size:
+        reqs = random_requests(tok, b, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
+                               ns.dataset_seed + b)
+        print(f"running pagedllm at batch {b} ...", file=sys.stderr, flush=True)
+        rows.append(run_pagedllm(llm, [r.prompt_token_ids for r in reqs], ns.output_len, ns.profile))
+    if ns.llama_cpp:
+        prompt = random_requests(tok, 1, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
+                                 ns.dataset_seed + 1)[0].prompt_token_ids
+        del llm
+        for precision in ns.llama_cpp:
+            print(f"running llama.cpp ({precision}) at batch 1 ...", file=sys.stderr, flush=True)
+            rows.append(run_llama_cpp(precision, prompt, ns.output_len, torch.get_num_threads()))
+    print()
+    print_table(rows, [("system", "system", ""), ("batch", "batch", "d"), ("ttft_s", "TTFT s", ".3f"),
+                       ("tpot_ms", "TPOT ms", ".2f"), ("decode_tok_s", "decode tok/s", ".1f"),
+                       ("output_tok_s", "output tok/s (incl. prefill)", ".1f"), ("total_s", "total s", ".2f")])
+    base = next((r for r in rows if r["system"] == "pagedllm" and r["batch"] == 1), None)
+    for r in rows:
+        if base and r["system"].startswith("llama.cpp"):
+            print(f"pagedllm / {r['system']} single-stream decode: {base['decode_tok_s'] / r['decode_tok_s']:.2f}x")
+    if ns.profile:
+        for r in rows:
+            if "profile_decode" in r:
+                _print_profile(f"batch {r['batch']}, decode steps", r["profile_decode"])
+                _print_profile(f"batch {r['batch']}, all steps (prefill included)", r["profile_all"])
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "machine": machine,
+                                    "settings": {k: v for k, v in vars(ns).items() if k != "func"},
+                                    "results": rows})
+    return 0

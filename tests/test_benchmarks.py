@@ -1,0 +1,81 @@
+"""The benchmarks' own arithmetic and plumbing (their figures live in BENCHMARKS.md, not here)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm.benchmarks.common import Req
+from pagedllm.benchmarks.roofline import model_flops, workload_flops
+from pagedllm.profiler import PROFILER, summarize
+
+
+def _hf_config(model_dir):
+    with open(f"{model_dir}/config.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.model
+def test_linear_flops_match_the_model_parameters(model_dir):
+    """2 FLOPs per weight of every linear layer but the LM head, counted on the real module."""
+    from pagedllm.models.llama import LlamaForCausalLM
+    hf = _hf_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf, max_positions=8)
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    f = model_flops(hf)
+    assert f["linear"] == 2 * linear
+    assert f["lm_head"] == 2 * model.lm_head.weight.numel()
+    # QK^T and PV: 2 FLOPs x head_dim, for each head and layer, per key attended to.
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    assert f["attention_per_ctx"] == 2 * 2 * hf["num_attention_heads"] * head_dim * hf["num_hidden_layers"]
+
+
+def test_workload_flops_by_hand():
+    f = {"linear": 10.0, "attention_per_ctx": 1.0, "lm_head": 100.0}
+    # 3 prompt + 2 output tokens: 4 tokens through the model at positions 0..3 (1+2+3+4 keys),
+    # 2 sampled tokens.
+    assert workload_flops(f, [Req([1, 2, 3], 2)]) == 4 * 10 + 10 + 2 * 100
+    assert workload_flops(f, [Req([1], 1), Req([1], 1)]) == 2 * (10 + 1 + 100)
+
+
+def test_profiler_charges_each_phase_and_skips_empty_steps():
+    steps = [{"num_tokens": 1.0, "num_reqs": 1.0, "schedule": 0.001, "forward": 0.008, "sample": 0.001},
+             {"num_tokens": 1.0, "num_reqs": 1.0, "schedule": 0.001, "forward": 0.008, "sample": 0.001}]
+    s = summarize(steps)
+    assert s["steps"] == 2 and s["step_ms"] == pytest.approx(10.0)
+    assert s["overhead_pct"] == pytest.approx(20.0)
+    assert s["phases"]["forward"]["pct"] == pytest.approx(80.0)
+    PROFILER.start()
+    PROFILER.begin_step()
+    PROFILER.mark("schedule")       # no tokens noted: an empty step is not recorded
+    PROFILER.end_step()
+    PROFILER.begin_step()
+    PROFILER.note_batch(3, 2)
+    PROFILER.mark("forward")
+    PROFILER.end_step()
+    got = PROFILER.stop()
+    assert len(got) == 1 and got[0]["num_tokens"] == 3 and got[0]["forward"] >= 0
+    PROFILER.begin_step()
+    PROFILER.mark("forward")         # disabled: nothing recorded
+    assert PROFILER.steps == got and len(PROFILER.steps) == 1
+
+
+@pytest.mark.model
+def test_bench_latency_profile_runs(model_dir, tmp_path):
+    """The real command, end to end, on a short run: every decode step is profiled and the
+    phases add up to the step."""
+    out = tmp_path / "lat.json"
+    subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "latency", "--model", model_dir,
+                    "--batch-size", "1", "3", "--input-len", "8", "--output-len", "6", "--profile",
+                    "--output-json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    rows = json.loads(out.read_text())["results"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["output_tokens"] == 6 * r["batch"]
+        prof = r["profile_decode"]
+        assert prof["steps"] == 5 and prof["mean_reqs"] == r["batch"]
+        assert sum(p["pct"] for p in prof["phases"].values()) == pytest.approx(100.0)
+        assert 0 < prof["overhead_pct"] < 100
