@@ -78,13 +78,18 @@ def test_fused_cpu_ops_match_the_torch_layers():
             assert torch.equal(v, v_before)   # in place on q and k only
 
 
-@pytest.mark.parametrize("rows", [1, 7, 128, 600])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 128, 600])
 def test_packed_linear_matches_f_linear(rows):
+    """oneDNN on the packed weight, and (1-3 rows) the row-streaming kernel, equal F.linear;
+    an in_features that is not a multiple of 16 exercises the kernel's scalar tail."""
     from pagedllm.models.cpu_linear import PackedLinear, packed_linear_supported
+    from pagedllm.models.cpu_ops import cpu_ops
     if not packed_linear_supported(torch.float32):
         pytest.skip("oneDNN linear not available in this torch build")
     torch.manual_seed(rows)
-    lin = torch.nn.Linear(576, 1728, bias=True)
-    x = torch.randn(rows, 576)
-    with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
+    for in_features in (576, 100):
+        lin = torch.nn.Linear(in_features, 1728, bias=True)
+        x = torch.randn(rows, in_features)
+        with torch.inference_mode():
+            for small_ops in (None, cpu_ops()):
+                torch.testing.assert_close(PackedLinear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)

@@ -16,6 +16,55 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+// x [M, K] (M <= 4 rows, contiguous), w [N, K] contiguous -> x w^T (+ bias) [M, N]. A decode
+// step at batch 1 is bound by reading the weights: each thread streams its own run of rows
+// once, front to back, and dots each with the M inputs held in L1.
+template <int M>
+static void small_rows(const float* x, const float* w, const float* bias, float* out,
+                       int64_t K, int64_t N) {
+  at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* wr = w + n * K;
+      float tail[M] = {};
+      int64_t k = 0;
+#ifdef __AVX512F__
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      for (; k + 16 <= K; k += 16) {
+        const __m512 wv = _mm512_loadu_ps(wr + k);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), wv, acc[m]);
+      }
+      for (int m = 0; m < M; ++m) tail[m] = _mm512_reduce_add_ps(acc[m]);
+#endif
+      for (; k < K; ++k)
+        for (int m = 0; m < M; ++m) tail[m] += x[m * K + k] * wr[k];
+      for (int m = 0; m < M; ++m) out[m * N + n] = tail[m] + (bias ? bias[n] : 0.f);
+    }
+  });
+}
+
+torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4 && x.scalar_type() == torch::kFloat);
+  TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1));
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (M) {
+    case 1: small_rows<1>(xp, wp, b, op, K, N); break;
+    case 2: small_rows<2>(xp, wp, b, op, K, N); break;
+    case 3: small_rows<3>(xp, wp, b, op, K, N); break;
+    default: small_rows<4>(xp, wp, b, op, K, N); break;
+  }
+  return out;
+}
 
 // x [T, N] (rows may be strided) -> x / sqrt(mean(x^2) + eps) * w, contiguous [T, N].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -93,12 +142,12 @@ _tried = False
 
 
 def cpu_ops():
-    """The compiled module (rms_norm, silu_and_mul, rotary_embedding_), or None."""
+    """The compiled module (rms_norm, silu_and_mul, rotary_embedding_, linear_small), or None."""
     global _ops, _tried
     if not _tried:
         _tried = True
-        _ops = build_cpu_extension("pagedllm_cpu_ops_v1", _SOURCE,
-                                   ["rms_norm", "silu_and_mul", "rotary_embedding_"])
+        _ops = build_cpu_extension("pagedllm_cpu_ops_v2", _SOURCE,
+                                   ["rms_norm", "silu_and_mul", "rotary_embedding_", "linear_small"])
     return _ops
 
 
