@@ -173,3 +173,16 @@ def assert_error(r: httpx.Response, status: int, code=None):
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+def wait_idle(server, timeout=30.0) -> dict:
+    """Poll /metrics until no KV block is used and nothing runs or waits -> the metrics."""
+    deadline = time.monotonic() + timeout
+    m = server.metrics()
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0 \
+                and m["pagedllm:num_requests_waiting"] == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"blocks not freed: {m}")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, assert_error, session_pids
+from server_utils import RemoteServer, assert_error, wait_idle, session_pids
 
 pytestmark = pytest.mark.model
 
@@ -260,21 +260,10 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 
 
 # ------------------------------------------------------------------ disconnects free blocks
-def _wait_idle(server, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    m = server.metrics()
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0 \
-                and m["pagedllm:num_requests_waiting"] == 0:
-            return m
-        time.sleep(0.2)
-    raise AssertionError(f"blocks not freed: {m}")
-
 
 @pytest.mark.timeout(120)
 def test_stream_disconnect_frees_blocks(server):
-    before = _wait_idle(server)
+    before = wait_idle(server)
     aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
     body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 500, "stream": True,
             "ignore_eos": True, "temperature": 0}
@@ -290,19 +279,19 @@ def test_stream_disconnect_frees_blocks(server):
         assert busy["pagedllm:kv_cache_used_blocks"] > 0
         assert busy["pagedllm:num_requests_running"] == 1
     # the connection is closed: the request is aborted in the core, its blocks come back
-    after = _wait_idle(server)
+    after = wait_idle(server)
     assert after['pagedllm:request_success_total{finished_reason="abort"}'] == aborted0 + 1
     assert after["pagedllm:kv_cache_usage_perc"] == 0
 
 
 @pytest.mark.timeout(120)
 def test_non_stream_disconnect_frees_blocks(server):
-    before = _wait_idle(server)
+    before = wait_idle(server)
     aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
     body = {"messages": CHAT, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/chat/completions", json=body, timeout=httpx.Timeout(60, read=3))
-    after = _wait_idle(server)
+    after = wait_idle(server)
     assert after['pagedllm:request_success_total{finished_reason="abort"}'] == aborted0 + 1
 
 
@@ -551,7 +540,7 @@ def test_prefix_cache_reported_in_usage_and_metrics(server, client):
     assert second.choices[0].text == first.choices[0].text
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert m["pagedllm:prefix_cache_hits_total"] >= cached
     assert 0 < m["pagedllm:prefix_cache_hit_rate"] <= 1
 

@@ -5,12 +5,11 @@ same time is unaffected; bad input is a 400 naming the field; the beams' blocks 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
-from server_utils import RemoteServer, assert_error
+from server_utils import RemoteServer, assert_error, wait_idle
 from test_beam_search import hf_beam_search
 
 pytestmark = pytest.mark.model
@@ -36,17 +35,6 @@ def client(server):
 def beam(**kw):
     return {"use_beam_search": True, **kw}
 
-
-def _wait_idle(server, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    m = server.metrics()
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0 \
-                and m["pagedllm:num_requests_waiting"] == 0:
-            return m
-        time.sleep(0.2)
-    raise AssertionError(f"blocks not freed: {m}")
 
 
 def _check_choices(choices, refs, tokenizer):
@@ -116,7 +104,7 @@ def test_normal_request_unaffected_by_beam_search(server, client):
     plain, *searched = asyncio.run(together())
     assert plain.choices[0].text == alone
     assert all(len(s.choices) == 4 for s in searched)
-    _wait_idle(server)
+    wait_idle(server)
 
 
 # ------------------------------------------------------------------ bad input, aborts, blocks
@@ -140,12 +128,12 @@ def test_beam_bad_input_is_400(server, path, body, param):
 
 @pytest.mark.timeout(120)
 def test_disconnect_aborts_search_and_blocks_come_back(server):
-    before = _wait_idle(server)
+    before = wait_idle(server)
     aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
     body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "ignore_eos": True,
             "n": 4, "use_beam_search": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", json=body, timeout=httpx.Timeout(60, read=2))
-    after = _wait_idle(server)
+    after = wait_idle(server)
     assert after['pagedllm:request_success_total{finished_reason="abort"}'] == aborted0 + 1
     assert after["pagedllm:kv_cache_usage_perc"] == 0
