@@ -297,6 +297,13 @@ def test_non_stream_disconnect_frees_blocks(server):
 
 @pytest.mark.timeout(60)
 def test_metrics_exposed(server):
+    # Its own requests, so that it passes alone too: one ends on length; the same greedy
+    # prompt with that text as a stop string ends on stop.
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    first = post(server, "/v1/completions", body).json()["choices"][0]
+    assert first["finish_reason"] == "length" and first["text"].strip()
+    second = post(server, "/v1/completions", {**body, "stop": [first["text"]]}).json()["choices"][0]
+    assert second["finish_reason"] == "stop"
     m = server.metrics()
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
@@ -307,7 +314,10 @@ def test_metrics_exposed(server):
     assert m['pagedllm:request_success_total{finished_reason="length"}'] > 0
     assert m['pagedllm:request_success_total{finished_reason="stop"}'] > 0
     assert m["pagedllm:generation_tokens_total"] > 0
-    assert "Running: " in server.log_text()  # the periodic stats line
+    deadline = time.monotonic() + 20   # the periodic stats line (every --log-stats-interval s)
+    while "Running: " not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "Running: " in server.log_text()
 
 
 # ------------------------------------------------------------------ bad input
