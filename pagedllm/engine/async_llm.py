@@ -176,6 +176,14 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    def release(self, request_id: str, queue: asyncio.Queue, abort: bool) -> None:
+        """A stream or handle closes: drop its output queue (if still the one registered for
+        the id) and, unless its request already finished, abort it."""
+        if self.queues.get(request_id) is queue:
+            del self.queues[request_id]
+        if abort:
+            self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         """Forget the request here and end it in the core (its blocks go back at once)."""
         if request_id in self.beam_searches:
@@ -370,12 +378,9 @@ class BeamSearchHandle:
             pass
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.engine.queues.get(self.request_id) is self.queue:
-            del self.engine.queues[self.request_id]
-        self.engine.abort(self.request_id)   # a no-op once the result is in
+        if not self.closed:
+            self.closed = True
+            self.engine.release(self.request_id, self.queue, abort=True)   # a no-op once the result is in
 
 
 class RequestStream:
@@ -417,10 +422,6 @@ class RequestStream:
             pass
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.engine.queues.get(self.request_id) is self.queue:
-            del self.engine.queues[self.request_id]
-        if not self.finished:
-            self.engine.abort(self.request_id)
+        if not self.closed:
+            self.closed = True
+            self.engine.release(self.request_id, self.queue, abort=not self.finished)

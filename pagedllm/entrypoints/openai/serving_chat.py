@@ -11,7 +11,8 @@ from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, usage_dict, random_id)
-from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIError, OpenAIServing, sse, stream_error
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, sse, stream_error,
+                                                      stream_final)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -124,26 +125,14 @@ class OpenAIServingChat(OpenAIServing):
                                                       prompt_tokens_details=PromptTokensDetails(
                                                           cached_tokens=res.num_cached_tokens)))
 
-    async def _beam_stream(self, req, request_id, created, handles, num_prompt) -> AsyncIterator[str]:
+    def _beam_stream(self, req, request_id, created, handles, num_prompt) -> AsyncIterator[str]:
         """Beam search has no partial output: each final choice in one chunk (role, content and
         finish reason), then [DONE]."""
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        try:
-            full = await self._beam_full(request_id, created, handles, num_prompt)
-            head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_name}
-            for c in full.choices:
-                chunk = {**head, "choices": [{"index": c.index, "delta": {"role": "assistant",
-                                                                          "content": c.message.content},
-                                              "logprobs": None, "finish_reason": c.finish_reason}]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": full.usage.model_dump()})
-        except Exception as e:  # the engine died or the server is stopping
-            yield sse(stream_error(e).body())
-        yield SSE_DONE
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        return stream_final(lambda: self._beam_full(request_id, created, handles, num_prompt), head,
+                            lambda c: {"index": c.index, "delta": {"role": "assistant", "content": c.message.content},
+                                       "logprobs": None, "finish_reason": c.finish_reason},
+                            bool(req.stream_options and req.stream_options.include_usage))
 
     # ------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, created, stream, num_prompt) -> AsyncIterator[str]:

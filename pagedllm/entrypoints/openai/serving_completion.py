@@ -10,7 +10,8 @@ from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails, UsageInfo, usage_dict,
     random_id)
-from pagedllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIError, OpenAIServing, sse, stream_error
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, sse, stream_error,
+                                                      stream_final)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -139,22 +140,12 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, created=created, model=self.model_name,
                                   choices=choices, usage=usage)
 
-    async def _beam_stream(self, req, request_id, created, handles, texts, num_prompt_tokens) -> AsyncIterator[str]:
+    def _beam_stream(self, req, request_id, created, handles, texts, num_prompt_tokens) -> AsyncIterator[str]:
         """Beam search has no partial output: the final choices, one chunk each, then [DONE]."""
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        try:
-            full = await self._beam_full(req, request_id, created, handles, texts, num_prompt_tokens)
-            head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-            for c in full.choices:
-                chunk = {**head, "choices": [c.model_dump()]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": full.usage.model_dump()})
-        except Exception as e:  # the engine died or the server is stopping
-            yield sse(stream_error(e).body())
-        yield SSE_DONE
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        return stream_final(lambda: self._beam_full(req, request_id, created, handles, texts, num_prompt_tokens),
+                            head, lambda c: c.model_dump(),
+                            bool(req.stream_options and req.stream_options.include_usage))
 
     # ------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, created, streams, texts, num_prompt_tokens) -> AsyncIterator[str]:

@@ -35,6 +35,24 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+async def stream_final(make_response, head: dict, chunk_choice, include_usage: bool) -> AsyncIterator[str]:
+    """A response with no partial output (beam search) as a stream: awaits make_response(),
+    then each final choice in one chunk (chunk_choice(choice) -> its dict), the usage chunk when
+    asked, then [DONE]; an error after the stream began goes into the stream."""
+    try:
+        full = await make_response()
+        for c in full.choices:
+            chunk = {**head, "choices": [chunk_choice(c)]}
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": full.usage.model_dump()})
+    except Exception as e:  # the engine died or the server is stopping
+        yield sse(stream_error(e).body())
+    yield SSE_DONE
+
+
 def stream_error(e: BaseException) -> OpenAIError:
     """An error met after a stream started: it goes into the stream as an error event."""
     from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError
