@@ -158,11 +158,11 @@ class ParallelContext:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.shard.is_first_stage
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.shard.is_last_stage
 
     # Pipeline hand-offs: TP rank t of one stage talks to TP rank t of the other.
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
