@@ -106,11 +106,41 @@ class ParallelConfig:
 
 
 @dataclass
+class DeviceConfig:
+    """Where the model runs and how (the knobs of the GPU path; the CPU ignores the others)."""
+    device: str = "cpu"                    # "cpu" or "cuda" (resolved from "auto" by EngineArgs)
+    attention_backend: str = "torch"       # "torch" (CPU) or "triton" (paged kernels, GPU)
+    gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use
+    enforce_eager: bool = False            # True: no CUDA graphs for decode steps
+    # Decode batch sizes captured as CUDA graphs; a decode batch is padded to the next one.
+    cuda_graph_sizes: list = field(default_factory=list)
+
+
+def cuda_graph_ladder(max_num_seqs: int, limit: int = 512) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to max_num_seqs rounded up to 8 (at most limit):
+    padding a decode batch costs at most 7 wasted rows."""
+    top = min(limit, -(-max_num_seqs // 8) * 8)
+    return [b for b in (1, 2, 4) if b <= top] + list(range(8, top + 1, 8))
+
+
+def resolve_dtype(dtype: str, hf_config: dict, device: str) -> str:
+    """'auto': float32 on the CPU (this engine's fast path there), the config's torch_dtype on a
+    GPU (bfloat16 where the config names none)."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    named = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    return named if named in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
 
     def validate(self) -> None:
         c, s = self.cache_config, self.scheduler_config
@@ -136,6 +166,18 @@ class EngineConfig:
             from pagedllm.distributed.sharding import validate_parallel_sizes
             validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
                                     p.pipeline_parallel_size)
+        d = self.device_config
+        if d.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
+        if d.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {d.attention_backend!r}")
+        if d.device == "cuda" and d.attention_backend != "triton":
+            raise ValueError("device 'cuda' needs attention_backend 'triton' (the torch backend is the CPU's)")
+        if not (isinstance(d.gpu_memory_utilization, (int, float)) and 0 < d.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {d.gpu_memory_utilization!r}")
+        if d.device == "cuda" and p.world_size > 1:
+            raise ValueError("tensor / pipeline parallelism runs on the CPU only for now; "
+                             "use device 'cpu' or tensor_parallel_size = pipeline_parallel_size = 1")
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")

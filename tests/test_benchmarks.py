@@ -79,3 +79,25 @@ def test_bench_latency_profile_runs(model_dir, tmp_path):
         assert prof["steps"] == 5 and prof["mean_reqs"] == r["batch"]
         assert sum(p["pct"] for p in prof["phases"].values()) == pytest.approx(100.0)
         assert 0 < prof["overhead_pct"] < 100
+
+
+def test_bench_attention_bytes_and_rate(tmp_path):
+    """`bench attention` counts the bytes a decode step's attention must move (all of K and V,
+    the queries, the outputs, the block table) and divides by the kernel's time."""
+    from pagedllm.attention.cpu_kernels import cpu_decode_supported
+    from pagedllm.benchmarks.attention import decode_case
+    if not cpu_decode_supported(torch.float32):
+        pytest.skip("the C++ decode kernel is not built here")
+    B, L, H, Hkv, D, bs = 3, 40, 8, 2, 64, 16
+    fn, moved, _ = decode_case(torch, torch.device("cpu"), torch.float32, B, L, H, Hkv, D, bs)
+    assert moved == 2 * B * L * Hkv * D * 4 + 2 * B * H * D * 4 + B * 3 * 4
+    assert fn().shape == (B, H, D)
+    out = tmp_path / "attn.json"
+    subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "attention", "--device", "cpu",
+                    "--batch-size", "2", "--context-len", "100", "--iters", "3", "--output-json", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    data = json.loads(out.read_text())
+    assert data["kernel"] == "C++ paged_decode" and data["copy_gbps"] > 0
+    (row,) = data["results"]
+    assert (row["batch"], row["context"]) == (2, 100)
+    assert row["gbps"] == pytest.approx(row["kv_mib"] * 2**20 / (row["us"] * 1e-6) / 1e9)

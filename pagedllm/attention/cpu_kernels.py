@@ -229,3 +229,8 @@ def decode_kernel():
         mod = build_cpu_extension("pagedllm_cpu_kernels_v4", _SOURCE, ["paged_decode"])
         _kernel = mod.paged_decode if mod is not None else None
     return _kernel
+
+
+def cpu_decode_supported(dtype: torch.dtype) -> bool:
+    """Whether decode attention can read the pages of a CPU KV cache of this dtype directly."""
+    return dtype == torch.float32 and decode_kernel() is not None

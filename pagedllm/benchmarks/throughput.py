@@ -69,6 +69,7 @@ def _hf_batch(model, batch, pad_id, torch):
         ids[i, width - n:] = torch.tensor(r.prompt_token_ids)
         mask[i, width - n:] = 1
     new = max(r.output_len for r in batch)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                          min_new_tokens=new, eos_token_id=None, pad_token_id=pad_id)
     if out.shape[1] - width != new:  # else the useful count below would credit tokens never made
@@ -76,20 +77,27 @@ def _hf_batch(model, batch, pad_id, torch):
     return new * len(batch)
 
 
-def run_transformers(model_dir, dtype, tokenizer, requests, batch_size) -> dict:
+def _sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_transformers(model_dir, dtype, tokenizer, requests, batch_size, device) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
     generated = 0
     with torch.inference_mode():
         _hf_batch(model, [Req([r.prompt_token_ids[-1]] * 16, 4) for r in requests[:2]], pad_id, torch)  # warm-up
+        _sync(torch, model.device)
         with _Timer() as t:
             for k, batch in enumerate(batches):
                 generated += _hf_batch(model, batch, pad_id, torch)
                 print(f"  transformers: batch {k + 1}/{len(batches)} done, {time.perf_counter() - t.t0:.1f} s",
                       file=sys.stderr, flush=True)
+            _sync(torch, model.device)
     useful = sum(r.output_len for r in requests)
     return _row("transformers", len(requests), sum(len(r.prompt_token_ids) for r in requests), useful,
                 t, generated_tokens=generated, batch_size=batch_size, num_batches=len(batches),
@@ -110,14 +118,18 @@ def main(ns: argparse.Namespace) -> int:
     llm = LLM(**vars(eargs))
     mc = llm.llm_engine.config.model_config
     model_dir = mc.model
-    # "auto" is float32 on the CPU path (see models/loader.py); the baseline must use the same.
-    dtype = torch.float32 if mc.dtype == "auto" else getattr(torch, mc.dtype)
+    # EngineArgs resolved "auto" (float32 on the CPU, the config's on a GPU); the baseline uses
+    # the same dtype on the same device.
+    dtype = getattr(torch, mc.dtype)
+    device = torch.device(llm.llm_engine.config.device_config.device)
     tokenizer = llm.get_tokenizer()
     requests = workload_requests(tokenizer, ns)
     machine = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
           f"with {machine['torch_threads']} threads (both systems)")
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)} (both systems)")
     print(f"model: {model_dir} ({str(dtype).removeprefix('torch.')}, greedy, ignore_eos)")
     print(f"requests: {len(requests)}, input {ns.min_input_len}-{ns.max_input_len}, "
           f"output {ns.min_output_len}-{ns.max_output_len}, seed {ns.dataset_seed}; "
@@ -128,6 +140,8 @@ def main(ns: argparse.Namespace) -> int:
     # Free the engine (weights and KV cache) so transformers does not run under its memory.
     del llm
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     notes = []
     if not ns.skip_hf:
@@ -136,7 +150,7 @@ def main(ns: argparse.Namespace) -> int:
             notes.append(f"transformers ran only the first {len(hf_reqs)} of {len(requests)} requests; "
                          "its rates are extrapolated from that subset")
         print(f"running transformers (static batches of {hf_bs}) ...", file=sys.stderr, flush=True)
-        rows.append(run_transformers(model_dir, dtype, tokenizer, hf_reqs, hf_bs))
+        rows.append(run_transformers(model_dir, dtype, tokenizer, hf_reqs, hf_bs, device))
 
     print()
     print_table(rows, [("system", "system", ""), ("requests", "requests", "d"),

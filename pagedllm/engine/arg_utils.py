@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, cuda_graph_ladder, resolve_dtype)
 
 
 @dataclass
@@ -27,6 +28,10 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None   # "mp" (default) or "ray"
+    device: str = "auto"                # "auto" (cuda when torch sees one), "cpu", "cuda"
+    attention_backend: str = "auto"     # "auto" (triton on cuda, torch on cpu), "torch", "triton"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False         # no CUDA graphs
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -43,7 +48,9 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks must be an integer >= 2, got {self.num_gpu_blocks!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a number of bytes >= 1, got {self.kv_cache_memory!r}")
+        dc = self._device_config()
         mc = ModelConfig.from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
+        mc.dtype = resolve_dtype(mc.dtype, mc.hf_config, dc.device)
         sc = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=mc.max_model_len,
@@ -57,6 +64,34 @@ class EngineArgs:
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
-        config = EngineConfig(mc, cc, sc, pc)
+        if dc.device == "cuda" and not self.enforce_eager:
+            dc.cuda_graph_sizes = cuda_graph_ladder(self.max_num_seqs)
+        config = EngineConfig(mc, cc, sc, pc, dc)
         config.validate()
         return config
+
+    def _device_config(self) -> DeviceConfig:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
+                             f"got {self.attention_backend!r}")
+        import torch
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device "
+                             f"(torch {torch.__version__}); use device 'cpu' or 'auto'")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
+        if backend == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ValueError("attention_backend 'triton' needs the triton package "
+                                 "(pip install triton)") from None
+        return DeviceConfig(device=device, attention_backend=backend,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            enforce_eager=bool(self.enforce_eager))

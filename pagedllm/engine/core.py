@@ -69,13 +69,21 @@ class EngineCore:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         if cc.num_gpu_blocks is not None:
             return cc.num_gpu_blocks
-        # Enough for every sequence at full length, capped by the memory given to the cache.
-        useful = sc.max_num_seqs * -(sc.max_model_len // -cc.block_size) + 1
-        budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        on_gpu = self.config.device_config.device == "cuda"
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif on_gpu:   # what a profiled forward leaves of gpu_memory_utilization (worker/memory.py)
+            budget = self.runner.profile_kv_cache_memory()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
         by_memory = budget // self.runner.kv_bytes_per_block()
         if by_memory < 2:
             raise ValueError(f"kv_cache_memory ({budget} bytes) holds fewer than 2 blocks of "
                              f"{self.runner.kv_bytes_per_block()} bytes")
+        if on_gpu:     # all of it: blocks beyond the running requests' keep the prefix cache
+            return int(by_memory)
+        # On the CPU: enough for every sequence at full length, capped by the memory budget.
+        useful = sc.max_num_seqs * -(sc.max_model_len // -cc.block_size) + 1
         return int(min(useful, by_memory))
 
     def shutdown(self) -> None:

@@ -17,7 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (default 2048)")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache (default 4)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default auto: float32 on cpu, the config's on cuda)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -30,6 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into N pipeline stages, one process each (default 1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="N engine replicas behind a prefix-cache-aware router (serve; default 1)")
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (default auto: cuda when torch sees a GPU, else cpu)")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"],
+                   help="paged attention kernels (default auto: triton on cuda, torch + C++ on cpu)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="share of the GPU's memory for weights, activations and KV cache (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
@@ -46,7 +55,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       tensor_parallel_size=ns.tensor_parallel_size,
                       pipeline_parallel_size=ns.pipeline_parallel_size,
                       data_parallel_size=ns.data_parallel_size,
-                      distributed_executor_backend=ns.distributed_executor_backend)
+                      distributed_executor_backend=ns.distributed_executor_backend,
+                      device=ns.device, attention_backend=ns.attention_backend,
+                      gpu_memory_utilization=ns.gpu_memory_utilization,
+                      enforce_eager=ns.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

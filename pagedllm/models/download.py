@@ -267,6 +267,9 @@ def resolve_model(model: str | None) -> Path:
     """`--model` value → HF-format model directory (None = the default model)."""
     if model is None or model in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
+    from pagedllm.models.random_model import PREFIX, random_model_dir
+    if model.startswith(PREFIX):
+        return random_model_dir(model)
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(

@@ -92,6 +92,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> 
 
 
 class LlamaAttention(nn.Module):
+    # The attention backend: paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> out.
+    # The torch one here; the loader sets Triton's on the model's layers for the GPU path.
+    attention = staticmethod(paged_attention)
+
     def __init__(self, hf: dict, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
@@ -109,7 +113,7 @@ class LlamaAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 

@@ -40,9 +40,11 @@ def iter_weights(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: ModelConfig, parallel=None) -> torch.nn.Module:
+def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
+               attention_backend: str = "torch") -> torch.nn.Module:
     """parallel (pagedllm.distributed.parallel_state.ParallelContext): load only this rank's
-    shard (tensor / pipeline parallelism); None: the whole model."""
+    shard (tensor / pipeline parallelism); None: the whole model. device: where the weights
+    live ("cpu" or "cuda"); attention_backend: "torch" or "triton" (see pagedllm/attention)."""
     cls = get_model_class(config.hf_config)
     dtype = _dtype(config)
     with torch.device("meta"):
@@ -51,9 +53,11 @@ def load_model(config: ModelConfig, parallel=None) -> torch.nn.Module:
         else:
             from pagedllm.models.parallel_llama import ParallelLlamaForCausalLM
             model = ParallelLlamaForCausalLM(config.hf_config, config.max_model_len, parallel)
-    model = model.to_empty(device="cpu")
-    # Buffers (RoPE tables) were made on meta: build them again for real.
+    model = model.to_empty(device=device)
+    # Buffers (RoPE tables) were made on meta: build them again for real (in float32 on the
+    # CPU, as transformers does, then moved).
     model.rope.__init__(config.hf_config, config.head_dim, config.max_model_len)
+    model.rope.to(device)
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}
     loaded = set()
@@ -86,8 +90,15 @@ def load_model(config: ModelConfig, parallel=None) -> torch.nn.Module:
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(dtype).eval().requires_grad_(False)
-    pack_linears(model)   # after the dtype cast: the packed copy is made in the final dtype
-    enable_fused_cpu_ops(model)
+    if attention_backend == "triton":
+        from pagedllm.attention.triton_backend import paged_attention
+        from pagedllm.models.llama import LlamaAttention
+        for m in model.modules():
+            if isinstance(m, LlamaAttention):
+                m.attention = paged_attention
+    if torch.device(device).type == "cpu":
+        pack_linears(model)   # after the dtype cast: the packed copy is made in the final dtype
+        enable_fused_cpu_ops(model)
     return model
 
 

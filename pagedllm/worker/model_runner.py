@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm.attention.cpu_kernels import decode_kernel
+from pagedllm.attention.cpu_kernels import cpu_decode_supported
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -26,16 +26,20 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        dc = config.device_config
         self.block_size = cc.block_size
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.vocab_size
-        self.model = load_model(mc, parallel)
+        self.device = torch.device(dc.device)
+        self.attention_backend = dc.attention_backend
+        self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
         # This rank's KV cache: the layers of its pipeline stage, the KV heads of its TP share.
         self.num_cache_layers = mc.num_layers if parallel is None else parallel.shard.num_layers
         self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
         self.dtype = next(self.model.parameters()).dtype
-        # Decode attention straight from the pages when the C++ kernel builds (float32 CPU).
-        self.decode_by_pages = self.dtype == torch.float32 and decode_kernel() is not None
+        # Decode attention straight from the pages when the C++ kernel builds (CPU).
+        self.decode_by_pages = self.attention_backend == "torch" and cpu_decode_supported(self.dtype)
+        self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -51,19 +55,28 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_cache_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim], and
-        the same for the swap space. torch.zeros maps pages lazily, so unused blocks cost no
-        memory until first written."""
-        mc = self.config.model_config
+    def alloc_kv_caches(self, num_blocks: int, device, pin: bool = False):
+        """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim].
+        On the CPU torch.zeros maps pages lazily: unused blocks cost no memory until written."""
+        shape = (num_blocks * self.block_size, self.num_kv_heads, self.config.model_config.head_dim)
+        return [tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+                      for _ in range(2)) for _ in range(self.num_cache_layers)]
 
-        def alloc(n):
-            shape = (n * self.block_size, self.num_kv_heads, mc.head_dim)
-            return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                    for _ in range(self.num_cache_layers)]
-        self.kv_caches = alloc(num_blocks)
-        # On a GPU the swap space would be pinned host memory; on the CPU both are host memory.
-        self.cpu_caches = alloc(num_cpu_blocks) if num_cpu_blocks else []
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """The KV cache, the swap space (host memory, pinned when the cache is on a GPU), and
+        then the decode CUDA graphs, which capture the cache's addresses."""
+        self.kv_caches = self.alloc_kv_caches(num_blocks, self.device)
+        self.cpu_caches = (self.alloc_kv_caches(num_cpu_blocks, "cpu", pin=self.device.type == "cuda")
+                           if num_cpu_blocks else [])
+        dc = self.config.device_config
+        if self.device.type == "cuda" and dc.cuda_graph_sizes:
+            from pagedllm.worker.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self, dc.cuda_graph_sizes, capture=True)
+
+    def profile_kv_cache_memory(self) -> int:
+        """GPU: bytes left for the KV cache (see worker/memory.py)."""
+        from pagedllm.worker.memory import profile_kv_cache_memory
+        return profile_kv_cache_memory(self)
 
     # ------------------------------------------------------------ states
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -93,7 +106,8 @@ class ModelRunner:
             params = data.sampling_params
             gen = self.generators.get(data.req_id)
             if gen is None and params.seed is not None:
-                gen = self.generators[data.req_id] = torch.Generator().manual_seed(params.seed)
+                gen = torch.Generator(device=self.device).manual_seed(params.seed)
+                self.generators[data.req_id] = gen
             state = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
                                        params, list(data.block_ids), data.num_computed_tokens, gen)
             self.requests[data.req_id] = state
@@ -105,9 +119,11 @@ class ModelRunner:
         offs = torch.arange(self.block_size)
         src = (torch.tensor([s for s, _ in pairs])[:, None] * self.block_size + offs).reshape(-1)
         dst = (torch.tensor([d for _, d in pairs])[:, None] * self.block_size + offs).reshape(-1)
+        src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
+        src, dst = src.to(src_dev), dst.to(dst_dev)
         for (k_src, v_src), (k_dst, v_dst) in zip(src_caches, dst_caches):
-            k_dst[dst] = k_src[src]
-            v_dst[dst] = v_src[src]
+            k_dst[dst] = k_src[src].to(dst_dev, non_blocking=True)
+            v_dst[dst] = v_src[src].to(dst_dev, non_blocking=True)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -123,7 +139,8 @@ class ModelRunner:
         logprobs = None
         rows = inputs.sample_rows
         if len(rows):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [len(rows), V]
+            logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
             PROFILER.mark("forward")
             out = self.sampler(logits, self._sampling_metadata(rows))
             PROFILER.mark("sample")
@@ -160,14 +177,28 @@ class ModelRunner:
         if batch.num_reqs == 0:
             return None
         inputs = batch.prepare_inputs(so.num_scheduled_tokens)
-        meta = build_attention_metadata(inputs.query_start_loc.numpy(), inputs.seq_lens.numpy(),
-                                        batch.block_table_np[:batch.num_reqs], self.block_size,
-                                        inputs.slot_mapping, decode_by_pages=self.decode_by_pages)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return inputs, None    # a captured decode step builds its own metadata
+        if self.attention_backend == "triton":
+            from pagedllm.attention.triton_backend import build_triton_metadata
+            nb = -(inputs.max_seq_len // -self.block_size)   # only the columns in use travel
+            meta = build_triton_metadata(inputs.query_start_loc, inputs.seq_lens,
+                                         inputs.block_table[:, :nb], self.block_size,
+                                         inputs.slot_mapping, device=self.device,
+                                         max_query_len=inputs.max_query_len,
+                                         max_seq_len=inputs.max_seq_len)
+        else:
+            meta = build_attention_metadata(inputs.query_start_loc.numpy(), inputs.seq_lens.numpy(),
+                                            batch.block_table_np[:batch.num_reqs], self.block_size,
+                                            inputs.slot_mapping, decode_by_pages=self.decode_by_pages)
         return inputs, meta
 
     def _forward(self, inputs, meta) -> torch.Tensor:
         """The model over this step's tokens -> final hidden states [num_tokens, hidden]."""
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        if meta is None:
+            return self.graphs.run(inputs)
+        return self.model(inputs.input_ids.to(self.device, non_blocking=True),
+                          inputs.positions.to(self.device, non_blocking=True), self.kv_caches, meta)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         states = [self.input_batch.states[r] for r in rows.tolist()]
@@ -185,4 +216,5 @@ class ModelRunner:
             generators=[s.generator for s in states],
             stop_ids_for_min_tokens=min_tok_stops,
             vocab_size=self.vocab_size,
+            device=self.device,
         )
