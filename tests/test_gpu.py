@@ -57,6 +57,12 @@ def reference_fp32(tiny_dir, prompts):
     return refs
 
 
+def _assert_equal(got, reference):
+    for i, (ours, (ref, gaps)) in enumerate(zip(got, reference)):
+        j = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        assert j is None or gaps[j] < TIE_EPS, f"prompt {i}: token {j} differs, gap {gaps[j]:.3g}"
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_float32_greedy_equals_transformers(tiny_dir, prompts, reference_fp32, enforce_eager):
     from pagedllm import LLM
@@ -68,12 +74,18 @@ def test_float32_greedy_equals_transformers(tiny_dir, prompts, reference_fp32, e
     if runner.graphs is not None:
         replays, run = [], runner.graphs.run
         runner.graphs.run = lambda inputs: replays.append(len(inputs.req_ids)) or run(inputs)
-    got = _generate(llm, prompts)
-    for i, (ours, (ref, gaps)) in enumerate(zip(got, reference_fp32)):
-        j = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        assert j is None or gaps[j] < TIE_EPS, f"prompt {i}: token {j} differs, gap {gaps[j]:.3g}"
+    _assert_equal(_generate(llm, prompts), reference_fp32)
     if not enforce_eager:
         assert replays, "no decode step replayed a CUDA graph"
+
+
+def test_swap_preemption_on_gpu(tiny_dir, prompts, reference_fp32):
+    """A cache too small for all requests: blocks go to pinned host memory and come back."""
+    from pagedllm import LLM
+    llm = LLM(tiny_dir, dtype="float32", num_gpu_blocks=30, num_cpu_blocks=64,
+              preemption_mode="swap", max_num_batched_tokens=128)
+    _assert_equal(_generate(llm, prompts), reference_fp32)
+    assert llm.llm_engine.num_preemptions > 0
 
 
 def test_bfloat16_top1_agreement(tiny_dir, prompts):

@@ -121,9 +121,12 @@ class ModelRunner:
         dst = (torch.tensor([d for _, d in pairs])[:, None] * self.block_size + offs).reshape(-1)
         src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
         src, dst = src.to(src_dev), dst.to(dst_dev)
+        # Host -> device may be asynchronous (stream-ordered); device -> host must not be, as
+        # the host indexes the result at once.
+        async_copy = dst_dev.type == "cuda"
         for (k_src, v_src), (k_dst, v_dst) in zip(src_caches, dst_caches):
-            k_dst[dst] = k_src[src].to(dst_dev, non_blocking=True)
-            v_dst[dst] = v_src[src].to(dst_dev, non_blocking=True)
+            k_dst[dst] = k_src[src].to(dst_dev, non_blocking=async_copy)
+            v_dst[dst] = v_src[src].to(dst_dev, non_blocking=async_copy)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
