@@ -275,7 +275,12 @@ def test_stream_disconnect_frees_blocks(server):
                 n += 1
                 if n == 3:
                     break
+        # The gauges follow the core's stats messages, which may lag the stream by one.
+        deadline = time.monotonic() + 10
         busy = server.metrics()
+        while busy["pagedllm:kv_cache_used_blocks"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            busy = server.metrics()
         assert busy["pagedllm:kv_cache_used_blocks"] > 0
         assert busy["pagedllm:num_requests_running"] == 1
     # the connection is closed: the request is aborted in the core, its blocks come back
