@@ -4,7 +4,9 @@ The torch path gathers every decode request's whole context out of the paged cac
 padded tensor each layer (a copy as large as the context) before attending. This kernel reads
 K and V straight from the pages through the block table, once: for each (request, KV head)
 the G query heads that share that KV head are scored together, then a softmax, then the
-weighted sum of V. It is built with torch's cpp_extension (cached under
+weighted sum of V. A bfloat16 cache is read the same way, each key / value row widened to
+float32 as it is loaded (q, scores, softmax and the sums all in float32; the output rounded to
+bfloat16 once): half the bytes of a float32 cache. It is built with torch's cpp_extension (cached under
 $TORCH_EXTENSIONS_DIR); if it cannot be built, `decode_attention` is None and the caller
 keeps the torch path.
 """
@@ -22,7 +24,10 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -30,22 +35,40 @@ _SOURCE = r"""
 
 // One (request, KV head): the G query heads that share the KV head, over the L keys reached
 // through the block table. k, v point at this KV head of slot 0; ks / vs are slot strides.
+// T is the cache's element: float, or uint16_t holding bfloat16 bits. q and out are float32.
+template <typename T>
 struct Task {
-  const float* q; const float* k; const float* v; const int32_t* blocks;
+  const float* q; const T* k; const T* v; const int32_t* blocks;
   int64_t L, block_size, ks, vs, G, D; float scale; float* scores; float* out;
 };
+
+static inline float to_f(float x) { return x; }
+static inline float to_f(uint16_t h) {   // bfloat16 is the upper half of a float32
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// float32 -> bfloat16, round to nearest even, NaN to the quiet NaN (torch's cast).
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 static void softmax_rows(float* s, int64_t G, int64_t L);
 
 // Portable path: any D, any CPU.
-static void decode_task_scalar(const Task& t) {
+template <typename T>
+static void decode_task_scalar(const Task<T>& t) {
   for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t n = std::min(t.block_size, t.L - t0);
-    const float* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
+    const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
     for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < t.G; ++g) {
         float s = 0.f;
-        for (int64_t d = 0; d < t.D; ++d) s += t.q[g * t.D + d] * kb[j * t.ks + d];
+        for (int64_t d = 0; d < t.D; ++d) s += t.q[g * t.D + d] * to_f(kb[j * t.ks + d]);
         t.scores[g * t.L + t0 + j] = s * t.scale;
       }
   }
@@ -53,11 +76,11 @@ static void decode_task_scalar(const Task& t) {
   std::fill(t.out, t.out + t.G * t.D, 0.f);
   for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t n = std::min(t.block_size, t.L - t0);
-    const float* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
     for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < t.G; ++g) {
         const float p = t.scores[g * t.L + t0 + j];
-        for (int64_t d = 0; d < t.D; ++d) t.out[g * t.D + d] += p * vb[j * t.vs + d];
+        for (int64_t d = 0; d < t.D; ++d) t.out[g * t.D + d] += p * to_f(vb[j * t.vs + d]);
       }
   }
 }
@@ -81,34 +104,42 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 cache values -> float32 (a bfloat16 is widened by a shift into the upper half).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 // Blocks sit anywhere in the cache, so no hardware prefetcher runs ahead across a block
 // boundary: ask for block blk + 1's rows of this head while block blk is being read.
-static inline void prefetch_block(const Task& t, const float* base, int64_t blk, int64_t stride) {
+template <typename T>
+static inline void prefetch_block(const Task<T>& t, const T* base, int64_t blk, int64_t stride) {
   const int64_t t0 = blk * t.block_size;
   if (t0 >= t.L) return;
   const int64_t n = std::min(t.block_size, t.L - t0);
+  constexpr int64_t E = sizeof(T);
   const char* b = (const char*)(base + (int64_t)t.blocks[blk] * t.block_size * stride);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < t.D * 4; c += 64) _mm_prefetch(b + j * stride * 4 + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < t.D * E; c += 64) _mm_prefetch(b + j * stride * E + c, _MM_HINT_T0);
 }
 
 // ND = D / 16 vectors a head row. Scores: each key row is loaded once into registers and
 // dotted with the G query heads. Output: GN heads at a time accumulate in registers while
 // the value rows stream past once.
-template <int ND, int GN>
-static void pv_heads(const Task& t, int64_t g0) {
+template <int ND, int GN, typename T>
+static void pv_heads(const Task<T>& t, int64_t g0) {
   __m512 acc[GN][ND];
   for (int gi = 0; gi < GN; ++gi)
     for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
   prefetch_block(t, t.v, 0, t.vs);
   for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t n = std::min(t.block_size, t.L - t0);
-    const float* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
     prefetch_block(t, t.v, blk + 1, t.vs);
     for (int64_t j = 0; j < n; ++j) {
-      const float* v = vb + j * t.vs;
+      const T* v = vb + j * t.vs;
       __m512 vv[ND];
-      for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int c = 0; c < ND; ++c) vv[c] = load16(v + 16 * c);
       for (int gi = 0; gi < GN; ++gi) {
         const __m512 p = _mm512_set1_ps(t.scores[(g0 + gi) * t.L + t0 + j]);
         for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
@@ -119,16 +150,16 @@ static void pv_heads(const Task& t, int64_t g0) {
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(t.out + (g0 + gi) * t.D + 16 * c, acc[gi][c]);
 }
 
-template <int ND>
-static void decode_task_avx512(const Task& t) {
+template <int ND, typename T>
+static void decode_task_avx512(const Task<T>& t) {
   prefetch_block(t, t.k, 0, t.ks);
   for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t n = std::min(t.block_size, t.L - t0);
-    const float* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
+    const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
     prefetch_block(t, t.k, blk + 1, t.ks);
     for (int64_t j = 0; j < n; ++j) {
       __m512 kv[ND];
-      for (int c = 0; c < ND; ++c) kv[c] = _mm512_loadu_ps(kb + j * t.ks + 16 * c);
+      for (int c = 0; c < ND; ++c) kv[c] = load16(kb + j * t.ks + 16 * c);
       for (int64_t g = 0; g < t.G; ++g) {
         const float* qg = t.q + g * t.D;
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
@@ -140,8 +171,8 @@ static void decode_task_avx512(const Task& t) {
   softmax_rows(t.scores, t.G, t.L);
   constexpr int GMAX = ND >= 8 ? 1 : 8 / ND;   // keep GN x ND accumulators within 16 registers
   int64_t g = 0;
-  for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX>(t, g);
-  for (; g < t.G; ++g) pv_heads<ND, 1>(t, g);
+  for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX, T>(t, g);
+  for (; g < t.G; ++g) pv_heads<ND, 1, T>(t, g);
 }
 #endif
 
@@ -168,37 +199,72 @@ static void softmax_rows(float* s, int64_t G, int64_t L) {
   }
 }
 
-// q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
-// seq_lens [B] int32 -> out [B, H, D]. float32 only.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_table, torch::Tensor seq_lens,
-                           int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat);
-  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
-  q = q.contiguous();
+template <typename T>
+static void decode_task(const Task<T>& t) {
+#ifdef __AVX512F__
+  if (t.D == 64) return decode_task_avx512<4, T>(t);
+  if (t.D == 128) return decode_task_avx512<8, T>(t);
+#endif
+  decode_task_scalar<T>(t);
+}
+
+// q [B, H, D] contiguous, caches [S, Hkv, D], all of element T -> out [B, H, D] of T. bfloat16:
+// each task widens its G query rows into a float32 buffer and rounds its float32 output once.
+template <typename T>
+static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor block_table, torch::Tensor seq_lens,
+                                int64_t block_size, double scale) {
+  constexpr bool F32 = std::is_same<T, float>::value;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const int64_t G = H / Hkv, NB = block_table.size(1);
   auto out = torch::empty_like(q);
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t max_len = B ? *std::max_element(sl, sl + B) : 0;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * max_len);
+    std::vector<float> qbuf(F32 ? 0 : G * D), obuf(F32 ? 0 : G * D);   // [G, D] bfloat16 only
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hkv, h = idx % Hkv;
-      Task t{q.data_ptr<float>() + (b * H + h * G) * D,
-             k_cache.data_ptr<float>() + h * k_cache.stride(1),
-             v_cache.data_ptr<float>() + h * v_cache.stride(1),
-             block_table.data_ptr<int32_t>() + b * NB,
-             sl[b], block_size, k_cache.stride(0), v_cache.stride(0), G, D, (float)scale,
-             scores.data(), out.data_ptr<float>() + (b * H + h * G) * D};
-#ifdef __AVX512F__
-      if (D == 64) { decode_task_avx512<4>(t); continue; }
-      if (D == 128) { decode_task_avx512<8>(t); continue; }
-#endif
-      decode_task_scalar(t);
+      const T* qt = qp + (b * H + h * G) * D;
+      T* ot = op + (b * H + h * G) * D;
+      const float* qf;
+      float* of;
+      if constexpr (F32) {
+        qf = qt;
+        of = ot;
+      } else {
+        for (int64_t i = 0; i < G * D; ++i) qbuf[i] = to_f(qt[i]);
+        qf = qbuf.data();
+        of = obuf.data();
+      }
+      Task<T> t{qf, kp + h * k_cache.stride(1), vp + h * v_cache.stride(1),
+                block_table.data_ptr<int32_t>() + b * NB,
+                sl[b], block_size, k_cache.stride(0), v_cache.stride(0), G, D, (float)scale,
+                scores.data(), of};
+      decode_task<T>(t);
+      if constexpr (!F32)
+        for (int64_t i = 0; i < G * D; ++i) ot[i] = to_bf16(obuf[i]);
     }
   });
   return out;
+}
+
+// q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
+// seq_lens [B] int32 -> out [B, H, D]. float32, or bfloat16 (q, caches and out; computed in float32).
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor seq_lens,
+                           int64_t block_size, double scale) {
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == dt && v_cache.scalar_type() == dt);
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
+  if (dt == torch::kBFloat16)
+    return run_decode<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale);
+  TORCH_CHECK(dt == torch::kFloat);
+  return run_decode<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale);
 }
 """
 
@@ -226,11 +292,14 @@ def decode_kernel():
     global _kernel, _tried
     if not _tried:
         _tried = True
-        mod = build_cpu_extension("pagedllm_cpu_kernels_v4", _SOURCE, ["paged_decode"])
+        mod = build_cpu_extension("pagedllm_cpu_kernels_v5", _SOURCE, ["paged_decode"])
         _kernel = mod.paged_decode if mod is not None else None
     return _kernel
 
 
+DECODE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def cpu_decode_supported(dtype: torch.dtype) -> bool:
     """Whether decode attention can read the pages of a CPU KV cache of this dtype directly."""
-    return dtype == torch.float32 and decode_kernel() is not None
+    return dtype in DECODE_DTYPES and decode_kernel() is not None

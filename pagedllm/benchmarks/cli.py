@@ -9,6 +9,7 @@ BENCHMARKS = [
     ("prefix-caching", "prefix_caching", "shared-prefix workload, prefix caching on vs off", True),
     ("roofline", "roofline", "the throughput workload's FLOP/s vs the measured torch.mm rate", True),
     ("latency", "latency", "batch-1 / batch-N step latency, per-phase profile, llama.cpp baseline", True),
+    ("perplexity", "perplexity", "perplexity on a fixed text per dtype (float32 / bfloat16) vs transformers", False),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
 ]

@@ -8,6 +8,7 @@ pagedllm runs through LLMEngine with streaming outputs (what the server does), o
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -21,10 +22,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print where a step's time goes, phase by phase")
-    p.add_argument("--llama-cpp", nargs="+", default=None, metavar="PRECISION",
+    p.add_argument("--llama-cpp", nargs="+", default=None, metavar="PRECISION", choices=["f32", "bf16", "q4_1"],
                    help="also run llama-cpp-python at batch 1 on the default model's GGUF, in these "
-                        "weight precisions: f32 (the same weights as pagedllm's, dequantised) and/or "
-                        "q4_1 (the file as shipped)")
+                        "weight precisions: f32 (the same weights as pagedllm's, dequantised), bf16 "
+                        "(those rounded to bfloat16, as pagedllm's --dtype bfloat16 rounds them) "
+                        "and/or q4_1 (the file as shipped)")
+    p.add_argument("--compare-enforce-eager", action="store_true",
+                   help="GPU: run the same batches again with --enforce-eager (no CUDA graphs)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
 
 
@@ -63,21 +67,28 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
     return row
 
 
+# --llama-cpp precision -> (the file name's type, llama.cpp's file type: ALL_F32 = 0,
+# MOSTLY_BF16 = 32, which keeps 1-D tensors such as the norms in float32)
+_LLAMA_FTYPES = {"f32": ("F32", "LLAMA_FTYPE_ALL_F32"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16")}
+
+
 def _gguf(precision: str) -> str:
-    """The shipped Q4_1 file, or a float32 copy of it made once with llama.cpp's own quantize
-    tool (dequantised: the same numbers pagedllm's float32 model directory holds)."""
+    """The shipped Q4_1 file, or a copy of it made once with llama.cpp's own quantize tool:
+    F32 (dequantised: the same numbers pagedllm's float32 model directory holds) or BF16 (those
+    rounded to nearest even, as torch's cast to bfloat16 does)."""
     from pagedllm.models.download import find_gguf, pagedllm_home
     src = str(find_gguf())
     if precision == "q4_1":
         return src
-    if precision != "f32":
-        raise ValueError(f"--llama-cpp precision must be f32 or q4_1, got {precision!r}")
+    if precision not in _LLAMA_FTYPES:
+        raise ValueError(f"--llama-cpp precision must be one of f32, bf16, q4_1, got {precision!r}")
     import llama_cpp
-    out = os.path.join(pagedllm_home(), "bench", os.path.basename(src).replace("Q4_1", "F32"))
+    name, ftype = _LLAMA_FTYPES[precision]
+    out = os.path.join(pagedllm_home(), "bench", os.path.basename(src).replace("Q4_1", name))
     if not os.path.exists(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+        params.ftype = getattr(llama_cpp, ftype)
         params.allow_requantize = True
         tmp = out + ".tmp"
         if llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), params) != 0:
@@ -127,6 +138,23 @@ def _print_profile(name: str, prof: dict) -> None:
     print(f"engine overhead (all but forward): {prof['overhead_pct']:.1f}% of the step")
 
 
+EAGER = "pagedllm --enforce-eager"
+
+
+def _eager_rows(eargs, batches: dict, ns) -> list[dict]:
+    """The same batches through an engine with CUDA graphs off (the caller has freed the first
+    engine: both would not fit a GPU's memory at gpu_memory_utilization 0.9)."""
+    import dataclasses
+
+    from pagedllm.entrypoints.llm import LLM
+    eager = LLM(**vars(dataclasses.replace(eargs, enforce_eager=True)))
+    rows = []
+    for b, prompts in batches.items():
+        print(f"running pagedllm --enforce-eager at batch {b} ...", file=sys.stderr, flush=True)
+        rows.append({**run_pagedllm(eager, prompts, ns.output_len, ns.profile), "system": EAGER})
+    return rows
+
+
 def main(ns: argparse.Namespace) -> int:
     import torch
     from pagedllm.entrypoints.cli import engine_args_from
@@ -140,6 +168,8 @@ def main(ns: argparse.Namespace) -> int:
     if max(ns.batch_size) > eargs.max_num_seqs:
         raise ValueError(f"batch_size {max(ns.batch_size)} exceeds --max-num-seqs {eargs.max_num_seqs}")
     llm = LLM(**vars(eargs))
+    if ns.compare_enforce_eager and llm.llm_engine.config.device_config.device != "cuda":
+        raise ValueError("--compare-enforce-eager needs device cuda: CUDA graphs exist only there")
     tok = llm.get_tokenizer()
     machine = machine_info()
     print(f"command: {command_line()}")
@@ -149,12 +179,19 @@ def main(ns: argparse.Namespace) -> int:
           f"input {ns.input_len} tokens, output {ns.output_len} tokens, greedy, ignore_eos")
     warm = [[tok.eos_token_id or 0] * 8]
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    batches = {b: [r.prompt_token_ids for r in random_requests(
+        tok, b, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len), ns.dataset_seed + b)]
+        for b in ns.batch_size}
     rows = []
-    for b in ns.batch_size:
-        reqs = random_requests(tok, b, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
-                               ns.dataset_seed + b)
+    for b, prompts in batches.items():
         print(f"running pagedllm at batch {b} ...", file=sys.stderr, flush=True)
-        rows.append(run_pagedllm(llm, [r.prompt_token_ids for r in reqs], ns.output_len, ns.profile))
+        rows.append(run_pagedllm(llm, prompts, ns.output_len, ns.profile))
+    if ns.compare_enforce_eager:
+        llm.llm_engine.shutdown()
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows += _eager_rows(eargs, batches, ns)
     if ns.llama_cpp:
         prompt = random_requests(tok, 1, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
                                  ns.dataset_seed + 1)[0].prompt_token_ids
@@ -170,6 +207,11 @@ def main(ns: argparse.Namespace) -> int:
     for r in rows:
         if base and r["system"].startswith("llama.cpp"):
             print(f"pagedllm / {r['system']} single-stream decode: {base['decode_tok_s'] / r['decode_tok_s']:.2f}x")
+    for r in rows:
+        if r["system"] == EAGER:
+            graphs = next(g for g in rows if g["system"] == "pagedllm" and g["batch"] == r["batch"])
+            print(f"batch {r['batch']}: TPOT with CUDA graphs {graphs['tpot_ms']:.2f} ms, eager "
+                  f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / graphs['tpot_ms']:.2f}x)")
     if ns.profile:
         for r in rows:
             if "profile_decode" in r:

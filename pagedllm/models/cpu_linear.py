@@ -8,6 +8,8 @@ faster at every batch an engine sees, from one decode token to a 2048-token pref
 weights, and a plain row-streaming kernel (models/cpu_ops.py `linear_small`) reads them faster
 than oneDNN does (23 vs 17 GB/s at one row); so the plain weight is kept beside the packed copy
 (twice the weight memory, except a tied LM head, which shares the embedding's).
+In bfloat16 oneDNN runs its bf16 kernels (AVX512-BF16 here: 1.5-2.8x its float32 rate at
+every size, accumulating in float32), and the row-streaming kernel reads half the bytes.
 `PAGEDLLM_CPU_PACKED_LINEAR=0` keeps plain F.linear (to compare).
 """
 from __future__ import annotations
@@ -43,7 +45,7 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 128)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
-        self.small_ops = small_ops if linear.weight.dtype == torch.float32 else None
+        self.small_ops = small_ops if linear.weight.dtype in (torch.float32, torch.bfloat16) else None
         self.weight = linear.weight if self.small_ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

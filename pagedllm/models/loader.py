@@ -26,7 +26,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 def _dtype(config: ModelConfig) -> torch.dtype:
     if config.dtype == "auto":
-        return torch.float32  # the CPU path computes in float32 (bf16 is slower on this hardware)
+        return torch.float32  # EngineArgs resolves "auto"; a direct caller gets the CPU's default
     return getattr(torch, config.dtype)
 
 

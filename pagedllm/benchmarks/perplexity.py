@@ -1,0 +1,173 @@
+"""`pagedllm bench perplexity`: the quality cost of a weight precision, as perplexity on a fixed
+English text (benchmarks/data/perplexity.txt, ~2,000 tokens of prose written for this repo),
+pagedllm's own model in each dtype side by side, and transformers on the same directory as the
+independent reference.
+
+Both run the same windows: a window of `--window` tokens is one sequence to the model
+(positions from 0), windows start every `--stride` tokens, and each scores only the tokens
+after the previous window's end, so every token after the first is predicted exactly once,
+with at least window - stride tokens of context once the first window is past (the
+strided evaluation of transformers' perplexity guide). pagedllm runs its model's forward with
+the torch attention backend on a scratch paged KV cache (one request, no past, one prefill),
+then `compute_logits` on every scored position; the negative log-likelihood is summed in
+float64. Perplexity = exp(mean NLL).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
+
+DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
+DTYPES = ("float32", "bfloat16")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF-format model directory (default: SmolLM2-135M-Instruct, built on first use)")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                   help="pagedllm's weight / activation dtypes to compare (default: float32 bfloat16)")
+    p.add_argument("--hf-dtypes", nargs="*", default=["float32"], choices=DTYPES,
+                   help="transformers' dtypes, the reference (default: float32; none to skip)")
+    p.add_argument("--text", default=DEFAULT_TEXT, help="a UTF-8 text file (default: the one shipped)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (default 1024)")
+    p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
+
+
+def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored target) for a text of n tokens: the model sees ids[begin:end]
+    and predicts targets ids[first:end], each target from the positions before it."""
+    if window < 2 or not (1 <= stride < window):
+        raise ValueError(f"need window >= 2 and 1 <= stride < window, got window {window}, stride {stride}")
+    if n < 2:
+        raise ValueError(f"the text must have at least 2 tokens, got {n}")
+    out, prev_end = [], 1
+    for begin in range(0, n, stride):
+        end = min(begin + window, n)
+        if end > prev_end:
+            out.append((begin, end, prev_end))
+            prev_end = end
+        if end == n:
+            break
+    return out
+
+
+def nll_sum(logits, targets) -> float:
+    """logits [T, V], targets [T] -> the sum of -log softmax(logits)[target], in float64."""
+    import torch
+    total = 0.0
+    for s in range(0, logits.shape[0], 256):   # 256 rows of float64 log-softmax at a time
+        lp = torch.log_softmax(logits[s:s + 256].double(), dim=-1)
+        total -= float(lp.gather(1, targets[s:s + 256, None]).sum())
+    return total
+
+
+def load_pagedllm(model_dir: str, dtype: str, window: int):
+    """pagedllm's model, loaded as the engine loads it (packed linears, fused ops)."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.models.loader import load_model
+    config = ModelConfig.from_dir(model_dir, dtype=dtype, max_model_len=window)
+    return config, load_model(config)
+
+
+def pagedllm_window_logits(config, model, ids: list[int], first: int):
+    """One window as a single prefill (no past) over a scratch paged KV cache -> float32 logits
+    [len(ids) - first, V] predicting ids[first:], from positions first-1 .. len(ids)-2."""
+    import numpy as np
+    import torch
+    from pagedllm.attention.metadata import build_attention_metadata
+    T, bs = len(ids), 16
+    nb = -(-T // bs)
+    dtype = next(model.parameters()).dtype
+    shape = (nb * bs, config.num_kv_heads, config.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
+    meta = build_attention_metadata(np.array([0, T], dtype=np.int32), np.array([T], dtype=np.int32),
+                                    np.arange(nb, dtype=np.int32)[None, :], bs,
+                                    torch.arange(T, dtype=torch.int64))
+    hidden = model(torch.tensor(ids, dtype=torch.int64), torch.arange(T, dtype=torch.int64), kv, meta)
+    return torch.cat([model.compute_logits(hidden[s:min(s + 256, T - 1)])
+                      for s in range(first - 1, T - 1, 256)])
+
+
+def hf_window_logits(model, ids: list[int], first: int):
+    import torch
+    return model(torch.tensor([ids])).logits[0, first - 1:-1].float()
+
+
+def perplexity(window_logits, ids: list[int], spans: list[tuple[int, int, int]]) -> dict:
+    """window_logits(window ids, first target relative to the window) -> logits of its targets."""
+    import torch
+    total, count = 0.0, 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for begin, end, first in spans:
+            logits = window_logits(ids[begin:end], first - begin)
+            total += nll_sum(logits, torch.tensor(ids[first:end], dtype=torch.int64))
+            count += end - first
+    nll = total / count
+    return {"tokens": count, "nll": nll, "perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}
+
+
+def text_ids(tokenizer, path: str, max_tokens: int | None) -> list[int]:
+    with open(path, encoding="utf-8") as f:
+        ids = tokenizer(f.read())["input_ids"]
+    if max_tokens is not None:
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+        ids = ids[:max_tokens]
+    return ids
+
+
+def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, stride: int) -> tuple[list[dict], int]:
+    """-> (rows: system, dtype, tokens, nll, perplexity, seconds; the text's token count)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ids = text_ids(AutoTokenizer.from_pretrained(model_dir), text, max_tokens)
+    spans = windows(len(ids), window, stride)
+    rows = []
+    for dtype in dtypes:
+        config, model = load_pagedllm(model_dir, dtype, window)
+        rows.append({"system": "pagedllm", "dtype": dtype,
+                     **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
+        del model
+    for dtype in hf_dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        rows.append({"system": "transformers", "dtype": dtype,
+                     **perplexity(lambda w, f: hf_window_logits(hf, w, f), ids, spans)})
+        del hf
+    base = next((r for r in rows if r["dtype"] == "float32"), None)   # pagedllm's when it ran
+    for r in rows:
+        r["ratio"] = r["perplexity"] / base["perplexity"] if base else float("nan")
+    return rows, len(ids)
+
+
+def main(ns: argparse.Namespace) -> int:
+    from pagedllm.models.download import ensure_default_model
+    if ns.max_tokens is not None and ns.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {ns.max_tokens}")
+    model_dir = ns.model or str(ensure_default_model(progress=True))
+    machine = machine_info()
+    print(f"command: {command_line()}")
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
+          f"with {machine['torch_threads']} threads")
+    rows, n = run(model_dir, ns.dtypes, ns.hf_dtypes or [], ns.text, ns.max_tokens, ns.window, ns.stride)
+    print(f"model: {model_dir}; text: {ns.text} ({n} tokens), window {ns.window}, stride {ns.stride}")
+    print()
+    print_table(rows, [("system", "system", ""), ("dtype", "dtype", ""), ("tokens", "tokens", "d"),
+                       ("nll", "mean NLL", ".5f"), ("perplexity", "perplexity", ".4f"),
+                       ("ratio", "ratio to float32", ".4f"), ("seconds", "s", ".1f")])
+    ours = {r["dtype"]: r for r in rows if r["system"] == "pagedllm"}
+    for r in rows:
+        if r["system"] == "transformers" and r["dtype"] in ours:
+            rel = ours[r["dtype"]]["perplexity"] / r["perplexity"] - 1
+            print(f"pagedllm / transformers {r['dtype']} perplexity: {rel:+.2e} relative")
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "machine": machine,
+                                    "settings": {k: v for k, v in vars(ns).items() if k != "func"},
+                                    "text_tokens": n, "results": rows})
+    return 0
