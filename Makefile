@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run serve test test-fast download bench bench-deps clean
+.PHONY: install run serve test test-fast download bench bench-deps gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: $(STAMP)
 # llama-cpp-python for `pagedllm bench latency --llama-cpp f32 q4_1`; kept out of `make test`.
 bench-deps: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install -q 'llama-cpp-python'
+
+# pytest's wheels for a lent GPU machine without network (tools/gpu_session.sh installs them there).
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q pytest pytest-timeout -d tools/wheels --only-binary=:all: --python-version 3.11
 
 clean:
 	rm -rf $(VENV) build *.egg-info
