@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.models.cpu_decode_loop import enable_decode_loop
 from pagedllm.models.cpu_linear import pack_linears
 from pagedllm.models.cpu_ops import enable_fused_cpu_ops
 from pagedllm.models.registry import get_model_class
@@ -99,6 +100,8 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     if torch.device(device).type == "cpu":
         pack_linears(model)   # after the dtype cast: the packed copy is made in the final dtype
         enable_fused_cpu_ops(model)
+        if attention_backend == "torch":   # the loop calls the torch backend's C++ decode kernel
+            enable_decode_loop(model)
     return model
 
 

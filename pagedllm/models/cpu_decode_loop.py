@@ -1,0 +1,122 @@
+"""The decoder layers of a small decode step (1-3 tokens) in one C++ call, on the CPU.
+
+At batch 1 the layers' arithmetic is ~11 ms of weight streaming, and eager Python adds ~20 ops
+a layer (module calls, views, index ops, residual adds), each a trip through Python and the
+dispatcher: ~3 ms a step for a 30-layer model. This loop runs the same C++ kernels the eager
+path calls at 1-3 rows (linear_small, rms_norm, rotary_embedding_, paged_decode, silu_and_mul)
+in the same order on the same values, so its hidden states equal the eager path's bit for bit
+(tests/test_cpu_decode_loop.py); only the Python between them is gone.
+
+Used by LlamaForCausalLM.forward when the model is the plain (unsplit) CPU model with the
+fused ops and packed linears, the step is all decode with decode attention by pages, and it
+has at most SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.attention import cpu_kernels
+from pagedllm.models import cpu_ops
+
+_LOOP = r"""
+static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
+  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// x [M, hidden] (the embedded tokens), positions [M] int64; per layer 10 tensors: input norm,
+// qkv weight, qkv bias, o weight, o bias, post-attention norm, gate_up weight, gate_up bias,
+// down weight, down bias (an empty tensor = no bias); caches [S, Hkv, D] per layer;
+// slot_mapping [M] int64, block_table [M, NB] int32, seq_lens [M] int32 -> hidden [M, hidden].
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                            torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, double eps, double scale) {
+  const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(weights.size() == 10 * k_caches.size() && k_caches.size() == v_caches.size());
+  for (size_t l = 0; l < k_caches.size(); ++l) {
+    const torch::Tensor* w = &weights[10 * l];
+    auto qkv = linear_small(rms_norm(x, w[0], eps), w[1], opt(w[2]));     // [M, q + 2 kv]
+    auto q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
+    auto k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
+    rotary_embedding_(q, k, cos, sin, positions);
+    k_caches[l].index_copy_(0, slot_mapping, k);
+    v_caches[l].index_copy_(0, slot_mapping, v);
+    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale);
+    x = x + linear_small(o.reshape({M, q_size}), w[3], opt(w[4]));
+    auto gate_up = linear_small(rms_norm(x, w[5], eps), w[6], opt(w[7]));
+    x = x + linear_small(silu_and_mul(gate_up), w[8], opt(w[9]));
+  }
+  return rms_norm(x, final_norm, eps);
+}
+"""
+
+_ext = None
+_tried = False
+
+
+def decode_loop_ext():
+    """One extension holding the fused ops, the decode kernel and the loop (so the loop calls
+    them directly), or None."""
+    global _ext, _tried
+    if not _tried:
+        _tried = True
+        _ext = cpu_kernels.build_cpu_extension(
+            "pagedllm_cpu_decode_loop_v1", cpu_ops._SOURCE + cpu_kernels._SOURCE + _LOOP, ["decode_layers"])
+    return _ext
+
+
+class DecodeLoop:
+    """The model's weights, flattened once at load time, and the call."""
+
+    def __init__(self, model, ext) -> None:
+        empty = torch.empty(0, dtype=next(model.parameters()).dtype)
+
+        def b(lin):
+            return lin.bias if lin.bias is not None else empty
+        self.weights = []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight, a.qkv_proj.weight, b(a.qkv_proj),
+                             a.o_proj.weight, b(a.o_proj), layer.post_attention_layernorm.weight,
+                             m.gate_up_proj.weight, b(m.gate_up_proj), m.down_proj.weight, b(m.down_proj)]
+        a = model.layers[0].self_attn
+        self.dims = (a.num_heads, a.num_kv_heads, a.head_dim)
+        self.scale = a.scale
+        self.eps = model.norm.eps
+        self.final_norm = model.norm.weight
+        self.rope = model.rope
+        self.ext = ext
+
+    def __call__(self, x, positions, kv_caches, meta) -> torch.Tensor:
+        ks = [k for k, _ in kv_caches]
+        vs = [v for _, v in kv_caches]
+        return self.ext.decode_layers(x, positions, self.weights, ks, vs, meta.slot_mapping,
+                                      meta.decode_block_table, meta.decode_seq_lens,
+                                      self.rope.cos, self.rope.sin, self.final_norm,
+                                      *self.dims, meta.block_size, self.eps, self.scale)
+
+
+def enable_decode_loop(model) -> bool:
+    """Give a loaded CPU model its DecodeLoop where every piece it calls is in use (decided
+    once, at load time)."""
+    from pagedllm.models.cpu_linear import PackedLinear
+    from pagedllm.models.llama import LlamaForCausalLM
+    if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP", "1") == "0" or type(model) is not LlamaForCausalLM:
+        return False
+    layer = model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    if model.rope.ops is None or not all(isinstance(m, PackedLinear) and m.small_ops is not None for m in linears):
+        return False
+    if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
+        return False
+    ext = decode_loop_ext()
+    if ext is None:
+        return False
+    model.decode_loop = DecodeLoop(model, ext)
+    model.decode_loop_rows = PackedLinear.SMALL_ROWS
+    return True

@@ -1,0 +1,46 @@
+"""The C++ decode loop (models/cpu_decode_loop.py) equals the eager layers bit for bit: the same
+greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests;
+a step of more requests, or with a prefill, takes the eager path."""
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
+
+
+def _run(llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_loop_equals_eager_layers(model_dir, dtype):
+    llm = LLM(model_dir, dtype=dtype, enable_prefix_caching=False)
+    model = llm.llm_engine.core.runner.model
+    if model.decode_loop is None:
+        pytest.skip("the C++ extension is not built here")
+    calls, loop = [], model.decode_loop
+    model.decode_loop = lambda x, *a: calls.append(x.shape[0]) or loop(x, *a)
+    for prompts in (PROMPTS[:1], PROMPTS):           # batch 1 and batch 3
+        calls.clear()
+        with_loop = _run(llm, prompts)
+        assert calls and set(calls) <= {1, 2, 3}, calls
+        model.decode_loop = None
+        eager = _run(llm, prompts)
+        model.decode_loop = lambda x, *a: calls.append(x.shape[0]) or loop(x, *a)
+        assert with_loop == eager
+
+
+def test_decode_loop_only_for_small_decode_steps(model_dir):
+    llm = LLM(model_dir)
+    model = llm.llm_engine.core.runner.model
+    if model.decode_loop is None:
+        pytest.skip("the C++ extension is not built here")
+    calls, loop = [], model.decode_loop
+    model.decode_loop = lambda x, *a: calls.append(x.shape[0]) or loop(x, *a)
+    llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert calls == [], "6 requests in a step: the eager path"
