@@ -111,6 +111,13 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes or reports the logits: the token is their argmax."""
+        return (self.greedy and self.logprobs is None and not self.logit_bias and self.min_tokens == 0
+                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0)
+
+    @property
     def num_samples(self) -> int:
         """How many sibling sequences the request runs."""
         return self.best_of or self.n

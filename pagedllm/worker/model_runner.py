@@ -14,7 +14,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.sampler import Sampler, SamplingMetadata
+from pagedllm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,12 @@ class ModelRunner:
             logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
             PROFILER.mark("forward")
-            out = self.sampler(logits, self._sampling_metadata(rows))
+            states = batch.states
+            if all(states[r].sampling_params.plain_greedy for r in rows.tolist()):
+                # No sampling metadata to build: the tokens are the logits' argmax.
+                out = SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            else:
+                out = self.sampler(logits, self._sampling_metadata(rows))
             PROFILER.mark("sample")
             token_ids = out.sampled_token_ids.tolist()
             if out.logprobs is not None:
