@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_utils import check_rope_in_place, shuffled_block_table
+
 BF16_REL = 2 ** -8      # rounding once to bfloat16 (half a step) plus float32 summation noise
 BF16_STEP = 2 ** -7     # one bfloat16 step, relative, at worst
 
@@ -65,7 +67,7 @@ def test_bf16_fused_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE in bfloat16 (strided q/k views of a fused QKV output, a
     partial rotary dim, the RoPE tables cast with the model): the fused ops equal the bfloat16
     torch code of models/llama.py (transformers' arithmetic) to one bfloat16 step."""
-    from pagedllm.models.llama import LlamaMLP, RMSNorm, RotaryEmbedding
+    from pagedllm.models.llama import LlamaMLP, RMSNorm
     ops = _ops()
     torch.manual_seed(0)
     close = dict(rtol=BF16_STEP, atol=1e-6)
@@ -86,19 +88,7 @@ def test_bf16_fused_ops_match_the_torch_layers():
         mlp.ops = ops
         torch.testing.assert_close(mlp(x).float(), ref.float(), rtol=2 * BF16_STEP, atol=1e-3)
 
-        for partial in (1.0, 0.5):
-            rope = RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 512).bfloat16()
-            qkv = _bf16(7, (9 + 2 * 3) * 64)
-            pos = torch.tensor([0, 5, 100, 511, 3, 2, 1])
-            q, k, v = qkv.split([576, 192, 192], dim=-1)
-            q, k = q.view(7, 9, 64), k.view(7, 3, 64)
-            q_ref, k_ref = (t.clone() for t in rope(pos, q, k))
-            v_before = v.clone()
-            rope.ops = ops
-            q_new, k_new = rope(pos, q, k)
-            torch.testing.assert_close(q_new.float(), q_ref.float(), **close)
-            torch.testing.assert_close(k_new.float(), k_ref.float(), **close)
-            assert torch.equal(v, v_before)   # in place on q and k only
+        check_rope_in_place(ops, _bf16, lambda m: m.bfloat16(), **close)
 
 
 @pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 4)])
@@ -114,14 +104,7 @@ def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     assert cpu_decode_supported(torch.bfloat16) and not cpu_decode_supported(torch.float16)
     rng = np.random.default_rng(H * 100 + bs)
     seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1, 300], dtype=np.int32)   # decodes only
-    nb = -(-seq_lens // bs)
-    perm = rng.permutation(np.arange(1, nb.sum() + 1))
-    table = np.zeros((len(seq_lens), nb.max()), dtype=np.int32)
-    c = 0
-    for i, n in enumerate(nb):
-        table[i, :n] = perm[c:c + n]
-        c += n
-    S = (nb.sum() + 1) * bs
+    table, S = shuffled_block_table(seq_lens, bs, rng)
     qsl = np.arange(len(seq_lens) + 1, dtype=np.int32)
     pos = seq_lens - 1
     slots = torch.from_numpy(table[np.arange(len(seq_lens)), pos // bs].astype(np.int64) * bs + pos % bs)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from kernel_utils import check_rope_in_place, shuffled_block_table
 
 from pagedllm.attention.cpu_kernels import decode_kernel
 from pagedllm.attention.metadata import build_attention_metadata
@@ -17,14 +18,7 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
     # A mixed batch: decodes (one new token) around a prefill chunk with a cached past.
     q_lens = np.array([1, 1, 5, 1, 1])
     seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1], dtype=np.int32)
-    nb = -(-seq_lens // bs)
-    perm = rng.permutation(np.arange(1, nb.sum() + 1))
-    table = np.zeros((len(q_lens), nb.max()), dtype=np.int32)
-    c = 0
-    for i, n in enumerate(nb):
-        table[i, :n] = perm[c:c + n]
-        c += n
-    S = (nb.sum() + 1) * bs
+    table, S = shuffled_block_table(seq_lens, bs, rng)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     pos = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens, q_lens)])
     req = np.repeat(np.arange(len(q_lens)), q_lens)
@@ -44,7 +38,7 @@ def test_fused_cpu_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
     partial rotary dim): the fused ops equal the torch code of models/llama.py."""
     from pagedllm.models.cpu_ops import cpu_ops
-    from pagedllm.models.llama import LlamaMLP, RMSNorm, RotaryEmbedding
+    from pagedllm.models.llama import LlamaMLP, RMSNorm
     ops = cpu_ops()
     if ops is None:
         pytest.skip("the C++ ops could not be built here (no compiler / ninja)")
@@ -63,19 +57,7 @@ def test_fused_cpu_ops_match_the_torch_layers():
         mlp.ops = ops
         torch.testing.assert_close(mlp(x), ref, rtol=1e-6, atol=1e-6)
 
-        for partial in (1.0, 0.5):
-            rope = RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 512)
-            qkv = torch.randn(7, (9 + 2 * 3) * 64)
-            pos = torch.tensor([0, 5, 100, 511, 3, 2, 1])
-            q, k, v = qkv.split([576, 192, 192], dim=-1)
-            q, k = q.view(7, 9, 64), k.view(7, 3, 64)
-            q_ref, k_ref = (t.clone() for t in rope(pos, q, k))
-            v_before = v.clone()
-            rope.ops = ops
-            q_new, k_new = rope(pos, q, k)
-            torch.testing.assert_close(q_new, q_ref, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(k_new, k_ref, rtol=1e-6, atol=1e-6)
-            assert torch.equal(v, v_before)   # in place on q and k only
+        check_rope_in_place(ops, torch.randn, lambda m: m, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 128, 600])

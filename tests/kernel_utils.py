@@ -1,0 +1,36 @@
+"""Shared by the CPU kernel tests: a paged layout with shuffled physical blocks."""
+import numpy as np
+
+
+def shuffled_block_table(seq_lens: np.ndarray, block_size: int, rng) -> tuple[np.ndarray, int]:
+    """Each request's blocks drawn at random from 1..N (block 0 stays the null block) ->
+    (block_table [num_reqs, max_blocks] int32, number of cache slots)."""
+    nb = -(-seq_lens // block_size)
+    perm = rng.permutation(np.arange(1, nb.sum() + 1))
+    table = np.zeros((len(seq_lens), nb.max()), dtype=np.int32)
+    c = 0
+    for i, n in enumerate(nb):
+        table[i, :n] = perm[c:c + n]
+        c += n
+    return table, int((nb.sum() + 1) * block_size)
+
+
+def check_rope_in_place(ops, make, cast, **close) -> None:
+    """The fused RoPE rotates q and k in place, as the torch path would, and leaves v alone;
+    make(rows, cols) draws a tensor, cast(module) sets the dtype; full and partial rotary."""
+    import torch
+
+    from pagedllm.models.llama import RotaryEmbedding
+    for partial in (1.0, 0.5):
+        rope = cast(RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 512))
+        qkv = make(7, (9 + 2 * 3) * 64)
+        pos = torch.tensor([0, 5, 100, 511, 3, 2, 1])
+        q, k, v = qkv.split([576, 192, 192], dim=-1)
+        q, k = q.view(7, 9, 64), k.view(7, 3, 64)
+        q_ref, k_ref = (t.clone() for t in rope(pos, q, k))
+        v_before = v.clone()
+        rope.ops = ops
+        q_new, k_new = rope(pos, q, k)
+        torch.testing.assert_close(q_new.float(), q_ref.float(), **close)
+        torch.testing.assert_close(k_new.float(), k_ref.float(), **close)
+        assert torch.equal(v, v_before)   # in place on q and k only
