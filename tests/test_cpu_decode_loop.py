@@ -10,6 +10,15 @@ pytestmark = pytest.mark.model
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
 
 
+def _counting(loop, calls):
+    """The loop, recording the rows of each call."""
+    def wrapped(x, *args):
+        calls.append(x.shape[0])
+        return loop(x, *args)
+    wrapped.max_rows = loop.max_rows
+    return wrapped
+
+
 def _run(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -24,14 +33,14 @@ def test_decode_loop_equals_eager_layers(model_dir, dtype):
     if model.decode_loop is None:
         pytest.skip("the C++ extension is not built here")
     calls, loop = [], model.decode_loop
-    model.decode_loop = lambda x, *a: calls.append(x.shape[0]) or loop(x, *a)
+    model.decode_loop = _counting(loop, calls)
     for prompts in (PROMPTS[:1], PROMPTS):           # batch 1 and batch 3
         calls.clear()
         with_loop = _run(llm, prompts)
         assert calls and set(calls) <= {1, 2, 3}, calls
         model.decode_loop = None
         eager = _run(llm, prompts)
-        model.decode_loop = lambda x, *a: calls.append(x.shape[0]) or loop(x, *a)
+        model.decode_loop = _counting(loop, calls)
         assert with_loop == eager
 
 
@@ -41,6 +50,6 @@ def test_decode_loop_only_for_small_decode_steps(model_dir):
     if model.decode_loop is None:
         pytest.skip("the C++ extension is not built here")
     calls, loop = [], model.decode_loop
-    model.decode_loop = lambda x, *a: calls.append(x.shape[0]) or loop(x, *a)
+    model.decode_loop = _counting(loop, calls)
     llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert calls == [], "6 requests in a step: the eager path"

@@ -105,10 +105,8 @@ def main(ns: argparse.Namespace) -> int:
     for v in ns.batch_size + ns.context_len:
         if v < 1:
             raise ValueError(f"batch sizes and context lengths must be >= 1, got {v}")
-    if ns.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
-    device = torch.device("cuda" if ns.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if ns.device == "auto" else ns.device))
+    from pagedllm.engine.arg_utils import resolve_device
+    device = torch.device(resolve_device(ns.device))
     dtype = getattr(torch, ns.dtype if ns.dtype != "auto" else
                     ("bfloat16" if device.type == "cuda" else "float32"))
     timed = _timer(torch, device)

@@ -64,25 +64,13 @@ class EngineArgs:
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
-        if dc.device == "cuda" and not self.enforce_eager:
-            dc.cuda_graph_sizes = cuda_graph_ladder(self.max_num_seqs)
         config = EngineConfig(mc, cc, sc, pc, dc)
         config.validate()
         return config
 
     def _device_config(self) -> DeviceConfig:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', "
-                             f"got {self.attention_backend!r}")
-        import torch
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device "
-                             f"(torch {torch.__version__}); use device 'cpu' or 'auto'")
+        """'auto' resolved; other bad values are refused by EngineConfig.validate."""
+        device = resolve_device(self.device)
         backend = self.attention_backend
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
@@ -92,6 +80,19 @@ class EngineArgs:
             except ImportError:
                 raise ValueError("attention_backend 'triton' needs the triton package "
                                  "(pip install triton)") from None
+        graphs = device == "cuda" and not self.enforce_eager
         return DeviceConfig(device=device, attention_backend=backend,
                             gpu_memory_utilization=self.gpu_memory_utilization,
-                            enforce_eager=bool(self.enforce_eager))
+                            enforce_eager=bool(self.enforce_eager),
+                            cuda_graph_sizes=cuda_graph_ladder(self.max_num_seqs) if graphs else [])
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without one is a ValueError."""
+    import torch
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}); use device 'cpu' or 'auto'")
+    return device

@@ -350,15 +350,36 @@ class AsyncLLM:
             await asyncio.get_running_loop().run_in_executor(None, client.shutdown)
 
 
-class BeamSearchHandle:
-    """One beam search in flight: result() waits for its ranked sequences. close() (or a
-    cancellation while waiting) before the result came aborts the search in the core."""
+class _Handle:
+    """A request's queue held by the caller. close() releases it, aborting the request in the
+    core if it is still running; dropping the handle unclosed does the same (a response
+    cancelled before it began reading must not leak blocks or queue entries)."""
 
     def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
         self.engine = engine
         self.request_id = request_id
         self.queue = queue
         self.closed = False
+
+    def _abort_on_close(self) -> bool:
+        return True
+
+    def __del__(self) -> None:
+        try:   # safety net
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.release(self.request_id, self.queue, abort=self._abort_on_close())
+
+
+class BeamSearchHandle(_Handle):
+    """One beam search in flight: result() waits for its ranked sequences. close() (or a
+    cancellation while waiting) before the result came aborts the search in the core (after
+    it, the abort is a no-op)."""
 
     async def result(self) -> BeamSearchOutput:
         if self.closed:
@@ -371,28 +392,17 @@ class BeamSearchHandle:
             raise item
         return item
 
-    def __del__(self) -> None:
-        try:   # safety net, as RequestStream's
-            self.close()
-        except Exception:
-            pass
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.engine.release(self.request_id, self.queue, abort=True)   # a no-op once the result is in
-
-
-class RequestStream:
+class RequestStream(_Handle):
     """The outputs of one request, as an async iterator. close() (or a cancellation while
     waiting) before the request finished aborts it in the core."""
 
     def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.queue = queue
+        super().__init__(engine, request_id, queue)
         self.finished = False
-        self.closed = False
+
+    def _abort_on_close(self) -> bool:
+        return not self.finished
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -413,15 +423,3 @@ class RequestStream:
             self.close()
         return item
 
-    def __del__(self) -> None:
-        # Safety net: a stream dropped unread (e.g. a response cancelled before it began
-        # iterating) still aborts its request, so that no blocks or queue entries leak.
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.engine.release(self.request_id, self.queue, abort=not self.finished)

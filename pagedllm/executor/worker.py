@@ -37,7 +37,7 @@ class PendingStep:
     req_ids: list[str]
     rows: list[int]                    # rows that sample, in the step's batch order
     states: list[CachedRequestState]   # their states (they may leave the batch meanwhile)
-    sampling: Optional[SamplingMetadata]
+    sampling: Optional[SamplingMetadata]   # None: no row samples, or all are plain greedy
 
 
 class ParallelModelRunner(ModelRunner):

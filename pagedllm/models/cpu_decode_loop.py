@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.attention import cpu_kernels
 from pagedllm.models import cpu_ops
+from pagedllm.models.cpu_linear import PackedLinear
 
 _LOOP = r"""
 static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
@@ -73,6 +74,8 @@ def decode_loop_ext():
 class DecodeLoop:
     """The model's weights, flattened once at load time, and the call."""
 
+    max_rows = PackedLinear.SMALL_ROWS   # the eager path's linears use linear_small up to here
+
     def __init__(self, model, ext) -> None:
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
 
@@ -104,7 +107,6 @@ class DecodeLoop:
 def enable_decode_loop(model) -> bool:
     """Give a loaded CPU model its DecodeLoop where every piece it calls is in use (decided
     once, at load time)."""
-    from pagedllm.models.cpu_linear import PackedLinear
     from pagedllm.models.llama import LlamaForCausalLM
     if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP", "1") == "0" or type(model) is not LlamaForCausalLM:
         return False
@@ -118,5 +120,4 @@ def enable_decode_loop(model) -> bool:
     if ext is None:
         return False
     model.decode_loop = DecodeLoop(model, ext)
-    model.decode_loop_rows = PackedLinear.SMALL_ROWS
     return True

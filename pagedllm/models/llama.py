@@ -151,7 +151,6 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # models/cpu_decode_loop.py: small decode steps on the CPU in one C++ call (set at load time)
     decode_loop = None
-    decode_loop_rows = 3
 
     def __init__(self, hf: dict, max_positions: int) -> None:
         super().__init__()
@@ -174,8 +173,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        if (self.decode_loop is not None and getattr(meta, "all_decode", False)
-                and meta.decode_block_table is not None and x.shape[0] <= self.decode_loop_rows):
+        if (self.decode_loop is not None and meta.all_decode and meta.decode_block_table is not None
+                and x.shape[0] <= self.decode_loop.max_rows):
             return self.decode_loop(x, positions, kv_caches, meta)   # the layers in one C++ call
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, k_cache, v_cache, meta)

@@ -3,6 +3,7 @@ over the paged KV cache, and samples the rows whose prefill is complete."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +146,7 @@ class ModelRunner:
             logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
             PROFILER.mark("forward")
-            states = batch.states
-            if all(states[r].sampling_params.plain_greedy for r in rows.tolist()):
-                # No sampling metadata to build: the tokens are the logits' argmax.
-                out = SamplerOutput(logits.argmax(dim=-1), None, None, None)
-            else:
-                out = self.sampler(logits, self._sampling_metadata(rows))
+            out = self.sampler(logits, self._sampling_metadata(rows))
             PROFILER.mark("sample")
             token_ids = out.sampled_token_ids.tolist()
             if out.logprobs is not None:
@@ -208,8 +204,11 @@ class ModelRunner:
         return self.model(inputs.input_ids.to(self.device, non_blocking=True),
                           inputs.positions.to(self.device, non_blocking=True), self.kv_caches, meta)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray) -> Optional[SamplingMetadata]:
+        """None when every row is plain greedy: the sampler then takes the argmax."""
         states = [self.input_batch.states[r] for r in rows.tolist()]
+        if all(s.sampling_params.plain_greedy for s in states):
+            return None
         min_tok_stops = []
         for s in states:
             p = s.sampling_params
