@@ -75,3 +75,26 @@ def test_packed_linear_matches_f_linear(rows):
         with torch.inference_mode():
             for small_ops in (None, cpu_ops()):
                 torch.testing.assert_close(PackedLinear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_interrupted_build_does_not_hang_the_next(tmp_path):
+    """torch's `lock` file, left by a build killed midway, is removed under pagedllm's own OS
+    lock and the build goes on (without that, every later start waits on it forever)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    if decode_kernel() is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler / ninja)")
+    code = textwrap.dedent("""
+        import os
+        from torch.utils import cpp_extension
+        from pagedllm.attention.cpu_kernels import build_cpu_extension
+        d = cpp_extension._get_build_directory("pagedllm_lock_test", verbose=False)
+        open(os.path.join(d, "lock"), "w").close()      # as a killed build leaves it
+        m = build_cpu_extension("pagedllm_lock_test", "int add_one(int x) { return x + 1; }", ["add_one"])
+        print(m.add_one(41), os.path.exists(os.path.join(d, "lock")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert out.stdout.split() == ["42", "False"], out.stderr[-2000:]

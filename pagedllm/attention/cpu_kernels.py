@@ -12,6 +12,7 @@ keeps the torch path.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 
@@ -275,9 +276,21 @@ def build_cpu_extension(name: str, source: str, functions: list[str]):
     if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-        return load_inline(name=name, cpp_sources=[source], functions=functions,
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
+        from torch.utils import cpp_extension
+        # torch marks a build in progress with a `lock` file in the build directory, which a
+        # build killed midway (Ctrl-C on the first start) leaves behind: every later start
+        # would wait on it forever. Builds of ours take an OS lock first, which dies with its
+        # process, so while we hold it any such file is stale.
+        build_dir = cpp_extension._get_build_directory(name, verbose=False)
+        with open(os.path.join(build_dir, ".pagedllm-build.lock"), "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                logger.warning("removing the lock of an interrupted build of %s", name)
+                os.remove(stale)
+            return cpp_extension.load_inline(
+                name=name, cpp_sources=[source], functions=functions,
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
     except Exception as e:
         logger.warning("C++ kernels %s not built (%s); using the torch path", name, e)
         return None
