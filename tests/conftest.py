@@ -1,5 +1,14 @@
 """Shared fixtures: the default model is prepared once per run and shared by every test."""
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under the interpreter (test_triton_kernels.py,
+# test_triton_runner.py). Triton reads this when a kernel is decorated, so it is set before
+# any test module is collected, whichever imports the kernels first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

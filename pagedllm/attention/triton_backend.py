@@ -101,25 +101,56 @@ def build_triton_metadata(query_start_loc: Union[np.ndarray, torch.Tensor],
         max_query_len=int(max_query_len), max_seq_len=int(max_seq_len), num_splits=num_splits)
 
 
+# ---------------------------------------------------------------------------------- launches
+@dataclass
+class KernelLaunch:
+    """One kernel launch described before it is made: ``launch()`` makes it on the arguments'
+    device; triton_aot.py compiles the same description for a GPU that is not here."""
+    kernel: object                 # a @triton.jit function
+    grid: tuple
+    args: tuple                    # positional: tensors, ints, floats
+    constexprs: dict
+    options: dict                  # num_warps, num_stages, ...
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+def _options(num_warps: int, num_stages: Optional[int] = None) -> dict:
+    # FMA contraction on: stated so, as Triton 3.9 warns that its default will change.
+    opts = {"num_warps": num_warps, "enable_fp_fusion": True}
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    return opts
+
+
 # ---------------------------------------------------------------------------------- write K/V
+def write_kv_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> Optional[KernelLaunch]:
+    """reshape_and_cache of k/v [num_tokens, num_kv_heads, head_dim]; None when there are no
+    tokens."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return None
+    kc = k_cache.view(-1, num_kv_heads, head_dim)
+    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    assert v.shape == k.shape and slot_mapping.shape[0] >= num_tokens
+    return KernelLaunch(
+        reshape_and_cache_kernel, (num_tokens,),
+        (k, v, kc, vc, slot_mapping, *k.stride(), *v.stride(), *kc.stride(), *vc.stride()),
+        dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+             BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim)),
+        _options(4 if num_kv_heads * head_dim >= 1024 else 1))
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """reshape_and_cache: k/v [num_tokens, num_kv_heads, head_dim] into the caches
     [num_slots, num_kv_heads, head_dim] (or a [num_blocks, block_size, ...] view of them) at
     slot_mapping [num_tokens]; tokens with a negative slot (padding) are skipped."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    kc = k_cache.view(-1, num_kv_heads, head_dim)
-    vc = v_cache.view(-1, num_kv_heads, head_dim)
-    assert v.shape == k.shape and slot_mapping.shape[0] >= num_tokens
-    reshape_and_cache_kernel[(num_tokens,)](
-        k, v, kc, vc, slot_mapping,
-        *k.stride(), *v.stride(), *kc.stride(), *vc.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-    )
+    launch = write_kv_launch(k, v, k_cache, v_cache, slot_mapping)
+    if launch is not None:
+        launch.launch()
 
 
 reshape_and_cache = write_kv
@@ -142,8 +173,12 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
     return splits
 
 
-def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_dim: int,
+def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_dim: int, exact_fp32: bool,
                  block_m: Optional[int], block_q: Optional[int], block_n: Optional[int]):
+    """(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps). exact_fp32: float32 dots in "ieee" precision
+    run as FMAs on CUDA cores with every operand in registers, so they take narrower KV tiles
+    and more warps; without that, sm_80 / sm_90 builds spill (python -m
+    pagedllm.attention.triton_aot shows registers and spills per variant)."""
     rows_min = max(16, _next_pow2(num_queries_per_kv))
     if block_m is None:
         # decode: one query token per program, its query heads as rows; prefill: bigger tiles
@@ -152,32 +187,27 @@ def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_dim: int,
         block_q = 1 if max_query_len <= 1 else block_m // num_queries_per_kv
     assert block_m >= 16 and block_m & (block_m - 1) == 0, "BLOCK_M: a power of two >= 16"
     assert 1 <= block_q and block_q * num_queries_per_kv <= block_m, "BLOCK_Q * (H / Hkv) must fit BLOCK_M"
+    head_pad = _next_pow2(max(16, head_dim))
     if block_n is None:
-        block_n = 32 if _next_pow2(head_dim) <= 128 else 16
+        block_n = 16 if exact_fp32 or head_pad > 128 else 32
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "BLOCK_N: a power of two >= 16"
-    return block_m, block_q, block_n
+    if exact_fp32:
+        num_warps = 8 if block_m >= 64 else 4
+    else:
+        num_warps = 4 if block_m * head_pad >= 64 * 64 else 2
+    return block_m, block_q, block_n, num_warps
 
 
-def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, block_size: int, scale: float,
-                      out: Optional[torch.Tensor] = None,
-                      max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
-                      num_splits: Optional[int] = None,
-                      block_m: Optional[int] = None, block_q: Optional[int] = None,
-                      block_n: Optional[int] = None,
-                      fp32_precision: str = "ieee") -> torch.Tensor:
-    """Varlen paged attention over the cache (the step's K/V must already be written).
-
-    q [num_tokens, num_heads, head_dim]; caches [num_slots, num_kv_heads, head_dim];
-    query_start_loc [num_reqs + 1] int32, seq_lens [num_reqs] int32, block_table
-    [num_reqs, max_blocks] int32, all on q's device. Request r's new tokens are
-    q[qsl[r]:qsl[r+1]] at positions seq_lens[r] - q_len .. seq_lens[r] - 1: causal among
-    themselves, full over the cached past. Tokens past qsl[num_reqs] (padding) are left
-    unwritten in ``out``. num_splits: None chooses (split-K only for all-decode batches with
-    long contexts), 1 forces the one-pass kernel, n > 1 forces n splits.
-    fp32_precision: tl.dot precision for float32 inputs ("ieee" exact, "tf32" faster on GPU).
-    """
+def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_table: torch.Tensor, block_size: int, scale: float,
+                       out: torch.Tensor, max_query_len: Optional[int] = None,
+                       max_seq_len: Optional[int] = None, num_splits: Optional[int] = None,
+                       block_m: Optional[int] = None, block_q: Optional[int] = None,
+                       block_n: Optional[int] = None,
+                       fp32_precision: str = "ieee") -> list[KernelLaunch]:
+    """The launches of ``unified_attention`` (its arguments; ``out`` given): the attention
+    kernel, then with split-K the reduction; split-K partials are allocated here."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     kc = k_cache.view(-1, num_kv_heads, head_dim)
@@ -188,21 +218,19 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
     nq = num_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
-        return out
+        return []
     if max_query_len is None:   # device sync: pass them when they are known on the host
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    block_m, block_q, block_n = _tile_shapes(nq, max_query_len, head_dim, block_m, block_q, block_n)
+    precision = fp32_precision if q.dtype == torch.float32 else None   # None: the target's default
+    block_m, block_q, block_n, num_warps = _tile_shapes(nq, max_query_len, head_dim, precision == "ieee",
+                                                        block_m, block_q, block_n)
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len,
                                        _num_sms(q.device))
     head_pad = _next_pow2(max(16, head_dim))
-    precision = fp32_precision if q.dtype == torch.float32 else None   # None: the target's default
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
                                device=q.device)
@@ -210,27 +238,47 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out   # unused
-    num_warps = 4 if block_m * head_pad >= 64 * 64 else 2
-    unified_attention_kernel[grid](
-        q, kc, vc, out, part_acc, part_m, part_l,
-        block_table, query_start_loc, seq_lens,
-        float(scale), num_reqs,
-        *q.stride(), *kc.stride(), *vc.stride(), *out.stride(),
-        block_table.stride(0),
-        NUM_QUERIES_PER_KV=nq, NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=int(block_size),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=2,
-    )
+    launches = [KernelLaunch(
+        unified_attention_kernel, (num_tokens // block_q + num_reqs, num_kv_heads, num_splits),
+        (q, kc, vc, out, part_acc, part_m, part_l, block_table, query_start_loc, seq_lens,
+         float(scale), num_reqs, *q.stride(), *kc.stride(), *vc.stride(), *out.stride(),
+         block_table.stride(0)),
+        dict(NUM_QUERIES_PER_KV=nq, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+             BLOCK_SIZE=int(block_size), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+             NUM_SPLITS=num_splits, DOT_PRECISION=precision),
+        _options(num_warps, num_stages=2))]
     if num_splits > 1:
-        reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_m, part_l, query_start_loc, num_reqs,
-            *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits),
-            num_warps=1 if head_pad <= 64 else 2,
-        )
+        launches.append(KernelLaunch(
+            reduce_splits_kernel, (num_tokens, num_heads),
+            (out, part_acc, part_m, part_l, query_start_loc, num_reqs, *out.stride()),
+            dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                 NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits)),
+            _options(1 if head_pad <= 64 else 2)))
+    return launches
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, block_size: int, scale: float,
+                      out: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+    """Varlen paged attention over the cache (the step's K/V must already be written).
+
+    q [num_tokens, num_heads, head_dim]; caches [num_slots, num_kv_heads, head_dim];
+    query_start_loc [num_reqs + 1] int32, seq_lens [num_reqs] int32, block_table
+    [num_reqs, max_blocks] int32, all on q's device. Request r's new tokens are
+    q[qsl[r]:qsl[r+1]] at positions seq_lens[r] - q_len .. seq_lens[r] - 1: causal among
+    themselves, full over the cached past. Tokens past qsl[num_reqs] (padding) are left
+    unwritten in ``out``. Keyword arguments (see attention_launches): max_query_len and
+    max_seq_len (host ints; computed with a device sync when missing), num_splits (None
+    chooses: split-K only for all-decode batches with long contexts; 1 forces the one-pass
+    kernel, n > 1 forces n splits), block_m / block_q / block_n (tile shapes), fp32_precision
+    (tl.dot precision for float32 inputs: "ieee" exact, "tf32" faster on a GPU).
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    for launch in attention_launches(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                     block_size, scale, out, **kwargs):
+        launch.launch()
     return out
 
 
@@ -240,8 +288,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The torch backend's call: write this step's K/V at meta.slot_mapping, then attend.
     q [T, H, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, H, D]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return unified_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                             meta.block_table, meta.block_size, scale, out=out,
-                             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                             num_splits=meta.num_splits)
+    if out is None:
+        out = torch.empty_like(q)
+    for launch in paged_attention_launches(q, k, v, k_cache, v_cache, meta, scale, out):
+        launch.launch()
+    return out
+
+
+def paged_attention_launches(q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata,
+                             scale: float, out: torch.Tensor) -> list[KernelLaunch]:
+    """The launches of one layer's ``paged_attention``, in order."""
+    write = write_kv_launch(k, v, k_cache, v_cache, meta.slot_mapping)
+    return ([write] if write is not None else []) + attention_launches(
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+        meta.block_size, scale, out, max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len, num_splits=meta.num_splits)

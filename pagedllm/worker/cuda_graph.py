@@ -29,6 +29,19 @@ from pagedllm.attention.triton_backend import (TritonAttentionMetadata, _num_sms
 logger = logging.getLogger(__name__)
 
 
+def graph_metadata(slot_mapping, query_start_loc, seq_lens, block_table, num_kv_heads: int,
+                   block_size: int, max_model_len: int) -> TritonAttentionMetadata:
+    """The attention metadata a captured decode step of len(seq_lens) requests is recorded
+    with: static buffers, max_query_len 1 and max_seq_len max_model_len (tile shapes and the
+    split-K count fixed for every context length)."""
+    splits = choose_num_splits(len(seq_lens), num_kv_heads, 1, max_model_len,
+                               _num_sms(block_table.device))
+    return TritonAttentionMetadata(
+        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_table=block_table, block_size=block_size, max_query_len=1,
+        max_seq_len=max_model_len, num_splits=splits)
+
+
 class DecodeGraphs:
     def __init__(self, runner, sizes: list[int], capture: bool = True) -> None:
         self.runner = runner
@@ -51,12 +64,9 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> TritonAttentionMetadata:
         r = self.runner
-        splits = choose_num_splits(size, r.num_kv_heads, 1, r.max_model_len, _num_sms(r.device))
-        return TritonAttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_table=self.block_table[:size],
-            block_size=r.block_size, max_query_len=1, max_seq_len=r.max_model_len,
-            num_splits=splits)
+        return graph_metadata(self.slot_mapping[:size], self.query_start_loc[:size + 1],
+                              self.seq_lens[:size], self.block_table[:size], r.num_kv_heads,
+                              r.block_size, r.max_model_len)
 
     def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         return self.runner.model(self.input_ids[:size], self.positions[:size],

@@ -1,0 +1,192 @@
+"""Compile the engine's Triton kernels for a GPU that is not here (ahead of time, no driver).
+
+Triton's interpreter checks what the kernels compute but not that they compile: types, tile
+shapes, ``tl.dot`` operands and loop-carried values are checked only by the real compiler,
+and shared memory and registers only exist in its output. This module takes the launches the
+engine makes (triton_backend.paged_attention_launches, on CPU tensors laid out as the model
+runner lays them out), specialises them as Triton's launcher would on a GPU (ints equal to 1
+become constants, pointers and ints divisible by 16 get that hint), and compiles each to a
+cubin for a chosen architecture with Triton's own ptxas. The report gives each kernel
+variant's shared memory against the architecture's limit, and its registers and local
+memory (spills) from cuobjdump.
+
+    python -m pagedllm.attention.triton_aot --arch 90 --heads 32 8 --head-dim 64 --dtype bfloat16
+
+Run it with TRITON_INTERPRET unset (under the interpreter the kernels are not compilable
+objects). The launcher internals used here are Triton 3.9's (the version pyproject pins).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.triton_backend import (KernelLaunch, build_triton_metadata,
+                                               paged_attention_launches)
+
+# Dynamic shared memory a block may opt into (CUDA occupancy tables), bytes.
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+# (name, [(cached, new) per request], captured): the step shapes the engine launches.
+# "captured" lays the step out as a CUDA-graph decode step (worker/cuda_graph.py) does.
+SCENARIOS = [
+    ("decode, 1 request, 1 block", [(5, 1)], False),
+    ("decode, 16 requests", [(100 + 37 * i, 1) for i in range(16)], False),
+    ("decode, 1 request, long context (split-K)", [(4000, 1)], False),
+    ("prefill, 1 request", [(0, 100)], False),
+    ("mixed, 5 requests", [(0, 37), (50, 1), (300, 1), (17, 20), (1000, 1)], False),
+    ("captured decode, 1 request", [(200, 1)], True),
+    ("captured decode, 8 requests", [(200, 1)] * 8, True),
+]
+
+
+@dataclass
+class CompiledVariant:
+    kernel: str
+    scenarios: list
+    constexprs: dict
+    num_warps: int
+    shared: int           # dynamic shared memory, bytes
+    registers: int        # per thread
+    local: int            # local memory per thread, bytes (> 0: spills or a stack)
+    compile_s: float
+
+
+def _target(arch: int):
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", arch, 32)
+
+
+def specialise(launch: KernelLaunch, target):
+    """(signature, constexprs, attrs, options) as Triton's launcher derives them on a device of
+    ``target`` from the launch's arguments."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    fn = launch.kernel
+    if not hasattr(fn, "params"):
+        raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET is set): unset it")
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = {**launch.constexprs, **launch.options}
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    return fn._pack_args(backend, kwargs, bound_args, specialization, options)
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, local bytes) per thread of a cubin's one kernel, from cuobjdump."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", text)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
+    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
+
+
+def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int, dtype: torch.dtype, max_model_len: int) -> list[KernelLaunch]:
+    """One layer's launches for a step of requests (cached, new), with tensors laid out as
+    the model runner makes them (q/k/v views of one fused projection, the cache
+    [slots, Hkv, D], block-table columns up to the longest sequence, or all of them when
+    captured)."""
+    from pagedllm.worker.cuda_graph import graph_metadata
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    q_lens = np.array([n for _, n in reqs])
+    seq_lens = np.array([c + n for c, n in reqs], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(qsl[-1])
+    max_blocks = -(-max_model_len // block_size)
+    nb = max_blocks if captured else int(-(-seq_lens.max() // block_size))
+    block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)[:, :nb]
+    num_slots = (1 + len(reqs) * max_blocks) * block_size
+    qkv = torch.zeros(T, (H + 2 * Hkv) * D, dtype=dtype)                 # [T, (H + 2 Hkv) D]
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    k_cache, v_cache = (torch.zeros(num_slots, Hkv, D, dtype=dtype) for _ in range(2))
+    slots = torch.zeros(T, dtype=torch.int64)
+    if captured:
+        meta = graph_metadata(slots, torch.from_numpy(qsl), torch.from_numpy(seq_lens),
+                              torch.from_numpy(np.ascontiguousarray(block_table)), Hkv, block_size,
+                              max_model_len)
+    else:
+        meta = build_triton_metadata(qsl, seq_lens, block_table, block_size, slots,
+                                     max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
+    return paged_attention_launches(q, k, v, k_cache, v_cache, meta, D ** -0.5, torch.empty_like(q))
+
+
+def compile_engine_kernels(arch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           block_size: int, dtype: torch.dtype,
+                           max_model_len: int = 4096) -> list[CompiledVariant]:
+    """Every distinct kernel variant of SCENARIOS, compiled for sm_<arch>."""
+    import triton
+    from triton.compiler import ASTSource
+    target = _target(arch)
+    variants: dict[str, CompiledVariant] = {}
+    for name, reqs, captured in SCENARIOS:
+        for launch in scenario_launches(reqs, captured, num_heads, num_kv_heads, head_dim,
+                                        block_size, dtype, max_model_len):
+            options, signature, constexprs, attrs = specialise(launch, target)
+            key = repr((launch.kernel.__name__, signature, sorted(constexprs.items()),
+                        sorted(attrs.items()), sorted(launch.options.items())))
+            if key in variants:
+                variants[key].scenarios.append(name)
+                continue
+            t0 = time.perf_counter()
+            ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
+                                target=target, options=options.__dict__)
+            regs, local = resource_usage(ck.asm["cubin"])
+            variants[key] = CompiledVariant(
+                launch.kernel.__name__, [name], {k: str(v) for k, v in launch.constexprs.items()},
+                launch.options["num_warps"], int(ck.metadata.shared), regs, local,
+                round(time.perf_counter() - t0, 2))
+    return list(variants.values())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[90], choices=sorted(MAX_SHARED),
+                    help="compute capabilities, e.g. 80 (A100) 90 (H100/H200)")
+    ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("H", "HKV"),
+                    help="query and KV heads (default: Llama-3.2-1B's 32 8)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"],
+                    choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    a = ap.parse_args(argv)
+    report, ok = [], True
+    for arch in a.arch:
+        for dt in a.dtype:
+            for v in compile_engine_kernels(arch, a.heads[0], a.heads[1], a.head_dim, a.block_size,
+                                            getattr(torch, dt), a.max_model_len):
+                fits = v.shared <= MAX_SHARED[arch]
+                ok &= fits
+                report.append({"arch": arch, "dtype": dt, "fits_shared": fits, **asdict(v)})
+    if a.json:
+        print(json.dumps({"ok": ok, "max_shared": MAX_SHARED,
+                          "scenarios": [name for name, _, _ in SCENARIOS], "variants": report}))
+    else:
+        print(f"{'arch':>4} {'dtype':>8} {'kernel':<26} {'warps':>5} {'shared':>7} {'regs':>4} "
+              f"{'local':>5} {'s':>5}  scenarios")
+        for r in report:
+            print(f"{r['arch']:>4} {r['dtype']:>8} {r['kernel']:<26} {r['num_warps']:>5} "
+                  f"{r['shared']:>7} {r['registers']:>4} {r['local']:>5} {r['compile_s']:>5}  "
+                  f"{'; '.join(r['scenarios'])}{'' if r['fits_shared'] else '  TOO MUCH SHARED MEMORY'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

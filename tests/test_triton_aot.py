@@ -1,0 +1,52 @@
+"""The Triton kernels compiled for GPUs that are not here: sm_80 (A100) and sm_90 (H100/H200).
+
+Triton's interpreter (test_triton_kernels.py) checks what the kernels compute, not that they
+compile: types, tile shapes, tl.dot operands, loop-carried values, shared memory and register
+pressure exist only in the real compiler's output. pagedllm.attention.triton_aot takes the
+launches the engine makes for a model shape (decode, split-K with its reduction, prefill, a
+mixed batch, CUDA-graph decode steps), specialises them as Triton's launcher does on a GPU,
+and compiles each to a cubin with Triton's own ptxas; no GPU or driver is needed.
+
+It runs in a subprocess without TRITON_INTERPRET, which conftest.py sets for the test process
+on a machine without a GPU: interpreted kernels cannot be compiled.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
+
+KERNELS = {"reshape_and_cache_kernel", "unified_attention_kernel", "reduce_splits_kernel"}
+DTYPES = ["float32", "bfloat16", "float16"]
+ARCHS = [80, 90]
+
+
+@pytest.mark.parametrize("heads,head_dim,block_size", [
+    ((9, 3), 64, 16),      # SmolLM2-135M (the default model): GQA 3
+    ((32, 8), 64, 16),     # Llama-3.2-1B: GQA 4
+    ((64, 8), 128, 32),    # a 70B-like layer: GQA 8, head_dim 128, blocks of 32
+])
+def test_engine_kernels_compile_for_sm80_and_sm90(heads, head_dim, block_size):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "pagedllm.attention.triton_aot", "--json",
+           "--arch", *map(str, ARCHS), "--dtype", *DTYPES, "--heads", *map(str, heads),
+           "--head-dim", str(head_dim), "--block-size", str(block_size)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    report = json.loads(res.stdout)
+    variants = report["variants"]
+    assert {v["kernel"] for v in variants} == KERNELS
+    for arch in ARCHS:
+        for dtype in DTYPES:
+            mine = [v for v in variants if v["arch"] == arch and v["dtype"] == dtype]
+            # every scenario's attention kernel was compiled (some share a variant)
+            covered = {s for v in mine if v["kernel"] == "unified_attention_kernel" for s in v["scenarios"]}
+            assert covered == set(report["scenarios"]) and len(covered) >= 7, (arch, dtype)
+    too_big = [v for v in variants if not v["fits_shared"]]
+    assert not too_big, f"shared memory over the architecture's limit: {too_big}"
+    spills = [(v["arch"], v["dtype"], v["kernel"], v["constexprs"], v["num_warps"], v["local"])
+              for v in variants if v["local"]]
+    assert not spills, f"variants using local memory (register spills): {spills}"
