@@ -173,7 +173,7 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
     return splits
 
 
-def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_dim: int, exact_fp32: bool,
+def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_pad: int, exact_fp32: bool,
                  block_m: Optional[int], block_q: Optional[int], block_n: Optional[int]):
     """(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps). exact_fp32: float32 dots in "ieee" precision
     run as FMAs on CUDA cores with every operand in registers, so they take narrower KV tiles
@@ -187,7 +187,6 @@ def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_dim: int, exa
         block_q = 1 if max_query_len <= 1 else block_m // num_queries_per_kv
     assert block_m >= 16 and block_m & (block_m - 1) == 0, "BLOCK_M: a power of two >= 16"
     assert 1 <= block_q and block_q * num_queries_per_kv <= block_m, "BLOCK_Q * (H / Hkv) must fit BLOCK_M"
-    head_pad = _next_pow2(max(16, head_dim))
     if block_n is None:
         block_n = 16 if exact_fp32 or head_pad > 128 else 32
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "BLOCK_N: a power of two >= 16"
@@ -225,12 +224,12 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     precision = fp32_precision if q.dtype == torch.float32 else None   # None: the target's default
-    block_m, block_q, block_n, num_warps = _tile_shapes(nq, max_query_len, head_dim, precision == "ieee",
+    head_pad = _next_pow2(max(16, head_dim))
+    block_m, block_q, block_n, num_warps = _tile_shapes(nq, max_query_len, head_pad, precision == "ieee",
                                                         block_m, block_q, block_n)
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len,
                                        _num_sms(q.device))
-    head_pad = _next_pow2(max(16, head_dim))
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
                                device=q.device)
