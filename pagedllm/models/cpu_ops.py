@@ -21,6 +21,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -147,6 +148,18 @@ static void small_rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t
   });
 }
 
+// f(std::integral_constant<int, R>) with R = M for 1-3 rows, 4 for the rest: one ladder of
+// row-count instantiations for the float32 and bfloat16 kernels.
+template <typename F>
+static void by_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 static torch::Tensor linear_small_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "linear_small: x is bfloat16, w must be too");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous()));
@@ -157,12 +170,7 @@ static torch::Tensor linear_small_bf16(torch::Tensor x, torch::Tensor w, c10::op
   const uint16_t* xp = bf_ptr(x);
   const uint16_t* wp = bf_ptr(w);
   uint16_t* op = bf_mut(out);
-  switch (M) {
-    case 1: small_rows_bf16<1>(xp, wp, b, op, K, N); break;
-    case 2: small_rows_bf16<2>(xp, wp, b, op, K, N); break;
-    case 3: small_rows_bf16<3>(xp, wp, b, op, K, N); break;
-    default: small_rows_bf16<4>(xp, wp, b, op, K, N); break;
-  }
+  by_rows(M, [&](auto rows) { small_rows_bf16<decltype(rows)::value>(xp, wp, b, op, K, N); });
   return out;
 }
 
@@ -178,12 +186,7 @@ torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (M) {
-    case 1: small_rows<1>(xp, wp, b, op, K, N); break;
-    case 2: small_rows<2>(xp, wp, b, op, K, N); break;
-    case 3: small_rows<3>(xp, wp, b, op, K, N); break;
-    default: small_rows<4>(xp, wp, b, op, K, N); break;
-  }
+  by_rows(M, [&](auto rows) { small_rows<decltype(rows)::value>(xp, wp, b, op, K, N); });
   return out;
 }
 
