@@ -64,6 +64,10 @@ class EngineMetrics:
         fin = Counter("pagedllm:request_success", "Finished sequences, by finish reason.",
                       labels + ["finished_reason"], registry=r)
         self.finished = {reason: fin.labels(model_name, reason) for reason in FINISH_REASONS}
+        # Data parallelism: where the router sent the requests (one series per replica).
+        self.replica_added = Gauge("pagedllm:dp_replica_requests_added",
+                                   "Requests (and beam searches) added to each data-parallel replica.",
+                                   labels + ["replica"], registry=r)
         self.rejected = Counter("pagedllm:request_rejected", "Requests refused (overload, engine dead).",
                                 labels + ["reason"], registry=r)
         self._last_preemptions = 0
@@ -91,6 +95,9 @@ class EngineMetrics:
                 counter.inc(total - getattr(self, last, 0))
             setattr(self, last, total)
         self.prefix_hit_rate.set(h / q if q else 0.0)
+        for i, rs in enumerate(s.get("replicas") or ()):
+            if rs:
+                self.replica_added.labels(self.model_name, str(i)).set(rs.get("num_added", 0))
 
     def add_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)
