@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from test_logprobs import hf_logprobs
 
 pytestmark = pytest.mark.model
 
@@ -19,29 +20,48 @@ def llm(model_dir):
 EOS = 2
 
 
-def hf_beam_search(hf_model, prompt_ids, width, length_penalty, max_new_tokens, num_return=1):
-    """transformers' generate(num_beams=width): the num_return best hypotheses, best first, each
-    cut after its EOS (transformers pads a hypothesis that ended early with the pad id, here EOS)."""
+def hf_beam_hypotheses(hf_model, prompt_ids, width, length_penalty, max_new_tokens, num_return=1):
+    """transformers' generate(num_beams=width): the num_return best hypotheses, best first, as
+    (token ids, sequences_score). Each is cut after its EOS (transformers pads a hypothesis that
+    ended early with the pad id, here EOS). sequences_scores is the hypothesis' sum of token
+    logprobs (log_softmax of the raw logits: no processor is configured) divided by its
+    generated length (EOS included) ** length_penalty."""
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                                 num_beams=width, do_sample=False, length_penalty=length_penalty,
                                 max_new_tokens=max_new_tokens, early_stopping=False,
-                                num_return_sequences=num_return)
-    seqs = []
-    for row in out[:, len(prompt_ids):].tolist():
-        seqs.append(row[:row.index(EOS) + 1] if EOS in row else row)
-    return seqs
+                                num_return_sequences=num_return, output_scores=True,
+                                return_dict_in_generate=True)
+    hyps = []
+    for row, score in zip(out.sequences[:, len(prompt_ids):].tolist(), out.sequences_scores.tolist()):
+        hyps.append((row[:row.index(EOS) + 1] if EOS in row else row, score))
+    return hyps
+
+
+def hf_beam_search(hf_model, prompt_ids, width, length_penalty, max_new_tokens, num_return=1):
+    """The token ids of hf_beam_hypotheses."""
+    return [t for t, _ in hf_beam_hypotheses(hf_model, prompt_ids, width, length_penalty, max_new_tokens, num_return)]
 
 
 @pytest.mark.parametrize("width, length_penalty", [(2, 1.0), (4, 0.6), (4, 1.5)])
 def test_beam_search_matches_transformers(llm, hf_model, tokenizer, width, length_penalty):
+    """Every hypothesis, best first: its tokens, its score against transformers' sequences_scores,
+    its cumulative logprob (the score times len ** length_penalty) and each token's logprob,
+    within 1e-4."""
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     ours = llm.beam_search([{"prompt_token_ids": p} for p in prompts], width, 20, length_penalty)
     for p, out in zip(prompts, ours):
-        (ref,) = hf_beam_search(hf_model, p, width, length_penalty, 20)
-        best = out.sequences[0]
-        assert best.tokens == ref, (tokenizer.decode(p), best.tokens, ref)
+        refs = hf_beam_hypotheses(hf_model, p, width, length_penalty, 20, num_return=width)
         assert len(out.sequences) == width
+        for rank, (seq, (ref_tokens, ref_score)) in enumerate(zip(out.sequences, refs)):
+            where = (tokenizer.decode(p), rank, seq.tokens, ref_tokens)
+            assert seq.tokens == ref_tokens, where
+            assert abs(seq.score - ref_score) < 1e-4, (where, seq.score, ref_score)
+            assert abs(seq.cum_logprob - ref_score * len(ref_tokens) ** length_penalty) < 1e-4, where
+            # Each token's logprob (the server's logprobs): log_softmax of transformers' logits.
+            ref = hf_logprobs(hf_model, p, ref_tokens)[range(len(ref_tokens)), ref_tokens]
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, ref.tolist())) < 1e-4, where
+            assert len(seq.logprobs) == len(ref_tokens) and abs(sum(seq.logprobs) - seq.cum_logprob) < 1e-4
         assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
     pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1

@@ -34,6 +34,7 @@ class BeamSequence:
     score: float               # cum_logprob / len ** length_penalty
     text: str = ""
     finish_reason: str = "length"   # "stop": ended on EOS
+    logprobs: list[float] = field(default_factory=list)   # each token's (raw logits), sum = cum_logprob
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Beam:
     req_id: str
     tokens: list[int]
     score: float
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -171,21 +173,22 @@ class BeamSearchDriver:
     def _advance(self, s: _Search) -> None:
         k, length_penalty = s.width, s.length_penalty
         # Candidates over all beams, best first (ties: beam order, then token rank).
-        cands = [(beam.score + lp, bi, tid) for bi, beam in enumerate(s.running)
+        cands = [(beam.score + lp, bi, tid, lp) for bi, beam in enumerate(s.running)
                  for tid, lp in s.reports[beam.req_id]]
         cands.sort(key=lambda c: -c[0])
         cands = cands[:2 * k]
         s.reports.clear()
         at_limit = s.cur_len + 1 >= s.max_len
-        hits = [at_limit or tid == s.eos for _, _, tid in cands]
+        hits = [at_limit or tid == s.eos for _, _, tid, _ in cands]
         # Hypotheses: ending candidates among the first k, unless no improvement is possible.
         gen_len = s.cur_len + 1 - len(s.prompt)
         if s.improvable:
-            for (score, bi, tid), hit in zip(cands[:k], hits[:k]):
+            for (score, bi, tid, lp), hit in zip(cands[:k], hits[:k]):
                 if hit:
                     s.finished.append(BeamSequence(s.running[bi].tokens + [tid], score,
                                                    score / gen_len ** length_penalty,
-                                                   finish_reason="stop" if tid == s.eos else "length"))
+                                                   finish_reason="stop" if tid == s.eos else "length",
+                                                   logprobs=s.running[bi].logprobs + [lp]))
             s.finished = sorted(s.finished, key=lambda h: h.score, reverse=True)[:k]
         if s.cur_len == len(s.prompt):   # the first beam has looked its prompt up by now
             first = self.sched.get_request(s.running[0].req_id)
@@ -194,11 +197,12 @@ class BeamSearchDriver:
         order = sorted(range(len(cands)), key=lambda i: -(cands[i][0] + (_NEG if hits[i] else 0.0)))[:k]
         new_running = []
         for i in order:
-            score, bi, tid = cands[i]
+            score, bi, tid, lp = cands[i]
             parent = s.running[bi]
             child_id = self._beam_id(s.request_id)
             self.sched.fork_request(parent.req_id, child_id, tid)
-            new_running.append(_Beam(child_id, parent.tokens + [tid], score + (_NEG if hits[i] else 0.0)))
+            new_running.append(_Beam(child_id, parent.tokens + [tid], score + (_NEG if hits[i] else 0.0),
+                                     parent.logprobs + [lp]))
             self.by_req[child_id] = s
         self._drop(s, s.running)
         s.running = new_running
