@@ -100,13 +100,14 @@ def decode_output(v: list) -> EngineCoreOutput:
 
 # ---------------------------------------------------------------- beam search results
 def encode_beam_output(o: BeamSearchOutput, error: Optional[str] = None) -> list:
-    seqs = [[list(h.tokens), float(h.cum_logprob), float(h.score), h.finish_reason] for h in o.sequences]
+    seqs = [[list(h.tokens), float(h.cum_logprob), float(h.score), h.finish_reason, list(h.logprobs)]
+            for h in o.sequences]
     return [o.request_id, list(o.prompt_token_ids), seqs, o.num_cached_tokens, error]
 
 
 def decode_beam_output(v: list) -> tuple[BeamSearchOutput, Optional[str]]:
     """The result, and the core's error message when it refused the search."""
     req_id, prompt_ids, seqs, cached, error = v
-    out = BeamSearchOutput(prompt_ids, [BeamSequence(t, c, s, finish_reason=f) for t, c, s, f in seqs],
-                           req_id, cached)
+    out = BeamSearchOutput(prompt_ids, [BeamSequence(t, c, s, finish_reason=f, logprobs=lps)
+                                        for t, c, s, f, lps in seqs], req_id, cached)
     return out, error

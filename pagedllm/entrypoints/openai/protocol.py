@@ -23,7 +23,7 @@ _BEAM_NEUTRAL = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0
                  "repetition_penalty": (None, 1), "presence_penalty": (None, 0),
                  "frequency_penalty": (None, 0), "logit_bias": (None, {}), "stop": (None, []),
                  "stop_token_ids": (None, []), "min_tokens": (0,), "best_of": (None,),
-                 "top_logprobs": (None,)}
+                 "top_logprobs": (None, 0)}
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -112,8 +112,8 @@ class _SamplingFields(OpenAIBaseModel):
     def beam_search_conflict(self) -> Optional[str]:
         """The first field set to a value that beam search cannot honour, if any."""
         logprobs = getattr(self, "logprobs", None)
-        if logprobs is not None and logprobs is not False:   # completions' 0 asks for logprobs too
-            return "logprobs"
+        if not isinstance(logprobs, bool) and logprobs not in (None, 0):   # chat's is a flag
+            return "logprobs"   # a search reports its chosen tokens' logprobs only
         for name, neutral in _BEAM_NEUTRAL.items():
             if name in type(self).model_fields and getattr(self, name) not in neutral:
                 return name

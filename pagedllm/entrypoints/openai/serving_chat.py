@@ -71,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
             handles = self.start_beam_searches(req, [(ids, max_tokens)], request_id)
             if req.stream:
                 return self._beam_stream(req, request_id, created, handles, len(ids))
-            return await self._beam_full(request_id, created, handles, len(ids))
+            return await self._beam_full(req, request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind)
         if req.stream:
@@ -113,9 +113,11 @@ class OpenAIServingChat(OpenAIServing):
                                                           cached_tokens=final.num_cached_tokens)))
 
     # ------------------------------------------------------------ beam search
-    async def _beam_full(self, request_id, created, handles, num_prompt) -> ChatCompletionResponse:
+    async def _beam_full(self, req, request_id, created, handles, num_prompt) -> ChatCompletionResponse:
         (res,) = await self.beam_results(handles)
         choices = [ChatCompletionChoice(index=j, message=ChatResponseMessage(content=h.text),
+                                        logprobs=self._logprobs(h.tokens, self.beam_logprobs(h), 0)
+                                        if req.logprobs else None,
                                         finish_reason=h.finish_reason)
                    for j, h in enumerate(res.sequences)]
         num_gen = sum(len(h.tokens) for h in res.sequences)
@@ -129,9 +131,10 @@ class OpenAIServingChat(OpenAIServing):
         """Beam search has no partial output: each final choice in one chunk (role, content and
         finish reason), then [DONE]."""
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        return stream_final(lambda: self._beam_full(request_id, created, handles, num_prompt), head,
+        return stream_final(lambda: self._beam_full(req, request_id, created, handles, num_prompt), head,
                             lambda c: {"index": c.index, "delta": {"role": "assistant", "content": c.message.content},
-                                       "logprobs": None, "finish_reason": c.finish_reason},
+                                       "logprobs": c.logprobs.model_dump() if c.logprobs else None,
+                                       "finish_reason": c.finish_reason},
                             bool(req.stream_options and req.stream_options.include_usage))
 
     # ------------------------------------------------------------ streaming

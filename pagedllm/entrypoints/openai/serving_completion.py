@@ -131,7 +131,11 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, res in enumerate(results):
             prefix = texts[i] if req.echo else ""
             for j, h in enumerate(res.sequences):
-                choices.append(CompletionChoice(index=i * n + j, text=prefix + h.text, finish_reason=h.finish_reason))
+                lp = None
+                if req.logprobs is not None:
+                    lp, _ = self._logprobs(h.tokens, self.beam_logprobs(h), len(prefix))
+                choices.append(CompletionChoice(index=i * n + j, text=prefix + h.text, logprobs=lp,
+                                                finish_reason=h.finish_reason))
                 num_gen += len(h.tokens)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen,
                           total_tokens=num_prompt_tokens + num_gen,

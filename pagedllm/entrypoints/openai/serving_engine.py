@@ -116,6 +116,9 @@ class OpenAIServing:
             raise OpenAIError(f"n (the beam width with use_beam_search) must be an integer in "
                               f"[1, {MAX_BEAM_WIDTH}], got {n}", param="n")
         bad = req.beam_search_conflict()
+        if bad in ("logprobs", "top_logprobs"):
+            raise OpenAIError(f"{bad} must be 0 with use_beam_search (a search reports the logprobs of the "
+                              "tokens it chose, without alternatives)", param=bad)
         if bad is not None:
             raise OpenAIError(f"{bad} is not supported with use_beam_search (beam search is deterministic "
                               "and stops on EOS or the token limit only)", param=bad)
@@ -153,6 +156,10 @@ class OpenAIServing:
             if e is not None:
                 raise e
         return [t.result() for t in tasks]
+
+    def beam_logprobs(self, h) -> list[dict[int, Logprob]]:
+        """A hypothesis' chosen tokens with their logprobs, in the shape of a request's logprobs=0."""
+        return [{t: Logprob(lp, None, self.tokenizer.decode([t]))} for t, lp in zip(h.tokens, h.logprobs)]
 
     # ------------------------------------------------------------ logprobs
     def token_bytes(self, token_id: int, text: str) -> list[int]:
