@@ -112,6 +112,7 @@ def test_resolve_model_errors(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 
+@pytest.mark.model   # converts the default model's GGUF
 def test_killed_build_leaves_no_target(tmp_path):
     target = tmp_path / "models" / DEFAULT_MODEL
     proc = subprocess.Popen(
