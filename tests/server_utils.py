@@ -188,6 +188,25 @@ def wait_metrics(server, condition, what: str, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+def disconnect_when(server, path: str, body: dict, condition, what: str) -> None:
+    """POST body (not streamed) and close the connection, the request still in flight, once
+    condition(metrics) holds: a client going away at a moment seen, not timed."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            call = asyncio.create_task(c.post(server.url + path, json=body, headers=server.headers()))
+            await asyncio.to_thread(wait_metrics, server, condition, what)
+            assert not call.done(), f"the request ended before the disconnect: {call.result()}"
+            call.cancel()   # closes the connection mid-request
+            try:
+                await call
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(run())
+
+
 def wait_idle(server, timeout=60.0) -> dict:
     """Poll /metrics until no KV block is used and nothing runs or waits -> the metrics."""
     return wait_metrics(server, lambda m: m["pagedllm:kv_cache_used_blocks"] == 0

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, assert_error, wait_idle, wait_metrics, wait_session_gone
+from server_utils import (RemoteServer, assert_error, disconnect_when, wait_idle, wait_metrics,
+                          wait_session_gone)
 
 pytestmark = pytest.mark.model
 
@@ -298,17 +299,7 @@ def test_stream_disconnect_frees_blocks(server):
 def test_non_stream_disconnect_frees_blocks(server):
     before = wait_idle(server)
     body = {"messages": CHAT, "max_tokens": LONG_TOKENS, "ignore_eos": True}
-
-    async def disconnect_while_running():
-        async with httpx.AsyncClient(timeout=120) as c:
-            call = asyncio.create_task(c.post(server.base_url + "/chat/completions", json=body))
-            await asyncio.to_thread(wait_metrics, server, *HOLDS_BLOCKS)
-            assert not call.done(), call.result()
-            call.cancel()   # closes the connection mid-request
-            with pytest.raises(asyncio.CancelledError):
-                await call
-
-    asyncio.run(disconnect_while_running())
+    disconnect_when(server, "/v1/chat/completions", body, *HOLDS_BLOCKS)
     _assert_aborted_and_freed(server, before)
 
 
