@@ -81,7 +81,7 @@ def test_gguf_chat_template_fallback():
     assert template and "<|im_start|>" in template
 
 
-def test_second_call_is_fast(model_dir, monkeypatch):
+def test_second_call_neither_builds_nor_locks(model_dir, monkeypatch):
     """Once built, the model is found without building or even taking the build lock."""
     def no(*args, **kwargs):
         raise AssertionError("a complete model was built or locked again")
@@ -126,8 +126,8 @@ def _wait_for_file(path: Path, proc, what: str, timeout: float = 120.0) -> None:
 
 @pytest.mark.model   # reads the default model's GGUF
 def test_killed_build_leaves_no_target(tmp_path):
-    """SIGKILL in the middle of a real build (it has found the GGUF and goes on converting in its
-    temp dir): the target never appears half made."""
+    """SIGKILL in the middle of a real build (under the lock, in its temp dir, the GGUF found):
+    the target never appears half made."""
     target = tmp_path / "models" / DEFAULT_MODEL
     started = tmp_path / "build-started"
     # The build announces it is under way and stays there until killed: the kill lands
