@@ -75,6 +75,7 @@ def test_tokenizer_and_chat_template(model_dir):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.model   # reads the default model's GGUF
 def test_gguf_chat_template_fallback():
     # The fallback used when transformers does not carry the template over.
     template = download.gguf_chat_template(download.find_gguf())
