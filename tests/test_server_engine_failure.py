@@ -7,6 +7,7 @@ faults injected in the engine core's model runner (PAGEDLLM_FAULT_INJECTION):
 - the core process dies (os._exit in a step, SIGKILL): the requests in flight get 503 at once;
   by default the server then exits non-zero by itself; with --restart-engine-on-failure a new
   core serves the next requests.
+The same mechanism offline: LLMEngine.step raises RequestFailedError for the culprit alone.
 Every wait is bounded and ends on the event it waits for."""
 from __future__ import annotations
 
@@ -201,3 +202,41 @@ def test_core_killed_server_exits_nonzero():
         assert session_pids(srv.proc.pid) == []
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------------ offline, the same mechanism
+@pytest.mark.timeout(120)
+def test_offline_engine_fails_only_the_culprit(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_FAULT_INJECTION", FAULTS)
+    from pagedllm.engine.output_processor import OutputKind
+    from pagedllm.engine.step_failures import RequestFailedError
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+    llm = LLM(model="random:tiny", max_model_len=128, block_size=4, max_num_seqs=8)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in INNOCENT]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ok{i}", p, sp, kind=OutputKind.FINAL_ONLY)
+    engine.add_request("bad", {"prompt_token_ids": [3, RAISE]}, sp, kind=OutputKind.FINAL_ONLY)
+    engine.add_request("bad-n", {"prompt_token_ids": [3, REJECT]}, SamplingParams(n=2, temperature=1.0),
+                       kind=OutputKind.FINAL_ONLY)
+    done, errors = {}, {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        except RequestFailedError as e:
+            errors.update((rid, e.client_error) for rid in e.req_ids)
+    assert errors == {"bad": False, "bad-n": True}
+    assert [done[f"ok{i}"] for i in range(3)] == alone
+    pool = engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    with pytest.raises(RequestFailedError, match="injected fault"):
+        llm.generate([prompts[0], {"prompt_token_ids": [RAISE]}], sp, use_tqdm=False)
+    with pytest.raises(RequestFailedError, match="injected fault"):
+        llm.beam_search([{"prompt_token_ids": [RAISE, 4]}, prompts[1]], beam_width=2, max_tokens=4)
+    assert llm.generate(prompts[2], sp, use_tqdm=False)[0].outputs[0].token_ids == alone[2]
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
