@@ -93,8 +93,8 @@ class StepFailures:
             raise e
         sched = self.scheduler
         step = list(so.num_scheduled_tokens)
-        logger.warning("a step of %d request(s) failed (%s: %s): rolling back", len(step), type(e).__name__, e,
-                       exc_info=logger.isEnabledFor(logging.DEBUG))
+        logger.error("a step of %d request(s) failed (%s: %s): rolling back", len(step), type(e).__name__, e,
+                     exc_info=e)
         self.runner.reset()
         sched.finished_req_ids |= so.finished_req_ids   # the runner may not have seen them
         sched.recompute_all(swapped_out=so.preempted_req_ids)
