@@ -31,8 +31,9 @@ def _decode_loop(llm):
     model = llm.llm_engine.core.runner.model
     if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP") == "0":
         pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
-    if not packed_linear_supported(model.norm.weight.dtype):
-        pytest.skip("this torch build has no oneDNN linear, which the decode loop's layers need")
+    dtype = model.norm.weight.dtype
+    if not packed_linear_supported(dtype):
+        pytest.skip(f"no oneDNN {dtype} linear here (this torch build or CPU): the decode loop needs it")
     for ext in (cpu_ops, decode_kernel, decode_loop_ext):
         require_built(ext())
     assert model.decode_loop is not None, "the extensions are built, yet the engine did not enable the loop"
