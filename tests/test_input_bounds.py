@@ -16,20 +16,19 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                       MAX_STOP_TOKEN_IDS, ParamError)
-from server_utils import RemoteServer, assert_error
+from server_utils import TINY, TINY_CHAT_TEMPLATE, assert_error, tiny_server
 
-MODEL = "random:tiny"
+MODEL = TINY
 MAX_MODEL_LEN = 64
 LIMIT = 64 << 10          # the server's --max-request-body-bytes
 # The tiny model's word-level vocabulary: "w5" ... "w511" and "<unk>": 5 characters at most.
 MAX_CHARS = MAX_MODEL_LEN * 5
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+TEMPLATE = TINY_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer(["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.01",
-                        "--max-request-body-bytes", str(LIMIT), "--chat-template", TEMPLATE])
+    srv = tiny_server(MAX_MODEL_LEN, "--max-request-body-bytes", str(LIMIT))
     yield srv
     srv.close()
 
@@ -37,11 +36,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return server.client(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20)
 
 
 def _raw_exchange(port: int, head: bytes, body_parts=(), timeout: float = 30.0) -> bytes:
@@ -115,8 +109,9 @@ def test_413_comes_before_the_body(server):
 
 # ------------------------------------------------------------------ characters before tokens
 @pytest.mark.timeout(60)
-def test_long_prompt_refused_before_tokenizing_offline(llm):
+def test_long_prompt_refused_before_tokenizing_offline():
     """The message counts characters, not tokens: the check ran before the tokenizer."""
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20)
     assert llm.llm_engine.processor.max_token_chars == 5
     text = "w5 " * (MAX_CHARS // 3 + 1)
     with pytest.raises(ValueError, match=rf"prompt has {len(text)} characters, more than max_model_len "

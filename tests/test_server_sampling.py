@@ -15,12 +15,12 @@ import math
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from server_utils import RemoteServer
+from server_utils import TINY, TINY_CHAT_TEMPLATE, tiny_server
 
-MODEL = "random:tiny"
+MODEL = TINY
 MAX_MODEL_LEN = 64
 MAX_TOKENS = 16
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+TEMPLATE = TINY_CHAT_TEMPLATE
 PROMPTS = [[5, 17, 33, 99, 100, 7], [300, 301, 302], [9, 9, 9, 9]]
 SAMPLED = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -31,8 +31,7 @@ OPENAI_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer(["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.01",
-                        "--chat-template", TEMPLATE])
+    srv = tiny_server(MAX_MODEL_LEN)
     yield srv
     srv.close()
 

@@ -39,7 +39,8 @@ class Processor:
     def check_messages_chars(self, conversation) -> None:
         """check_prompt_chars for chat messages, on the sum of their text before the template
         renders them (the rendered prompt holds at least that text)."""
-        self.check_prompt_chars(sum(len(m["content"]) for m in conversation
+        messages = conversation if isinstance(conversation, list) else []   # the template's check says why
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages
                                     if isinstance(m, dict) and isinstance(m.get("content"), str)), "messages")
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
