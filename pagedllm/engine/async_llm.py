@@ -144,7 +144,8 @@ class AsyncLLM:
         check_beam_args(width, max_tokens, length_penalty)
         request_id = request_id or f"beam-{uuid.uuid4().hex}"
         self._check_admission(request_id, width)
-        _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens))
+        _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens),
+                                            beam_width=width)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self.beam_searches[request_id] = request.arrival_time

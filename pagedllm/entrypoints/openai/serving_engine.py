@@ -11,6 +11,7 @@ from typing import AsyncIterator, Optional, Sequence
 
 from pagedllm.engine.async_llm import AsyncLLM, BeamSearchHandle, RequestStream
 from pagedllm.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchOutput
+from pagedllm.engine.processor import check_prompt_len
 from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
@@ -114,11 +115,13 @@ class OpenAIServing:
         do not fit in the context (OpenAI's wording, with the numbers)."""
         n = self.max_model_len
         if max_tokens is None:
-            if num_prompt >= n:
+            try:
+                check_prompt_len(num_prompt, n)
+            except ValueError:
                 raise OpenAIError(
                     f"This model's maximum context length is {n} tokens. However, your {what} resulted in "
                     f"{num_prompt} tokens. Please reduce the length of the {what}.",
-                    param=what, code="context_length_exceeded")
+                    param=what, code="context_length_exceeded") from None
             return n - num_prompt
         if num_prompt + max_tokens > n:
             raise OpenAIError(
