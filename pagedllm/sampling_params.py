@@ -27,6 +27,9 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):   # picklable (it may cross to another process)
+        return type(self), (self.param, str(self))
+
 
 @dataclass
 class SamplingParams:

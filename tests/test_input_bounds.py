@@ -6,6 +6,7 @@ in the server (400 naming it). A real `pagedllm serve` of the tiny random model 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import socket
 
@@ -175,6 +176,8 @@ def test_bounds_offline(param, bad, ok, allowed):
     with pytest.raises(ValueError, match=rf"^{param} must be .*{re.escape(allowed)}") as e:
         SamplingParams(**_offline(bad))
     assert isinstance(e.value, ParamError) and e.value.param == param
+    again = pickle.loads(pickle.dumps(e.value))   # it can cross to another process
+    assert (again.param, str(again)) == (param, str(e.value))
     SamplingParams(**_offline(ok))
 
 
