@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pagedllm.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_PROMPTS = 2048  # prompts in one completion request (n, best_of, stop, ... : SamplingParams)
+MAX_PROMPTS = 2048  # prompts in one completion request (the sampling fields' bounds: SamplingParams)
 # Beam search is deterministic and ends on EOS or max_tokens alone: a field that would change
 # the result is refused (400 naming it) unless it has one of these neutral values.
 _BEAM_NEUTRAL = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
