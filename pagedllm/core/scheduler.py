@@ -337,6 +337,43 @@ class Scheduler:
     def get_request(self, req_id: str) -> Optional[Request]:
         return self.requests.get(req_id)
 
+    # ------------------------------------------------------------ after a failed step (engine/step_failures.py)
+    def recompute_all(self, swapped_out: Iterable[str] = ()) -> None:
+        """Every running request back to the front of the waiting queue, to be computed again
+        from its tokens; those in `swapped_out` lose their swapped copy too (its copy may
+        never have run), and the prefix cache is emptied. The runner forgets every row."""
+        kv = self.kv_cache_manager
+        for request in reversed(self.running):
+            self.unsent.discard(request.request_id)
+            self.pending_tokens.pop(request.request_id, None)   # resumed requests carry all tokens
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running = []
+        for req_id in swapped_out:
+            request = self.requests.get(req_id)
+            if request is not None and kv.is_swapped(request):
+                kv.drop_swapped(request)
+                request.num_computed_tokens = 0
+        kv.block_pool.reset_prefix_cache()
+
+    def schedule_alone(self, request: Request) -> SchedulerOutput:
+        """A step for `request` alone (with the siblings it forks into, or the other beams of
+        its search: a unit is never split), every other request left where it is,
+        unscheduled: the engine core running a suspect by itself."""
+        running, waiting = self.running, self.waiting
+        group = request.group_id
+
+        def mine(r: Request) -> bool:
+            return r is request if group is None else r.group_id == group
+        self.running = [r for r in running if mine(r)]
+        self.waiting = deque(r for r in waiting if mine(r))
+        try:
+            return self.schedule()
+        finally:
+            self.running = [r for r in running if not mine(r)] + self.running
+            self.waiting = self.waiting + deque(r for r in waiting if not mine(r))
 
 def _unit_at(queue, i: int) -> list[Request]:
     """The request at index i with the other beams of its search next to it: what is preempted

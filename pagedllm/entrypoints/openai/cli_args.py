@@ -24,6 +24,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="refuse with 413 a request body larger than this, before reading it whole "
                         "(default 8388608 = 8 MiB)")
+    p.add_argument("--restart-engine-on-failure", action="store_true",
+                   help="when the engine core process dies, start a new one (the requests in flight get "
+                        "503) instead of exiting 1 for a supervisor to restart the server")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", dest="serve_log_level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])

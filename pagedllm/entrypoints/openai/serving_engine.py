@@ -75,11 +75,21 @@ async def stream_final(make_response, head: dict, chunk_choice, include_usage: b
     yield SSE_DONE
 
 
+def request_failed_error(e) -> OpenAIError:
+    """A request that made the engine fail a step (RequestFailedError): 500, or 400 when the
+    engine found the request invalid; the other requests went on."""
+    if e.client_error:
+        return OpenAIError(str(e), status=400, code="request_failed")
+    return OpenAIError(str(e), status=500, type="internal_error", code="request_failed")
+
+
 def stream_error(e: BaseException) -> OpenAIError:
     """An error met after a stream started: it goes into the stream as an error event."""
-    from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError
+    from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestFailedError
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, RequestFailedError):
+        return request_failed_error(e)
     if isinstance(e, (EngineDeadError, EngineOverloadedError)):
         return OpenAIError(str(e), status=503, type="service_unavailable", code="engine_unavailable")
     logger.error("error in a stream: %s: %s", type(e).__name__, e, exc_info=e)
