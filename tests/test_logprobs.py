@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from server_utils import TINY
 
 TOL = 1e-4
-TINY = "random:tiny"
 
 
 def hf_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:

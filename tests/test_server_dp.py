@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from server_utils import RemoteServer, wait_idle
+from server_utils import TINY, tiny_server, wait_idle
 
-TINY = "random:tiny"
 NUM_PROMPTS, MAX_TOKENS = 12, 16
 
 
@@ -27,7 +26,7 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer(["--model", TINY, "-dp", "2", "--max-model-len", "256", "--max-num-seqs", "8"])
+    srv = tiny_server(256, "-dp", "2", "--max-num-seqs", "8")
     yield srv
     srv.close()
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server_utils import RemoteServer
-from test_logprobs import TINY, check_position, hf_logprobs, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
+from server_utils import TINY, TINY_CHAT_TEMPLATE, tiny_server
+from test_logprobs import check_position, hf_logprobs, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
 
-# The random model has no chat template: its messages' contents joined by spaces.
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 PROMPT = [5, 17, 33, 101, 7, 250, 9, 64]
 MESSAGES = [{"role": "user", "content": "w12 w400 w33 w77"}, {"role": "assistant", "content": "w8 w9"},
             {"role": "user", "content": "w310"}]
@@ -22,7 +20,7 @@ SAMPLING = dict(temperature=0.7, seed=11, presence_penalty=0.6, frequency_penalt
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    srv = RemoteServer(["--model", TINY, "--max-model-len", "256", "--chat-template", TEMPLATE])
+    srv = tiny_server(256)
     yield srv
     srv.close()
 
@@ -93,7 +91,7 @@ def test_completion_logprobs_equal_transformers(client, tiny_hf, token_id, k):
 def test_chat_logprobs_equal_transformers(client, tiny_hf, token_id, tiny_dir):
     from transformers import AutoTokenizer
     prompt_ids = AutoTokenizer.from_pretrained(tiny_dir).apply_chat_template(
-        MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=False)
+        MESSAGES, chat_template=TINY_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt_ids == [12, 400, 33, 77, 8, 9, 310]
     kw = dict(model=TINY, messages=MESSAGES, logprobs=True, top_logprobs=4, **SAMPLING)
     r = client.chat.completions.create(**kw)
