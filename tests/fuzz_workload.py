@@ -98,7 +98,7 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
     max_model_len = rng.choice([8, 16, 24, 32, 48, 64])
     full = cdiv(max_model_len, block_size)   # blocks of one sequence at full length
     # From "one long request barely fits" to "a few fit": preemption is the normal case.
-    num_gpu_blocks = max(2, int(full * rng.choice([0.5, 1, 1, 1.5, 2, 2, 3, 4])) + 1)
+    num_gpu_blocks = max(2, int(full * rng.choice([0.5, 1, 1, 1, 1.5, 1.5, 2, 2, 3, 3, 4, 4])) + 1)
     chunked = rng.random() < 0.75
     budgets = [2, 3, 4, 8, 16, 32, 64, 128]
     if not chunked:

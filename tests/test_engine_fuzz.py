@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -327,7 +328,7 @@ def run_checked_case(engine, reference, reqs, tally: Tally) -> None:
         raise CaseFailure(f"requests with no outcome: {sorted(set(by_id) - done)}")
     tally.requests.update(served=len(res.completions) + len(res.beams), refused=len(res.refused),
                           aborted=len(res.aborted))
-    tally.refusals.update(" ".join(msg.split()[:2]) for msg in res.refused.values())
+    tally.refusals.update(re.sub(r"\d+", "N", msg)[:70] for msg in res.refused.values())
     tally.steps += res.steps
 
 

@@ -1,0 +1,180 @@
+"""The workload fuzzer on the real server (issue 13, part 5).
+
+A real `pagedllm serve` of `random:tiny` on 127.0.0.1 with few sequences and a tiny KV cache;
+concurrent clients (the official `openai` client) send the engine fuzzer's random requests
+(tests/fuzz_workload.py) for a bounded time and count: completions and chat, streamed and not,
+n / best_of / beam search (`use_beam_search`), stop strings, min_tokens, logprobs, prompts up
+to max_model_len, and client disconnects mid-request or mid-stream. Afterwards: no 5xx other
+than overload 503s, every 200 well formed, no KV block in use (`/metrics`), `/health` 200.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from fuzz_workload import MODEL, EngineSpec, RequestSpec, draw_requests
+from server_utils import RemoteServer, wait_idle
+
+NAME = "fuzz"
+CI_SECONDS = 40
+MAX_REQUESTS = 400
+CONCURRENCY = 8
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"   # "w5 w17" -> [5, 17]
+TICK_S = 0.02            # a disconnect after k ticks (non-streamed) or k chunks (streamed)
+
+
+def server_spec(seed: int) -> EngineSpec:
+    """Room for a few full-length sequences only: preemption and overload are the normal case."""
+    rng = random.Random(f"server-{seed}")
+    mode = rng.choice(["recompute", "swap"])
+    return EngineSpec(block_size=4, max_model_len=48, max_num_seqs=4, num_gpu_blocks=2 * 12 + 1,
+                      max_num_batched_tokens=rng.choice([8, 16, 64]), enable_chunked_prefill=True,
+                      enable_prefix_caching=rng.random() < 0.7, preemption_mode=mode, num_cpu_blocks=None)
+
+
+def kv_bytes_per_block(block_size: int) -> int:
+    from pagedllm.models.random_model import random_model_dir
+    cfg = json.loads((Path(random_model_dir(MODEL)) / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 4   # float32
+
+
+def workload(seed: int):
+    """An endless stream of the fuzzer's requests, case after case."""
+    spec = server_spec(seed)
+    for case in range(10 ** 9):
+        yield from draw_requests(random.Random(f"server-{seed}-{case}"), spec, prefix=f"s{case}")
+
+
+# ------------------------------------------------------------------ one request through openai
+def openai_kwargs(req: RequestSpec) -> dict:
+    kw: dict = {"model": NAME, "stream": req.stream}
+    extra: dict = {}
+    if req.max_tokens is not None:
+        kw["max_tokens"] = req.max_tokens
+    if req.is_beam:
+        kw["n"] = req.beam_width
+        extra.update(use_beam_search=True, length_penalty=req.length_penalty)
+    else:
+        p = req.params
+        for name in ("temperature", "seed", "n", "stop"):
+            if name in p:
+                kw[name] = p[name]
+        if p.get("min_tokens"):
+            extra["min_tokens"] = p["min_tokens"]
+        if "logprobs" in p:
+            kw.update(logprobs=True, top_logprobs=p["logprobs"]) if req.chat else kw.update(logprobs=p["logprobs"])
+        if "best_of" in p and not req.chat:
+            kw["best_of"] = p["best_of"]
+    if req.chat:
+        kw["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in req.prompt)}]
+    else:
+        kw["prompt"] = req.prompt
+    if extra:
+        kw["extra_body"] = extra
+    return kw
+
+
+def check_choices(req: RequestSpec, choices: list[tuple[int, str]]) -> None:
+    """(index, finish_reason) of every choice a 200 returned."""
+    n = req.beam_width or req.params.get("n", 1)
+    assert sorted(i for i, _ in choices) == list(range(n)), (req.describe(), choices)
+    assert all(f in ("stop", "length") for _, f in choices), (req.describe(), choices)
+
+
+async def send(client: openai.AsyncOpenAI, req: RequestSpec) -> str:
+    """-> the outcome: an HTTP status (as text), 'disconnected', or a failure description."""
+    kw = openai_kwargs(req)
+    create = client.chat.completions.create if req.chat else client.completions.create
+    try:
+        if not req.stream:
+            call = create(**kw)
+            if req.abort_after is not None:
+                try:
+                    r = await asyncio.wait_for(call, req.abort_after * TICK_S)
+                except asyncio.TimeoutError:
+                    return "disconnected"
+            else:
+                r = await call
+            check_choices(req, [(c.index, c.finish_reason) for c in r.choices])
+            return "200"
+        stream = await create(**kw)
+        finish: dict[int, str] = {}
+        chunks = 0
+        async for chunk in stream:
+            for c in chunk.choices:
+                if c.finish_reason is not None:
+                    finish[c.index] = c.finish_reason
+            chunks += 1
+            if req.abort_after is not None and chunks > req.abort_after:
+                await stream.close()
+                return "disconnected"
+        check_choices(req, sorted(finish.items()))
+        return "200"
+    except openai.APIStatusError as e:
+        code = e.code or (e.body.get("code") if isinstance(e.body, dict) else None)
+        return f"{e.status_code} {code}" if e.status_code >= 500 else str(e.status_code)
+    except openai.APIError as e:   # an error event inside a stream, or the connection broke
+        return f"broken: {type(e).__name__}: {e}"
+
+
+async def run_clients(server: RemoteServer, seed: int, seconds: float) -> tuple[Counter, list[str]]:
+    client = server.async_client(timeout=60)
+    requests = workload(seed)
+    outcomes: Counter = Counter()
+    bad: list[str] = []
+    deadline = time.monotonic() + seconds
+
+    async def worker():
+        while time.monotonic() < deadline and sum(outcomes.values()) < MAX_REQUESTS:
+            req = next(requests)
+            try:
+                outcome = await send(client, req)
+            except AssertionError as e:
+                outcome = f"malformed 200: {e}"
+            outcomes[outcome.split(":")[0]] += 1
+            if not (outcome in ("200", "400", "disconnected", "503 server_overloaded")):
+                bad.append(f"{outcome} <- {req.describe()}")
+
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    await client.close()
+    return outcomes, bad
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(request):
+    seed = request.config.getoption("--fuzz-seed")
+    spec = server_spec(seed)
+    kv_gib = spec.num_gpu_blocks * kv_bytes_per_block(spec.block_size) / 2 ** 30
+    srv = RemoteServer(["--model", MODEL, "--served-model-name", NAME, "--chat-template", CHAT_TEMPLATE,
+                        "--kv-cache-memory", repr(kv_gib), "--swap-space", "0.0001",
+                        "--max-waiting-requests", "12", *spec.server_args()])
+    yield srv, seed, spec
+    srv.close()
+
+
+@pytest.mark.timeout(600)
+def test_server_fuzz(request, fuzz_server):
+    server, seed, spec = fuzz_server
+    seconds = request.config.getoption("--fuzz-seconds") or CI_SECONDS
+    t0 = time.monotonic()
+    outcomes, bad = asyncio.run(run_clients(server, seed, seconds))
+    print(f"\nserver fuzz, seed {seed}, {spec}: {sum(outcomes.values())} requests in "
+          f"{time.monotonic() - t0:.1f} s: {dict(outcomes)}")
+    assert not bad, (f"seed {seed}: {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
+                     + "\n".join(bad[:12]) + f"\nserver log (tail):\n{server.log_text()[-3000:]}")
+    assert outcomes["200"] >= 10, outcomes
+    m = wait_idle(server, timeout=60)   # every block back once nothing runs
+    assert m["pagedllm:kv_cache_usage_perc"] == 0, m
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert server.proc.poll() is None
+    r = server.client().completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    assert len(r.choices[0].text.split()) == 4 or r.choices[0].finish_reason == "stop"
