@@ -106,7 +106,7 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
     mode = rng.choice(["recompute", "swap"])
     return EngineSpec(
         block_size=block_size, max_model_len=max_model_len,
-        max_num_seqs=rng.choice([1, 2, 3, 4, 6, 8]),
+        max_num_seqs=rng.choice([1, 2, 3, 4, 4, 6, 8, 8]),
         num_gpu_blocks=num_gpu_blocks,
         max_num_batched_tokens=rng.choice(budgets),
         enable_chunked_prefill=chunked,

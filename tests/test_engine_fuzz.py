@@ -45,7 +45,7 @@ def case_label(seed: int, group: int, case: int) -> str:
 
 
 def replay_command(seed: int, group: int, case: int) -> str:
-    return (f"PYTHONPATH=$PWD python -m pytest -q -s tests/test_engine_fuzz.py "
+    return (f"PYTHONPATH=$PWD python -m pytest -q -s tests/test_engine_fuzz.py::test_engine_fuzz "
             f"--fuzz-seed {seed} --fuzz-replay {group}:{case}")
 
 

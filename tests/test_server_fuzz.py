@@ -169,7 +169,8 @@ def test_server_fuzz(request, fuzz_server):
     outcomes, bad = asyncio.run(run_clients(server, seed, seconds))
     print(f"\nserver fuzz, seed {seed}, {spec}: {sum(outcomes.values())} requests in "
           f"{time.monotonic() - t0:.1f} s: {dict(outcomes)}")
-    assert not bad, (f"seed {seed}: {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
+    assert not bad, (f"seed {seed} (rerun: PYTHONPATH=$PWD python -m pytest -q -s tests/test_server_fuzz.py "
+                     f"--fuzz-seed {seed}): {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
                      + "\n".join(bad[:12]) + f"\nserver log (tail):\n{server.log_text()[-3000:]}")
     assert outcomes["200"] >= 10, outcomes
     m = wait_idle(server, timeout=60)   # every block back once nothing runs
