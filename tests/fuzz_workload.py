@@ -86,7 +86,7 @@ class RequestSpec:
     def describe(self) -> str:
         what = f"beam(w={self.beam_width}, lp={self.length_penalty})" if self.is_beam else repr(self.params)
         return (f"{self.rid}: prompt {len(self.prompt)} tokens, max_tokens {self.max_tokens}, {what}, "
-                f"arrival {self.arrival}, abort_after {self.abort_after}, stream {self.stream}")
+                f"arrival {self.arrival}, abort_after {self.abort_after}, stream {self.stream}, chat {self.chat}")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -195,6 +195,8 @@ def draw_requests(rng: random.Random, spec: EngineSpec, prefix: str, max_request
         else:
             req.max_tokens = max_tokens
             req.params = _sampling(rng, max_tokens)
+            if req.chat:   # OpenAI's chat completions have no best_of
+                req.params.pop("best_of", None)
         out.append(req)
     out.sort(key=lambda r: r.arrival)
     return out

@@ -76,7 +76,7 @@ def openai_kwargs(req: RequestSpec) -> dict:
             extra["min_tokens"] = p["min_tokens"]
         if "logprobs" in p:
             kw.update(logprobs=True, top_logprobs=p["logprobs"]) if req.chat else kw.update(logprobs=p["logprobs"])
-        if "best_of" in p and not req.chat:
+        if "best_of" in p:
             kw["best_of"] = p["best_of"]
     if req.chat:
         kw["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in req.prompt)}]
