@@ -5,8 +5,8 @@ LLMEngine over `random:tiny` with a tiny KV cache; beam searches run through a B
 over the same core, so beams and normal requests share steps (as in the server's core process).
 After every case: no exception escaped (only ValueError at submission), every request finished
 or was refused, within a bounded number of steps, no block is in use and the free queue holds
-every block exactly once, and greedy / seeded requests equal the same request run alone on a
-roomy engine (greedy: up to a numerical tie, as docs/design.md's correctness rule says).
+every block exactly once, and greedy / seeded requests and beam searches equal the same request
+run alone on a roomy engine (up to a numerical tie, as docs/design.md's correctness rule says).
 
 Cases are grouped by engine configuration (CASES_PER_ENGINE per engine). A failure prints the
 case's seed and a replay command; `--fuzz-cases N` scales the run, `--fuzz-seed` changes it.
@@ -28,7 +28,7 @@ import torch
 
 from fuzz_workload import MAX_MODEL_LEN_CAP, MODEL, EngineSpec, RequestSpec, draw_engine_spec, draw_requests
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.beam_search import BeamSearchDriver, beam_params, check_beam_args
+from pagedllm.engine.beam_search import BeamSearchDriver, beam_params, beam_search, check_beam_args
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 
@@ -283,6 +283,13 @@ class Reference:
             self.memo[key] = gather(outs, stream=False)
         return self.memo[key]
 
+    def run_beam(self, req: RequestSpec, max_model_len: int):
+        cap = effective_max_tokens(req, max_model_len)
+        key = (tuple(req.prompt), req.beam_width, req.length_penalty, cap)
+        if key not in self.memo:
+            self.memo[key] = beam_search(self.engine, [req.prompt], req.beam_width, cap, req.length_penalty)[0]
+        return self.memo[key]
+
 
 def compare_alone(req: RequestSpec, comps: dict[int, Completion], ref: dict[int, Completion]) -> int:
     """-> numerical ties met. Greedy may differ only where the reference's two tokens tie."""
@@ -304,6 +311,19 @@ def compare_alone(req: RequestSpec, comps: dict[int, Completion], ref: dict[int,
         raise CaseFailure(f"{req.rid}[{i}] differs from the same request alone at token {j}: "
                           f"{c.token_ids} vs {r.token_ids}")
     return ties
+
+
+def compare_beam_alone(req: RequestSpec, out, ref) -> int:
+    """-> numerical ties met. The hypotheses equal the search run alone, or differ only among
+    equal scores (a tie between candidates reorders or swaps them)."""
+    ours = [(s.tokens, s.score) for s in out.sequences]
+    alone = [(s.tokens, s.score) for s in ref.sequences]
+    if [t for t, _ in ours] == [t for t, _ in alone]:
+        if all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(ours, alone)):
+            return 0
+    elif len(ours) == len(alone) and all(abs(a - b) < TIE_EPS for (_, a), (_, b) in zip(ours, alone)):
+        return 1
+    raise CaseFailure(f"{req.rid}: beam search {ours} differs from the same search alone {alone}")
 
 
 # ------------------------------------------------------------------ the fuzzer
@@ -330,6 +350,7 @@ def run_checked_case(engine, reference, reqs, tally: Tally) -> None:
             tally.ties += compare_alone(req, comps, reference.run(req, mml))
     for rid, out in res.beams.items():
         check_beam(by_id[rid], out, mml)
+        tally.ties += compare_beam_alone(by_id[rid], out, reference.run_beam(by_id[rid], mml))
     done = set(res.completions) | set(res.beams) | set(res.refused) | res.aborted
     if done != set(by_id):
         raise CaseFailure(f"requests with no outcome: {sorted(set(by_id) - done)}")
