@@ -63,6 +63,16 @@ class Request:
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine when None
         self.extra_keys: tuple = ()     # keys that must never share cached blocks (e.g. a LoRA id)
         self.num_cached_tokens = -1     # prompt tokens found in the prefix cache (-1: not yet looked up)
+        # Beam search: the beams of one search share a group id; they are preempted and
+        # re-admitted together (a beam that has reported waits for its siblings while holding
+        # its blocks, so a search split between running and waiting could wait forever).
+        self.group_id: Optional[str] = None
+        self.fork_width = 1             # a search's first beam: the number of beams it becomes
+
+    def get_max_num_running_seqs(self) -> int:
+        """The most sequences this request will run as (seed 001): a parallel-sampling parent
+        forks into its n / best_of siblings, a beam search's first beam into its beams."""
+        return max(self.sampling_params.num_samples, self.fork_width)
 
     def make_child(self, index: int) -> "Request":
         """A sibling of a parallel-sampling request (n > 1): same prompt, own sampling stream."""

@@ -226,3 +226,32 @@ def test_dp_client_routes_adds_aborts_and_finishes():
         client.shutdown()
 
     asyncio.run(run())
+
+
+def test_dp_client_failed_requests_lower_the_load():
+    """Requests a failed core step ended ("f") leave the router's load as finished ones do; the
+    siblings of a failed sample are then aborted on the replica that holds them."""
+    import asyncio
+    from pagedllm.engine.dp_client import DPCoreClient
+
+    async def run():
+        rng = random.Random(3)
+        fakes = [FakeCoreClient() for _ in range(2)]
+        client = DPCoreClient(_config(2), {2}, clients=fakes, max_load=3)
+        await client.wait_ready(5)
+        client.send({"t": "add", "r": [_enc("a", _tokens(rng, 40)), _enc("p", _tokens(rng, 40), n=2)]})
+        owner = client.router.owner["p"]
+        stats = {"running": 0, "waiting": 0, "used_blocks": 0, "num_blocks": 64, "preemptions": 0,
+                 "num_added": 2, "kv_usage": 0.0}
+        fakes[client.router.owner["a"]].inbox.put_nowait(
+            {"t": "out", "o": [], "f": [["a", "boom", False]], "s": stats, "q": []})
+        await asyncio.wait_for(client.recv(), 5)
+        fakes[owner].inbox.put_nowait({"t": "out", "o": [], "f": [["1_p", "boom", False]], "s": stats, "q": []})
+        await asyncio.wait_for(client.recv(), 5)
+        assert "a" not in client.router.owner and client.router.owner["p"] == owner
+        client.send({"t": "abort", "ids": ["p", "0_p", "1_p"]})   # what AsyncLLM sends next
+        assert [m["ids"] for m in fakes[owner].sent if m["t"] == "abort"] == [["p", "0_p", "1_p"]]
+        assert client.router.loads() == [0, 0]
+        client.shutdown()
+
+    asyncio.run(run())

@@ -1,7 +1,8 @@
 """The engine-core process loop and its messages, without a model (milliseconds): the msgpack
 encoding round-trips every type that crosses the boundary, and EngineCoreProc, driven over
 real ZMQ sockets with a real scheduler and a fake model runner, handles add / beam / abort /
-utility / shutdown, reports stats and queue times, and frees an aborted request's blocks."""
+utility / shutdown, reports stats and queue times, frees an aborted request's blocks, and
+ends only the culprit of a step that raises."""
 from __future__ import annotations
 
 import threading
@@ -18,10 +19,12 @@ from pagedllm.engine import serial
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence, beam_params
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import EngineCoreProc
+from pagedllm.engine.step_failures import StepFailures
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 TOKEN = 1000
+POISON = 666   # a step with a request whose prompt holds it raises
 
 
 def test_serial_round_trip():
@@ -52,13 +55,18 @@ def test_serial_round_trip():
 
 class FakeRunner:
     """One token (TOKEN) for each request whose step reaches its last known token; asked for
-    logprobs, it ranks TOKEN, TOKEN + 1, ... at -0.5, -1.0, ..."""
+    logprobs, it ranks TOKEN, TOKEN + 1, ... at -0.5, -1.0, ...; raises in a step with POISON."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
+    def reset(self) -> None:   # no rows to forget
+        pass
+
     def execute_model(self, so):
         req_ids = list(so.num_scheduled_tokens)
+        if any(POISON in self.scheduler.requests[rid].prompt_token_ids for rid in req_ids):
+            raise RuntimeError("poisoned")
         sampled, logprobs = [], []
         for rid in req_ids:
             r = self.scheduler.requests[rid]
@@ -75,6 +83,7 @@ def _fake_core(num_blocks=64, block_size=4) -> EngineCore:
     core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256),
                                KVCacheManager(num_blocks, block_size))
     core.runner = FakeRunner(core.scheduler)
+    core.failures = StepFailures(core.scheduler, core.runner)
     core.num_blocks = num_blocks
     return core
 
@@ -109,8 +118,8 @@ def proc(tmp_path):
     ctx.term()
 
 
-def _req(rid, n_prompt, max_tokens):
-    r = Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
+def _req(rid, n_prompt, max_tokens, first=10):
+    r = Request(rid, list(range(first, first + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
                 eos_token_id=2, arrival_time=time.time())
     r.max_tokens = max_tokens
     return serial.encode_request(r)
@@ -175,8 +184,8 @@ def test_core_proc_duplicate_id_is_rejected_not_fatal(proc):
             break
 
 
-def _beam_req(rid, n_prompt, width, max_tokens):
-    r = Request(rid, list(range(10, 10 + n_prompt)), beam_params(width, max_tokens), eos_token_id=2,
+def _beam_req(rid, n_prompt, width, max_tokens, first=10):
+    r = Request(rid, list(range(first, first + n_prompt)), beam_params(width, max_tokens), eos_token_id=2,
                 arrival_time=time.time())
     r.max_tokens = max_tokens
     return serial.encode_request(r)
@@ -228,3 +237,37 @@ def test_core_proc_beam_search(proc):
         errors = [e for e in (serial.decode_beam_output(b)[1] for b in recv().get("b", [])) if e]
     assert "already in use" in errors[0]
     send({"t": "abort", "ids": ["u"]})
+
+
+@pytest.mark.timeout(30)
+def test_core_proc_failed_step_ends_only_its_culprit(proc):
+    """Poisoned requests (a plain one, a beam search) batched with innocent ones: each poisoned
+    one is reported failed ("f"), alone; the innocent ones get every token once; no block leaks."""
+    p, send, recv = proc
+    send({"t": "add", "r": [_req("a", 5, 12), _req("b", 9, 12)]})
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    finished, failed = {}, {}
+    n_msgs = 0
+    while len(finished) < 2 or len(failed) < 2:
+        msg = recv()
+        n_msgs += 1
+        if n_msgs == 1:   # a and b are running
+            send({"t": "add", "r": [_req("x", 4, 12, first=POISON)]})
+            send({"t": "beam", "r": _beam_req("s", 3, 2, 8, first=POISON - 1), "w": 2, "lp": 1.0, "eos": None})
+        assert not msg.get("b"), msg
+        for rid, message, client_error in msg.get("f", []):
+            failed[rid] = (message, client_error)
+        for o in map(serial.decode_output, msg.get("o", [])):
+            assert o.req_id in got, o
+            got[o.req_id] += o.new_token_ids
+            if o.finish_reason:
+                finished[o.req_id] = o.finish_reason
+    assert set(failed) == {"x", "s"}
+    assert all("RuntimeError: poisoned" in m and not client for m, client in failed.values()), failed
+    assert got["a"] == got["b"] == [TOKEN] * 12 and finished == {"a": "length", "b": "length"}
+    send({"t": "util", "id": 3, "m": "get_stats", "a": []})
+    msg = recv()
+    while msg["t"] != "util":
+        msg = recv()
+    assert msg["r"]["used_blocks"] == 0 and msg["r"]["running"] == msg["r"]["waiting"] == 0
+    assert not p.beams.has_searches() and not p.core.failures.suspects

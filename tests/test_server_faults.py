@@ -1,6 +1,7 @@
 """The server under faults: a wrong or missing API key (401), overload past
 --max-waiting-requests (503 at once, the admitted requests finish), and a dead engine core
-(503 everywhere, /health fails, no hang, and SIGTERM still ends everything). One small server
+(the stream in flight ends with an error, no hang, and the server exits 1 leaving no process;
+more in test_server_engine_failure.py). One small server
 (one sequence at a time, one waiting at most), stopped by the last test."""
 from __future__ import annotations
 
@@ -104,7 +105,6 @@ def test_overload_503_at_once_admitted_finish(server):
 
 @pytest.mark.timeout(120)
 def test_core_death_503_and_clean_exit(server):
-    client = server.client()
     core = server.core_pid()
     body = {"model": "my-model", "prompt": "Count slowly:", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers(),
@@ -118,16 +118,8 @@ def test_core_death_503_and_clean_exit(server):
         rest = [line for line in lines if line]
     assert time.monotonic() - t0 < 15, "the stream hung after the core died"
     assert rest[-1] == "data: [DONE]" and any('"error"' in line for line in rest), rest
-    assert_error(httpx.get(server.url + "/health"), 503)
-    assert_error(httpx.post(server.base_url + "/completions", headers=server.headers(),
-                            json={"prompt": "hi", "max_tokens": 2}, timeout=10), 503)
-    assert_error(httpx.post(server.base_url + "/chat/completions", headers=server.headers(), timeout=10,
-                            json={"messages": [{"role": "user", "content": "hi"}], "stream": True}), 503)
-    with pytest.raises(openai.InternalServerError):
-        client.completions.create(model="my-model", prompt="hi", max_tokens=2)
-    # bad input is still a 4xx, not a 5xx
-    assert_error(httpx.post(server.base_url + "/completions", headers=server.headers(), json={"prompt": 3}), 400)
+    # The server exits 1 by itself, for a supervisor to restart it.
+    assert server.proc.wait(30) == 1
     assert "engine core process died" in server.log_text()
-    assert server.terminate(timeout=30) == 0
     time.sleep(0.5)
     assert session_pids(server.proc.pid) == []

@@ -112,6 +112,13 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash: after a failed step, blocks hashed for it may never have been
+        written."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (out of the free queue if free)."""
         for block in blocks:

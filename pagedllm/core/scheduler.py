@@ -38,8 +38,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.sampling_params.num_samples > self.config.max_num_seqs:
-            raise ValueError(f"n / best_of ({request.sampling_params.num_samples}) must be <= "
+        width = request.get_max_num_running_seqs()
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"n / best_of / beam width ({width}) must be <= "
                              f"max_num_seqs ({self.config.max_num_seqs})")
         if request.sampling_params.num_samples > 1 and request.num_prompt_tokens == 1:
             # Nothing to share before the last prompt token: the siblings start on their own.
@@ -87,72 +88,66 @@ class Scheduler:
         new_reqs: list[Request] = []
         cached_reqs: list[Request] = []
         preempted: list[Request] = []
+        kv = self.kv_cache_manager
         self._fork_ready_parents()
 
-        # 1. Running requests, oldest first.
+        # 1. Running requests, oldest first, a unit at a time (a request, or a search's beams).
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(self._num_tokens_to_compute(request), budget)
-            if n <= 0:  # nothing to compute (cannot happen unless a request is stale)
-                i += 1
-                continue
-            while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, n)
-                if blocks is not None:
-                    break
-                victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if blocks is None:
+            unit = _unit_at(self.running, i)
+            plan = self._plan_tokens(unit, budget)
+            # Room for the whole unit, or preempt the newest units; units are contiguous and
+            # taken from the end, so a victim is never one scheduled earlier in this step.
+            unit_preempted = False
+            while not unit_preempted and \
+                    sum(kv.num_blocks_to_allocate(r, n) for r, n in plan) > kv.num_free_blocks():
+                victims = _unit_at(self.running, len(self.running) - 1)
+                del self.running[-len(victims):]
+                for victim in reversed(victims):   # pushed to the front in their order
+                    self._preempt(victim)
+                preempted.extend(victims)
+                unit_preempted = victims[0] is unit[0]
+            if unit_preempted:
                 break
-            if request.request_id in self.unsent:
-                self.unsent.discard(request.request_id)
-                new_reqs.append(request)
-            else:
-                cached_reqs.append(request)
-            num_scheduled[request.request_id] = n
-            new_block_ids[request.request_id] = [b.block_id for b in blocks]
-            budget -= n
-            i += 1
-
-        # 2. Waiting requests, first come first served; none while we are short of blocks.
-        if not preempted:
-            num_seqs = sum(r.sampling_params.num_samples for r in self.running)
-            while self.waiting and budget > 0:
-                request = self.waiting[0]
-                # A parent counts as all the siblings it will fork into.
-                if num_seqs + request.sampling_params.num_samples > self.config.max_num_seqs:
-                    break
-                kv = self.kv_cache_manager
-                swapped = kv.is_swapped(request)
-                hits, num_hit_tokens = ([], 0) if swapped else kv.get_computed_blocks(request)
-                n = self._num_tokens_to_compute(request) - num_hit_tokens
-                if not self.config.chunked_prefill and n > budget:
-                    break
-                n = min(n, budget)
-                if swapped:
-                    blocks = kv.swap_in(request, n)
+            for request, n in plan:
+                blocks = kv.allocate_slots(request, n)
+                if blocks is None:   # the room was made above
+                    raise RuntimeError(f"KV cache: no room for {request.request_id} after preemption")
+                if request.request_id in self.unsent:
+                    self.unsent.discard(request.request_id)
+                    new_reqs.append(request)
                 else:
-                    blocks = kv.allocate_slots(request, n, hits)
-                if blocks is None:
-                    break
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                    self.kv_cache_manager.stats.queries += request.num_tokens
-                    self.kv_cache_manager.stats.hits += num_hit_tokens
-                request.num_computed_tokens += num_hit_tokens
-                self.waiting.popleft()
-                self.running.append(request)
-                num_seqs += request.sampling_params.num_samples
-                request.status = RequestStatus.RUNNING
-                if n == 0:
-                    continue  # a parent whose shared prefix is all cached: it forks next step
-                new_reqs.append(request)
+                    cached_reqs.append(request)
                 num_scheduled[request.request_id] = n
+                new_block_ids[request.request_id] = [b.block_id for b in blocks]
                 budget -= n
+            i += len(unit)
+
+        # 2. Waiting units, first come first served; none while we are short of blocks.
+        if not preempted:
+            max_seqs = self.config.max_num_seqs
+            num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
+            while self.waiting and budget > 0:
+                unit = _unit_at(self.waiting, 0)
+                # A request counts as every sequence it will fork into (n siblings, beams).
+                width = sum(r.get_max_num_running_seqs() for r in unit)
+                if num_seqs + width > max_seqs:
+                    break
+                # A search's beams come back together: room for all of them at their full
+                # prompt first (prefix hits only lower that), so no beam is left behind.
+                if len(unit) > 1 and sum(kv.num_blocks_to_allocate(r, self._num_tokens_to_compute(r))
+                                         for r in unit) > kv.num_free_blocks():
+                    break
+                n = self._admit(unit[0], budget, num_scheduled, new_reqs)
+                if n is None:
+                    break   # nothing changed
+                budget -= n
+                for request in unit[1:]:
+                    n = self._admit(request, budget, num_scheduled, new_reqs, with_unit=True)
+                    if n is None:
+                        raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
+                    budget -= n
+                num_seqs += width
 
         out = SchedulerOutput(
             scheduled_new_reqs=[
@@ -176,6 +171,55 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         return out
+
+    def _plan_tokens(self, unit: list[Request], budget: int) -> list[tuple[Request, int]]:
+        """The tokens each running request of a unit computes this step, within the budget
+        (without chunked prefill, a request whose remaining prompt does not fit waits)."""
+        plan = []
+        for request in unit:
+            need = self._num_tokens_to_compute(request)
+            n = min(need, budget)
+            if n <= 0 or (n < need and not self.config.chunked_prefill):
+                continue   # nothing to compute (a beam waiting for its siblings), or no room
+            plan.append((request, n))
+            budget -= n
+        return plan
+
+    def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int],
+               new_reqs: list[Request], with_unit: bool = False) -> Optional[int]:
+        """Move the waiting request at the front to running with the tokens the budget allows
+        (prefix-cache hits first) -> the tokens scheduled; None, changing nothing, when the
+        blocks (or, without chunked prefill, the budget) are not there. `with_unit`: a beam
+        following its search's first admitted beam, which may get no tokens this step."""
+        kv = self.kv_cache_manager
+        swapped = kv.is_swapped(request)
+        hits, num_hit_tokens = ([], 0) if swapped else kv.get_computed_blocks(request)
+        n = self._num_tokens_to_compute(request) - num_hit_tokens
+        if n > budget and not self.config.chunked_prefill:
+            if not with_unit:
+                return None
+            n = 0
+        n = min(n, budget)
+        blocks = kv.swap_in(request, n) if swapped else kv.allocate_slots(request, n, hits)
+        if blocks is None:
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+            kv.stats.queries += request.num_tokens
+            kv.stats.hits += num_hit_tokens
+        request.num_computed_tokens += num_hit_tokens
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if n == 0:
+            # A parallel-sampling parent whose shared prefix is all cached forks next step; a
+            # beam left without budget is sent to the runner when it is first scheduled.
+            if with_unit:
+                self.unsent.add(request.request_id)
+            return 0
+        new_reqs.append(request)
+        num_scheduled[request.request_id] = n
+        return n
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         """A parallel-sampling parent computes its prompt but the last token; the siblings it
@@ -217,6 +261,7 @@ class Scheduler:
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
                         parent.arrival_time)
         child.max_tokens, child.extra_keys = parent.max_tokens, parent.extra_keys
+        child.group_id = parent.group_id
         child.append_output_token_ids(parent.output_token_ids + [token_id])
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child_id] = child
@@ -226,7 +271,7 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)
             self.unsent.add(child_id)
-        else:  # the parent was preempted: the child computes from scratch
+        else:  # the parent was preempted (with its whole search): the child computes from scratch
             self.waiting.appendleft(child)
         return child
 
@@ -291,3 +336,55 @@ class Scheduler:
 
     def get_request(self, req_id: str) -> Optional[Request]:
         return self.requests.get(req_id)
+
+    # ------------------------------------------------------------ after a failed step (engine/step_failures.py)
+    def recompute_all(self, swapped_out: Iterable[str] = ()) -> None:
+        """Every running request back to the front of the waiting queue, to be computed again
+        from its tokens; those in `swapped_out` lose their swapped copy too (its copy may
+        never have run), and the prefix cache is emptied. The runner forgets every row."""
+        kv = self.kv_cache_manager
+        for request in reversed(self.running):
+            self.unsent.discard(request.request_id)
+            self.pending_tokens.pop(request.request_id, None)   # resumed requests carry all tokens
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running = []
+        for req_id in swapped_out:
+            request = self.requests.get(req_id)
+            if request is not None and kv.is_swapped(request):
+                kv.drop_swapped(request)
+                request.num_computed_tokens = 0
+        kv.block_pool.reset_prefix_cache()
+
+    def schedule_alone(self, request: Request) -> SchedulerOutput:
+        """A step for `request` alone (with the siblings it forks into, or the other beams of
+        its search: a unit is never split), every other request left where it is,
+        unscheduled: the engine core running a suspect by itself."""
+        running, waiting = self.running, self.waiting
+        group = request.group_id
+
+        def mine(r: Request) -> bool:
+            return r is request if group is None else r.group_id == group
+        self.running = [r for r in running if mine(r)]
+        self.waiting = deque(r for r in waiting if mine(r))
+        try:
+            return self.schedule()
+        finally:
+            self.running = [r for r in running if not mine(r)] + self.running
+            self.waiting = self.waiting + deque(r for r in waiting if not mine(r))
+
+def _unit_at(queue, i: int) -> list[Request]:
+    """The request at index i with the other beams of its search next to it: what is preempted
+    and admitted as one. A search's beams stay contiguous in both queues (forks go next to
+    their parent, preemption and admission move whole units)."""
+    group = queue[i].group_id
+    if group is None:
+        return [queue[i]]
+    lo, hi = i, i + 1
+    while lo > 0 and queue[lo - 1].group_id == group:
+        lo -= 1
+    while hi < len(queue) and queue[hi].group_id == group:
+        hi += 1
+    return [queue[j] for j in range(lo, hi)]

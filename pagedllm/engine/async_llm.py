@@ -7,6 +7,11 @@ outputs, detokenises them and feeds each request's asyncio queue. A stream that 
 or cancelled before its request finished (the client went away) aborts the request in the
 core, which frees its KV blocks at once. A beam search runs in the core (engine/beam_search.py)
 and comes back as one ranked result (BeamSearchHandle), aborted the same way.
+
+Failures: a request that made a core step fail gets RequestFailedError in its stream (the
+others go on). When the core process dies every request in flight gets EngineDeadError, and
+then either `on_engine_dead` is called (the server exits non-zero, for a supervisor to restart
+it) or, with restart_engine_on_failure, a new core is started and serves the next requests.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncGenerator, Optional
+from typing import AsyncGenerator, Callable, Optional
 
 from pagedllm.engine import serial
 from pagedllm.engine.arg_utils import EngineArgs
@@ -23,13 +28,14 @@ from pagedllm.engine.core_client import CoreClient, EngineDeadError  # noqa: F40
 from pagedllm.engine.llm_engine import eos_token_ids, load_tokenizer, make_requests
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.step_failures import RequestFailedError
 from pagedllm.metrics import EngineMetrics, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.engine.async_llm")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFailedError"]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -39,7 +45,7 @@ class EngineOverloadedError(RuntimeError):
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, model_name: Optional[str] = None,
                  max_waiting_requests: Optional[int] = None, log_level: str = "INFO",
-                 log_stats_interval: float = 5.0) -> None:
+                 log_stats_interval: float = 5.0, restart_engine_on_failure: bool = False) -> None:
         self.config = engine_args.create_engine_config()
         model_dir = self.config.model_config.model
         self.model_name = model_name or model_dir
@@ -61,6 +67,10 @@ class AsyncLLM:
         self.errored: Optional[BaseException] = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self.restart_engine_on_failure = restart_engine_on_failure
+        self.on_engine_dead: Optional[Callable[[], None]] = None   # the core died, no restart
+        self.num_restarts = 0
+        self._restart_task: Optional[asyncio.Task] = None
 
     @classmethod
     async def create(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
@@ -144,7 +154,8 @@ class AsyncLLM:
         check_beam_args(width, max_tokens, length_penalty)
         request_id = request_id or f"beam-{uuid.uuid4().hex}"
         self._check_admission(request_id, width)
-        _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens))
+        _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens),
+                                            beam_width=width)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self.beam_searches[request_id] = request.arrival_time
@@ -251,6 +262,8 @@ class AsyncLLM:
             m.queue_time.observe(queue_time)
         for enc in msg.get("b") or ():
             self._beam_result(*serial.decode_beam_output(enc))
+        for req_id, message, client_error in msg.get("f") or ():
+            self._request_failed(req_id, RequestFailedError([req_id], message, client_error))
         outputs = [serial.decode_output(v) for v in msg["o"]]
         if not outputs:
             return
@@ -287,6 +300,23 @@ class AsyncLLM:
             if q is not None:
                 q.put_nowait(ro)
 
+    def _request_failed(self, core_id: str, err: RequestFailedError) -> None:
+        """A core step failed because of this request (a sibling of it, a beam search): it is
+        ended, its siblings aborted, and its stream gets the error."""
+        if core_id in self.beam_searches:
+            arrival = self.beam_searches.pop(core_id)
+            self.metrics.finish("abort", arrival, None, None, 0, time.time())
+            request_id = core_id
+        else:
+            request_id = self.output_processor.user_request_id(core_id)
+            if request_id is None:
+                return   # aborted meanwhile
+            self.abort(request_id)
+        err.req_ids = [request_id]
+        q = self.queues.get(request_id)
+        if q is not None:
+            q.put_nowait(err)
+
     def _beam_result(self, out: BeamSearchOutput, error: Optional[str]) -> None:
         arrival = self.beam_searches.pop(out.request_id, None)
         if arrival is None:
@@ -318,8 +348,29 @@ class AsyncLLM:
             return
         self.client.proc.join(0.1)
         code = self.client.proc.exitcode
-        logger.error("the engine core process died (exit code %s): every request now gets 503", code)
+        logger.error("the engine core process died (exit code %s): the requests in flight get 503", code)
         self._fail(EngineDeadError(f"the engine core process died (exit code {code})"))
+        if self.restart_engine_on_failure:
+            self._restart_task = loop.create_task(self._restart(), name="pagedllm-core-restart")
+        elif self.on_engine_dead is not None:
+            self.on_engine_dead()
+
+    async def _restart(self) -> None:
+        """A new core in place of the dead one (every request gets 503 until it is ready)."""
+        self.num_restarts += 1
+        logger.warning("restarting the engine core (--restart-engine-on-failure; restart %d)", self.num_restarts)
+        old = self.client
+        await asyncio.get_running_loop().run_in_executor(None, old.shutdown, 2.0)
+        try:
+            await self.start()
+            self.metrics.update_core_stats(await self.client.call_utility("get_stats"))
+        except Exception as e:
+            logger.error("the engine core could not be restarted: %s", e)
+            if self.on_engine_dead is not None:
+                self.on_engine_dead()
+            return
+        self.errored = None
+        logger.info("the engine core is back (pid %s)", self.core_pid)
 
     def _fail(self, err: EngineDeadError) -> None:
         if self.errored is None:
@@ -339,8 +390,9 @@ class AsyncLLM:
             return
         self.stop_accepting()
         await asyncio.sleep(0)  # let the streams see it
-        for t in self._tasks:
-            t.cancel()
+        for t in [*self._tasks, self._restart_task]:
+            if t is not None:
+                t.cancel()
         if self.client is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self.client.proc.sentinel)

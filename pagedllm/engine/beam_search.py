@@ -117,6 +117,7 @@ class BeamSearchDriver:
         s = _Search(search_id, prompt, width, len(prompt) + request.max_tokens, float(length_penalty),
                     eos, [], cur_len=len(prompt))
         request.request_id = self._beam_id(search_id)   # not yet known to the scheduler
+        request.group_id, request.fork_width = search_id, width   # admitted as all its beams
         self.core.add_request(request)   # ValueError (e.g. a duplicate id) leaves nothing behind
         s.running = [_Beam(request.request_id, [], 0.0)]
         self.searches[search_id] = s
@@ -221,7 +222,8 @@ def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalt
     eos = None if ignore_eos else engine.processor.eos_token_id
     params = beam_params(beam_width, max_tokens)
     # Validate every prompt before any runs.
-    requests = [engine.processor.process(f"beam-{i}", prompt, params)[1] for i, prompt in enumerate(prompts)]
+    requests = [engine.processor.process(f"beam-{i}", prompt, params, beam_width=beam_width)[1]
+                for i, prompt in enumerate(prompts)]
     ids = [r.request_id for r in requests]
     driver = BeamSearchDriver(engine.core)
     results: dict[str, BeamSearchOutput] = {}

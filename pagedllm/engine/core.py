@@ -1,6 +1,8 @@
 """EngineCore: the scheduler and the model runner, one step at a time.
 
 It owns the KV cache; it knows nothing of text. The server runs it in its own process.
+A step that raises is rolled back and only the request that caused it fails
+(step_failures.py: RequestFailedError); the engine goes on.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.step_failures import StepFailures
 from pagedllm.profiler import PROFILER
 from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.model_runner import ModelRunner
@@ -51,6 +54,7 @@ class EngineCore:
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, kv)
+        self.failures = StepFailures(self.scheduler, self.runner)
         # Pipeline parallelism: up to pipeline_parallel_size steps in flight, so that no stage
         # waits for the others (recompute preemption only: a swapped-out request must not
         # have a step in flight; PAGEDLLM_PP_BATCH_QUEUE=0 turns it off to compare).
@@ -107,9 +111,14 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         PROFILER.begin_step()
-        so = self.scheduler.schedule()
+        so = self.failures.schedule()
         PROFILER.mark("schedule")
-        ro = self.runner.execute_model(so)
+        try:
+            ro = self.runner.execute_model(so)
+        except Exception as e:
+            self.failures.step_failed(so, e)   # raises RequestFailedError once a culprit is known
+            return []
+        self.failures.step_done(so)
         outputs = self.scheduler.update_from_output(so, ro)
         PROFILER.mark("scheduler_update")
         return outputs

@@ -6,7 +6,9 @@
 It knows nothing of text or HTTP: requests arrive tokenised (the server's Processor) and
 outputs leave as token ids (the server's OutputProcessor detokenises them). Beam searches run
 here (a BeamSearchDriver fed each step's outputs), so that choosing and forking beams costs
-no round trip to the server; only each search's ranked result leaves. Messages are
+no round trip to the server; only each search's ranked result leaves. A step that fails
+because of a request ends that request alone (engine/step_failures.py) and says so in the
+step's message ("f"); the loop goes on. Messages are
 msgpack (see serial.py). The process ends on a shutdown message, on SIGTERM, or when its
 parent dies (PR_SET_PDEATHSIG, and a parent check while idle), so it is never left behind.
 """
@@ -23,6 +25,7 @@ import zmq
 
 from pagedllm.engine import serial
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput
+from pagedllm.engine.step_failures import RequestFailedError
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedllm.engine.core_proc")
@@ -217,7 +220,11 @@ class EngineCoreProc:
                 break
             if self.core.has_unfinished_requests():
                 t0 = time.time()
-                outputs = self.core.step()
+                try:
+                    outputs = self.core.step()
+                except RequestFailedError as e:
+                    self._send_failures(e, t0)
+                    continue
                 # The beams' outputs feed their searches; only ended searches go out.
                 others = [o for o in outputs if not self.beams.owns(o.req_id)]
                 ended = self.beams.on_outputs(outputs) if len(others) < len(outputs) else []
@@ -228,6 +235,20 @@ class EngineCoreProc:
                 self._send(msg)
             elif handled:
                 self._send({"t": "stats", "s": self.stats()})
+
+    def _send_failures(self, e: RequestFailedError, t0: float) -> None:
+        """The requests a failed step convicted, by the ids the server knows (a beam's
+        search: the whole search ends)."""
+        failed = []
+        for rid in e.req_ids:
+            search = self.beams.by_req.get(rid)
+            if search is not None:
+                rid = search.request_id
+                self.beams.abort(rid)
+            if rid not in failed:
+                failed.append(rid)
+        self._send({"t": "out", "o": [], "s": self.stats(), "q": self._queue_events(t0),
+                    "f": [[rid, str(e), e.client_error] for rid in failed]})
 
     def _queue_events(self, t0: float) -> list:
         events = []

@@ -9,10 +9,11 @@ call_utility, resolve_utility, mark_dead, shutdown, dead, proc), so the server i
 - "beam": the search goes, whole, to the replica the router picks (its beams never leave it).
 - "abort": to the replica that holds each request (a forked sample `{i}_{id}` to its parent's).
 - recv(): the replicas' messages merged; utility replies are resolved here, finished outputs
-  (and beam results) lower the router's load, and each message's stats are replaced by the sum
+  (and beam results, and requests a failed step ended) lower the router's load, and each message's stats are replaced by the sum
   over replicas.
 - proc: a view of the K processes: alive while all are; its sentinel becomes readable when
-  any of them ends (a dead replica takes the server's engine down, as one core's death does).
+  any of them ends (a dead replica takes the server's engine down, as one core's death does:
+  the server exits, or with --restart-engine-on-failure starts all K replicas afresh).
 
 make_core_client() picks CoreClient or DPCoreClient from parallel_config.data_parallel_size.
 """
@@ -197,6 +198,8 @@ class DPCoreClient:
                         self._ended(out.req_id)
                 for b in msg.get("b") or ():
                     self._ended(b[0])
+                for f in msg.get("f") or ():
+                    self._ended(f[0])
             return msg
 
     def _ended(self, req_id: str, whole: bool = False) -> None:

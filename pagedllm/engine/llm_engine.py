@@ -14,6 +14,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.profiler import PROFILER
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.step_failures import RequestFailedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -81,7 +82,15 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.abort_requests(request_ids))
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process_outputs(self.core.step())
+        """One engine step. RequestFailedError when the step failed because of a request:
+        that request is ended (its siblings too), the others go on in the next steps."""
+        try:
+            core_outputs = self.core.step()
+        except RequestFailedError as e:
+            users = [u for u in map(self.output_processor.user_request_id, e.req_ids) if u is not None]
+            self.abort_request(users)
+            raise RequestFailedError(users, str(e), e.client_error) from e
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
         PROFILER.mark("output_processing")

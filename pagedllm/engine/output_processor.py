@@ -123,6 +123,13 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
+    def user_request_id(self, core_id: str) -> Optional[str]:
+        """The id the caller gave for a core request (a sibling's parent's), None if unknown."""
+        st = self.states.get(core_id)
+        if st is not None:
+            return st.parent.request_id if st.parent is not None else st.request_id
+        return core_id if core_id in self.parents else None
+
     def abort_requests(self, req_ids) -> list[str]:
         """Drop requests (by their own or a parent's id); returns the child ids to abort in the core."""
         out = []

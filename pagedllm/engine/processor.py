@@ -11,6 +11,15 @@ from pagedllm.sampling_params import SamplingParams
 PromptType = Union[str, list[int], dict]
 
 
+def check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
+    """The prompt must leave room for the first generated token: its KV is written at position
+    num_prompt_tokens, which must lie inside the context. ValueError otherwise (offline and
+    in the server, which words it as OpenAI does)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_model_len ({max_model_len}) "
+                         f"allows: at most {max_model_len - 1}, so that one token can be generated")
+
+
 class Processor:
     def __init__(self, config: EngineConfig, tokenizer, eos_token_id: Optional[int],
                  extra_eos_ids: set[int], num_blocks: int) -> None:
@@ -44,13 +53,14 @@ class Processor:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: Optional[float] = None) -> tuple[Optional[str], Request]:
+                arrival_time: Optional[float] = None,
+                beam_width: int = 1) -> tuple[Optional[str], Request]:
+        """`beam_width`: the request is a beam search's first beam (all its beams must fit)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)
         max_len = self.config.model_config.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({max_len})")
+        check_prompt_len(len(ids), max_len)
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}")
@@ -60,19 +70,24 @@ class Processor:
         max_seqs = self.config.scheduler_config.max_num_seqs
         if params.num_samples > max_seqs:
             raise ValueError(f"n / best_of ({params.num_samples}) must be <= max_num_seqs ({max_seqs})")
+        if beam_width > max_seqs:
+            raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_ids
         request = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
                           arrival_time=arrival_time)
-        # Never longer than the context, nor than the whole KV cache could ever hold.
+        # Never longer than the context, nor than the whole KV cache could ever hold: a beam
+        # search's beams wait for each other, so all of them must fit at full length at once.
         room = max_len - len(ids)
-        request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 1))
+        request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         block_size = self.config.cache_config.block_size
-        need = -(min(len(ids) + request.max_tokens, max_len) // -block_size)
+        need = beam_width * -(min(len(ids) + request.max_tokens, max_len) // -block_size)
         if need > self.num_blocks - 1:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({request.max_tokens}) needs "
+            what = f"{beam_width} beams of " if beam_width > 1 else ""
+            raise ValueError(f"{what}prompt ({len(ids)} tokens) plus max_tokens ({request.max_tokens}) needs "
                              f"{need} KV-cache blocks, more than the cache holds ({self.num_blocks - 1}); "
-                             "lower max_tokens or give the KV cache more memory")
+                             "lower max_tokens" + (" or beam_width" if beam_width > 1 else "")
+                             + " or give the KV cache more memory")
         return text, request

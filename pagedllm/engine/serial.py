@@ -14,6 +14,9 @@ a type tag "t":
    "a": [args]}                                 {"t": "error", "exc": name, "msg": str}  (dying)
   {"t": "shutdown"}
 
+"f" (optional) on an "out" message: [[req_id, message, client_error], ...], the requests a
+failed step ended (engine/step_failures.py); a beam search's by the search's id.
+
 "beam" starts a beam search in the core (engine/beam_search.py); its beams never leave the
 core: one beam result for the search's request id comes back when it ends (or at once, with
 an error, when the core refuses it). An "abort" of that id ends the search.

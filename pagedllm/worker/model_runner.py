@@ -14,6 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
+from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
@@ -43,6 +44,7 @@ class ModelRunner:
         self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size)
         self.requests: dict[str, CachedRequestState] = {}
+        self.faults = FaultInjector.from_env()   # tests only (PAGEDLLM_FAULT_INJECTION)
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_ids: set[int] = set()
@@ -80,6 +82,14 @@ class ModelRunner:
         return profile_kv_cache_memory(self)
 
     # ------------------------------------------------------------ states
+    def reset(self) -> None:
+        """Forget every row and request state, after a step that failed half done: the
+        scheduler sends each live request again, whole, as new. Seeded requests keep their
+        generators (they go on with the same random stream, as after a preemption)."""
+        b = self.input_batch
+        self.input_batch = InputBatch(b.max_num_reqs, b.max_model_len, b.block_size)
+        self.requests.clear()
+
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         gone = so.finished_req_ids | so.preempted_req_ids
@@ -180,6 +190,8 @@ class ModelRunner:
         batch = self.input_batch
         if batch.num_reqs == 0:
             return None
+        if self.faults is not None:
+            self.faults.check(batch.states[:batch.num_reqs])
         inputs = batch.prepare_inputs(so.num_scheduled_tokens)
         if self.graphs is not None and self.graphs.can_run(inputs):
             return inputs, None    # a captured decode step builds its own metadata

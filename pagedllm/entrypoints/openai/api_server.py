@@ -5,9 +5,12 @@
 Start-up: the engine core process is started and the server waits until its model is
 loaded, then listens and logs one "ready" line with the URL. Every error is an OpenAI
 error object {"error": {"message", "type", "param", "code"}}: bad input 400, a wrong API
-key 401, an unknown model 404, overload (--max-waiting-requests) and a dead engine 503;
-never a stack trace. SIGINT / SIGTERM: stop accepting, abort what is in flight, stop the
-core process, exit 0.
+key 401, an unknown model 404, overload (--max-waiting-requests) and a dead engine 503,
+a request that made the engine fail a step 500 (400 when the engine found it invalid: the
+other requests go on); never a stack trace. SIGINT / SIGTERM: stop accepting, abort what is
+in flight, stop the core process, exit 0. When the core process dies, the requests in flight
+get 503 and the server exits 1 (for a supervisor to restart it), unless
+--restart-engine-on-failure: then a new core serves the next requests.
 """
 from __future__ import annotations
 
@@ -29,12 +32,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import __version__
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, request_failed_error
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -164,6 +167,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
             result = await _run_until_disconnect(coro_fn(req, raw_request), raw_request)
         except (EngineDeadError, EngineOverloadedError) as e:
             return _engine_error(e)
+        except RequestFailedError as e:
+            err = request_failed_error(e)
+            return JSONResponse(status_code=err.status, content=err.body())
         except ValueError as e:
             return error_response(400, str(e))
         if result is None:  # the client is gone
@@ -271,7 +277,8 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
     engine = None
     try:
         engine = AsyncLLM(engine_args, model_name=names[0], max_waiting_requests=ns.max_waiting_requests,
-                          log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval)
+                          log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
+                          restart_engine_on_failure=ns.restart_engine_on_failure)
         logger.info("starting the engine core process (model %s)", engine.config.model_config.model)
         await engine.start()
         if chat_template is None and engine.tokenizer.chat_template is None:
@@ -287,6 +294,18 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
             loop.call_soon_threadsafe(engine.stop_accepting)
 
         server.on_exit = on_exit
+        exit_code = 0
+
+        def on_engine_dead():
+            nonlocal exit_code
+            logger.error("the engine core is gone: exiting with code 1 for a supervisor to restart the "
+                         "server (--restart-engine-on-failure restarts the core instead)")
+            exit_code = 1
+            server.should_exit = True
+
+        engine.on_engine_dead = on_engine_dead
+        if engine.errored is not None and not engine.restart_engine_on_failure:
+            on_engine_dead()   # it died while the app was being built
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
             # uvicorn re-raises the signal after its graceful shutdown; let that be a no-op
@@ -300,7 +319,7 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
             logger.info("pagedllm %s ready: http://%s:%d (model %s, max_model_len %d, %d KV blocks)",
                         __version__, host, port, names[0], engine.max_model_len, engine.num_blocks)
         await serve_task
-        return 0
+        return exit_code
     except asyncio.CancelledError:
         if stop_during_start:
             logger.info("stopped during start-up")

@@ -18,6 +18,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: $PAGEDLLM_API_KEY, else none)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="refuse with 503 a request that would make more than this many wait (default 1024)")
+    p.add_argument("--restart-engine-on-failure", action="store_true",
+                   help="when the engine core process dies, start a new one (the requests in flight get "
+                        "503) instead of exiting 1 for a supervisor to restart the server")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", dest="serve_log_level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])

@@ -10,6 +10,7 @@ from typing import AsyncIterator, Optional, Sequence
 
 from pagedllm.engine.async_llm import AsyncLLM, BeamSearchHandle, RequestStream
 from pagedllm.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchOutput
+from pagedllm.engine.processor import check_prompt_len
 from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
@@ -53,11 +54,21 @@ async def stream_final(make_response, head: dict, chunk_choice, include_usage: b
     yield SSE_DONE
 
 
+def request_failed_error(e) -> OpenAIError:
+    """A request that made the engine fail a step (RequestFailedError): 500, or 400 when the
+    engine found the request invalid; the other requests went on."""
+    if e.client_error:
+        return OpenAIError(str(e), status=400, code="request_failed")
+    return OpenAIError(str(e), status=500, type="internal_error", code="request_failed")
+
+
 def stream_error(e: BaseException) -> OpenAIError:
     """An error met after a stream started: it goes into the stream as an error event."""
-    from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError
+    from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestFailedError
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, RequestFailedError):
+        return request_failed_error(e)
     if isinstance(e, (EngineDeadError, EngineOverloadedError)):
         return OpenAIError(str(e), status=503, type="service_unavailable", code="engine_unavailable")
     logger.error("error in a stream: %s: %s", type(e).__name__, e, exc_info=e)
@@ -93,11 +104,13 @@ class OpenAIServing:
         do not fit in the context (OpenAI's wording, with the numbers)."""
         n = self.max_model_len
         if max_tokens is None:
-            if num_prompt >= n:
+            try:
+                check_prompt_len(num_prompt, n)
+            except ValueError:
                 raise OpenAIError(
                     f"This model's maximum context length is {n} tokens. However, your {what} resulted in "
                     f"{num_prompt} tokens. Please reduce the length of the {what}.",
-                    param=what, code="context_length_exceeded")
+                    param=what, code="context_length_exceeded") from None
             return n - num_prompt
         if num_prompt + max_tokens > n:
             raise OpenAIError(
