@@ -212,13 +212,14 @@ def test_server_fuzz(request, fuzz_server, reference):
     bad += compare_alone(served, reference, spec.max_model_len)
     print(f"\nserver fuzz, seed {seed}, {spec}: {sum(outcomes.values())} requests in "
           f"{time.monotonic() - t0:.1f} s: {dict(outcomes)}")
+    log = "\n".join(line for line in server.log_text().splitlines() if "Running:" not in line)
     assert not bad, (f"seed {seed} (rerun: PYTHONPATH=$PWD python -m pytest -q -s tests/test_server_fuzz.py "
                      f"--fuzz-seed {seed}): {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
-                     + "\n".join(bad[:12]) + f"\nserver log (tail):\n{server.log_text()[-3000:]}")
+                     + "\n".join(bad[:12]) + f"\nserver log (tail, stats lines left out):\n{log[-4000:]}")
     assert outcomes["200"] >= 10, outcomes
+    assert server.proc.poll() is None, f"the server exited ({server.proc.returncode}):\n{log[-4000:]}"
     m = wait_idle(server, timeout=60)   # every block back once nothing runs
     assert m["pagedllm:kv_cache_usage_perc"] == 0, m
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    assert server.proc.poll() is None
     r = server.client().completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0)
     assert len(r.choices[0].text.split()) == 4 or r.choices[0].finish_reason == "stop"
