@@ -334,6 +334,7 @@ class Tally:
     refusals: Counter = field(default_factory=Counter)
     ties: int = 0
     preemptions: int = 0
+    swaps: int = 0
     steps: int = 0
     failures: list = field(default_factory=list)
 
@@ -389,6 +390,7 @@ def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, v
             tally.cases += 1
         if engine is not None:
             tally.preemptions += engine.num_preemptions
+            tally.swaps += engine.core.scheduler.num_swaps
     return tally
 
 
@@ -428,7 +430,8 @@ def test_engine_fuzz(request, reference):
     t0 = time.monotonic()
     tally = fuzz(seed, groups, reference, verbose)
     print(f"\nengine fuzz, seed {seed}: {tally.cases} cases in {time.monotonic() - t0:.1f} s, "
-          f"{tally.steps} steps, requests {dict(tally.requests)}, preemptions {tally.preemptions}, "
+          f"{tally.steps} steps, requests {dict(tally.requests)}, preemptions {tally.preemptions} "
+          f"({tally.swaps} by swap), "
           f"numerical ties {tally.ties}; refusals {dict(tally.refusals)}")
     if tally.failures:
         pytest.fail(f"{len(tally.failures)} of {tally.cases} cases failed:\n" + "\n".join(tally.failures),
