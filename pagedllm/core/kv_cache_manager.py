@@ -100,14 +100,11 @@ class KVCacheManager:
         free blocks — then nothing changed (all or nothing) and the caller preempts.
         """
         new_computed_blocks = new_computed_blocks or []
-        if self.num_blocks_to_allocate(request, num_new_tokens, new_computed_blocks) > \
-                self.block_pool.get_num_free_blocks():
+        num_new_blocks, cow, num_taken = self._count(request, num_new_tokens, new_computed_blocks)
+        if num_taken > self.block_pool.get_num_free_blocks():
             return None
         blocks = self.req_to_blocks[request.request_id]
-        bs = self.block_size
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
-        num_new_blocks = cdiv(num_computed + num_new_tokens, bs) - len(blocks) - len(new_computed_blocks)
-        cow = self._needs_copy_on_write(blocks, num_computed)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         if cow:
@@ -122,24 +119,24 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return ([dst] if cow else []) + new_blocks
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
-                               new_computed_blocks: Optional[list[KVCacheBlock]] = None) -> int:
-        """Free blocks that allocate_slots(request, num_new_tokens, new_computed_blocks) takes:
-        new blocks, a copy-on-write copy, and cached hits taken out of the free queue."""
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks that allocate_slots(request, num_new_tokens) would take."""
+        return self._count(request, num_new_tokens, [])[2]
+
+    def _count(self, request: Request, num_new_tokens: int,
+               new_computed_blocks: list[KVCacheBlock]) -> tuple[int, bool, int]:
+        """(new blocks, whether the first write copies a shared last block, free blocks taken:
+        the new ones, the copy, and cached hits taken out of the free queue)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_new_blocks = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(num_new_blocks, 0) + self._needs_copy_on_write(blocks, num_computed) + num_evictable_hits
-
-    def _needs_copy_on_write(self, blocks: list[KVCacheBlock], num_computed: int) -> bool:
-        """The first write lands in a shared, partly filled last block."""
         bs = self.block_size
-        return bool(num_computed % bs != 0 and blocks and blocks[-1].ref_cnt > 1
-                    and len(blocks) == cdiv(num_computed, bs))
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        num_new_blocks = cdiv(num_computed + num_new_tokens, bs) - len(blocks) - len(new_computed_blocks)
+        # Copy-on-write: the first write lands in a shared, partly filled last block.
+        cow = bool(num_computed % bs and blocks and blocks[-1].ref_cnt > 1 and len(blocks) == cdiv(num_computed, bs))
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+        return num_new_blocks, cow, max(num_new_blocks, 0) + cow + num_evictable_hits
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Blocks that this step fills become findable at once: they are written in this

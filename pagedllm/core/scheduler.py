@@ -98,21 +98,17 @@ class Scheduler:
             plan = self._plan_tokens(unit, budget)
             # Room for the whole unit, or preempt the newest units; units are contiguous and
             # taken from the end, so a victim is never one scheduled earlier in this step.
-            unit_preempted = False
-            while not unit_preempted and \
-                    sum(kv.num_blocks_to_allocate(r, n) for r, n in plan) > kv.num_free_blocks():
+            while (allocated := self._allocate_unit(plan)) is None:
                 victims = _unit_at(self.running, len(self.running) - 1)
                 del self.running[-len(victims):]
                 for victim in reversed(victims):   # pushed to the front in their order
                     self._preempt(victim)
                 preempted.extend(victims)
-                unit_preempted = victims[0] is unit[0]
-            if unit_preempted:
+                if victims[0] is unit[0]:
+                    break
+            if allocated is None:
                 break
-            for request, n in plan:
-                blocks = kv.allocate_slots(request, n)
-                if blocks is None:   # the room was made above
-                    raise RuntimeError(f"KV cache: no room for {request.request_id} after preemption")
+            for (request, n), blocks in zip(plan, allocated):
                 if request.request_id in self.unsent:
                     self.unsent.discard(request.request_id)
                     new_reqs.append(request)
@@ -175,6 +171,10 @@ class Scheduler:
     def _plan_tokens(self, unit: list[Request], budget: int) -> list[tuple[Request, int]]:
         """The tokens each running request of a unit computes this step, within the budget
         (without chunked prefill, a request whose remaining prompt does not fit waits)."""
+        if len(unit) == 1:   # the common case
+            need = self._num_tokens_to_compute(unit[0])
+            n = min(need, budget)
+            return [(unit[0], n)] if n > 0 and (n == need or self.config.chunked_prefill) else []
         plan = []
         for request in unit:
             need = self._num_tokens_to_compute(request)
@@ -184,6 +184,21 @@ class Scheduler:
             plan.append((request, n))
             budget -= n
         return plan
+
+    def _allocate_unit(self, plan: list[tuple[Request, int]]) -> Optional[list[list]]:
+        """New blocks for every (request, tokens) of a unit's plan, all or nothing (None)."""
+        kv = self.kv_cache_manager
+        if len(plan) > 1 and sum(kv.num_blocks_to_allocate(r, n) for r, n in plan) > kv.num_free_blocks():
+            return None
+        allocated = []
+        for request, n in plan:
+            blocks = kv.allocate_slots(request, n)
+            if blocks is None:
+                if len(plan) > 1:   # counted above: allocate_slots takes no more than that
+                    raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
+                return None
+            allocated.append(blocks)
+        return allocated
 
     def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int],
                new_reqs: list[Request], with_unit: bool = False) -> Optional[int]:

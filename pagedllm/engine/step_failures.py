@@ -7,10 +7,11 @@ can trust: the runner forgets every row, every running request goes back to the 
 to be computed again from its tokens, and the prefix cache is emptied.
 
 Then it finds the culprit. A failed step of one request (or of the beams of one search)
-convicts it. A failed step of several makes them suspects: each suspect runs alone, one per step, until it has run a
-step without failing (cleared) or failed alone (convicted); the others wait meanwhile (a few
-steps). A request that was in MAX_FAILED_STEPS failed steps is convicted too, so that a fault
-that shows only in company cannot loop forever. A convicted request is ended (its blocks go
+convicts it. A failed step of several makes them suspects: each suspect runs alone (with its
+search's other beams), one per step, until it has run a step without failing (cleared) or
+failed alone (convicted); the others wait meanwhile (a few steps). A request that was in
+MAX_FAILED_STEPS failed steps is convicted too, so that a fault that shows only in company
+cannot loop forever. A convicted request is ended (its blocks go
 back) and the step raises RequestFailedError naming it, for the caller to tell its client.
 
 Failures that leave nothing to roll back to (a split model's executor, which refuses further
