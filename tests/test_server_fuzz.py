@@ -27,8 +27,8 @@ from server_utils import RemoteServer, wait_idle
 from test_engine_fuzz import TIE_EPS, Reference, one_thread, reference  # noqa: F401 (fixtures)
 
 NAME = "fuzz"
-CI_SECONDS = 40
-MAX_REQUESTS = 400
+CI_SECONDS = 30
+MAX_REQUESTS = 1000
 CONCURRENCY = 8
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"   # "w5 w17" -> [5, 17]
 COMPLETIONS_MAX_TOKENS = 16   # /v1/completions' max_tokens when none is sent
