@@ -1,14 +1,29 @@
-"""Shared fixtures: the default model is prepared once per run and shared by every test."""
+"""Shared fixtures: the default model is prepared once per run and shared by every test.
+Tests that use it are marked `model` here (`make test-fast` deselects them), and Hypothesis
+runs derandomized in CI."""
 import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Without a GPU the Triton kernels run under the interpreter (test_triton_kernels.py,
 # test_triton_runner.py). Triton reads this when a kernel is decorated, so it is set before
 # any test module is collected, whichever imports the kernels first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# CI (`.ci/run` sets CI=true) draws the same examples every run: a red build replays, and a
+# green one is not the luck of the draw. Locally each run keeps exploring new examples. (Recent
+# Hypothesis versions have a built-in "ci" profile like it; ours does not depend on the version.)
+settings.register_profile("pagedllm-ci", derandomize=True, database=None, deadline=None, print_blob=True)
+if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+    settings.load_profile("pagedllm-ci")
+
+# Fixtures that load the default model: a test using one (directly or through another
+# fixture) is a `model` test. A test reaching the model another way is marked by hand.
+MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model"}
 
 
 def pytest_addoption(parser):
@@ -26,6 +41,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs the real default model (slower)")
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

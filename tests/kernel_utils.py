@@ -34,3 +34,23 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
         torch.testing.assert_close(q_new.float(), q_ref.float(), **close)
         torch.testing.assert_close(k_new.float(), k_ref.float(), **close)
         assert torch.equal(v, v_before)   # in place on q and k only
+
+
+def require_built(ext):
+    """ext (a built C++ kernel or extension), else this test's verdict on why it is None: a
+    skip only where the machine has no C++ compiler (or the kernels are turned off), a failure
+    naming the build error where it has one. The engine falls back to torch for users; a test
+    must not pass on that fallback."""
+    if ext is not None:
+        return ext
+    import os
+
+    import pytest
+
+    from pagedllm.attention import cpu_kernels
+    if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
+        pytest.skip("the C++ kernels are turned off here (PAGEDLLM_NO_CPU_KERNELS is set)")
+    if cpu_kernels.cxx_compiler() is None:
+        pytest.skip(f"no C++ compiler on this machine ({os.environ.get('CXX', 'c++')} is not on PATH)")
+    why = "; ".join(f"{name}: {reason}" for name, reason in cpu_kernels.build_failures.items())
+    pytest.fail(f"a C++ extension did not build though a compiler exists: {why or 'no reason recorded'}")

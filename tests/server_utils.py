@@ -175,14 +175,48 @@ def assert_error(r: httpx.Response, status: int, code=None):
     return err
 
 
-def wait_idle(server, timeout=30.0) -> dict:
-    """Poll /metrics until no KV block is used and nothing runs or waits -> the metrics."""
+def wait_metrics(server, condition, what: str, timeout: float = 60.0) -> dict:
+    """Poll /metrics until condition(metrics) holds -> the metrics. The bound is generous: a
+    slow machine waits longer, it does not change the verdict."""
     deadline = time.monotonic() + timeout
-    m = server.metrics()
-    while time.monotonic() < deadline:
+    while True:
         m = server.metrics()
-        if m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0 \
-                and m["pagedllm:num_requests_waiting"] == 0:
+        if condition(m):
             return m
-        time.sleep(0.2)
-    raise AssertionError(f"blocks not freed: {m}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout} s: {m}")
+        time.sleep(0.05)
+
+
+def disconnect_when(server, path: str, body: dict, condition, what: str) -> None:
+    """POST body (not streamed) and close the connection, the request still in flight, once
+    condition(metrics) holds: a client going away at a moment seen, not timed."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            call = asyncio.create_task(c.post(server.url + path, json=body, headers=server.headers()))
+            await asyncio.to_thread(wait_metrics, server, condition, what)
+            assert not call.done(), f"the request ended before the disconnect: {call.result()}"
+            call.cancel()   # closes the connection mid-request
+            try:
+                await call
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(run())
+
+
+def wait_idle(server, timeout=60.0) -> dict:
+    """Poll /metrics until no KV block is used and nothing runs or waits -> the metrics."""
+    return wait_metrics(server, lambda m: m["pagedllm:kv_cache_used_blocks"] == 0
+                        and m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0,
+                        "blocks freed, nothing running or waiting", timeout)
+
+
+def wait_session_gone(server, timeout=60.0) -> None:
+    """Wait until no process of the server's session is left (the server, its engine core)."""
+    deadline = time.monotonic() + timeout
+    while session_pids(server.proc.pid):
+        assert time.monotonic() < deadline, f"processes left behind: {session_pids(server.proc.pid)}"
+        time.sleep(0.1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.beam_search import BeamSearchDriver
 
 from server_utils import RemoteServer, wait_idle
 

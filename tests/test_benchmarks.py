@@ -84,10 +84,11 @@ def test_bench_latency_profile_runs(model_dir, tmp_path):
 def test_bench_attention_bytes_and_rate(tmp_path):
     """`bench attention` counts the bytes a decode step's attention must move (all of K and V,
     the queries, the outputs, the block table) and divides by the kernel's time."""
-    from pagedllm.attention.cpu_kernels import cpu_decode_supported
+    from kernel_utils import require_built
+
+    from pagedllm.attention.cpu_kernels import decode_kernel
     from pagedllm.benchmarks.attention import decode_case
-    if not cpu_decode_supported(torch.float32):
-        pytest.skip("the C++ decode kernel is not built here")
+    require_built(decode_kernel())
     B, L, H, Hkv, D, bs = 3, 40, 8, 2, 64, 16
     fn, moved, _ = decode_case(torch, torch.device("cpu"), torch.float32, B, L, H, Hkv, D, bs)
     assert moved == 2 * B * L * Hkv * D * 4 + 2 * B * H * D * 4 + B * 3 * 4

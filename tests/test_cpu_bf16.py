@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_utils import check_rope_in_place, shuffled_block_table
+from kernel_utils import check_rope_in_place, require_built, shuffled_block_table
 
 BF16_REL = 2 ** -8      # rounding once to bfloat16 (half a step) plus float32 summation noise
 BF16_STEP = 2 ** -7     # one bfloat16 step, relative, at worst
@@ -19,10 +19,7 @@ BF16_STEP = 2 ** -7     # one bfloat16 step, relative, at worst
 
 def _ops():
     from pagedllm.models.cpu_ops import cpu_ops
-    ops = cpu_ops()
-    if ops is None:
-        pytest.skip("the C++ ops could not be built here (no compiler / ninja)")
-    return ops
+    return require_built(cpu_ops())
 
 
 def _bf16(*shape, scale=1.0):
@@ -99,8 +96,7 @@ def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     from pagedllm.attention.cpu_kernels import cpu_decode_supported, decode_kernel
     from pagedllm.attention.metadata import build_attention_metadata
     from pagedllm.attention.torch_backend import paged_attention
-    if decode_kernel() is None:
-        pytest.skip("the C++ kernel could not be built here (no compiler / ninja)")
+    require_built(decode_kernel())
     assert cpu_decode_supported(torch.bfloat16) and not cpu_decode_supported(torch.float16)
     rng = np.random.default_rng(H * 100 + bs)
     seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1, 300], dtype=np.int32)   # decodes only

@@ -2,6 +2,7 @@
 greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests;
 a step of more requests, or with a prefill, takes the eager path."""
 import pytest
+from kernel_utils import require_built
 
 from pagedllm import LLM, SamplingParams
 
@@ -19,6 +20,26 @@ def _counting(loop, calls):
     return wrapped
 
 
+def _decode_loop(llm):
+    """The engine's C++ decode loop: built wherever a compiler exists, and enabled."""
+    import os
+
+    from pagedllm.attention.cpu_kernels import decode_kernel
+    from pagedllm.models.cpu_decode_loop import decode_loop_ext
+    from pagedllm.models.cpu_linear import packed_linear_supported
+    from pagedllm.models.cpu_ops import cpu_ops
+    model = llm.llm_engine.core.runner.model
+    if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP") == "0":
+        pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
+    dtype = model.norm.weight.dtype
+    if not packed_linear_supported(dtype):
+        pytest.skip(f"no oneDNN {dtype} linear here (this torch build or CPU): the decode loop needs it")
+    for ext in (cpu_ops, decode_kernel, decode_loop_ext):
+        require_built(ext())
+    assert model.decode_loop is not None, "the extensions are built, yet the engine did not enable the loop"
+    return model
+
+
 def _run(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -29,9 +50,7 @@ def _run(llm, prompts):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_loop_equals_eager_layers(model_dir, dtype):
     llm = LLM(model_dir, dtype=dtype, enable_prefix_caching=False)
-    model = llm.llm_engine.core.runner.model
-    if model.decode_loop is None:
-        pytest.skip("the C++ extension is not built here")
+    model = _decode_loop(llm)
     calls, loop = [], model.decode_loop
     model.decode_loop = _counting(loop, calls)
     for prompts in (PROMPTS[:1], PROMPTS):           # batch 1 and batch 3
@@ -46,9 +65,7 @@ def test_decode_loop_equals_eager_layers(model_dir, dtype):
 
 def test_decode_loop_only_for_small_decode_steps(model_dir):
     llm = LLM(model_dir)
-    model = llm.llm_engine.core.runner.model
-    if model.decode_loop is None:
-        pytest.skip("the C++ extension is not built here")
+    model = _decode_loop(llm)
     calls, loop = [], model.decode_loop
     model.decode_loop = _counting(loop, calls)
     llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)

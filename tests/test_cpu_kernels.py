@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from kernel_utils import check_rope_in_place, shuffled_block_table
+from kernel_utils import check_rope_in_place, require_built, shuffled_block_table
 
 from pagedllm.attention.cpu_kernels import decode_kernel
 from pagedllm.attention.metadata import build_attention_metadata
@@ -12,8 +12,7 @@ from pagedllm.attention.torch_backend import paged_attention
 
 @pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (4, 4, 32, 4), (16, 2, 64, 32), (8, 2, 128, 16)])
 def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
-    if decode_kernel() is None:
-        pytest.skip("the C++ kernel could not be built here (no compiler / ninja)")
+    require_built(decode_kernel())
     rng = np.random.default_rng(H * 100 + bs)
     # A mixed batch: decodes (one new token) around a prefill chunk with a cached past.
     q_lens = np.array([1, 1, 5, 1, 1])
@@ -39,9 +38,7 @@ def test_fused_cpu_ops_match_the_torch_layers():
     partial rotary dim): the fused ops equal the torch code of models/llama.py."""
     from pagedllm.models.cpu_ops import cpu_ops
     from pagedllm.models.llama import LlamaMLP, RMSNorm
-    ops = cpu_ops()
-    if ops is None:
-        pytest.skip("the C++ ops could not be built here (no compiler / ninja)")
+    ops = require_built(cpu_ops())
     torch.manual_seed(0)
     with torch.inference_mode():
         norm = RMSNorm(576, 1e-5)
@@ -73,7 +70,7 @@ def test_packed_linear_matches_f_linear(rows):
         lin = torch.nn.Linear(in_features, 1728, bias=True)
         x = torch.randn(rows, in_features)
         with torch.inference_mode():
-            for small_ops in (None, cpu_ops()):
+            for small_ops in (None, require_built(cpu_ops())):
                 torch.testing.assert_close(PackedLinear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
@@ -84,8 +81,7 @@ def test_an_interrupted_build_does_not_hang_the_next(tmp_path):
     import subprocess
     import sys
     import textwrap
-    if decode_kernel() is None:
-        pytest.skip("the C++ kernel could not be built here (no compiler / ninja)")
+    require_built(decode_kernel())
     code = textwrap.dedent("""
         import os
         from torch.utils import cpp_extension
@@ -98,3 +94,18 @@ def test_an_interrupted_build_does_not_hang_the_next(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert out.stdout.split() == ["42", "False"], out.stderr[-2000:]
+
+
+def test_a_kernel_that_did_not_build_fails_where_a_compiler_exists(monkeypatch):
+    """The kernel tests' verdict when an extension is None: a failure naming the build error
+    on a machine with a compiler, a skip saying so on one without."""
+    from pagedllm.attention import cpu_kernels
+    monkeypatch.setitem(cpu_kernels.build_failures, "pagedllm_x", "RuntimeError: error: expected ';'")
+    monkeypatch.delenv("PAGEDLLM_NO_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("CXX", "sh")   # on PATH everywhere: "a compiler exists"
+    with pytest.raises(pytest.fail.Exception, match="pagedllm_x: RuntimeError: error: expected ';'"):
+        require_built(None)
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with pytest.raises(pytest.skip.Exception, match=r"no C\+\+ compiler on this machine"):
+        require_built(None)
+    assert require_built(cpu_kernels) is cpu_kernels

@@ -20,12 +20,8 @@ PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="session")
-def tok():
-    from transformers import AutoTokenizer
-
-    from pagedllm.models.download import ensure_default_model
-
-    return AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
+def tok(tokenizer):   # the default model's (conftest marks its users `model`)
+    return tokenizer
 
 
 def enc(tok, text):

@@ -75,18 +75,22 @@ def test_tokenizer_and_chat_template(model_dir):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.model   # reads the default model's GGUF
 def test_gguf_chat_template_fallback():
     # The fallback used when transformers does not carry the template over.
     template = download.gguf_chat_template(download.find_gguf())
     assert template and "<|im_start|>" in template
 
 
-def test_second_call_is_fast(model_dir):
-    t0 = time.monotonic()
+def test_second_call_neither_builds_nor_locks(model_dir, monkeypatch):
+    """Once built, the model is found without building or even taking the build lock."""
+    def no(*args, **kwargs):
+        raise AssertionError("a complete model was built or locked again")
+    monkeypatch.setattr(download, "_build_lock", no)
+    monkeypatch.setattr(download, "_build", no)
     assert ensure_default_model() == model_dir
     assert resolve_model(None) == model_dir
     assert resolve_model(DEFAULT_MODEL) == model_dir
-    assert time.monotonic() - t0 < 2
 
 
 def test_transformers_loads_and_runs(model_dir):
@@ -112,21 +116,34 @@ def test_resolve_model_errors(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 
+def _wait_for_file(path: Path, proc, what: str, timeout: float = 120.0) -> None:
+    """Poll until `path` exists (the subprocess says it reached a point), with a generous bound."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the subprocess exited before {what}"
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.model   # reads the default model's GGUF
 def test_killed_build_leaves_no_target(tmp_path):
+    """SIGKILL in the middle of a real build (under the lock, in its temp dir, the GGUF found):
+    the target never appears half made."""
     target = tmp_path / "models" / DEFAULT_MODEL
-    proc = subprocess.Popen(
-        [sys.executable, "-c",
-         "from pagedllm.models.download import ensure_default_model; ensure_default_model()"],
-        env=_subprocess_env(tmp_path), cwd=REPO,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = tmp_path / "build-started"
+    # The build announces it is under way and stays there until killed: the kill lands
+    # mid-build on any machine (a fixed sleep could land after the end on a fast one).
+    code = (f"from pagedllm.models import download; import pathlib, time\n"
+            f"find = download.find_gguf\n"
+            f"def find_and_stay():\n"
+            f"    path = find(); pathlib.Path({str(started)!r}).touch(); time.sleep(600); return path\n"
+            f"download.find_gguf = find_and_stay\n"
+            f"download.ensure_default_model()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_subprocess_env(tmp_path), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # Wait for the build to start (its temp dir appears), then kill it mid-build.
-        deadline = time.monotonic() + 60
-        while not list(target.parent.glob(download._TMP_PREFIX + "*")):
-            assert proc.poll() is None, "build exited before it started"
-            assert time.monotonic() < deadline, "build did not start"
-            time.sleep(0.1)
-        time.sleep(5)
+        _wait_for_file(started, proc, "the build started")
+        assert list(target.parent.glob(download._TMP_PREFIX + "*"))   # building in its temp dir
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -137,20 +154,25 @@ def test_killed_build_leaves_no_target(tmp_path):
     assert not list(target.parent.glob(download._TMP_PREFIX + "*"))
 
 
+@pytest.mark.timeout(180)   # bounds the reads of the subprocess's output below
 def test_second_process_waits_for_lock(tmp_path):
-    # Hold the build lock as a first builder would; the second process must wait,
-    # then find the directory complete and return it without building.
+    # Hold the build lock as a first builder would; the second process must wait (it says so
+    # before it blocks), then find the directory complete and return it without building.
     target = tmp_path / "models" / DEFAULT_MODEL
     lock = open(tmp_path / f".{DEFAULT_MODEL}.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
     proc = subprocess.Popen(
         [sys.executable, "-c",
          "from pagedllm.models.download import ensure_default_model; "
-         "print(ensure_default_model(progress=False))"],
-        env=_subprocess_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, text=True)
+         "print(ensure_default_model(progress=True))"],
+        env=_subprocess_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
-        assert proc.poll() is None, "second process did not wait for the lock"
+        for line in iter(proc.stderr.readline, ""):   # up to the line saying it waits
+            if "another process is preparing" in line:
+                break
+        else:
+            raise AssertionError("the second process did not wait for the lock")
+        assert proc.poll() is None
         target.mkdir(parents=True)  # "the first builder finished"
         for f in ("config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", download.MARKER):
@@ -158,9 +180,10 @@ def test_second_process_waits_for_lock(tmp_path):
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
     assert out.strip() == str(target)
+    assert "preparing the default model" not in err   # it did not build
 
 
 def test_missing_gguf_package_message(monkeypatch):

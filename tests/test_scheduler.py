@@ -42,7 +42,9 @@ def default_token(req_id: str, step: int, k: int) -> int:
 
 
 class FakeRunner:
-    """Stands in for ModelRunner.execute_model: tracks rows like the persistent batch."""
+    """Stands in for ModelRunner.execute_model: tracks rows like the persistent batch, and a
+    fake KV cache (the token id each slot holds) on the device and in the swap space, so that
+    a block moved to the wrong place or lost is seen when its request reads it again."""
 
     def __init__(self, block_size: int, token_fn: TokenFn = default_token) -> None:
         self.block_size = block_size
@@ -50,11 +52,31 @@ class FakeRunner:
         self.step = 0
         self.rows: dict[str, _Row] = {}
         self.sampled: defaultdict[str, list[int]] = defaultdict(list)  # every token it sampled
+        self.kv: defaultdict[int, list] = defaultdict(lambda: [None] * block_size)   # device blocks
+        self.cpu: defaultdict[int, list] = defaultdict(lambda: [None] * block_size)  # swap space
+
+    def _move_kv(self, so: SchedulerOutput) -> None:
+        """Swap-out, swap-in, then copy-on-write copies, in the real runner's order."""
+        for dev, cpu in so.blocks_to_swap_out:
+            self.cpu[cpu] = list(self.kv[dev])
+        for cpu, dev in so.blocks_to_swap_in:
+            self.kv[dev] = list(self.cpu[cpu])
+        for src, dst in so.blocks_to_copy:
+            self.kv[dst] = list(self.kv[src])
+
+    def _attend(self, row: _Row, n: int) -> None:
+        """Check that the cache holds the row's computed tokens, then write the next n."""
+        bs = self.block_size
+        seen = [self.kv[row.block_ids[p // bs]][p % bs] for p in range(row.num_computed)]
+        assert seen == row.token_ids[:row.num_computed], "the KV cache lost or moved a token"
+        for p in range(row.num_computed, row.num_computed + n):
+            self.kv[row.block_ids[p // bs]][p % bs] = row.token_ids[p]
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.step += 1
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.rows.pop(rid, None)
+        self._move_kv(so)
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.rows, f"{nr.req_id} added twice to the batch"
             self.rows[nr.req_id] = _Row(list(nr.token_ids), nr.num_prompt_tokens,
@@ -72,6 +94,7 @@ class FakeRunner:
             assert row.num_computed + n <= len(row.token_ids), "scheduled past the known tokens"
             # The block table covers every slot written this step.
             assert len(row.block_ids) >= cdiv(row.num_computed + n, self.block_size)
+            self._attend(row, n)
             row.num_computed += n
             req_ids.append(rid)
             if row.num_computed == len(row.token_ids):
@@ -86,10 +109,13 @@ class FakeRunner:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   chunked_prefill: bool = True, enable_caching: bool = False) -> Scheduler:
+                   chunked_prefill: bool = True, enable_caching: bool = False,
+                   preemption_mode: str = "recompute", num_cpu_blocks: int = 0) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, chunked_prefill=chunked_prefill)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching))
+                          max_model_len=max_model_len, chunked_prefill=chunked_prefill,
+                          preemption_mode=preemption_mode)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
+                                         num_cpu_blocks=num_cpu_blocks))
 
 
 def make_request(rid: str, prompt_len: int, eos: Optional[int] = EOS, **params) -> Request:
@@ -110,6 +136,7 @@ class Sim:
         self.bs = self.kv.block_size
         self.num_blocks = self.kv.block_pool.num_blocks
         self.caching = self.kv.block_pool.enable_caching
+        self.num_cpu_blocks = len(self.kv.free_cpu_blocks) + 1 if self.kv.free_cpu_blocks else 0
         self.runner = FakeRunner(self.bs, token_fn)
         self.check_progress = check_progress
         self.reqs: dict[str, Request] = {}          # every request ever added, finished included
@@ -130,6 +157,8 @@ class Sim:
         waiting_before = [r.request_id for r in s.waiting]
         running_before = [(r.request_id, r.num_tokens - r.num_computed_tokens) for r in s.running]
         computed_before = {r.request_id: r.num_computed_tokens for r in s.running}
+        # Swapped-out requests keep their computed tokens and resume from there.
+        computed_before.update((r.request_id, r.num_computed_tokens) for r in s.waiting if self.kv.is_swapped(r))
         so = s.schedule()
         self.sched_outputs.append(so)
         self.check_schedule(so, had_work, waiting_before, running_before, computed_before)
@@ -212,7 +241,9 @@ class Sim:
             assert cr.num_computed_tokens == computed_before[cr.req_id]
         for nr in so.scheduled_new_reqs:
             r = self.reqs[nr.req_id]
-            if self.caching:   # prefix-cache hits: whole blocks, never the last token
+            if nr.req_id in computed_before:   # a swapped request resumes where it was
+                assert nr.num_computed_tokens == computed_before[nr.req_id] > 0
+            elif self.caching:   # prefix-cache hits: whole blocks, never the last token
                 assert nr.num_computed_tokens % self.bs == 0 and nr.num_computed_tokens < r.num_tokens
             else:
                 assert nr.num_computed_tokens == 0
@@ -251,8 +282,17 @@ class Sim:
             assert len(kv.req_to_blocks.get(rid, ())) == cdiv(r.num_computed_tokens, self.bs)
         for rid, r in waiting.items():
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.num_computed_tokens == 0
+            if kv.is_swapped(r):   # its KV in the swap space, one CPU block per device block
+                assert r.status == RequestStatus.PREEMPTED and self.cfg.preemption_mode == "swap"
+                assert len(kv.req_to_cpu_blocks[rid]) == cdiv(r.num_computed_tokens, self.bs)
+            else:
+                assert r.num_computed_tokens == 0
             assert not kv.req_to_blocks.get(rid)
+        # Only waiting requests are swapped out; the swap space's free and held CPU blocks
+        # partition it (block 0 unused).
+        assert kv.req_to_cpu_blocks.keys() <= waiting.keys()
+        cpu_held = [b for blocks in kv.req_to_cpu_blocks.values() for b in blocks]
+        assert sorted(cpu_held + kv.free_cpu_blocks) == list(range(1, self.num_cpu_blocks))
         # Preempted requests sit in front of never-run ones.
         statuses = [r.status for r in s.waiting]
         assert statuses == sorted(statuses, key=lambda status: status != RequestStatus.PREEMPTED)
@@ -278,6 +318,7 @@ class Sim:
         assert not s.has_unfinished_requests() and not s.requests
         assert kv.num_free_blocks() == self.num_blocks - 1
         assert not any(kv.req_to_blocks.values())
+        assert not kv.req_to_cpu_blocks and len(kv.free_cpu_blocks) == max(self.num_cpu_blocks - 1, 0)
         for rid, r in self.reqs.items():
             assert r.is_finished(), r
         # Every request's end is announced to the runner exactly once.
@@ -777,8 +818,12 @@ def scenarios(draw):
     # itself forever): it holds KV for at most all its tokens but the last sampled one.
     most = max(cdiv(s.prompt_len + expected_end(s, max_model_len)[0] - 1, block_size) for s in specs)
     num_blocks = 1 + most + draw(st.one_of(st.just(0), st.integers(0, 3), st.integers(0, 10)))
+    # Swap: a swap space from none (every preemption falls back to recompute) to ample.
+    mode = draw(st.sampled_from(["recompute", "swap"]))
+    num_cpu_blocks = draw(st.one_of(st.integers(0, 4), st.integers(4, 64))) if mode == "swap" else 0
     return dict(block_size=block_size, max_model_len=max_model_len, chunked=chunked, caching=caching, budget=budget,
-                max_num_seqs=max_num_seqs, num_blocks=num_blocks, specs=specs)
+                max_num_seqs=max_num_seqs, num_blocks=num_blocks, specs=specs, mode=mode,
+                num_cpu_blocks=num_cpu_blocks)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -789,7 +834,8 @@ def test_random_workload_keeps_every_invariant_and_finishes(sc):
     sched = make_scheduler(num_blocks=sc["num_blocks"], block_size=sc["block_size"],
                            max_num_seqs=sc["max_num_seqs"], max_num_batched_tokens=sc["budget"],
                            max_model_len=max_model_len, chunked_prefill=sc["chunked"],
-                           enable_caching=sc["caching"])
+                           enable_caching=sc["caching"], preemption_mode=sc["mode"],
+                           num_cpu_blocks=sc["num_cpu_blocks"])
     script = {f"r{i}": s.script for i, s in enumerate(specs)}
     sim = Sim(sched, token_fn=scripted(script))
     # Liveness bound: the oldest running request can always grow (it fits alone and is never
@@ -821,6 +867,9 @@ def test_random_workload_keeps_every_invariant_and_finishes(sc):
         assert step <= cap, f"no end after {step} steps"
     sim.check_all_done()
     event(f"preemptions: {min(sched.num_preemptions, 3)}{'+' if sched.num_preemptions > 3 else ''}")
+    if sc["mode"] == "swap" and sched.num_preemptions:
+        event(f"swap: {sched.num_swaps} of {sched.num_preemptions} preemptions swapped"
+              if sched.num_swaps < 3 else "swap: 3+ swaps")
     event(f"aborted: {bool(aborted)}")
     event(f"chunked: {sc['chunked']}")
     event(f"prefix hits: {any(max(r.num_cached_tokens, 0) > 0 for r in sim.reqs.values())}")

