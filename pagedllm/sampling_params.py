@@ -10,6 +10,26 @@ from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
 
+# Bounds on what one request may ask for, so that its cost is bounded before it runs (offline
+# and in the server alike). n / best_of: OpenAI's limit on n; logprobs: OpenAI's top_logprobs.
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024   # the detokenizer holds back len - 1 chars while streaming
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024          # entries; each costs work in every step's sampling metadata
+
+
+class ParamError(ValueError):
+    """A bad request field: `param` names it (the server's OpenAI error reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):   # picklable (it may cross to another process)
+        return type(self), (self.param, str(self))
+
 
 @dataclass
 class SamplingParams:
@@ -55,12 +75,12 @@ class SamplingParams:
     # ------------------------------------------------------------------ checks
     def _validate(self) -> None:
         def bad(name, value, allowed):
-            raise ValueError(f"{name} must be {allowed}, got {value!r}")
+            raise ParamError(name, f"{name} must be {allowed}, got {_show(value)}")
 
-        if not _is_int(self.n) or self.n < 1:
-            bad("n", self.n, "an integer >= 1")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
-            bad("best_of", self.best_of, f"an integer >= n ({self.n})")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            bad("n", self.n, f"an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not _is_int(self.best_of) or not (self.n <= self.best_of <= MAX_N)):
+            bad("best_of", self.best_of, f"an integer in [n ({self.n}), {MAX_N}]")
         if not _is_num(self.temperature) or self.temperature < 0:
             bad("temperature", self.temperature, "a number >= 0")
         if not _is_num(self.top_p) or not (0 < self.top_p <= 1):
@@ -83,17 +103,26 @@ class SamplingParams:
             bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", self.stop, f"at most {MAX_STOP_STRINGS} strings")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            bad("stop", longest, f"strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", self.stop_token_ids, f"at most {MAX_STOP_TOKEN_IDS} token ids")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not (0 <= v <= 20)):
-                bad(name, v, "None or an integer in [0, 20]")
+            if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
+                bad(name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", self.logit_bias, "a mapping of token id to a bias in [-100, 100]")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", self.logit_bias, f"at most {MAX_LOGIT_BIAS} entries")
             fixed = {}
             for k, v in self.logit_bias.items():
                 try:
@@ -135,6 +164,15 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         import copy
         return copy.deepcopy(self)
+
+
+def _show(value) -> str:
+    """repr of a value for an error message, summarised when long (client input can be MiB)."""
+    if isinstance(value, str) and len(value) > 80:
+        return f"a string of {len(value)} characters"
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"{len(value)} entries"
+    return repr(value)
 
 
 def _is_int(v) -> bool:

@@ -161,6 +161,16 @@ class RemoteServer:
             pass
 
 
+TINY = "random:tiny"
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # it has none of its own
+
+
+def tiny_server(max_model_len: int, *args: str) -> RemoteServer:
+    """A server of the tiny random-weight model (quick to start), with a plain chat template."""
+    return RemoteServer(["--model", TINY, "--max-model-len", str(max_model_len), "--kv-cache-memory", "0.01",
+                         "--chat-template", TINY_CHAT_TEMPLATE, *args])
+
+
 def assert_error(r: httpx.Response, status: int, code=None):
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()

@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import ParamError, SamplingParams
 
 PromptType = Union[str, list[int], dict]
 
@@ -29,8 +29,30 @@ class Processor:
         self.extra_eos_ids = extra_eos_ids
         self.num_blocks = num_blocks
         self.vocab_size = config.model_config.vocab_size
+        # No token stands for more characters than the longest vocabulary entry (byte-level
+        # BPE: its bytes; SentencePiece: "▁" is one space, "<0x41>" one byte), so a text longer
+        # than max_model_len such entries cannot fit: it is refused before the tokenizer runs.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = config.model_config.max_model_len * self.max_token_chars
 
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """ParamError when a text of num_chars characters cannot fit in max_model_len tokens
+        (a tokenizer that drops or merges characters, e.g. whitespace or <unk>, can fit more:
+        such a text is refused all the same)."""
+        if num_chars > self.max_prompt_chars:
+            max_len = self.config.model_config.max_model_len
+            raise ParamError(param, f"{param} has {num_chars} characters, more than max_model_len ({max_len}) "
+                                    f"tokens of at most {self.max_token_chars} characters each can hold "
+                                    f"({self.max_prompt_chars})")
+
+    def check_messages_chars(self, conversation) -> None:
+        """check_prompt_chars for chat messages, on the sum of their text before the template
+        renders them (the rendered prompt holds at least that text)."""
+        messages = conversation if isinstance(conversation, list) else []   # the template's check says why
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages
+                                    if isinstance(m, dict) and isinstance(m.get("content"), str)), "messages")
+
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
         """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -42,7 +64,8 @@ class Processor:
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt must be a non-empty string, got ''")
-            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            self.check_prompt_chars(len(prompt))
+            return prompt, self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, (list, tuple)):
             if len(prompt) == 0:
                 raise ValueError("prompt token ids must be a non-empty list, got []")

@@ -84,6 +84,7 @@ class LLM:
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
                             continue_final_message=False) -> list[int]:
+        self.llm_engine.processor.check_messages_chars(conversation)  # before the template renders
         return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt,
                                    chat_template, continue_final_message)
 

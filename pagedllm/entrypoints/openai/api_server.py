@@ -33,11 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
+from pagedllm.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, request_failed_error
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, request_failed_error
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -120,7 +122,8 @@ class _AuthMiddleware:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
-              chat_template: Optional[str] = None) -> FastAPI:
+              chat_template: Optional[str] = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None)
     created = int(time.time())
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
@@ -153,7 +156,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         logger.exception("internal error on %s %s", request.method, request.url.path)
         return error_response(500, "internal server error", "internal_error")
 
-    # ---------------------------------------------------------------- auth
+    # ---------------------------------------------------------------- body size, auth (outermost)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(_AuthMiddleware, expected=f"Bearer {api_key}".encode(),
                            protected=("/v1", "/tokenize", "/detokenize"))
@@ -214,6 +218,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt or messages", param="prompt")
         if req.prompt is not None:
+            with bad_input_is_400():
+                engine.processor.check_prompt_chars(len(req.prompt))
             ids = engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         else:
             ids = chat.prompt_ids(chat.conversation(req.messages), req.add_generation_prompt, False)
@@ -283,7 +289,7 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
         await engine.start()
         if chat_template is None and engine.tokenizer.chat_template is None:
             logger.warning("the model has no chat template: /v1/chat/completions needs --chat-template")
-        app = build_app(engine, names, ns.api_key, chat_template)
+        app = build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.serve_log_level.lower(),
                                 access_log=ns.serve_log_level.lower() == "debug", lifespan="off",
                                 timeout_graceful_shutdown=10, timeout_keep_alive=5)

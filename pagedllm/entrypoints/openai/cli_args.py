@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None,
@@ -18,6 +20,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: $PAGEDLLM_API_KEY, else none)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="refuse with 503 a request that would make more than this many wait (default 1024)")
+    p.add_argument("--max-request-body-bytes", type=_positive_int,
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="refuse with 413 a request body larger than this, before reading it whole "
+                        "(default 8388608 = 8 MiB)")
     p.add_argument("--restart-engine-on-failure", action="store_true",
                    help="when the engine core process dies, start a new one (the requests in flight get "
                         "503) instead of exiting 1 for a supervisor to restart the server")
@@ -26,3 +32,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="seconds between stats lines while busy (default 5)")
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return n

@@ -11,12 +11,12 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from pagedllm.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_N = 128  # OpenAI's limit on n
+MAX_PROMPTS = 2048  # prompts in one completion request (the sampling fields' bounds: SamplingParams)
 # Beam search is deterministic and ends on EOS or max_tokens alone: a field that would change
 # the result is refused (400 naming it) unless it has one of these neutral values.
 _BEAM_NEUTRAL = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
@@ -102,13 +102,6 @@ class _SamplingFields(OpenAIBaseModel):
     use_beam_search: StrictBool = False
     length_penalty: Number = 1.0
 
-    @field_validator("n")
-    @classmethod
-    def _n_range(cls, v):
-        if v is not None and not (1 <= v <= MAX_N):
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {v}")
-        return v
-
     def beam_search_conflict(self) -> Optional[str]:
         """The first field set to a value that beam search cannot honour, if any."""
         logprobs = getattr(self, "logprobs", None)
@@ -155,13 +148,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_range(cls, v):
-        if v is not None and not (1 <= v <= MAX_N):
-            raise ValueError(f"best_of must be an integer in [1, {MAX_N}], got {v}")
-        return v
     suffix: Optional[StrictStr] = None
     add_special_tokens: StrictBool = True
 

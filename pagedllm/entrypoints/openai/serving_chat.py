@@ -11,12 +11,16 @@ from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, usage_dict, random_id)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, sse, stream_error,
-                                                      stream_final)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
+                                                      stream_error, stream_final)
+
+_RENAMES = {"logprobs": "top_logprobs"}  # the engine's names -> chat's
 
 
 class OpenAIServingChat(OpenAIServing):
     def conversation(self, req_messages) -> list[dict]:
+        """The messages as the chat template takes them; 400 when their text alone cannot fit
+        in the context (checked before the template renders or the tokenizer runs)."""
         conv = []
         for m in req_messages:
             try:
@@ -27,6 +31,8 @@ class OpenAIServingChat(OpenAIServing):
             if m.name is not None:
                 msg["name"] = m.name
             conv.append(msg)
+        with bad_input_is_400():
+            self.engine.processor.check_messages_chars(conv)
         return conv
 
     def prompt_ids(self, conv: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
@@ -52,19 +58,15 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.use_beam_search:
             self.check_beam_search(req)
-        try:
+        with bad_input_is_400(_RENAMES):
             req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)  # the values, first
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
         ids = self.prompt_ids(self.conversation(req.messages), req.add_generation_prompt,
                               req.continue_final_message)
         if not ids:
             raise OpenAIError("the messages produced an empty prompt", param="messages")
         max_tokens = self.check_context(len(ids), max_tokens, "messages")
-        try:
+        with bad_input_is_400(_RENAMES):
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:

@@ -8,10 +8,10 @@ from typing import AsyncIterator, Optional
 
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails, UsageInfo, usage_dict,
-    random_id)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, sse, stream_error,
-                                                      stream_final)
+    MAX_PROMPTS, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
+    UsageInfo, usage_dict, random_id)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
+                                                      stream_error, stream_final)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -26,16 +26,12 @@ class OpenAIServingCompletion(OpenAIServing):
             items = [p]
         else:
             items = list(p)
+        if len(items) > MAX_PROMPTS:
+            raise OpenAIError(f"prompt must be at most {MAX_PROMPTS} prompts, got {len(items)}", param="prompt")
         out = []
         for item in items:
             try:
-                if isinstance(item, str) and not req.add_special_tokens:
-                    if item == "":
-                        raise ValueError("prompt must be a non-empty string, got ''")
-                    out.append((item, self.tokenizer(item, add_special_tokens=False)["input_ids"]))
-                else:
-                    text, ids = self.engine.processor.tokenize(item)
-                    out.append((text, ids))
+                out.append(self.engine.processor.tokenize(item, add_special_tokens=req.add_special_tokens))
             except ValueError as e:
                 raise OpenAIError(str(e), param="prompt") from None
         return out
@@ -48,19 +44,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not computed)",
                               param="echo")
-        prompts = self._prompts(req)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise OpenAIError(f"max_tokens must be an integer >= 1, got {req.max_tokens}", param="max_tokens")
         if req.use_beam_search:
             self.check_beam_search(req)
-        per_prompt = []
-        try:
+        with bad_input_is_400():
             req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs)  # the values, first
+        prompts = self._prompts(req)
+        per_prompt = []
+        with bad_input_is_400():
             for text, ids in prompts:
                 max_tokens = self.check_context(len(ids), req.max_tokens, "prompt")
                 per_prompt.append((text, ids, req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)))
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
 
         request_id = random_id("cmpl")
         created = int(time.time())

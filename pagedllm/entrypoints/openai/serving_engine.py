@@ -4,6 +4,7 @@ beam search (use_beam_search: n is the width; the search runs in the engine core
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import AsyncIterator, Optional, Sequence
@@ -26,6 +27,26 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid_request(e: ValueError, renames: Optional[dict[str, str]] = None) -> OpenAIError:
+    """A 400 for the engine's validation error; the field it names (a ParamError's `param`) is
+    renamed where the API calls it otherwise (chat's top_logprobs is the engine's logprobs)."""
+    message, param = str(e), getattr(e, "param", None)
+    if renames and param in renames:
+        if message.startswith(param):
+            message = renames[param] + message[len(param):]
+        param = renames[param]
+    return OpenAIError(message, param=param)
+
+
+@contextlib.contextmanager
+def bad_input_is_400(renames: Optional[dict[str, str]] = None):
+    """The engine's validation errors (ValueError) inside become 400 OpenAI errors."""
+    try:
+        yield
+    except ValueError as e:
+        raise invalid_request(e, renames) from None
 
 
 def sse(obj) -> str:
@@ -146,7 +167,7 @@ class OpenAIServing:
             for h in handles:
                 h.close()
             if isinstance(e, ValueError):
-                raise OpenAIError(str(e)) from None
+                raise invalid_request(e) from None
             raise
         return handles
 
