@@ -157,8 +157,8 @@ class SamplingParams:
         c.n, c.best_of = 1, None
         if self.seed is not None:
             c.seed = self.seed + index
-        if self.best_of is not None and c.logprobs is None:
-            c.logprobs = 0  # best_of ranks siblings by cumulative logprob
+        if self.num_samples > self.n and c.logprobs is None:
+            c.logprobs = 0  # best_of ranks siblings by cumulative logprob (best_of == n: nothing to rank)
         return c
 
     def clone(self) -> "SamplingParams":

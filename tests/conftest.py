@@ -26,6 +26,19 @@ if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
 MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model"}
 
 
+def pytest_addoption(parser):
+    # The workload fuzzers (tests/test_engine_fuzz.py, tests/test_server_fuzz.py): a fixed seed
+    # and a bounded case count in CI; scale or replay from the command line.
+    group = parser.getgroup("fuzz")
+    group.addoption("--fuzz-cases", type=int, default=None,
+                    help="engine fuzzer: number of cases (default: the CI count)")
+    group.addoption("--fuzz-seed", type=int, default=0, help="fuzzers: the base seed")
+    group.addoption("--fuzz-replay", default=None, metavar="GROUP:CASE",
+                    help="engine fuzzer: replay one failing case (and the cases before it on its engine)")
+    group.addoption("--fuzz-seconds", type=float, default=None,
+                    help="server fuzzer: how long to send requests (default: the CI duration)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs the real default model (slower)")
 

@@ -29,6 +29,18 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
     return hash((parent_hash, token_ids, extra_keys))
 
 
+def check_fits_kv_cache(num_prompt_tokens: int, max_tokens: int, width: int, block_size: int,
+                        num_blocks: int, max_model_len: int) -> None:
+    """ValueError unless `width` sequences of the request at full length fit the cache at once
+    (block 0 is the null block). A beam search needs this: its beams wait for each other."""
+    need = width * cdiv(min(num_prompt_tokens + max_tokens, max_model_len), block_size)
+    if need > num_blocks - 1:
+        what = f"{width} beams of " if width > 1 else ""
+        raise ValueError(f"{what}prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
+                         f"{need} KV-cache blocks, more than the cache holds ({num_blocks - 1}); lower max_tokens"
+                         + (" or beam_width" if width > 1 else "") + " or give the KV cache more memory")
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0   # prompt tokens looked up

@@ -12,7 +12,7 @@ from collections import deque
 from typing import Iterable, Optional
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
 from pagedllm.core.scheduler_output import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagedllm.request import Request, RequestStatus
@@ -42,6 +42,11 @@ class Scheduler:
         if width > self.config.max_num_seqs:
             raise ValueError(f"n / best_of / beam width ({width}) must be <= "
                              f"max_num_seqs ({self.config.max_num_seqs})")
+        if request.fork_width > 1:   # a search whose beams cannot all fit would wait forever
+            kv, max_len = self.kv_cache_manager, self.config.max_model_len
+            max_tokens = max_len - request.num_tokens if request.max_tokens is None else request.max_tokens
+            check_fits_kv_cache(request.num_prompt_tokens, max_tokens, request.fork_width, kv.block_size,
+                                kv.block_pool.num_blocks, max_len)
         if request.sampling_params.num_samples > 1 and request.num_prompt_tokens == 1:
             # Nothing to share before the last prompt token: the siblings start on their own.
             for i in range(request.sampling_params.num_samples):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import check_fits_kv_cache
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -78,7 +79,8 @@ class Processor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None,
                 beam_width: int = 1) -> tuple[Optional[str], Request]:
-        """`beam_width`: the request is a beam search's first beam (all its beams must fit)."""
+        """`beam_width`: the request is a beam search's first beam (all its beams must fit; the
+        scheduler enforces it too, this says so before anything is sent)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)
@@ -105,12 +107,6 @@ class Processor:
         # search's beams wait for each other, so all of them must fit at full length at once.
         room = max_len - len(ids)
         request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        block_size = self.config.cache_config.block_size
-        need = beam_width * -(min(len(ids) + request.max_tokens, max_len) // -block_size)
-        if need > self.num_blocks - 1:
-            what = f"{beam_width} beams of " if beam_width > 1 else ""
-            raise ValueError(f"{what}prompt ({len(ids)} tokens) plus max_tokens ({request.max_tokens}) needs "
-                             f"{need} KV-cache blocks, more than the cache holds ({self.num_blocks - 1}); "
-                             "lower max_tokens" + (" or beam_width" if beam_width > 1 else "")
-                             + " or give the KV cache more memory")
+        check_fits_kv_cache(len(ids), request.max_tokens, beam_width, self.config.cache_config.block_size,
+                            self.num_blocks, max_len)
         return text, request
