@@ -198,7 +198,7 @@ def test_core_proc_beam_search(proc):
     p, send, recv = proc
     send({"t": "add", "r": [_req("a", 5, 6)]})
     send({"t": "beam", "r": _beam_req("s", 6, 2, 4), "w": 2, "lp": 1.0, "eos": None})
-    send({"t": "beam", "r": _beam_req("t", 6, 2, 200), "w": 2, "lp": 1.0, "eos": None})
+    send({"t": "beam", "r": _beam_req("t", 6, 2, 100), "w": 2, "lp": 1.0, "eos": None})   # 2 x 27 of 63 blocks
     got, results, n_msgs = [], {}, 0
     while "s" not in results or len(got) < 6:
         msg = recv()
