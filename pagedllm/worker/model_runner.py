@@ -34,6 +34,9 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.device = torch.device(dc.device)
         self.attention_backend = dc.attention_backend
+        # --seed: requests without a seed of their own draw from torch's global generator, so
+        # the same engine seed gives the same run (vLLM's set_random_seed).
+        torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
         # This rank's KV cache: the layers of its pipeline stage, the KV heads of its TP share.
         self.num_cache_layers = mc.num_layers if parallel is None else parallel.shard.num_layers
