@@ -19,6 +19,8 @@ import shutil
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -284,7 +286,7 @@ def build_cpu_extension(name: str, source: str, functions: list[str]):
     """Compile C++ source with torch's cpp_extension (cached under $TORCH_EXTENSIONS_DIR) ->
     the module, or None (no compiler / ninja, a compile error, or PAGEDLLM_NO_CPU_KERNELS
     set): callers keep their torch path, with a warning; `build_failures` says why."""
-    if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
+    if envs.PAGEDLLM_NO_CPU_KERNELS:
         build_failures[name] = "PAGEDLLM_NO_CPU_KERNELS is set"
         return None
     try:

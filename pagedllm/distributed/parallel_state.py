@@ -12,7 +12,6 @@ per step from it.
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -20,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.distributed.sharding import ModelShard, plan_model_shard
 
 TAG_FORWARD = 0   # hidden states from stage s to stage s + 1
@@ -27,7 +27,7 @@ TAG_RETURN = 1    # final hidden states of the sampled rows, last stage -> stage
 
 
 def dist_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")))
+    return datetime.timedelta(seconds=envs.PAGEDLLM_DIST_TIMEOUT_S)
 
 
 @dataclass

@@ -7,9 +7,9 @@ A step that raises is rolled back and only the request that caused it fails
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
@@ -62,7 +62,7 @@ class EngineCore:
         self.batch_queue = None
         if (pc.pipeline_parallel_size > 1 and hasattr(self.runner, "submit")
                 and config.scheduler_config.preemption_mode == "recompute"
-                and os.environ.get("PAGEDLLM_PP_BATCH_QUEUE", "1") != "0"):
+                and envs.PAGEDLLM_PP_BATCH_QUEUE):
             self.batch_queue = deque()
             self.batch_queue_size = pc.pipeline_parallel_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", self.num_blocks,

@@ -14,7 +14,6 @@ without a timeout.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Callable, Optional
@@ -22,13 +21,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-START_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_START_TIMEOUT_S", "600"))
-CALL_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_CALL_TIMEOUT_S", "300"))
 
 
 class ExecutorError(RuntimeError):
@@ -59,7 +56,7 @@ class DistributedExecutor:
         # flight), so the cores are divided among them: more threads than cores makes
         # OpenMP's barriers spin against each other (measured: several times slower).
         self._saved_threads = torch.get_num_threads()
-        env_threads = int(os.environ.get("PAGEDLLM_WORKER_THREADS", "0") or 0)
+        env_threads = envs.PAGEDLLM_WORKER_THREADS
         self.num_threads = env_threads or max(1, self._saved_threads // self.world_size)
         self.host = self._driver_host()
         self.store = dist.TCPStore(self.host, 0, self.world_size, is_master=True,
@@ -76,11 +73,11 @@ class DistributedExecutor:
             self.parallel = self._while_workers_live(
                 lambda: init_parallel_context(hf, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                               0, self.host, self.master_port, self.host, store=self.store),
-                START_TIMEOUT_S, "joining the process groups")
+                envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "joining the process groups")
             self.stats = self.parallel.stats
             self._stats_box.append(self.stats)
             self.driver = ParallelModelRunner(config, self.parallel)
-            self.worker_kv_bytes = self._collect_all(START_TIMEOUT_S, "loading the model")
+            self.worker_kv_bytes = self._collect_all(envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "loading the model")
         except BaseException as e:
             self.shutdown()
             if isinstance(e, ExecutorError):
@@ -137,7 +134,7 @@ class DistributedExecutor:
         self._check()
         self._send_all("init_kv_cache", (num_blocks, num_cpu_blocks))
         self.driver.init_kv_cache(num_blocks, num_cpu_blocks)
-        self._collect_all(CALL_TIMEOUT_S, "allocating the KV cache")
+        self._collect_all(envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S, "allocating the KV cache")
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._check()

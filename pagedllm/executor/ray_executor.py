@@ -14,11 +14,11 @@ import os
 import time
 from typing import Optional
 
-from pagedllm.executor.base import CALL_TIMEOUT_S, START_TIMEOUT_S, DistributedExecutor, ExecutorError
+from pagedllm import envs
+from pagedllm.executor.base import DistributedExecutor, ExecutorError
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
 
 
 def _ray():
@@ -58,10 +58,10 @@ class RayExecutor(DistributedExecutor):
         self._pids: list[int] = []
         bundles = [{"CPU": 1} for _ in range(self.world_size)]
         self.pg = placement_group(bundles, strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        ready, _ = ray.wait([self.pg.ready()], timeout=envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S)
         if not ready:
             raise ExecutorError(f"Ray could not place {self.world_size} bundles of 1 CPU within "
-                                f"{PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
+                                f"{envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
         actor_cls = ray.remote(num_cpus=1)(Worker)
         for rank in range(1, self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
@@ -70,7 +70,7 @@ class RayExecutor(DistributedExecutor):
             self.workers.append(actor_cls.options(scheduling_strategy=strategy, max_concurrency=1,
                                                   name=None).remote(
                 self.config, rank, self.host, self.master_port, None, self.num_threads))
-        self._pids = ray.get([w.get_pid.remote() for w in self.workers], timeout=START_TIMEOUT_S)
+        self._pids = ray.get([w.get_pid.remote() for w in self.workers], timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S)
 
     def worker_pids(self) -> list[int]:
         return list(getattr(self, "_pids", []))
@@ -101,9 +101,9 @@ class RayExecutor(DistributedExecutor):
         refs = [ref for _, ref in self._outstanding]
         if not refs:
             return
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S if wait else 0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S if wait else 0)
         if wait and len(ready) < len(refs):
-            raise ExecutorError(f"a Ray worker did not finish its step within {CALL_TIMEOUT_S:.0f} s")
+            raise ExecutorError(f"a Ray worker did not finish its step within {envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S:.0f} s")
         done = set(ready)
         try:
             ray.get(ready)

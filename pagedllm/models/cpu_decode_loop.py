@@ -13,10 +13,9 @@ has at most SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to com
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pagedllm import envs
 from pagedllm.attention import cpu_kernels
 from pagedllm.models import cpu_ops
 from pagedllm.models.cpu_linear import PackedLinear
@@ -108,7 +107,7 @@ def enable_decode_loop(model) -> bool:
     """Give a loaded CPU model its DecodeLoop where every piece it calls is in use (decided
     once, at load time)."""
     from pagedllm.models.llama import LlamaForCausalLM
-    if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP", "1") == "0" or type(model) is not LlamaForCausalLM:
+    if not envs.PAGEDLLM_CPU_DECODE_LOOP or type(model) is not LlamaForCausalLM:
         return False
     layer = model.layers[0]
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -15,16 +15,17 @@ every size, accumulating in float32), and the row-streaming kernel reads half th
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
 
 def packed_linear_supported(dtype: torch.dtype) -> bool:
-    if os.environ.get("PAGEDLLM_CPU_PACKED_LINEAR", "1") == "0":
+    if not envs.PAGEDLLM_CPU_PACKED_LINEAR:
         return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False

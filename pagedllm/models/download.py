@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +52,7 @@ EOS_TOKEN_ID = 2
 
 def pagedllm_home() -> Path:
     """Root of pagedllm's cache: `$PAGEDLLM_HOME` or `~/.cache/pagedllm`."""
-    return Path(os.environ.get("PAGEDLLM_HOME") or "~/.cache/pagedllm").expanduser()
+    return Path(envs.PAGEDLLM_HOME).expanduser()
 
 
 def default_model_dir() -> Path:

@@ -15,6 +15,8 @@ import logging
 import os
 from typing import Iterable, Optional
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 ENV = "PAGEDLLM_FAULT_INJECTION"
@@ -28,7 +30,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> Optional["FaultInjector"]:
-        spec = os.environ.get(ENV, "").strip()
+        spec = envs.PAGEDLLM_FAULT_INJECTION.strip()
         if not spec:
             return None
         triggers = {}

@@ -3,7 +3,8 @@ subcommand's parser at start."""
 from __future__ import annotations
 
 import argparse
-import os
+
+from pagedllm import envs
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -15,7 +16,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients give as `model` (default: the model as given)")
-    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    p.add_argument("--api-key", default=envs.PAGEDLLM_API_KEY,
                    help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
                         "(default: $PAGEDLLM_API_KEY, else none)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,

@@ -1,0 +1,66 @@
+"""Every environment variable pagedllm reads, declared once: its name, default and meaning.
+
+Read them as attributes of this module (`envs.PAGEDLLM_HOME`): each read looks at the
+environment at that moment, so a variable set after import (a test, a notebook, a spawned
+worker) is seen. A value that does not parse is a ValueError naming the variable.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple, Optional
+
+
+class EnvVar(NamedTuple):
+    parse: Callable[[Optional[str]], Any]   # the raw value (None when unset) -> the value
+    doc: str
+
+
+def _text(default: Optional[str]) -> Callable[[Optional[str]], Optional[str]]:
+    return lambda raw: raw if raw else default
+
+
+def _switch(default: bool) -> Callable[[Optional[str]], bool]:
+    """Unset or empty: the default; "0": off; anything else: on."""
+    return lambda raw: default if not raw else raw != "0"
+
+
+def _number(kind: type, default):
+    def parse(raw: Optional[str]):
+        return default if not raw else kind(raw)
+    return parse
+
+
+VARIABLES: dict[str, EnvVar] = {
+    "PAGEDLLM_HOME": EnvVar(_text("~/.cache/pagedllm"),
+                            "pagedllm's cache: the default model and random:<shape> models"),
+    "PAGEDLLM_API_KEY": EnvVar(_text(None), "the server's API key when --api-key is not given"),
+    "PAGEDLLM_NO_CPU_KERNELS": EnvVar(_switch(False),
+                                      "1: never build or use the C++ CPU kernels (the torch code instead)"),
+    "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),
+    "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of small decode steps"),
+    "PAGEDLLM_PP_BATCH_QUEUE": EnvVar(_switch(True), "0: one pipeline-parallel step in flight, not several"),
+    "PAGEDLLM_WORKER_START_TIMEOUT_S": EnvVar(_number(float, 600.0),
+                                              "seconds for tp/pp workers to start and load the model"),
+    "PAGEDLLM_WORKER_CALL_TIMEOUT_S": EnvVar(_number(float, 300.0), "seconds for a worker to answer a call"),
+    "PAGEDLLM_WORKER_THREADS": EnvVar(_number(int, 0), "torch threads per worker (0: the cores split evenly)"),
+    "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S": EnvVar(_number(float, 120.0),
+                                               "seconds to wait for Ray to place the workers"),
+    "PAGEDLLM_DIST_TIMEOUT_S": EnvVar(_number(float, 300.0), "seconds before a torch.distributed collective fails"),
+    "PAGEDLLM_FAULT_INJECTION": EnvVar(_text(""), "tests only: ACTION:TOKEN_ID,... faults in the model runner "
+                                                  "(worker/fault_injection.py)"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    var = VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raw = os.environ.get(name)
+    try:
+        return var.parse(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not valid: {var.doc}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(VARIABLES)
