@@ -153,10 +153,6 @@ class ParallelContext:
         self._sends: dict[tuple[int, int], tuple] = {}
 
     @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
-    @property
     def is_first_stage(self) -> bool:
         return self.shard.is_first_stage
 

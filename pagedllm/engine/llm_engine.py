@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous engine (processor -> EngineCore -> output processor) in one process."""
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from typing import Optional
@@ -63,7 +62,6 @@ class LLMEngine:
         self.core = EngineCore(config, eos_ids=({eos} if eos is not None else set()) | extra)
         self.processor = Processor(config, self.tokenizer, eos, extra, self.core.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
@@ -25,11 +25,8 @@ class OutputKind(enum.Enum):
 @dataclass
 class RequestStats:
     arrival_time: float
-    scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)
 
 
 class ParentRequest:
@@ -158,7 +155,6 @@ class OutputProcessor:
                 stats.first_token_time = now
                 st.num_cached_tokens = out.num_cached_tokens
             stats.last_token_time = now
-            stats.token_times.append(now)
             st.output_token_ids.extend(out.new_token_ids)
             if st.logprobs is not None and out.new_logprobs:
                 st.add_logprobs(out.new_logprobs)
@@ -172,7 +168,6 @@ class OutputProcessor:
             st.finish_reason, st.stop_reason = finish_reason, stop_reason
             finished = finish_reason is not None
             if finished:
-                stats.finished_time = now
                 del self.states[out.req_id]
             ro = self._make_output(st, finished)
             if ro is not None:

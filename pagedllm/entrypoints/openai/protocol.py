@@ -36,18 +36,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# ------------------------------------------------------------------ errors
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 # ------------------------------------------------------------------ shared
 class StreamOptions(OpenAIBaseModel):
     include_usage: Optional[StrictBool] = False
