@@ -9,7 +9,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pagedllm.models.registry import resolve_architecture
+
+
+def head_dim_of(hf_config: dict) -> int:
+    """config.json's head_dim, else hidden_size / num_attention_heads (as transformers)."""
+    return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
 
 
 @dataclass
@@ -31,10 +36,7 @@ class ModelConfig:
                              "an HF-format model directory is required")
         with open(cfg_path) as f:
             hf = json.load(f)
-        archs = hf.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"architecture {archs} in '{cfg_path}' is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        resolve_architecture(hf, where=f" in '{cfg_path}'")
         if dtype not in ("float32", "auto", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, auto, bfloat16, float16, got {dtype!r}")
         derived = int(hf.get("max_position_embeddings", 2048))
@@ -64,7 +66,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hf_config.get("head_dim") or self.hidden_size // self.num_heads
+        return head_dim_of(self.hf_config)
 
     @property
     def vocab_size(self) -> int:

@@ -14,6 +14,7 @@ import time
 
 from pagedllm.benchmarks.common import (add_workload_args, command_line, machine_info, print_table,
                                         workload_requests, write_json)
+from pagedllm.config import head_dim_of
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def model_flops(hf: dict) -> dict:
     all layers, `attention_per_ctx` per token per key it attends to, `lm_head` per sampled token."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads", heads)
-    d = hf.get("head_dim") or h // heads
+    d = head_dim_of(hf)
     inter, layers = hf["intermediate_size"], hf["num_hidden_layers"]
     q, kv = heads * d, kv_heads * d
     per_layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h   # qkv, o, gate/up, down

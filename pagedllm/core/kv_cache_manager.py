@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.request import Request
@@ -27,6 +27,17 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
     and extra keys (such as a LoRA id) that must never share. Python's hash of a tuple of
     ints and None is the same in every process (no string hashing is involved)."""
     return hash((parent_hash, token_ids, extra_keys))
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int,
+                        extra_keys: tuple = ()) -> list[int]:
+    """Append the hashes of token_ids' full blocks that `hashes` lacks, each chained from its
+    parent's -> hashes. The KV cache manager (lazily, per request) and the data-parallel
+    router (whole prompts) both hash this way, so a router's guess matches a replica's cache."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys))
+    return hashes
 
 
 def check_fits_kv_cache(num_prompt_tokens: int, max_tokens: int, width: int, block_size: int,
@@ -79,12 +90,8 @@ class KVCacheManager:
     # ------------------------------------------------------------ prefix cache
     def _block_hashes(self, request: Request) -> list[int]:
         """Hashes of the request's full blocks (extended lazily as tokens arrive)."""
-        hashes = self.req_to_block_hashes[request.request_id]
-        bs, tokens = self.block_size, request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs:(i + 1) * bs]), request.extra_keys))
-        return hashes
+        return extend_block_hashes(self.req_to_block_hashes[request.request_id], request.all_token_ids,
+                                   self.block_size, request.extra_keys)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks at the start of the request, and the number of

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.config import head_dim_of
+
 
 def split_range(n: int, parts: int, index: int) -> range:
     """The index-th of `parts` contiguous ranges covering [0, n); sizes differ by at most one,
@@ -99,7 +101,7 @@ def plan_model_shard(hf_config: dict, tp_size: int, pp_size: int, rank: int) -> 
     """The shard of global rank `rank` (= pp_rank * tp_size + tp_rank)."""
     num_heads = hf_config["num_attention_heads"]
     num_kv_heads = hf_config.get("num_key_value_heads", num_heads)
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
+    head_dim = head_dim_of(hf_config)
     num_layers = hf_config["num_hidden_layers"]
     validate_parallel_sizes(hf_config, tp_size, pp_size)
     pp_rank, tp_rank = divmod(rank, tp_size)

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from pagedllm.core.kv_cache_manager import hash_block_tokens
+from pagedllm.core.kv_cache_manager import extend_block_hashes
 
 
 class RouterOverloadedError(RuntimeError):
@@ -34,12 +34,7 @@ class RouterOverloadedError(RuntimeError):
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
     """The hashes of the full blocks of token_ids, chained as the KV cache manager chains them."""
-    hashes: list[int] = []
-    parent = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys)
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, extra_keys)
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import CachedRequestState
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, to_runner_output
 from pagedllm.worker.sampler import SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -107,30 +107,19 @@ class ParallelModelRunner(ModelRunner):
         """Driver, pipeline: receive the step's final hidden states, sample, append."""
         if pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        sampled = [[] for _ in pending.req_ids]
-        logprobs = None
+        out = None
         if pending.rows:
             logits = self.model.compute_logits(self._recv_final_rows(len(pending.rows)))
             out = self.sampler(logits, pending.sampling)
-            token_ids = out.sampled_token_ids.tolist()
-            if out.logprobs is not None:
-                logprobs = [None] * len(pending.req_ids)
-                ids, lps, ranks = (out.logprob_token_ids.tolist(), out.logprobs.tolist(),
-                                   out.sampled_token_ranks.tolist())
-            batch = self.input_batch
-            for i, (row, state) in enumerate(zip(pending.rows, pending.states)):
-                sampled[row] = [token_ids[i]]
-                params = state.sampling_params
-                if not params.external_tokens:
-                    now = batch.req_id_to_index.get(state.req_id)
-                    if now is not None and batch.states[now] is state:
-                        batch.append_token(now, token_ids[i])
-                    else:   # out of the batch (it is in flight, or gone): its state only
-                        state.token_ids.append(token_ids[i])
-                if logprobs is not None and params.logprobs is not None:
-                    k = params.logprobs
-                    logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
-        return ModelRunnerOutput(req_ids=pending.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        batch = self.input_batch
+
+        def append(row: int, state: CachedRequestState, token: int) -> None:
+            now = batch.req_id_to_index.get(state.req_id)   # the batch has moved on since submit
+            if now is not None and batch.states[now] is state:
+                batch.append_token(now, token)
+            else:   # out of the batch (it is in flight, or gone): its state only
+                state.token_ids.append(token)
+        return to_runner_output(pending.req_ids, pending.rows, pending.states, out, append)
 
     # ------------------------------------------------------------ the other ranks
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:

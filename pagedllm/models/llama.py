@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.config import head_dim_of
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self.hf = hf
         num_heads = hf["num_attention_heads"]
         num_kv_heads = hf.get("num_key_value_heads", num_heads)
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        head_dim = head_dim_of(hf)
         self.embed_tokens = nn.Embedding(hf["vocab_size"], hf["hidden_size"])
         self.layers = nn.ModuleList(LlamaDecoderLayer(hf, num_heads, num_kv_heads, head_dim)
                                     for _ in range(hf["num_hidden_layers"]))

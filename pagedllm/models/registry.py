@@ -1,18 +1,30 @@
-"""Architecture name (config.json "architectures") -> model class."""
+"""Architecture name (config.json "architectures") -> model class.
+
+The classes are imported when first asked for, so that validating a config (config.py)
+imports no torch. A new architecture is one line here and its module under pagedllm/models/.
+"""
 from __future__ import annotations
 
-from pagedllm.models.llama import LlamaForCausalLM
+import importlib
 
+# architecture -> (module under pagedllm.models, class name)
 _MODELS = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
 }
+SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+
+
+def resolve_architecture(hf_config: dict, where: str = "") -> str:
+    """The first of the config's architectures that pagedllm runs; ValueError otherwise."""
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in _MODELS:
+            return arch
+    raise ValueError(f"architecture {archs}{where} is not supported; supported: {', '.join(_MODELS)}")
 
 
 def get_model_class(hf_config: dict):
-    for arch in hf_config.get("architectures") or []:
-        if arch in _MODELS:
-            return _MODELS[arch]
-    raise ValueError(f"architecture {hf_config.get('architectures')} is not supported; "
-                     f"supported: {', '.join(_MODELS)}")
+    module, name = _MODELS[resolve_architecture(hf_config)]
+    return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)

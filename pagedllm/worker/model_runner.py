@@ -3,7 +3,7 @@ over the paged KV cache, and samples the rows whose prefill is complete."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -152,32 +152,20 @@ class ModelRunner:
         PROFILER.mark("prepare_inputs")
         batch = self.input_batch
         hidden = self._forward(inputs, meta)
-        sampled = [[] for _ in inputs.req_ids]
-        logprobs = None
-        rows = inputs.sample_rows
-        if len(rows):
+        rows, out = inputs.sample_rows.tolist(), None
+        if rows:
             logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
             PROFILER.mark("forward")
-            out = self.sampler(logits, self._sampling_metadata(rows))
+            out = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
             PROFILER.mark("sample")
-            token_ids = out.sampled_token_ids.tolist()
-            if out.logprobs is not None:
-                logprobs = [None] * len(inputs.req_ids)
-                ids, lps, ranks = (out.logprob_token_ids.tolist(), out.logprobs.tolist(),
-                                   out.sampled_token_ranks.tolist())
-            for i, row in enumerate(rows.tolist()):
-                sampled[row] = [token_ids[i]]
-                if not batch.states[row].sampling_params.external_tokens:
-                    batch.append_token(row, token_ids[i])
-                if logprobs is not None and batch.states[row].sampling_params.logprobs is not None:
-                    k = batch.states[row].sampling_params.logprobs
-                    logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
         else:
             PROFILER.mark("forward")
+        result = to_runner_output(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
+                                  lambda row, state, token: batch.append_token(row, token))
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         PROFILER.mark("runner_update")
-        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return result
 
     def _prepare(self, so: SchedulerOutput):
         """Block copies, the batch brought in step with `so`, and this step's (inputs, attention
@@ -240,3 +228,28 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+
+
+def to_runner_output(req_ids: list[str], rows: list[int], states: list[CachedRequestState], out,
+                     append: Callable[[int, CachedRequestState, int], None]) -> ModelRunnerOutput:
+    """The sampler's output (None: no row sampled) as the scheduler takes it: one token for each
+    sampling row (`rows` index req_ids; `states` are their requests), with the sampled token's
+    logprob, rank and the top k the request asked for. `append(row, state, token)` keeps the
+    runner's copy of the tokens (not for beams: their next token is chosen outside)."""
+    sampled: list[list[int]] = [[] for _ in req_ids]
+    logprobs = None
+    if out is None:
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+    token_ids = out.sampled_token_ids.tolist()
+    if out.logprobs is not None:
+        logprobs = [None] * len(req_ids)
+        ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_token_ranks.tolist()
+    for i, (row, state) in enumerate(zip(rows, states)):
+        sampled[row] = [token_ids[i]]
+        params = state.sampling_params
+        if not params.external_tokens:
+            append(row, state, token_ids[i])
+        if logprobs is not None and params.logprobs is not None:
+            k = params.logprobs
+            logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
