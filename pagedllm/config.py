@@ -9,12 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedllm.models.hf_config import head_dim_of
 from pagedllm.models.registry import resolve_architecture
-
-
-def head_dim_of(hf_config: dict) -> int:
-    """config.json's head_dim, else hidden_size / num_attention_heads (as transformers)."""
-    return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
 
 
 @dataclass

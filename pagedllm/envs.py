@@ -7,6 +7,7 @@ worker) is seen. A value that does not parse is a ValueError naming the variable
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 
@@ -49,6 +50,11 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_FAULT_INJECTION": EnvVar(_text(""), "tests only: ACTION:TOKEN_ID,... faults in the model runner "
                                                   "(worker/fault_injection.py)"),
 }
+
+
+def pagedllm_home() -> Path:
+    """Root of pagedllm's cache: `$PAGEDLLM_HOME` or `~/.cache/pagedllm`."""
+    return Path(__getattr__("PAGEDLLM_HOME")).expanduser()
 
 
 def __getattr__(name: str) -> Any:

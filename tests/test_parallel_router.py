@@ -184,7 +184,7 @@ def _out(req_id, finish=None):
 
 def test_dp_client_routes_adds_aborts_and_finishes():
     import asyncio
-    from pagedllm.engine.async_llm import EngineOverloadedError
+    from pagedllm.engine.exceptions import EngineOverloadedError
     from pagedllm.engine.dp_client import DPCoreClient
 
     async def run():

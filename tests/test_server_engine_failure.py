@@ -207,7 +207,7 @@ def test_core_killed_server_exits_nonzero():
 def test_offline_engine_fails_only_the_culprit(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FAULT_INJECTION", FAULTS)
     from pagedllm.engine.output_processor import OutputKind
-    from pagedllm.engine.step_failures import RequestFailedError
+    from pagedllm.engine.exceptions import RequestFailedError
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
     llm = LLM(model="random:tiny", max_model_len=128, block_size=4, max_num_seqs=8)

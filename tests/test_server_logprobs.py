@@ -6,7 +6,6 @@ tokenizer names every id ("w123"), so a reported token string maps back to its i
 from __future__ import annotations
 
 import pytest
-import torch
 
 from server_utils import TINY, TINY_CHAT_TEMPLATE, tiny_server
 from test_logprobs import check_position, hf_logprobs, tiny_dir, tiny_hf  # noqa: F401 (fixtures)

@@ -14,7 +14,7 @@ import time
 
 from pagedllm.benchmarks.common import (add_workload_args, command_line, machine_info, print_table,
                                         workload_requests, write_json)
-from pagedllm.config import head_dim_of
+from pagedllm.models.hf_config import head_dim_of
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

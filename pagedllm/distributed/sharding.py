@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.config import head_dim_of
+from pagedllm.models.hf_config import head_dim_of
 
 
 def split_range(n: int, parts: int, index: int) -> range:

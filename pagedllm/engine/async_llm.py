@@ -24,11 +24,11 @@ from typing import AsyncGenerator, Callable, Optional
 from pagedllm.engine import serial
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchOutput, beam_params, check_beam_args, detokenize
-from pagedllm.engine.core_client import CoreClient, EngineDeadError  # noqa: F401 (CoreClient: the type)
+from pagedllm.engine.core_client import CoreClient  # noqa: F401 (the type)
+from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.engine.llm_engine import eos_token_ids, load_tokenizer, make_requests
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.engine.step_failures import RequestFailedError
 from pagedllm.metrics import EngineMetrics, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -36,10 +36,6 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.engine.async_llm")
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFailedError"]
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests waiting than --max-waiting-requests: refused, not queued."""
 
 
 class AsyncLLM:

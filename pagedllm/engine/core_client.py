@@ -20,12 +20,9 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.engine import serial
+from pagedllm.engine.exceptions import EngineDeadError
 
 logger = logging.getLogger("pagedllm.engine.core_client")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone (crashed, killed, or shut down)."""
 
 
 class CoreClient:

@@ -25,7 +25,7 @@ import zmq
 
 from pagedllm.engine import serial
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput
-from pagedllm.engine.step_failures import RequestFailedError
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedllm.engine.core_proc")

@@ -30,6 +30,7 @@ from typing import Optional
 
 from pagedllm.engine import serial
 from pagedllm.engine.dp_router import PrefixCacheAwareRouter, RouterOverloadedError
+from pagedllm.engine.exceptions import EngineOverloadedError
 
 logger = logging.getLogger("pagedllm.engine.dp_client")
 
@@ -151,7 +152,6 @@ class DPCoreClient:
                 for req_id in routed:
                     self.router.finish(req_id)
                     self._samples_left.pop(req_id, None)
-                from pagedllm.engine.async_llm import EngineOverloadedError
                 raise EngineOverloadedError(f"The server is overloaded: {e}") from e
             for idx, encs in by_replica.items():
                 self.clients[idx].send({**msg, "r": encs})
@@ -160,7 +160,6 @@ class DPCoreClient:
             try:
                 d = self.router.route(enc[0], enc[1], _tuples(tuple(enc[6] or ())))
             except RouterOverloadedError as e:
-                from pagedllm.engine.async_llm import EngineOverloadedError
                 raise EngineOverloadedError(f"The server is overloaded: {e}") from e
             self.clients[d.replica].send(msg)
         elif t == "abort":

@@ -13,7 +13,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.profiler import PROFILER
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.engine.step_failures import RequestFailedError
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams

@@ -25,27 +25,12 @@ from collections import deque
 from typing import Optional
 
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed a step because of these requests; they were ended, the engine goes
-    on. client_error: the cause was a ValueError, the request's own fault (HTTP 400, else 500)."""
-
-    def __init__(self, req_ids: list[str], message: str, client_error: bool = False) -> None:
-        super().__init__(message)
-        self.req_ids = list(req_ids)
-        self.client_error = client_error
-
-    @classmethod
-    def caused_by(cls, req_ids: list[str], cause: BaseException) -> "RequestFailedError":
-        names = ", ".join(repr(r) for r in req_ids)
-        return cls(req_ids, f"the engine failed running request {names}: {type(cause).__name__}: {cause}",
-                   client_error=isinstance(cause, ValueError))
 
 
 def _unrecoverable(runner, e: Exception) -> bool:

@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedllm import envs
+from pagedllm.envs import pagedllm_home
+from pagedllm.models.random_model import PREFIX, random_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,6 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 EXPECTED_ROPE_THETA = 100000.0
 EOS_TOKEN = "<|im_end|>"
 EOS_TOKEN_ID = 2
-
-
-def pagedllm_home() -> Path:
-    """Root of pagedllm's cache: `$PAGEDLLM_HOME` or `~/.cache/pagedllm`."""
-    return Path(envs.PAGEDLLM_HOME).expanduser()
 
 
 def default_model_dir() -> Path:
@@ -269,7 +265,6 @@ def resolve_model(model: str | None) -> Path:
     """`--model` value → HF-format model directory (None = the default model)."""
     if model is None or model in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
-    from pagedllm.models.random_model import PREFIX, random_model_dir
     if model.startswith(PREFIX):
         return random_model_dir(model)
     path = Path(model).expanduser()

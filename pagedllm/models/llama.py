@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import paged_attention
-from pagedllm.config import head_dim_of
+from pagedllm.models.hf_config import head_dim_of
 
 
 class RMSNorm(nn.Module):

@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from pagedllm.envs import pagedllm_home
+
 # Shapes as in the models' config.json (the weights are random, the arithmetic is the same).
 SHAPES = {
     # Small enough for Triton's interpreter in the CPU tests; GQA 2, head_dim 32.
@@ -76,7 +78,6 @@ def make_random_model(out: str | os.PathLike, shape: str, seed: int = 0,
 
 def random_model_dir(name: str) -> Path:
     """'random:<shape>' -> its directory under $PAGEDLLM_HOME/models, made on first use."""
-    from pagedllm.models.download import pagedllm_home
     shape = name[len(PREFIX):]
     if shape not in SHAPES:
         raise ValueError(f"model {name!r}: unknown random shape {shape!r}; known: "

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import __version__
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedllm.entrypoints.openai.protocol import (

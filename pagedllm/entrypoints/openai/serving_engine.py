@@ -85,7 +85,7 @@ def request_failed_error(e) -> OpenAIError:
 
 def stream_error(e: BaseException) -> OpenAIError:
     """An error met after a stream started: it goes into the stream as an error event."""
-    from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestFailedError
+    from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, RequestFailedError):
