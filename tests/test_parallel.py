@@ -201,3 +201,26 @@ def test_worker_killed_while_idle_and_gc(model_dir, prompts):
     del llm
     gc.collect()
     _assert_gone(pids)
+
+
+STDIN_SCRIPT = """
+from pagedllm import LLM, SamplingParams
+for tp in (1, 2):   # no __main__ guard: workers must not re-run this script
+    llm = LLM(model="random:tiny", tensor_parallel_size=tp, max_model_len=64)
+    out = llm.generate([[5, 6, 7], [9, 10]], SamplingParams(max_tokens=6), use_tqdm=False)
+    print("TP", tp, [o.outputs[0].token_ids for o in out])
+    llm.shutdown()
+"""
+
+
+def test_tp2_from_a_script_on_stdin():
+    """Workers start from their own module: `-tp 2` from stdin (multiprocessing's spawn looked
+    for the driver's `<stdin>` file and the workers died), equal to one process."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-"], input=STDIN_SCRIPT, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("TP ")]
+    assert [tp for _, tp, _ in lines] == ["1", "2"], run.stdout
+    assert lines[0][2] == lines[1][2]

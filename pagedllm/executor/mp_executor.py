@@ -1,16 +1,23 @@
-"""The mp executor: ranks 1..world_size-1 in local processes (multiprocessing, spawn), each
-with a pipe for its control messages. Workers end with the driver: a graceful shutdown
-message, else SIGTERM, else SIGKILL; and on their own when the driver's end of the pipe closes
-(the driver died) or the parent process is gone."""
+"""The mp executor: ranks 1..world_size-1 in local processes, each with a socket pair for its
+control messages. A worker starts from its own module (`python -m pagedllm.executor.worker_main`),
+so the engine works from a notebook, `python -c` or a script on stdin, without a `__main__`
+guard. Workers end with the driver: a graceful shutdown message, else SIGTERM, else SIGKILL;
+and on their own when the driver's end of the socket closes (the driver died) or the parent
+process is gone."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 import weakref
+from multiprocessing.connection import Connection
 from typing import Optional
 
+import pagedllm
 from pagedllm.executor.base import DistributedExecutor, ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -25,6 +32,38 @@ def _describe_exit(code: Optional[int]) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+class WorkerProcess(subprocess.Popen):
+    """A worker process with multiprocessing.Process's face (is_alive, exitcode, join)."""
+
+    def is_alive(self) -> bool:
+        return self.poll() is None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.poll()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start_worker(**kwargs) -> tuple[WorkerProcess, Connection]:
+    """Start `python -m pagedllm.executor.worker_main` and hand it run_worker_process's arguments
+    over a new socket pair -> (the process, the driver's end)."""
+    ours, theirs = socket.socketpair()
+    # The child imports pagedllm from where this process did (a checkout on sys.path too).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    with theirs:
+        proc = WorkerProcess([sys.executable, "-m", "pagedllm.executor.worker_main", str(theirs.fileno())],
+                             pass_fds=(theirs.fileno(),), env=env)
+    conn = Connection(ours.detach())
+    conn.send(kwargs)
+    return proc, conn
 
 
 def _reap(procs: list, stats_box: list) -> None:
@@ -42,22 +81,17 @@ class MultiprocExecutor(DistributedExecutor):
     backend_name = "mp"
 
     def _start_workers(self) -> None:
-        from pagedllm.executor.worker import run_worker_process
-        ctx = multiprocessing.get_context("spawn")
-        self.procs: list = []
-        self.conns: list = []
+        self.procs: list[WorkerProcess] = []
+        self.conns: list[Connection] = []
         self._errors: dict[int, str] = {}
         self._finalizer = weakref.finalize(self, _reap, self.procs, self._stats_box)
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, self.world_size):
-            parent_conn, child_conn = ctx.Pipe()
-            p = ctx.Process(target=run_worker_process, name=f"pagedllm-worker-{rank}", daemon=True,
-                            args=(self.config, rank, self.host, self.master_port, self.host,
-                                  self.num_threads, child_conn, level))
-            p.start()
-            child_conn.close()
+            p, conn = start_worker(config=self.config, rank=rank, master_addr=self.host,
+                                   master_port=self.master_port, host=self.host,
+                                   num_threads=self.num_threads, log_level=level)
             self.procs.append(p)
-            self.conns.append(parent_conn)
+            self.conns.append(conn)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in getattr(self, "procs", [])]

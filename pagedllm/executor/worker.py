@@ -216,10 +216,11 @@ class Worker:
 
 def run_worker_process(config: EngineConfig, rank: int, master_addr: str, master_port: int,
                        host: str, num_threads: int, conn, log_level: int) -> None:
-    """Entry point of an mp worker process. Messages on `conn` are (method, args); every one but
-    the step calls (execute_model, finish_step) is answered with ("ok", result). A failure is sent as ("error", text) and ends
-    the process; the driver's next collective fails at once, and it reports the text. The
-    process also ends when the driver is gone (its end of the pipe closes)."""
+    """The loop of an mp worker process (started by worker_main.py). Messages on `conn` are
+    (method, args); every one but the step calls (execute_model, finish_step) is answered with
+    ("ok", result). A failure is sent as ("error", text) and ends the process; the driver's next
+    collective fails at once, and it reports the text. The process also ends when the driver
+    is gone (its end of the socket closes, or the parent process changes)."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's to handle
     parent = os.getppid()
