@@ -28,7 +28,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pagedllm download
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not model"
