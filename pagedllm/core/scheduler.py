@@ -297,16 +297,21 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Swap the request's KV out when asked to and there is room; else recompute later."""
+        swapped = self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request)
+        self.num_swaps += swapped
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue(request, recompute=not swapped)
+
+    def _requeue(self, request: Request, recompute: bool) -> None:
+        """Back to the front of the waiting queue, sent to the runner in full when it resumes;
+        `recompute`: its blocks go back and its tokens are computed again."""
         self.unsent.discard(request.request_id)
         self.pending_tokens.pop(request.request_id, None)  # resumed requests carry all tokens
         request.status = RequestStatus.PREEMPTED
-        if self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request):
-            self.num_swaps += 1
-        else:
+        if recompute:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------ update
@@ -364,12 +369,7 @@ class Scheduler:
         never have run), and the prefix cache is emptied. The runner forgets every row."""
         kv = self.kv_cache_manager
         for request in reversed(self.running):
-            self.unsent.discard(request.request_id)
-            self.pending_tokens.pop(request.request_id, None)   # resumed requests carry all tokens
-            kv.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(request)
+            self._requeue(request, recompute=True)
         self.running = []
         for req_id in swapped_out:
             request = self.requests.get(req_id)
