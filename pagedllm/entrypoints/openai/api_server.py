@@ -40,7 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, request_failed_error
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -172,11 +172,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
             result = await _run_until_disconnect(coro_fn(req, raw_request), raw_request)
         except (EngineDeadError, EngineOverloadedError) as e:
             return _engine_error(e)
-        except RequestFailedError as e:
-            err = request_failed_error(e)
-            return JSONResponse(status_code=err.status, content=err.body())
-        except ValueError as e:
-            return error_response(400, str(e))
+        except RequestFailedError as e:   # rendered by the OpenAIError handler above
+            raise request_failed_error(e) from None
+        except ValueError as e:   # the engine's validation: a 400 naming the field where it can
+            raise invalid_request(e) from None
         if result is None:  # the client is gone
             return Response(status_code=499)
         return JSONResponse(result.model_dump(exclude_none=False))
