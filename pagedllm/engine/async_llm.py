@@ -2,7 +2,8 @@
 
 The server process holds the Processor (validation, tokenisation) and the OutputProcessor
 (detokenisation, stop strings, n > 1 fan-in); the EngineCore runs in its own process
-(core_proc.py) and is reached through a CoreClient. A background task reads the core's
+(core_proc.py) and is reached through an EngineCoreClient (one core, or data-parallel
+replicas: engine/client_factory.py), whose messages are engine/messages.py's Structs. A background task reads the core's
 outputs, detokenises them and feeds each request's asyncio queue. A stream that is closed
 or cancelled before its request finished (the client went away) aborts the request in the
 core, which frees its KV blocks at once. A beam search runs in the core (engine/beam_search.py)
@@ -21,10 +22,11 @@ import time
 import uuid
 from typing import AsyncGenerator, Callable, Optional
 
-from pagedllm.engine import serial
+from pagedllm.engine import messages as m
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchOutput, beam_params, check_beam_args, detokenize
-from pagedllm.engine.core_client import CoreClient  # noqa: F401 (the type)
+from pagedllm.engine.client_factory import make_core_client
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.engine.llm_engine import eos_token_ids, load_tokenizer, make_requests
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
@@ -53,7 +55,7 @@ class AsyncLLM:
         self.metrics = EngineMetrics(self.model_name)
         self.stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._log_level = log_level
-        self.client: Optional[CoreClient] = None
+        self.client: Optional[EngineCoreClient] = None
         self.processor: Optional[Processor] = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -76,19 +78,19 @@ class AsyncLLM:
 
     async def start(self, timeout: float = 900.0) -> None:
         eos_ids = ({self.eos} if self.eos is not None else set()) | self.extra_eos
-        from pagedllm.engine.dp_client import make_core_client  # one core, or K replicas (data parallel)
         self.client = make_core_client(self.config, eos_ids, self._log_level)
         try:
             ready = await self.client.wait_ready(timeout)
         except BaseException:
             self.client.shutdown(timeout=2)
             raise
-        self.num_blocks = ready["num_blocks"]
-        self.core_pid = ready["pid"]
+        self.num_blocks = ready.num_blocks
+        self.core_pid = ready.pid
         self.processor = Processor(self.config, self.tokenizer, self.eos, self.extra_eos, self.num_blocks)
         self.metrics.kv_num_blocks.set(self.num_blocks)
         loop = asyncio.get_running_loop()
-        loop.add_reader(self.client.proc.sentinel, self._on_core_exit)
+        for fd in self.client.sentinels():
+            loop.add_reader(fd, self._on_core_exit)
         self._tasks = [loop.create_task(self._output_loop(), name="pagedllm-output-loop"),
                        loop.create_task(self._log_loop(), name="pagedllm-stat-logger")]
 
@@ -98,7 +100,7 @@ class AsyncLLM:
             raise self.errored
         if self._stopping:
             raise EngineDeadError("the server is shutting down")
-        if self.client is None or not self.client.proc.is_alive():
+        if self.client is None or not self.client.is_alive():
             raise EngineDeadError("the engine core process is not running")
 
     def num_waiting_estimate(self, new_seqs: int = 0) -> int:
@@ -124,7 +126,7 @@ class AsyncLLM:
         self.queues[request_id] = q
         stream = RequestStream(self, request_id, q)
         try:
-            self.client.send({"t": "add", "r": [serial.encode_request(r) for r in requests]})
+            self.client.add_requests([m.EngineCoreRequest.from_request(r) for r in requests])
         except BaseException:
             stream.close()
             raise
@@ -157,8 +159,8 @@ class AsyncLLM:
         self.beam_searches[request_id] = request.arrival_time
         handle = BeamSearchHandle(self, request_id, q)
         try:
-            self.client.send({"t": "beam", "r": serial.encode_request(request), "w": width,
-                              "lp": float(length_penalty), "eos": None if ignore_eos else self.eos})
+            self.client.add_beam_search(m.BeamSearchStart(m.EngineCoreRequest.from_request(request), width,
+                                                          float(length_penalty), None if ignore_eos else self.eos))
         except BaseException:
             del self.beam_searches[request_id]
             handle.close()
@@ -211,7 +213,7 @@ class AsyncLLM:
     def _send_abort(self, ids: list[str]) -> None:
         if self.client is not None and self.client.dead is None and self.errored is None:
             try:
-                self.client.send({"t": "abort", "ids": ids})
+                self.client.abort_requests(ids)
             except EngineDeadError:
                 pass
 
@@ -228,39 +230,32 @@ class AsyncLLM:
 
     async def get_core_stats(self, timeout: float = 5.0) -> dict:
         self.check_health()
-        return await self.client.call_utility("get_stats", timeout=timeout)
+        return (await self.client.get_stats(timeout)).as_dict()
 
     # ------------------------------------------------------------ outputs
     async def _output_loop(self) -> None:
         try:
             while True:
-                msg = await self.client.recv()
-                t = msg.get("t")
-                if t == "out":
-                    self._process(msg)
-                elif t == "stats":
-                    self.metrics.update_core_stats(msg["s"])
-                elif t == "util":
-                    self.client.resolve_utility(msg)
-                elif t == "error":
-                    self._fail(EngineDeadError(f"the engine core failed: {msg.get('exc')}: {msg.get('msg')}"))
-                    return
+                self._process(await self.client.get_output())
         except asyncio.CancelledError:
             raise
+        except EngineDeadError as e:   # the core said it is dying
+            self._fail(e)
         except BaseException as e:  # a bug here must not leave requests hanging
             logger.exception("the output loop failed")
             self._fail(EngineDeadError(f"the output loop failed: {type(e).__name__}: {e}"))
 
-    def _process(self, msg: dict) -> None:
-        m = self.metrics
-        m.update_core_stats(msg["s"])
-        for _rid, queue_time in msg.get("q") or ():
-            m.queue_time.observe(queue_time)
-        for enc in msg.get("b") or ():
-            self._beam_result(*serial.decode_beam_output(enc))
-        for req_id, message, client_error in msg.get("f") or ():
-            self._request_failed(req_id, RequestFailedError([req_id], message, client_error))
-        outputs = [serial.decode_output(v) for v in msg["o"]]
+    def _process(self, outs: m.EngineCoreOutputs) -> None:
+        metrics = self.metrics
+        if outs.scheduler_stats is not None:
+            metrics.update_core_stats(outs.scheduler_stats.as_dict())
+        for _rid, queue_time in outs.queue_times:
+            metrics.queue_time.observe(queue_time)
+        for b in outs.beam_results:
+            self._beam_result(b.output, b.error)
+        for f in outs.failed:
+            self._request_failed(f.request_id, RequestFailedError([f.request_id], f.message, f.client_error))
+        outputs = outs.outputs
         if not outputs:
             return
         now = time.time()
@@ -274,23 +269,23 @@ class AsyncLLM:
             s = st.stats
             if o.new_token_ids:
                 if s.first_token_time is None:
-                    m.ttft.observe(max(now - s.arrival_time, 0.0))
+                    metrics.ttft.observe(max(now - s.arrival_time, 0.0))
                 else:
-                    m.itl.observe(max(now - s.last_token_time, 0.0))
+                    metrics.itl.observe(max(now - s.last_token_time, 0.0))
                 num_gen += len(o.new_token_ids)
             seen.append(st)
         if num_gen:
-            m.add_generation_tokens(num_gen)
+            metrics.add_generation_tokens(num_gen)
         request_outputs, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:
             try:
-                self.client.send({"t": "abort", "ids": to_abort})
+                self.client.abort_requests(to_abort)
             except EngineDeadError:
                 pass
         for st in seen:
             if st.finish_reason is not None:
-                m.finish(st.finish_reason, st.stats.arrival_time, st.stats.first_token_time,
-                         st.stats.last_token_time, len(st.output_token_ids), now)
+                metrics.finish(st.finish_reason, st.stats.arrival_time, st.stats.first_token_time,
+                               st.stats.last_token_time, len(st.output_token_ids), now)
         for ro in request_outputs:
             q = self.queues.get(ro.request_id)
             if q is not None:
@@ -339,17 +334,22 @@ class AsyncLLM:
     # ------------------------------------------------------------ failure / stop
     def _on_core_exit(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.remove_reader(self.client.proc.sentinel)
+        self._unwatch(self.client)
         if self._stopping:
             return
-        self.client.proc.join(0.1)
-        code = self.client.proc.exitcode
+        code = self.client.exit_code
         logger.error("the engine core process died (exit code %s): the requests in flight get 503", code)
         self._fail(EngineDeadError(f"the engine core process died (exit code {code})"))
         if self.restart_engine_on_failure:
             self._restart_task = loop.create_task(self._restart(), name="pagedllm-core-restart")
         elif self.on_engine_dead is not None:
             self.on_engine_dead()
+
+    @staticmethod
+    def _unwatch(client: EngineCoreClient) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in client.sentinels():
+            loop.remove_reader(fd)
 
     async def _restart(self) -> None:
         """A new core in place of the dead one (every request gets 503 until it is ready)."""
@@ -359,7 +359,7 @@ class AsyncLLM:
         await asyncio.get_running_loop().run_in_executor(None, old.shutdown, 2.0)
         try:
             await self.start()
-            self.metrics.update_core_stats(await self.client.call_utility("get_stats"))
+            self.metrics.update_core_stats((await self.client.get_stats()).as_dict())
         except Exception as e:
             logger.error("the engine core could not be restarted: %s", e)
             if self.on_engine_dead is not None:
@@ -390,10 +390,7 @@ class AsyncLLM:
             if t is not None:
                 t.cancel()
         if self.client is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(self.client.proc.sentinel)
-            except Exception:
-                pass
+            self._unwatch(self.client)
             client, self.client = self.client, None
             await asyncio.get_running_loop().run_in_executor(None, client.shutdown)
 

@@ -8,8 +8,9 @@ outputs leave as token ids (the server's OutputProcessor detokenises them). Beam
 here (a BeamSearchDriver fed each step's outputs), so that choosing and forking beams costs
 no round trip to the server; only each search's ranked result leaves. A step that fails
 because of a request ends that request alone (engine/step_failures.py) and says so in the
-step's message ("f"); the loop goes on. Messages are
-msgpack (see serial.py). The process ends on a shutdown message, on SIGTERM, or when its
+step's message (`failed`); the loop goes on. Messages are
+engine/messages.py's Structs; a frame that is none ends the process with an error message
+(the server's requests then fail, they do not hang). The process ends on a shutdown message, on SIGTERM, or when its
 parent dies (PR_SET_PDEATHSIG, and a parent check while idle), so it is never left behind.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ import traceback
 
 import zmq
 
-from pagedllm.engine import serial
+from pagedllm.engine import messages as m
+from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput
 from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.request import Request, RequestStatus
@@ -79,17 +81,17 @@ def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_p
         except BaseException as e:
             if not isinstance(e, ValueError):  # a ValueError is a bad setting, said in one line by the server
                 logger.error("the engine core failed to start:\n%s", traceback.format_exc())
-            out_sock.send(serial.pack({"t": "error", "exc": type(e).__name__, "msg": str(e)}))
+            out_sock.send(m.encode_output(m.EngineCoreError(type(e).__name__, str(e))))
             code = 1
         if core is not None:
-            out_sock.send(serial.pack({"t": "ready", "num_blocks": core.num_blocks, "pid": os.getpid()}))
+            out_sock.send(m.encode_output(m.EngineCoreReady(core.num_blocks, os.getpid())))
             EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
     except _Stop:
         logger.info("engine core: SIGTERM, exiting")
     except BaseException as e:
         logger.error("the engine core died:\n%s", traceback.format_exc())
         try:
-            out_sock.send(serial.pack({"t": "error", "exc": type(e).__name__, "msg": str(e)}), zmq.NOBLOCK)
+            out_sock.send(m.encode_output(m.EngineCoreError(type(e).__name__, str(e))), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         code = 1
@@ -118,72 +120,74 @@ class EngineCoreProc:
         # Requests not yet scheduled once: their queue time is reported when they are.
         self.unscheduled: dict[str, Request] = {}
         self.stop = False
+        self.handlers = {m.AddRequests: self.add_requests, m.BeamSearchStart: self.add_beam_search,
+                         m.AbortRequests: self.abort, m.UtilityRequest: self.call_utility,
+                         m.Shutdown: self.shutdown}
 
     # ------------------------------------------------------------ stats
-    def stats(self) -> dict:
+    def stats(self) -> m.SchedulerStats:
         s = self.scheduler
         pool = s.kv_cache_manager.block_pool
-        return {"running": len(s.running), "waiting": len(s.waiting),
-                "kv_usage": pool.get_usage(),
-                "used_blocks": (pool.num_blocks - 1) - pool.get_num_free_blocks(),
-                "num_blocks": pool.num_blocks,
-                "preemptions": s.num_preemptions, "num_added": self.num_added,
-                "prefix_cache_queries": s.kv_cache_manager.stats.queries,
-                "prefix_cache_hits": s.kv_cache_manager.stats.hits}
+        return m.SchedulerStats(
+            running=len(s.running), waiting=len(s.waiting), kv_usage=pool.get_usage(),
+            used_blocks=(pool.num_blocks - 1) - pool.get_num_free_blocks(),
+            num_blocks=pool.num_blocks, preemptions=s.num_preemptions, num_added=self.num_added,
+            prefix_cache_queries=s.kv_cache_manager.stats.queries,
+            prefix_cache_hits=s.kv_cache_manager.stats.hits)
 
-    def _send(self, msg: dict) -> None:
-        self.out_sock.send(serial.pack(msg))
+    def _send(self, msg: m.CoreOutput) -> None:
+        self.out_sock.send(m.encode_output(msg))
 
     # ------------------------------------------------------------ input
-    def handle(self, msg: dict) -> None:
-        t = msg.get("t")
-        if t == "add":
-            rejected = []
-            for enc in msg["r"]:
-                self.num_added += 1
-                req = serial.decode_request(enc)
-                try:
-                    self.core.add_request(req)
-                except ValueError as e:  # e.g. a duplicate id: end it, keep the engine running
-                    logger.warning("request %s rejected by the core: %s", req.request_id, e)
-                    rejected.append(serial.encode_output(_aborted(req.request_id)))
-                    continue
-                self.unscheduled[req.request_id] = req
-            if rejected:
-                self._send({"t": "out", "o": rejected, "s": self.stats(), "q": []})
-        elif t == "beam":
-            self.add_beam_search(msg)
-        elif t == "abort":
-            ids = msg["ids"]
-            for rid in ids:
-                self.beams.abort(rid)
-            self.core.abort_requests(ids)
-            for rid in ids:
-                self.unscheduled.pop(rid, None)
-        elif t == "util":
-            try:
-                result, err = self.utility(msg["m"], msg.get("a") or []), None
-            except Exception as e:  # report to the caller, keep running
-                result, err = None, f"{type(e).__name__}: {e}"
-            self._send({"t": "util", "id": msg["id"], "r": result, "e": err})
-        elif t == "shutdown":
-            self.stop = True
-        else:
-            logger.warning("engine core: unknown message type %r", t)
+    def handle(self, msg: m.CoreRequest) -> None:
+        self.handlers[type(msg)](msg)
 
-    def add_beam_search(self, msg: dict) -> None:
+    def add_requests(self, msg: m.AddRequests) -> None:
+        rejected = []
+        for enc in msg.requests:
+            self.num_added += 1
+            req = enc.to_request()
+            try:
+                self.core.add_request(req)
+            except ValueError as e:  # e.g. a duplicate id: end it, keep the engine running
+                logger.warning("request %s rejected by the core: %s", req.request_id, e)
+                rejected.append(_aborted(req.request_id))
+                continue
+            self.unscheduled[req.request_id] = req
+        if rejected:
+            self._send(m.EngineCoreOutputs(rejected, self.stats()))
+
+    def add_beam_search(self, msg: m.BeamSearchStart) -> None:
         self.num_added += 1
-        req = serial.decode_request(msg["r"])
+        req = msg.request.to_request()
         search_id = req.request_id
         try:
-            self.beams.add(req, msg["w"], msg["lp"], msg.get("eos"))
+            self.beams.add(req, msg.width, msg.length_penalty, msg.eos_token_id)
         except ValueError as e:  # e.g. a duplicate id: answer it, keep the engine running
             logger.warning("beam search %s rejected by the core: %s", search_id, e)
             refused = BeamSearchOutput(req.prompt_token_ids, [], search_id)
-            self._send({"t": "out", "o": [], "b": [serial.encode_beam_output(refused, str(e))],
-                        "s": self.stats(), "q": []})
+            self._send(m.EngineCoreOutputs(scheduler_stats=self.stats(),
+                                           beam_results=[m.BeamResult(refused, str(e))]))
             return
         self.unscheduled[req.request_id] = req   # the first beam: its queue time is the search's
+
+    def abort(self, msg: m.AbortRequests) -> None:
+        ids = msg.request_ids
+        for rid in ids:
+            self.beams.abort(rid)
+        self.core.abort_requests(ids)
+        for rid in ids:
+            self.unscheduled.pop(rid, None)
+
+    def call_utility(self, msg: m.UtilityRequest) -> None:
+        try:
+            result, err = self.utility(msg.method, msg.args), None
+        except Exception as e:  # report to the caller, keep running
+            result, err = None, f"{type(e).__name__}: {e}"
+        self._send(m.UtilityOutput(msg.call_id, result, err))
+
+    def shutdown(self, msg: m.Shutdown) -> None:
+        self.stop = True
 
     def utility(self, method: str, args: list):
         if method == "get_stats":
@@ -196,10 +200,10 @@ class EngineCoreProc:
         handled = False
         while True:
             try:
-                data = self.in_sock.recv(zmq.NOBLOCK)
+                frames = self.in_sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return handled
-            self.handle(serial.unpack(data))
+            self.handle(m.decode_request(frames))
             handled = True
 
     # ------------------------------------------------------------ loop
@@ -228,13 +232,10 @@ class EngineCoreProc:
                 # The beams' outputs feed their searches; only ended searches go out.
                 others = [o for o in outputs if not self.beams.owns(o.req_id)]
                 ended = self.beams.on_outputs(outputs) if len(others) < len(outputs) else []
-                msg = {"t": "out", "o": [serial.encode_output(o) for o in others],
-                       "s": self.stats(), "q": self._queue_events(t0)}
-                if ended:
-                    msg["b"] = [serial.encode_beam_output(b) for b in ended]
-                self._send(msg)
+                self._send(m.EngineCoreOutputs(others, self.stats(), self._queue_events(t0),
+                                               [m.BeamResult(b) for b in ended]))
             elif handled:
-                self._send({"t": "stats", "s": self.stats()})
+                self._send(m.EngineCoreOutputs(scheduler_stats=self.stats()))
 
     def _send_failures(self, e: RequestFailedError, t0: float) -> None:
         """The requests a failed step convicted, by the ids the server knows (a beam's
@@ -247,20 +248,19 @@ class EngineCoreProc:
                 self.beams.abort(rid)
             if rid not in failed:
                 failed.append(rid)
-        self._send({"t": "out", "o": [], "s": self.stats(), "q": self._queue_events(t0),
-                    "f": [[rid, str(e), e.client_error] for rid in failed]})
+        self._send(m.EngineCoreOutputs(scheduler_stats=self.stats(), queue_times=self._queue_events(t0),
+                                       failed=[m.FailedRequest(rid, str(e), e.client_error) for rid in failed]))
 
-    def _queue_events(self, t0: float) -> list:
+    def _queue_events(self, t0: float) -> list[tuple[str, float]]:
         events = []
         for rid, req in list(self.unscheduled.items()):
             if req.status == RequestStatus.WAITING:
                 continue
             del self.unscheduled[rid]
             if req.status != RequestStatus.FINISHED_ABORTED:
-                events.append([rid, max(t0 - req.arrival_time, 0.0)])
+                events.append((rid, max(t0 - req.arrival_time, 0.0)))
         return events
 
 
-def _aborted(req_id: str):
-    from pagedllm.core.scheduler_output import EngineCoreOutput
+def _aborted(req_id: str) -> EngineCoreOutput:
     return EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="abort")
