@@ -139,7 +139,7 @@ def test_the_cache_estimate_forgets_least_recently_used_blocks():
 
 # ---------------------------------------------------------------- the DP client, with fake cores
 class FakeCoreClient:
-    """What DPCoreClient needs of a CoreClient, recording what it is sent."""
+    """What DPCoreClient needs of an EngineCoreClient, recording what it is sent."""
 
     def __init__(self):
         import asyncio
@@ -147,16 +147,23 @@ class FakeCoreClient:
         self.inbox = asyncio.Queue()
 
     async def wait_ready(self, timeout):
-        return {"num_blocks": 64, "pid": 0}
+        from pagedllm.engine.messages import EngineCoreReady
+        return EngineCoreReady(num_blocks=64, pid=0)
 
-    def send(self, msg):
-        self.sent.append(msg)
+    def add_requests(self, requests):
+        self.sent.append(("add", [r.request_id for r in requests]))
 
-    async def recv(self):
+    def abort_requests(self, ids):
+        self.sent.append(("abort", list(ids)))
+
+    async def get_output(self):
         return await self.inbox.get()
 
     def added(self):
-        return [enc[0] for m in self.sent if m["t"] == "add" for enc in m["r"]]
+        return [rid for kind, ids in self.sent if kind == "add" for rid in ids]
+
+    def aborts(self):
+        return [ids for kind, ids in self.sent if kind == "abort"]
 
     def mark_dead(self, err):
         pass
@@ -173,13 +180,21 @@ def _config(k, max_num_seqs=4):
 
 
 def _enc(req_id, prompt, n=1):
-    return [req_id, prompt, {"n": n, "best_of": None}, 2, 0.0, 16, []]
+    from pagedllm.engine.messages import EngineCoreRequest
+    from pagedllm.request import Request
+    from pagedllm.sampling_params import SamplingParams
+    return EngineCoreRequest.from_request(Request(req_id, prompt, SamplingParams(n=n), 2, 0.0))
 
 
-def _out(req_id, finish=None):
+def _outs(outputs=(), failed=(), **stats):
+    """A replica's outputs message: (req_id, finish) outputs, failed request ids, its stats."""
     from pagedllm.core.scheduler_output import EngineCoreOutput
-    from pagedllm.engine import serial
-    return serial.encode_output(EngineCoreOutput(req_id, [5], finish_reason=finish))
+    from pagedllm.engine import messages as m
+    base = {"running": 1, "waiting": 0, "used_blocks": 4, "num_blocks": 64, "preemptions": 0,
+            "num_added": 2, "kv_usage": 4 / 64}
+    return m.EngineCoreOutputs([EngineCoreOutput(rid, [5], finish_reason=fin) for rid, fin in outputs],
+                               m.SchedulerStats(**{**base, **stats}),
+                               failed=[m.FailedRequest(rid, "boom", False) for rid in failed])
 
 
 def test_dp_client_routes_adds_aborts_and_finishes():
@@ -192,36 +207,35 @@ def test_dp_client_routes_adds_aborts_and_finishes():
         fakes = [FakeCoreClient() for _ in range(2)]
         client = DPCoreClient(_config(2), {2}, clients=fakes, max_load=3)
         ready = await client.wait_ready(5)
-        assert ready["num_blocks"] == 64
+        assert ready.num_blocks == 64
         system = _tokens(rng, 3 * BS)
-        client.send({"t": "add", "r": [_enc("a", system + [1]), _enc("b", system + [2])]})
-        client.send({"t": "add", "r": [_enc("c", _tokens(rng, 40))]})
+        client.add_requests([_enc("a", system + [1]), _enc("b", system + [2])])
+        client.add_requests([_enc("c", _tokens(rng, 40))])
         assert fakes[0].added() == ["a", "b"] and fakes[1].added() == ["c"]   # b follows a's prefix
-        client.send({"t": "abort", "ids": ["b", "c"]})
-        assert [m["ids"] for m in fakes[0].sent if m["t"] == "abort"] == [["b"]]
-        assert [m["ids"] for m in fakes[1].sent if m["t"] == "abort"] == [["c"]]
+        client.abort_requests(["b", "c"])
+        assert fakes[0].aborts() == [["b"]] and fakes[1].aborts() == [["c"]]
         assert client.router.loads() == [1, 0]
         # A finished output lowers the load; the stats are summed over the replicas.
-        stats = {"running": 1, "waiting": 0, "used_blocks": 4, "num_blocks": 64, "preemptions": 0,
-                 "num_added": 2, "kv_usage": 4 / 64}
-        fakes[0].inbox.put_nowait({"t": "out", "o": [_out("a", "length")], "s": stats, "q": []})
-        fakes[1].inbox.put_nowait({"t": "stats", "s": {**stats, "used_blocks": 12}})
-        msgs = [await asyncio.wait_for(client.recv(), 5) for _ in range(2)]
+        fakes[0].inbox.put_nowait(_outs([("a", "length")]))
+        fakes[1].inbox.put_nowait(_outs(used_blocks=12))
+        msgs = [await asyncio.wait_for(client.get_output(), 5) for _ in range(2)]
         assert client.router.loads() == [0, 0]
-        assert msgs[-1]["s"]["used_blocks"] == 16 and msgs[-1]["s"]["num_blocks"] == 128
+        stats = msgs[-1].scheduler_stats
+        assert stats.used_blocks == 16 and stats.num_blocks == 128 and stats.kv_usage == 16 / 128
+        assert [r.used_blocks for r in stats.replicas] == [4, 12] and stats.router_loads == [0, 0]
         # n = 2: the parent's load ends with its second sample.
-        client.send({"t": "add", "r": [_enc("p", _tokens(rng, 40), n=2)]})
+        client.add_requests([_enc("p", _tokens(rng, 40), n=2)])
         owner = client.router.owner["p"]
-        fakes[owner].inbox.put_nowait({"t": "out", "o": [_out("0_p", "stop")], "s": stats, "q": []})
-        await asyncio.wait_for(client.recv(), 5)
+        fakes[owner].inbox.put_nowait(_outs([("0_p", "stop")]))
+        await asyncio.wait_for(client.get_output(), 5)
         assert client.router.loads()[owner] == 1
-        fakes[owner].inbox.put_nowait({"t": "out", "o": [_out("1_p", "stop")], "s": stats, "q": []})
-        await asyncio.wait_for(client.recv(), 5)
-        assert client.router.loads() == [0, 0]
+        fakes[owner].inbox.put_nowait(_outs([("1_p", "stop")]))
+        await asyncio.wait_for(client.get_output(), 5)
+        assert client.router.loads() == [0, 0] and not client._parent_of
         # Both replicas full (3 each): refused at once, and nothing of the batch stays routed.
-        client.send({"t": "add", "r": [_enc(f"x{i}", _tokens(rng, 20)) for i in range(6)]})
+        client.add_requests([_enc(f"x{i}", _tokens(rng, 20)) for i in range(6)])
         with pytest.raises(EngineOverloadedError, match="all 2 replicas are at their limit"):
-            client.send({"t": "add", "r": [_enc("y", _tokens(rng, 20))]})
+            client.add_requests([_enc("y", _tokens(rng, 20))])
         assert "y" not in client.router.owner and client.router.loads() == [3, 3]
         client.shutdown()
 
@@ -239,19 +253,43 @@ def test_dp_client_failed_requests_lower_the_load():
         fakes = [FakeCoreClient() for _ in range(2)]
         client = DPCoreClient(_config(2), {2}, clients=fakes, max_load=3)
         await client.wait_ready(5)
-        client.send({"t": "add", "r": [_enc("a", _tokens(rng, 40)), _enc("p", _tokens(rng, 40), n=2)]})
+        client.add_requests([_enc("a", _tokens(rng, 40)), _enc("p", _tokens(rng, 40), n=2)])
         owner = client.router.owner["p"]
-        stats = {"running": 0, "waiting": 0, "used_blocks": 0, "num_blocks": 64, "preemptions": 0,
-                 "num_added": 2, "kv_usage": 0.0}
-        fakes[client.router.owner["a"]].inbox.put_nowait(
-            {"t": "out", "o": [], "f": [["a", "boom", False]], "s": stats, "q": []})
-        await asyncio.wait_for(client.recv(), 5)
-        fakes[owner].inbox.put_nowait({"t": "out", "o": [], "f": [["1_p", "boom", False]], "s": stats, "q": []})
-        await asyncio.wait_for(client.recv(), 5)
+        fakes[client.router.owner["a"]].inbox.put_nowait(_outs(failed=["a"]))
+        await asyncio.wait_for(client.get_output(), 5)
+        fakes[owner].inbox.put_nowait(_outs(failed=["1_p"]))
+        await asyncio.wait_for(client.get_output(), 5)
         assert "a" not in client.router.owner and client.router.owner["p"] == owner
-        client.send({"t": "abort", "ids": ["p", "0_p", "1_p"]})   # what AsyncLLM sends next
-        assert [m["ids"] for m in fakes[owner].sent if m["t"] == "abort"] == [["p", "0_p", "1_p"]]
-        assert client.router.loads() == [0, 0]
+        client.abort_requests(["p", "0_p", "1_p"])   # what AsyncLLM sends next
+        assert fakes[owner].aborts() == [["p", "0_p", "1_p"]]
+        assert client.router.loads() == [0, 0] and not client._parent_of
+        client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_dp_client_liveness_and_a_replica_failure():
+    """The replicas seen as one: alive while all are, the first dead one's exit code, every
+    replica's sentinel to watch; a replica that reports it is dying fails get_output()."""
+    import asyncio
+    from pagedllm.engine.dp_client import DPCoreClient
+    from pagedllm.engine.exceptions import EngineDeadError
+
+    async def run():
+        fakes = [FakeCoreClient() for _ in range(2)]
+        for i, f in enumerate(fakes):
+            f.is_alive, f.exit_code, f.sentinels = (lambda: True), None, (lambda i=i: [10 + i])
+        client = DPCoreClient(_config(2), {2}, clients=fakes, max_load=3)
+        await client.wait_ready(5)
+        assert client.is_alive() and client.exit_code is None and client.sentinels() == [10, 11]
+        fakes[1].is_alive, fakes[1].exit_code = (lambda: False), -9
+        assert not client.is_alive() and client.exit_code == -9
+
+        async def dying():
+            raise EngineDeadError("the engine core failed: RuntimeError: CUDA out of memory")
+        fakes[1].get_output = dying
+        with pytest.raises(EngineDeadError, match="CUDA out of memory"):
+            await asyncio.wait_for(client.get_output(), 5)
         client.shutdown()
 
     asyncio.run(run())

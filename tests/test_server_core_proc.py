@@ -1,5 +1,4 @@
-"""The engine-core process loop and its messages, without a model (milliseconds): the msgpack
-encoding round-trips every type that crosses the boundary, and EngineCoreProc, driven over
+"""The engine-core process loop and its messages, without a model (milliseconds): EngineCoreProc, driven over
 real ZMQ sockets with a real scheduler and a fake model runner, handles add / beam / abort /
 utility / shutdown, reports stats and queue times, frees an aborted request's blocks, and
 ends only the culprit of a step that raises."""
@@ -15,7 +14,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
-from pagedllm.engine import serial
+from pagedllm.engine import messages as m
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence, beam_params
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import EngineCoreProc
@@ -25,32 +24,6 @@ from pagedllm.sampling_params import SamplingParams
 
 TOKEN = 1000
 POISON = 666   # a step with a request whose prompt holds it raises
-
-
-def test_serial_round_trip():
-    sp = SamplingParams(n=2, best_of=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1,
-                        presence_penalty=0.5, frequency_penalty=-0.5, seed=2 ** 62, max_tokens=7, min_tokens=2,
-                        stop=["a", "bc"], stop_token_ids=[3, 4], include_stop_str_in_output=True, ignore_eos=True,
-                        logprobs=3, skip_special_tokens=False, logit_bias={5: -100.0, 7: 2.5})
-    sp.all_stop_token_ids = {3, 4, 9}
-    back = serial.decode_sampling_params(serial.unpack(serial.pack(serial.encode_sampling_params(sp))))
-    assert back == sp and back.all_stop_token_ids == {3, 4, 9} and back.logit_bias == {5: -100.0, 7: 2.5}
-
-    req = Request("r-1", [1, 2, 3], sp, eos_token_id=2, arrival_time=123.5)
-    req.max_tokens = 9
-    req.extra_keys = ("lora", 3)
-    back = serial.decode_request(serial.unpack(serial.pack(serial.encode_request(req))))
-    assert (back.request_id, back.prompt_token_ids, back.eos_token_id, back.arrival_time, back.max_tokens,
-            back.extra_keys) == ("r-1", [1, 2, 3], 2, 123.5, 9, ("lora", 3))
-    assert back.sampling_params == sp and back.num_computed_tokens == 0
-
-    out = EngineCoreOutput("r-1", [5, 6], "stop", "bc", [([5, 7], [-0.1, -2.0], 1), ([6], [-0.5], 2)], 4)
-    assert serial.decode_output(serial.unpack(serial.pack(serial.encode_output(out)))) == out
-
-    beams = BeamSearchOutput([1, 2], [BeamSequence([5, 2], -0.5, -0.25, finish_reason="stop"),
-                                      BeamSequence([6, 7], -0.9, -0.45)], "r-2", 16)
-    back = serial.decode_beam_output(serial.unpack(serial.pack(serial.encode_beam_output(beams))))
-    assert back == (beams, None)
 
 
 class FakeRunner:
@@ -103,14 +76,14 @@ def proc(tmp_path):
     t.start()
 
     def send(msg):
-        to_core.send(serial.pack(msg))
+        to_core.send_multipart(m.encode_request(msg))
 
     def recv(timeout_ms=5000):
         assert from_core.poll(timeout_ms), "no message from the core"
-        return serial.unpack(from_core.recv())
+        return m.decode_output(from_core.recv())
 
     yield p, send, recv
-    send({"t": "shutdown"})
+    send(m.Shutdown())
     t.join(5)
     assert not t.is_alive()
     for s in (to_core, from_core, core_in, core_out):
@@ -122,65 +95,63 @@ def _req(rid, n_prompt, max_tokens, first=10):
     r = Request(rid, list(range(first, first + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
                 eos_token_id=2, arrival_time=time.time())
     r.max_tokens = max_tokens
-    return serial.encode_request(r)
+    return m.EngineCoreRequest.from_request(r)
 
 
 @pytest.mark.timeout(30)
 def test_core_proc_add_step_abort_utility(proc):
     p, send, recv = proc
-    send({"t": "add", "r": [_req("a", 5, 3), _req("b", 9, 200)]})
+    send(m.AddRequests([_req("a", 5, 3), _req("b", 9, 200)]))
     got: dict[str, list[int]] = {"a": [], "b": []}
     finished = {}
     queued = set()
     while "a" not in finished:
         msg = recv()
-        assert msg["t"] == "out", msg
-        assert set(msg["s"]) >= {"running", "waiting", "kv_usage", "used_blocks", "num_blocks", "preemptions"}
-        queued |= {rid for rid, qt in msg["q"] if qt >= 0}
-        for o in map(serial.decode_output, msg["o"]):
+        assert isinstance(msg, m.EngineCoreOutputs) and msg.scheduler_stats is not None, msg
+        queued |= {rid for rid, qt in msg.queue_times if qt >= 0}
+        for o in msg.outputs:
             got[o.req_id] += o.new_token_ids
             if o.finish_reason:
                 finished[o.req_id] = o.finish_reason
     assert got["a"] == [TOKEN] * 3 and finished["a"] == "length"
     assert queued == {"a", "b"}
     # a utility call is answered between steps
-    send({"t": "util", "id": 7, "m": "get_stats", "a": []})
-    send({"t": "util", "id": 8, "m": "nope", "a": []})
+    send(m.UtilityRequest(7, "get_stats"))
+    send(m.UtilityRequest(8, "nope"))
     replies = {}
     while len(replies) < 2:
         msg = recv()
-        if msg["t"] == "util":
-            replies[msg["id"]] = msg
-    assert replies[7]["e"] is None and replies[7]["r"]["running"] == 1 and replies[7]["r"]["used_blocks"] > 0
-    assert "unknown utility" in replies[8]["e"]
+        if isinstance(msg, m.UtilityOutput):
+            replies[msg.call_id] = msg
+    assert replies[7].error is None and replies[7].result["running"] == 1 and replies[7].result["used_blocks"] > 0
+    assert "unknown utility" in replies[8].error
     # abort b: its blocks come back, and a stats message says so once the core is idle
-    send({"t": "abort", "ids": ["b"]})
+    send(m.AbortRequests(["b"]))
     deadline = time.time() + 60   # generous: a loaded machine is slow, not wrong
     while True:
-        msg = recv()
-        if msg["t"] == "stats":
+        stats = recv().scheduler_stats
+        if stats.running == 0:
             break
         assert time.time() < deadline
-    assert msg["s"]["used_blocks"] == 0 and msg["s"]["running"] == 0 and msg["s"]["kv_usage"] == 0
+    assert stats.used_blocks == 0 and stats.kv_usage == 0
     assert p.scheduler.kv_cache_manager.num_free_blocks() == p.core.num_blocks - 1
 
 
 @pytest.mark.timeout(30)
 def test_core_proc_duplicate_id_is_rejected_not_fatal(proc):
     p, send, recv = proc
-    send({"t": "add", "r": [_req("x", 3, 50)]})
-    send({"t": "add", "r": [_req("x", 3, 2)]})  # same id: ended at once, the engine goes on
+    send(m.AddRequests([_req("x", 3, 50)]))
+    send(m.AddRequests([_req("x", 3, 2)]))  # same id: ended at once, the engine goes on
     aborted = False
     while not aborted:
-        msg = recv()
-        for o in map(serial.decode_output, msg.get("o", [])):
+        for o in recv().outputs:
             if o.req_id == "x" and o.finish_reason == "abort":
                 aborted = True
-    send({"t": "util", "id": 1, "m": "ping", "a": []})
+    send(m.UtilityRequest(1, "ping"))
     while True:
         msg = recv()
-        if msg["t"] == "util":
-            assert msg["r"] == "pong"
+        if isinstance(msg, m.UtilityOutput):
+            assert msg.result == "pong"
             break
 
 
@@ -188,7 +159,7 @@ def _beam_req(rid, n_prompt, width, max_tokens, first=10):
     r = Request(rid, list(range(first, first + n_prompt)), beam_params(width, max_tokens), eos_token_id=2,
                 arrival_time=time.time())
     r.max_tokens = max_tokens
-    return serial.encode_request(r)
+    return m.BeamSearchStart(m.EngineCoreRequest.from_request(r), width, 1.0, None)
 
 
 @pytest.mark.timeout(30)
@@ -196,22 +167,21 @@ def test_core_proc_beam_search(proc):
     """A search runs interleaved with a normal request; only its ranked result leaves the core;
     an aborted search frees its beams' blocks."""
     p, send, recv = proc
-    send({"t": "add", "r": [_req("a", 5, 6)]})
-    send({"t": "beam", "r": _beam_req("s", 6, 2, 4), "w": 2, "lp": 1.0, "eos": None})
-    send({"t": "beam", "r": _beam_req("t", 6, 2, 100), "w": 2, "lp": 1.0, "eos": None})   # 2 x 27 of 63 blocks
+    send(m.AddRequests([_req("a", 5, 6)]))
+    send(_beam_req("s", 6, 2, 4))
+    send(_beam_req("t", 6, 2, 100))   # 2 x 27 of 63 blocks
     got, results, n_msgs = [], {}, 0
     while "s" not in results or len(got) < 6:
         msg = recv()
         n_msgs += 1
         if n_msgs == 3:
-            send({"t": "abort", "ids": ["t"]})
-        outs = [serial.decode_output(o) for o in msg.get("o", [])]
+            send(m.AbortRequests(["t"]))
+        outs = msg.outputs
         assert {o.req_id for o in outs} <= {"a"}, outs   # the beams' outputs stay in the core
         got += [t for o in outs for t in o.new_token_ids]
-        for enc in msg.get("b", []):
-            out, err = serial.decode_beam_output(enc)
-            assert err is None
-            results[out.request_id] = out
+        for b in msg.beam_results:
+            assert b.error is None
+            results[b.output.request_id] = b.output
     assert got == [TOKEN] * 6
     # Each beam ranks TOKEN + j at -0.5 (j + 1): the two best 4-token hypotheses.
     assert [h.tokens for h in results["s"].sequences] == [[TOKEN] * 4, [TOKEN] * 3 + [TOKEN + 1]]
@@ -220,23 +190,24 @@ def test_core_proc_beam_search(proc):
     # The aborted search ends silently and its blocks come back.
     deadline = time.time() + 60   # generous: a loaded machine is slow, not wrong
     while True:
-        send({"t": "util", "id": 0, "m": "get_stats", "a": []})
+        send(m.UtilityRequest(0, "get_stats"))
         msg = recv()
-        while msg["t"] != "util":
-            assert not msg.get("b"), "the aborted search must not report"
+        while not isinstance(msg, m.UtilityOutput):
+            assert not msg.beam_results, "the aborted search must not report"
             msg = recv()
-        if msg["r"]["running"] == 0:
+        if msg.result["running"] == 0:
             break
         assert time.time() < deadline
-    assert msg["r"]["used_blocks"] == 0 and not p.beams.has_searches()
+    assert msg.result["used_blocks"] == 0 and not p.beams.has_searches()
     # A duplicate search id is answered with an error, not fatal.
-    send({"t": "beam", "r": _beam_req("u", 3, 2, 50), "w": 2, "lp": 1.0, "eos": None})
-    send({"t": "beam", "r": _beam_req("u", 3, 2, 50), "w": 2, "lp": 1.0, "eos": None})
+    send(_beam_req("u", 3, 2, 50))
+    send(_beam_req("u", 3, 2, 50))
     errors = []
     while not errors:
-        errors = [e for e in (serial.decode_beam_output(b)[1] for b in recv().get("b", [])) if e]
+        msg = recv()
+        errors = [b.error for b in getattr(msg, "beam_results", ()) if b.error]
     assert "already in use" in errors[0]
-    send({"t": "abort", "ids": ["u"]})
+    send(m.AbortRequests(["u"]))
 
 
 @pytest.mark.timeout(30)
@@ -244,7 +215,7 @@ def test_core_proc_failed_step_ends_only_its_culprit(proc):
     """Poisoned requests (a plain one, a beam search) batched with innocent ones: each poisoned
     one is reported failed ("f"), alone; the innocent ones get every token once; no block leaks."""
     p, send, recv = proc
-    send({"t": "add", "r": [_req("a", 5, 12), _req("b", 9, 12)]})
+    send(m.AddRequests([_req("a", 5, 12), _req("b", 9, 12)]))
     got: dict[str, list[int]] = {"a": [], "b": []}
     finished, failed = {}, {}
     n_msgs = 0
@@ -252,12 +223,12 @@ def test_core_proc_failed_step_ends_only_its_culprit(proc):
         msg = recv()
         n_msgs += 1
         if n_msgs == 1:   # a and b are running
-            send({"t": "add", "r": [_req("x", 4, 12, first=POISON)]})
-            send({"t": "beam", "r": _beam_req("s", 3, 2, 8, first=POISON - 1), "w": 2, "lp": 1.0, "eos": None})
-        assert not msg.get("b"), msg
-        for rid, message, client_error in msg.get("f", []):
-            failed[rid] = (message, client_error)
-        for o in map(serial.decode_output, msg.get("o", [])):
+            send(m.AddRequests([_req("x", 4, 12, first=POISON)]))
+            send(_beam_req("s", 3, 2, 8, first=POISON - 1))
+        assert not msg.beam_results, msg
+        for f in msg.failed:
+            failed[f.request_id] = (f.message, f.client_error)
+        for o in msg.outputs:
             assert o.req_id in got, o
             got[o.req_id] += o.new_token_ids
             if o.finish_reason:
@@ -265,9 +236,9 @@ def test_core_proc_failed_step_ends_only_its_culprit(proc):
     assert set(failed) == {"x", "s"}
     assert all("RuntimeError: poisoned" in m and not client for m, client in failed.values()), failed
     assert got["a"] == got["b"] == [TOKEN] * 12 and finished == {"a": "length", "b": "length"}
-    send({"t": "util", "id": 3, "m": "get_stats", "a": []})
+    send(m.UtilityRequest(3, "get_stats"))
     msg = recv()
-    while msg["t"] != "util":
+    while not isinstance(msg, m.UtilityOutput):
         msg = recv()
-    assert msg["r"]["used_blocks"] == 0 and msg["r"]["running"] == msg["r"]["waiting"] == 0
+    assert msg.result["used_blocks"] == 0 and msg.result["running"] == msg.result["waiting"] == 0
     assert not p.beams.has_searches() and not p.core.failures.suspects

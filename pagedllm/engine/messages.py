@@ -65,18 +65,21 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     all_stop_token_ids: list[int] = []
     extra_keys: tuple = ()
 
+    def __post_init__(self) -> None:   # also run by the decoder
+        self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
+        self.extra_keys = _tuples(self.extra_keys)   # msgpack made lists of the nested tuples
+
     @classmethod
     def from_request(cls, r: Request) -> "EngineCoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.max_tokens, sorted(r.sampling_params.all_stop_token_ids),
-                   tuple(r.extra_keys))
+                   r.extra_keys)
 
     def to_request(self) -> Request:
-        self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
         r = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                     eos_token_id=self.eos_token_id, arrival_time=self.arrival_time)
         r.max_tokens = self.max_tokens
-        r.extra_keys = _tuples(self.extra_keys)
+        r.extra_keys = self.extra_keys
         return r
 
 
