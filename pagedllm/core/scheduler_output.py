@@ -1,5 +1,5 @@
 """What the scheduler hands the model runner each step, and what comes back. Plain data only,
-so that it can cross a process boundary (msgpack) unchanged."""
+so that it can cross a process boundary (msgspec) unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
