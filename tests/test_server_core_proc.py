@@ -13,9 +13,9 @@ import zmq
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.engine import messages as m
-from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence, beam_params
+from pagedllm.engine.beam_search import beam_params
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import EngineCoreProc
 from pagedllm.engine.step_failures import StepFailures
