@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 import pagedllm
-from pagedllm.executor.base import DistributedExecutor, ExecutorError
+from pagedllm.executor.abstract import ExecutorError
+from pagedllm.executor.distributed_executor import DistributedExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +88,9 @@ class MultiprocExecutor(DistributedExecutor):
         self._finalizer = weakref.finalize(self, _reap, self.procs, self._stats_box)
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, self.world_size):
-            p, conn = start_worker(config=self.config, rank=rank, master_addr=self.host,
-                                   master_port=self.master_port, host=self.host,
-                                   num_threads=self.num_threads, log_level=level)
+            p, conn = start_worker(config=self.config, eos_token_ids=self.eos_token_ids, rank=rank,
+                                   master_addr=self.host, master_port=self.master_port,
+                                   host=self.host, num_threads=self.num_threads, log_level=level)
             self.procs.append(p)
             self.conns.append(conn)
 
