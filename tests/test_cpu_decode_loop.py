@@ -28,7 +28,7 @@ def _decode_loop(llm):
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
     from pagedllm.models.cpu_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops
-    model = llm.llm_engine.core.runner.model
+    model = llm.llm_engine.core.model_executor.driver_worker.model_runner.model
     if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP") == "0":
         pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
     dtype = model.norm.weight.dtype

@@ -208,7 +208,7 @@ def check_idle(engine: LLMEngine) -> None:
     for h, b in pool.cached_blocks.items():
         if b.block_hash != h:
             raise CaseFailure(f"prefix cache maps {h} to {b}")
-    runner = engine.core.runner   # it drops finished requests at the next step: nothing else
+    runner = engine.core.model_executor.driver_worker.model_runner   # it drops finished requests at the next step: nothing else
     stale = (set(runner.requests) | set(runner.generators)) - sched.finished_req_ids
     if stale:
         raise CaseFailure(f"the model runner still holds {sorted(stale)}")

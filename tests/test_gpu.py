@@ -68,7 +68,7 @@ def test_float32_greedy_equals_transformers(tiny_dir, prompts, reference_fp32, e
     from pagedllm import LLM
     llm = LLM(tiny_dir, dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64,
               gpu_memory_utilization=0.3)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.device.type == "cuda" and runner.attention_backend == "triton"
     assert (runner.graphs is None) == enforce_eager
     if runner.graphs is not None:
@@ -91,7 +91,7 @@ def test_swap_preemption_on_gpu(tiny_dir, prompts, reference_fp32):
 def test_bfloat16_top1_agreement(tiny_dir, prompts):
     from pagedllm import LLM
     llm = LLM(tiny_dir, dtype="bfloat16", gpu_memory_utilization=0.3)
-    assert llm.llm_engine.core.runner.dtype == torch.bfloat16
+    assert llm.llm_engine.core.model_executor.driver_worker.model_runner.dtype == torch.bfloat16
     got = _generate(llm, prompts)
     hf = _hf(tiny_dir, torch.bfloat16)
     agree = total = 0
@@ -113,7 +113,7 @@ def test_memory_profiling_sizes_the_cache(tiny_dir, caplog):
     llm = LLM(tiny_dir, dtype="float32", gpu_memory_utilization=util)
     core = llm.llm_engine.core
     total = torch.cuda.mem_get_info()[1]
-    kv_bytes = core.num_blocks * core.runner.kv_bytes_per_block()
+    kv_bytes = core.num_blocks * core.model_executor.kv_bytes_per_block()
     assert 0 < kv_bytes < util * total
     # most of the allowed share goes to the cache (the tiny model's weights are ~2 MB)
     assert kv_bytes > 0.5 * util * total - torch.cuda.memory_reserved()

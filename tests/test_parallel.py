@@ -117,7 +117,7 @@ def _assert_gone(pids, within: float = 60.0):
 
 def _run_split(model_dir, prompts, reference, label, **parallel):
     llm = LLM(model_dir, **SETTINGS, **parallel)
-    executor = llm.llm_engine.core.runner
+    executor = llm.llm_engine.core.model_executor
     pids = executor.worker_pids()
     assert len(pids) == executor.world_size - 1 and all(_alive(p) for p in pids)
     try:
@@ -162,7 +162,7 @@ def test_worker_killed_mid_run(model_dir, prompts):
     rank and the signal (no hang), the other worker is stopped, and the engine stays down."""
     from pagedllm.executor import ExecutorError
     llm = LLM(model_dir, **SETTINGS, tensor_parallel_size=2)
-    executor = llm.llm_engine.core.runner
+    executor = llm.llm_engine.core.model_executor
     pids = executor.worker_pids()
     _generate(llm, prompts[:1])   # warm: the kill below lands mid-run, not during start-up
     warm = executor.comm_stats()["steps"]
@@ -190,14 +190,14 @@ def test_worker_killed_while_idle_and_gc(model_dir, prompts):
     dropped without shutdown() still takes its workers with it."""
     from pagedllm.executor import ExecutorError
     llm = LLM(model_dir, **SETTINGS, pipeline_parallel_size=2)
-    pids = llm.llm_engine.core.runner.worker_pids()
+    pids = llm.llm_engine.core.model_executor.worker_pids()
     os.kill(pids[0], signal.SIGKILL)
     _assert_gone(pids)
     with pytest.raises(ExecutorError, match="killed by signal SIGKILL"):
         _generate(llm, prompts[:2])
 
     llm = LLM(model_dir, **SETTINGS, tensor_parallel_size=2)
-    pids = llm.llm_engine.core.runner.worker_pids()
+    pids = llm.llm_engine.core.model_executor.worker_pids()
     del llm
     gc.collect()
     _assert_gone(pids)

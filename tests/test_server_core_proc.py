@@ -55,8 +55,8 @@ def _fake_core(num_blocks=64, block_size=4) -> EngineCore:
     core = EngineCore.__new__(EngineCore)
     core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256),
                                KVCacheManager(num_blocks, block_size))
-    core.runner = FakeRunner(core.scheduler)
-    core.failures = StepFailures(core.scheduler, core.runner)
+    core.model_executor = FakeRunner(core.scheduler)
+    core.failures = StepFailures(core.scheduler, core.model_executor)
     core.num_blocks = num_blocks
     return core
 

@@ -59,7 +59,7 @@ def _generate(llm, prompts):
 def test_triton_backend_engine_equals_transformers(tiny_dir, prompts, reference):
     """Chunks of 32 tokens: steps mix prefill chunks (with and without cached past) and decodes."""
     llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.attention_backend == "triton" and runner.graphs is None   # no GPU: no graphs
     assert _generate(llm, prompts) == reference
 
@@ -69,7 +69,7 @@ def test_padded_decode_graph_path_equals_transformers(tiny_dir, prompts, referen
     of 6, 5, ... requests padded to the captured sizes 8, 4, 2, 1; padding rows write nothing."""
     from pagedllm.worker.cuda_graph import DecodeGraphs
     llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     runner.graphs = graphs = DecodeGraphs(runner, [1, 2, 4, 8], capture=False)
     seen, run = [], graphs.run
     graphs.run = lambda inputs: seen.append(len(inputs.req_ids)) or run(inputs)

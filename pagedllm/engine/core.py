@@ -1,6 +1,8 @@
-"""EngineCore: the scheduler and the model runner, one step at a time.
+"""EngineCore: the scheduler and the model executor, one step at a time.
 
 It owns the KV cache; it knows nothing of text. The server runs it in its own process.
+It always drives an Executor (pagedllm/executor: one process, or the ranks of a split model);
+an executor that declares max_concurrent_batches > 1 (pipeline stages) gets a batch queue.
 A step that raises is rolled back and only the request that caused it fails
 (step_failures.py: RequestFailedError); the engine goes on.
 """
@@ -8,16 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Iterable, Optional
 
-from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.step_failures import StepFailures
+from pagedllm.executor.abstract import Executor
 from pagedllm.profiler import PROFILER
 from pagedllm.request import Request, RequestStatus
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -25,49 +27,43 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
 
 class EngineCore:
-    batch_queue = None   # pipeline parallelism: steps in flight (see _init_cache)
+    batch_queue = None   # pipelined executors: steps in flight (see _init_cache)
 
-    def __init__(self, config: EngineConfig, eos_ids: set[int]) -> None:
+    def __init__(self, config: EngineConfig, eos_ids: Iterable[int],
+                 executor_class: Optional[type[Executor]] = None) -> None:
+        """executor_class: None picks it from the config (Executor.get_class)."""
         self.config = config
-        if config.parallel_config.world_size > 1:
-            # Tensor / pipeline parallelism: the executor runs rank 0 here and starts the
-            # other ranks; it has a ModelRunner's face (see pagedllm/executor).
-            from pagedllm.executor import make_executor
-            self.runner = make_executor(config)
-        else:
-            self.runner = ModelRunner(config)
+        executor_class = executor_class or Executor.get_class(config)
+        self.model_executor = executor_class(config, eos_token_ids=eos_ids)
         try:
-            self._init_cache(config, eos_ids)
+            self._init_cache(config)
         except BaseException:
             self.shutdown()
             raise
 
-    def _init_cache(self, config: EngineConfig, eos_ids: set[int]) -> None:
-        self.runner.eos_ids = set(eos_ids)
+    def _init_cache(self, config: EngineConfig) -> None:
+        executor = self.model_executor
         self.num_blocks = self._num_blocks()
         cc = config.cache_config
         self.num_cpu_blocks = 0
         if config.scheduler_config.preemption_mode == "swap":
             self.num_cpu_blocks = (cc.num_cpu_blocks if cc.num_cpu_blocks is not None
-                                   else int(cc.swap_space * 2**30) // self.runner.kv_bytes_per_block())
-        self.runner.init_kv_cache(self.num_blocks, self.num_cpu_blocks)
+                                   else int(cc.swap_space * 2**30) // executor.kv_bytes_per_block())
+        executor.init_kv_cache(self.num_blocks, self.num_cpu_blocks)
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, kv)
-        self.failures = StepFailures(self.scheduler, self.runner)
-        # Pipeline parallelism: up to pipeline_parallel_size steps in flight, so that no stage
+        self.failures = StepFailures(self.scheduler, executor)
+        # Pipeline parallelism: up to max_concurrent_batches steps in flight, so that no stage
         # waits for the others (recompute preemption only: a swapped-out request must not
-        # have a step in flight; PAGEDLLM_PP_BATCH_QUEUE=0 turns it off to compare).
-        pc = config.parallel_config
+        # have a step in flight).
         self.batch_queue = None
-        if (pc.pipeline_parallel_size > 1 and hasattr(self.runner, "submit")
-                and config.scheduler_config.preemption_mode == "recompute"
-                and envs.PAGEDLLM_PP_BATCH_QUEUE):
+        self.batch_queue_size = executor.max_concurrent_batches
+        if self.batch_queue_size > 1 and config.scheduler_config.preemption_mode == "recompute":
             self.batch_queue = deque()
-            self.batch_queue_size = pc.pipeline_parallel_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", self.num_blocks,
                     cc.block_size, (self.num_blocks - 1) * cc.block_size,
-                    self.num_blocks * self.runner.kv_bytes_per_block() / 2**30)
+                    self.num_blocks * executor.kv_bytes_per_block() / 2**30)
 
     def _num_blocks(self) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
@@ -77,13 +73,13 @@ class EngineCore:
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif on_gpu:   # what a profiled forward leaves of gpu_memory_utilization (worker/memory.py)
-            budget = self.runner.profile_kv_cache_memory()
+            budget = self.model_executor.determine_available_memory()
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        by_memory = budget // self.runner.kv_bytes_per_block()
+        by_memory = budget // self.model_executor.kv_bytes_per_block()
         if by_memory < 2:
             raise ValueError(f"kv_cache_memory ({budget} bytes) holds fewer than 2 blocks of "
-                             f"{self.runner.kv_bytes_per_block()} bytes")
+                             f"{self.model_executor.kv_bytes_per_block()} bytes")
         if on_gpu:     # all of it: blocks beyond the running requests' keep the prefix cache
             return int(by_memory)
         # On the CPU: enough for every sequence at full length, capped by the memory budget.
@@ -91,10 +87,8 @@ class EngineCore:
         return int(min(useful, by_memory))
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a split model (nothing to do in one process)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        """Stop the executor (the worker processes of a split model). Idempotent."""
+        self.model_executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -114,7 +108,7 @@ class EngineCore:
         so = self.failures.schedule()
         PROFILER.mark("schedule")
         try:
-            ro = self.runner.execute_model(so)
+            ro = self.model_executor.execute_model(so)
         except Exception as e:
             self.failures.step_failed(so, e)   # raises RequestFailedError once a culprit is known
             return []
@@ -130,14 +124,14 @@ class EngineCore:
         scheduled again until its output is in (a prefill's next chunk may be)."""
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
             so = self.scheduler.schedule()
-            handle = self.runner.submit(so)
+            handle = self.model_executor.submit(so)
             if so.total_num_scheduled_tokens > 0:
                 self.batch_queue.append((so, handle))
                 if len(self.batch_queue) < self.batch_queue_size:
                     return []
             else:   # only bookkeeping (finished / preempted ids): done at once
-                self.scheduler.update_from_output(so, self.runner.finish(handle))
+                self.scheduler.update_from_output(so, self.model_executor.finish(handle))
         if not self.batch_queue:
             return []
         so, handle = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(so, self.runner.finish(handle))
+        return self.scheduler.update_from_output(so, self.model_executor.finish(handle))

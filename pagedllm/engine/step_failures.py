@@ -26,6 +26,7 @@ from typing import Optional
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.exceptions import RequestFailedError
+from pagedllm.executor.abstract import ExecutorError
 from pagedllm.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 
 
-def _unrecoverable(runner, e: Exception) -> bool:
-    if not hasattr(runner, "reset"):   # a split model's executor: it has shut its workers down
+def _unrecoverable(e: Exception) -> bool:
+    if isinstance(e, ExecutorError):   # a split model's executor: it has shut its workers down
         return True
     import torch
     accelerator_error = getattr(torch, "AcceleratorError", None)   # the CUDA context is broken
@@ -44,9 +45,9 @@ def _unrecoverable(runner, e: Exception) -> bool:
 class StepFailures:
     """The engine core's failed steps: roll back, isolate, convict (see the module's doc)."""
 
-    def __init__(self, scheduler, runner) -> None:
+    def __init__(self, scheduler, executor) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.suspects: deque[str] = deque()
         self.failed_steps: dict[str, int] = {}   # request id -> failed steps it was in
         self.probing: Optional[str] = None
@@ -75,13 +76,13 @@ class StepFailures:
     def step_failed(self, so: SchedulerOutput, e: Exception) -> None:
         """Roll back and isolate; raises RequestFailedError when a request is convicted, and
         `e` itself when the engine cannot go on."""
-        if _unrecoverable(self.runner, e):
+        if _unrecoverable(e):
             raise e
         sched = self.scheduler
         step = list(so.num_scheduled_tokens)
         logger.error("a step of %d request(s) failed (%s: %s): rolling back", len(step), type(e).__name__, e,
                      exc_info=e)
-        self.runner.reset()
+        self.executor.reset()
         sched.finished_req_ids |= so.finished_req_ids   # the runner may not have seen them
         sched.recompute_all(swapped_out=so.preempted_req_ids)
         self.probing = None

@@ -3,7 +3,7 @@ over the paged KV cache, and samples the rows whose prefill is complete."""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -22,9 +22,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, parallel=None) -> None:
+    def __init__(self, config: EngineConfig, parallel=None, eos_token_ids: Iterable[int] = ()) -> None:
         """parallel (distributed.parallel_state.ParallelContext): this rank's shard of a model
-        split by tensor / pipeline parallelism (executor/worker.py); None: the whole model."""
+        split by tensor / pipeline parallelism (worker/parallel_model_runner.py); None: the
+        whole model. eos_token_ids: kept out by the sampler until a request's min_tokens."""
         self.config = config
         self.parallel = parallel
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
@@ -50,7 +51,7 @@ class ModelRunner:
         self.faults = FaultInjector.from_env()   # tests only (PAGEDLLM_FAULT_INJECTION)
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.eos_ids: set[int] = set()
+        self.eos_ids = frozenset(eos_token_ids)
         # Seeded requests' generators live until the request finishes, across preemption,
         # so that a preempted request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}

@@ -15,10 +15,11 @@ import time
 from typing import Optional
 
 from pagedllm import envs
-from pagedllm.executor.base import DistributedExecutor, ExecutorError
+from pagedllm.executor.abstract import ExecutorError
+from pagedllm.executor.distributed_executor import DistributedExecutor
+from pagedllm.executor.worker_main import STEP_CALLS
 
 logger = logging.getLogger(__name__)
-
 
 
 def _ray():
@@ -29,7 +30,7 @@ def _ray():
     return ray
 
 
-class RayExecutor(DistributedExecutor):
+class RayDistributedExecutor(DistributedExecutor):
     backend_name = "ray"
 
     def _driver_host(self) -> str:
@@ -51,7 +52,7 @@ class RayExecutor(DistributedExecutor):
         ray = _ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from pagedllm.executor.worker import Worker
+        from pagedllm.worker.worker import Worker
         self.workers: list = []
         self._pending: list = []        # the last non-step call (start-up, KV cache)
         self._outstanding: list = []    # (rank, ref) of step calls not yet reaped
@@ -69,19 +70,19 @@ class RayExecutor(DistributedExecutor):
             # host=None: the actor binds its Gloo device to its own node's address.
             self.workers.append(actor_cls.options(scheduling_strategy=strategy, max_concurrency=1,
                                                   name=None).remote(
-                self.config, rank, self.host, self.master_port, None, self.num_threads))
+                self.config, self.eos_token_ids, rank, self.host, self.master_port, None, self.num_threads))
         self._pids = ray.get([w.get_pid.remote() for w in self.workers], timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S)
 
     def worker_pids(self) -> list[int]:
         return list(getattr(self, "_pids", []))
 
     def _send_all(self, method: str, args: tuple, ranks=None) -> None:
-        if method == "execute_model" and len(self.workers) > 1:
+        if method == "execute_model_worker" and len(self.workers) > 1:
             ray = _ray()
             args = (ray.put(args[0]), args[1])   # one copy of the SchedulerOutput for all actors
         refs = [(rank, getattr(w, method).remote(*args))
                 for rank, w in enumerate(self.workers, start=1) if ranks is None or rank in ranks]
-        if method in ("execute_model", "finish_step"):
+        if method in STEP_CALLS:
             self._outstanding.extend(refs)
         else:
             self._pending = [ref for _, ref in refs]

@@ -1,10 +1,13 @@
-"""DistributedExecutor: the model of one engine replica over world_size ranks.
+"""DistributedExecutor: the model of one engine replica over world_size ranks (the base of the
+mp and ray executors).
 
-To EngineCore it looks like a ModelRunner (eos_ids, kv_bytes_per_block, init_kv_cache,
-execute_model). Each step it hands the SchedulerOutput (and the tokens sampled in the previous
-step) to every other rank, runs rank 0's shard itself (the collectives keep the ranks in
-lock-step), and returns rank 0's ModelRunnerOutput. The control messages go through a pipe
-(mp) or a Ray actor call (ray); tensors only ever move through torch.distributed collectives.
+Rank 0 (the driver worker) runs in this process beside the scheduler. Each step the executor
+hands the SchedulerOutput (and the tokens the driver sampled since the last message, which the
+driver's runner keeps) to every other rank, runs rank 0's shard itself (the collectives keep
+the ranks in lock-step), and returns rank 0's ModelRunnerOutput. The control messages go
+through a socket (mp) or a Ray actor call (ray); tensors only ever move through
+torch.distributed collectives. With pipeline stages it declares max_concurrent_batches > 1 and
+EngineCore keeps several steps in flight (submit / finish).
 
 Failure: a worker that dies makes the driver's next collective fail at once (or the liveness
 check before the step catch it); the executor then raises ExecutorError naming the rank, its
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,34 +27,25 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor, ExecutorError
+from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-class ExecutorError(RuntimeError):
-    """A rank of the split model failed: the engine cannot continue."""
-
-
-class DistributedExecutor:
+class DistributedExecutor(Executor):
     backend_name = "?"
 
-    def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.distributed.parallel_state import dist_timeout, init_parallel_context
-        from pagedllm.executor.worker import ParallelModelRunner
-        self.config = config
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] = ()) -> None:
+        from pagedllm.distributed.parallel_state import dist_timeout
+        super().__init__(config, eos_token_ids)
         pc = config.parallel_config
         self.world_size = pc.world_size
         self.tp_size, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.failed: Optional[ExecutorError] = None
         self.is_shutdown = False
-        # Tokens the driver sampled since the last message to the workers: they go with it.
-        self.prev_sampled: dict[str, list[int]] = {}
-        # Pipelining: steps are numbered as submitted; a request preempted by a later step
-        # than the one being finished gets no token from it (it recomputes from scratch).
-        self._seq = 0
-        self._num_finished = 0
+        self._in_flight = 0        # steps submitted and not finished
         self.max_in_flight = 0
-        self._preempted_at: dict[str, int] = {}
         # Every rank can be busy at once (TP ranks always; pipeline stages with steps in
         # flight), so the cores are divided among them: more threads than cores makes
         # OpenMP's barriers spin against each other (measured: several times slower).
@@ -62,22 +56,22 @@ class DistributedExecutor:
         self.store = dist.TCPStore(self.host, 0, self.world_size, is_master=True,
                                    timeout=dist_timeout(), wait_for_workers=False)
         self.master_port = self.store.port
-        self.parallel = None
+        self.driver_worker = Worker(config, self.eos_token_ids, rank=0, master_addr=self.host,
+                                    master_port=self.master_port, host=self.host)
         self.stats = None
         self._stats_box: list = []   # for a backend's finalizer (which must not hold self)
         try:
             self._start_workers()
             self._send_all("init_device", ())
-            torch.set_num_threads(self.num_threads)
-            hf = config.model_config.hf_config
-            self.parallel = self._while_workers_live(
-                lambda: init_parallel_context(hf, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                                              0, self.host, self.master_port, self.host, store=self.store),
-                envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "joining the process groups")
-            self.stats = self.parallel.stats
+            torch.set_num_threads(self.num_threads)   # here: OpenMP's setting is per thread
+            self._while_workers_live(lambda: self.driver_worker.init_device(store=self.store),
+                                     envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "joining the process groups")
+            self._collect_all(envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "joining the process groups")
+            self.stats = self.driver_worker.parallel.stats
             self._stats_box.append(self.stats)
-            self.driver = ParallelModelRunner(config, self.parallel)
-            self.worker_kv_bytes = self._collect_all(envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "loading the model")
+            # Every rank gets the same number of blocks: the memory budget binds the largest shard.
+            self._kv_bytes_per_block = max(self.collective_rpc(
+                "load_model", timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S, what="loading the model"))
         except BaseException as e:
             self.shutdown()
             if isinstance(e, ExecutorError):
@@ -99,7 +93,7 @@ class DistributedExecutor:
         raise NotImplementedError
 
     def _collect_all(self, timeout: float, what: str) -> list:
-        """The results of the last _send_all (not for execute_model)."""
+        """The results of the last _send_all (not for the step calls: worker_main.STEP_CALLS)."""
         raise NotImplementedError
 
     def _after_step(self, wait: bool) -> None:
@@ -117,82 +111,68 @@ class DistributedExecutor:
     def worker_pids(self) -> list[int]:
         raise NotImplementedError
 
-    # ------------------------------------------------------------ ModelRunner's face
-    @property
-    def eos_ids(self) -> set[int]:
-        return self.driver.eos_ids
-
-    @eos_ids.setter
-    def eos_ids(self, ids) -> None:
-        self.driver.eos_ids = set(ids)   # only the driver samples
+    # ------------------------------------------------------------ the Executor interface
+    def collective_rpc(self, method: str, args: tuple = (), timeout: float = 0.0, what: str = "") -> list:
+        """`method(*args)` on every rank (the driver's here, after the others were sent theirs)
+        -> the results, rank 0's first (not for the step calls)."""
+        self._check()
+        self._send_all(method, args)
+        mine = getattr(self.driver_worker, method)(*args)
+        return [mine, *self._collect_all(timeout or envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S, what or method)]
 
     def kv_bytes_per_block(self) -> int:
-        """Every rank gets the same number of blocks: the memory budget binds the largest shard."""
-        return max([self.driver.kv_bytes_per_block(), *self.worker_kv_bytes])
+        return self._kv_bytes_per_block
+
+    def determine_available_memory(self) -> int:
+        return min(self.collective_rpc("determine_available_memory", what="profiling the memory"))
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self._check()
-        self._send_all("init_kv_cache", (num_blocks, num_cpu_blocks))
-        self.driver.init_kv_cache(num_blocks, num_cpu_blocks)
-        self._collect_all(envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S, "allocating the KV cache")
+        self.collective_rpc("init_kv_cache", (num_blocks, num_cpu_blocks), what="allocating the KV cache")
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        # PAGEDLLM_PP_BATCH_QUEUE=0: one step at a time, to compare.
+        return self.pp_size if self.pp_size > 1 and envs.PAGEDLLM_PP_BATCH_QUEUE else 1
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._check()
         if self.pp_size > 1:
             return self.finish(self.submit(so))
+        self._check()
         try:
-            self._send_all("execute_model", (so, self._take_sampled()))
-            out = self.driver.execute_model(so)
+            self._send_all("execute_model_worker", (so, self.driver_worker.take_sampled()))
+            out = self.driver_worker.execute_model(so)
             self._after_step(wait=True)
         except Exception as e:
             raise self._failure(e)
-        self._record(out)
+        self.stats.steps += 1
         return out
 
-    # Pipeline parallelism: EngineCore keeps up to pipeline_parallel_size steps in flight.
+    # Pipeline parallelism: EngineCore keeps up to max_concurrent_batches steps in flight.
     def submit(self, so: SchedulerOutput):
         """Start a step on every rank (stage 0's part runs here); -> a handle for finish()."""
         self._check()
         try:
-            self._send_all("execute_model", (so, self._take_sampled()))
-            pending = self.driver.submit_step(so)
+            self._send_all("execute_model_worker", (so, self.driver_worker.take_sampled()))
+            pending = self.driver_worker.submit_step(so)
         except Exception as e:
             raise self._failure(e)
-        seq = self._seq
-        self._seq += 1
-        self.max_in_flight = max(self.max_in_flight, self._seq - self._num_finished)
-        for req_id in so.preempted_req_ids:
-            self._preempted_at[req_id] = seq
-        return seq, pending
+        self._in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        return pending
 
     def finish(self, handle) -> ModelRunnerOutput:
         """Wait for the oldest step's last stage, sample on the driver; -> its output."""
         self._check()
-        seq, pending = handle
         try:
             if self.tp_size > 1:
-                self._send_all("finish_step", (), ranks=range(1, self.tp_size))
-            out = self.driver.finish_step(pending)
+                self._send_all("finish_step_worker", (), ranks=range(1, self.tp_size))
+            out = self.driver_worker.finish_step(handle)
             self._after_step(wait=False)
         except Exception as e:
             raise self._failure(e)
-        self._num_finished += 1
-        for row, req_id in enumerate(out.req_ids):
-            if out.sampled_token_ids[row] and self._preempted_at.get(req_id, -1) > seq:
-                out.sampled_token_ids[row] = []
-        self._preempted_at = {r: s for r, s in self._preempted_at.items() if s > seq + 1}
-        self._record(out)
-        return out
-
-    def _take_sampled(self) -> dict[str, list[int]]:
-        sampled, self.prev_sampled = self.prev_sampled, {}
-        return sampled
-
-    def _record(self, out: ModelRunnerOutput) -> None:
+        self._in_flight -= 1
         self.stats.steps += 1
-        for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
-            if tokens:
-                self.prev_sampled.setdefault(req_id, []).extend(tokens)
+        return out
 
     def _failure(self, e: Exception) -> ExecutorError:
         if isinstance(e, ExecutorError):
@@ -209,6 +189,9 @@ class DistributedExecutor:
         return {**self.stats.as_dict(), "max_in_flight": self.max_in_flight}
 
     # ------------------------------------------------------------ health and the end
+    def check_health(self) -> None:
+        self._check()
+
     def _check(self) -> None:
         if self.failed is not None:
             raise self.failed
@@ -257,8 +240,6 @@ class DistributedExecutor:
         try:
             self._stop_workers()
         finally:
-            if self.parallel is not None:
-                self.parallel.close()
-                self.parallel = None
+            self.driver_worker.shutdown()   # leaves the process groups
             self.store = None
             torch.set_num_threads(self._saved_threads)

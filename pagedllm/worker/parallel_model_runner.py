@@ -1,23 +1,19 @@
-"""One rank of a model split by tensor / pipeline parallelism: its model runner, and the loop
-that a worker process (mp executor) or a Ray actor (ray executor) runs.
+"""The model runner of one rank of a model split by tensor / pipeline parallelism.
 
 Every rank keeps the same persistent InputBatch as the driver (rank 0) and runs the same
 `SchedulerOutput` each step, so that every rank builds the same positions, slot mapping and
 attention metadata for its own shard of the model and its own KV cache (same block layout,
-its own KV heads / layers). Only the driver samples. The others learn the sampled tokens with
-the driver's next message (`prev_sampled`), before they bring their batch in step with it: the
-same order in which the driver appended them, so every rank's batch stays identical.
+its own KV heads / layers). Only the driver samples; its runner keeps the tokens it appended
+since the last message to the others (`take_sampled`), and they go with that message. The
+others apply them before they bring their batch in step with it: the same order in which the
+driver appended them, so every rank's batch stays identical.
 """
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import sys
-import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -55,10 +51,12 @@ class ParallelModelRunner(ModelRunner):
     sampled rows are captured at submit time, since the batch moves on meanwhile.
     """
 
-    def __init__(self, config: EngineConfig, parallel) -> None:
-        super().__init__(config, parallel)
+    def __init__(self, config: EngineConfig, parallel, eos_token_ids: Iterable[int] = ()) -> None:
+        super().__init__(config, parallel, eos_token_ids)
         self.hidden_size = config.model_config.hidden_size
         self._pending_rows: deque[int] = deque()   # stage-0 TP workers: rows of unfinished steps
+        # Driver: tokens appended since the last message to the other ranks (take_sampled).
+        self._sampled: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ pipeline stages
     def _run_stage(self, inputs, meta) -> None:
@@ -83,9 +81,21 @@ class ParallelModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if self.parallel.pp_size == 1:
-            return super().execute_model(so)
-        return self.finish_step(self.submit_step(so))
+        if self.parallel.pp_size > 1:
+            return self.finish_step(self.submit_step(so))
+        out = super().execute_model(so)
+        self._record(out)
+        return out
+
+    def _record(self, out: ModelRunnerOutput) -> None:
+        for req_id, token_ids in zip(out.req_ids, out.sampled_token_ids):
+            if token_ids:
+                self._sampled.setdefault(req_id, []).extend(token_ids)
+
+    def take_sampled(self) -> dict[str, list[int]]:
+        """Driver: the tokens sampled since the last call, for the other ranks' next step."""
+        sampled, self._sampled = self._sampled, {}
+        return sampled
 
     @torch.inference_mode()
     def submit_step(self, so: SchedulerOutput) -> Optional[PendingStep]:
@@ -104,7 +114,9 @@ class ParallelModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def finish_step(self, pending: Optional[PendingStep]) -> ModelRunnerOutput:
-        """Driver, pipeline: receive the step's final hidden states, sample, append."""
+        """Driver, pipeline: receive the step's final hidden states, sample, append. A request
+        whose state was dropped since the submit (preempted or finished by a later step) gets
+        no token: a preempted one recomputes from scratch, and its state may be a new one."""
         if pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         out = None
@@ -119,7 +131,12 @@ class ParallelModelRunner(ModelRunner):
                 batch.append_token(now, token)
             else:   # out of the batch (it is in flight, or gone): its state only
                 state.token_ids.append(token)
-        return to_runner_output(pending.req_ids, pending.rows, pending.states, out, append)
+        result = to_runner_output(pending.req_ids, pending.rows, pending.states, out, append)
+        for row, state in zip(pending.rows, pending.states):
+            if self.requests.get(state.req_id) is not state:
+                result.sampled_token_ids[row] = []
+        self._record(result)
+        return result
 
     # ------------------------------------------------------------ the other ranks
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
@@ -165,91 +182,3 @@ class ParallelModelRunner(ModelRunner):
         num_rows = self._pending_rows.popleft()
         if num_rows > 0:
             self.model.compute_logits(self._recv_final_rows(num_rows))
-
-
-class Worker:
-    """A non-driver rank: the object behind a worker process or a Ray actor."""
-
-    def __init__(self, config: EngineConfig, rank: int, master_addr: str, master_port: int,
-                 host: str, num_threads: int) -> None:
-        self.config = config
-        self.rank = rank
-        self.master_addr, self.master_port, self.host = master_addr, master_port, host
-        self.num_threads = num_threads
-        self.runner: Optional[ParallelModelRunner] = None
-        self.parallel = None
-
-    def get_pid(self) -> int:
-        return os.getpid()
-
-    def init_device(self) -> int:
-        """Join the process groups, load this rank's shard; -> its KV bytes per block."""
-        from pagedllm.distributed.parallel_state import init_parallel_context
-        torch.set_num_threads(self.num_threads)
-        if self.host is None:   # a Ray actor: this node's address
-            import ray
-            self.host = ray.util.get_node_ip_address()
-        pc = self.config.parallel_config
-        self.parallel = init_parallel_context(
-            self.config.model_config.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-            self.rank, self.master_addr, self.master_port, self.host)
-        self.runner = ParallelModelRunner(self.config, self.parallel)
-        return self.runner.kv_bytes_per_block()
-
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
-
-    def execute_model(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]]) -> None:
-        self.runner.execute_model_worker(so, prev_sampled)
-
-    def finish_step(self) -> None:
-        self.runner.finish_step_worker()
-
-    def comm_stats(self) -> dict:
-        return self.parallel.stats.as_dict() if self.parallel else {}
-
-    def shutdown(self) -> None:
-        if self.parallel is not None:
-            self.parallel.close()
-            self.parallel = None
-
-
-def run_worker_process(config: EngineConfig, rank: int, master_addr: str, master_port: int,
-                       host: str, num_threads: int, conn, log_level: int) -> None:
-    """The loop of an mp worker process (started by worker_main.py). Messages on `conn` are
-    (method, args); every one but the step calls (execute_model, finish_step) is answered with
-    ("ok", result). A failure is sent as ("error", text) and ends the process; the driver's next
-    collective fails at once, and it reports the text. The process also ends when the driver
-    is gone (its end of the socket closes, or the parent process changes)."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's to handle
-    parent = os.getppid()
-    worker = Worker(config, rank, master_addr, master_port, host, num_threads)
-    try:
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent:
-                    return
-                continue
-            method, args = conn.recv()
-            if method == "shutdown":
-                break
-            result = getattr(worker, method)(*args)
-            if method not in ("execute_model", "finish_step"):
-                conn.send(("ok", result))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return   # the driver is gone or ended us
-    except BaseException:
-        text = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
-        logger.error("%s", text)
-        try:
-            conn.send(("error", text))
-        except Exception:
-            pass
-        sys.exit(1)
-    finally:
-        worker.shutdown()
-    try:
-        conn.send(("ok", None))   # the shutdown is done
-    except Exception:
-        pass

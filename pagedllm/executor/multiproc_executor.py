@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 import pagedllm
-from pagedllm.executor.base import DistributedExecutor, ExecutorError
+from pagedllm.executor.abstract import ExecutorError
+from pagedllm.executor.distributed_executor import DistributedExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +85,15 @@ class MultiprocExecutor(DistributedExecutor):
         self.procs: list[WorkerProcess] = []
         self.conns: list[Connection] = []
         self._errors: dict[int, str] = {}
+        # Answers read while watching for dead workers (a worker answers as soon as it has
+        # joined the groups, maybe before the driver's own join returns): _collect_all's.
+        self._answers: dict[int, object] = {}
         self._finalizer = weakref.finalize(self, _reap, self.procs, self._stats_box)
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, self.world_size):
-            p, conn = start_worker(config=self.config, rank=rank, master_addr=self.host,
-                                   master_port=self.master_port, host=self.host,
-                                   num_threads=self.num_threads, log_level=level)
+            p, conn = start_worker(config=self.config, eos_token_ids=self.eos_token_ids, rank=rank,
+                                   master_addr=self.host, master_port=self.master_port,
+                                   host=self.host, num_threads=self.num_threads, log_level=level)
             self.procs.append(p)
             self.conns.append(conn)
 
@@ -111,6 +115,9 @@ class MultiprocExecutor(DistributedExecutor):
         deadline = time.monotonic() + timeout
         results = []
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if rank in self._answers:
+                results.append(self._answers.pop(rank))
+                continue
             while True:
                 if conn.poll(0.2):
                     try:
@@ -139,6 +146,8 @@ class MultiprocExecutor(DistributedExecutor):
                         kind, value = conn.recv()
                         if kind == "error":
                             self._errors[rank] = value
+                        else:
+                            self._answers[rank] = value
                 except (EOFError, OSError):
                     pass
                 if rank in self._errors:
