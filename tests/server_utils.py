@@ -1,6 +1,7 @@
 """A real `pagedllm serve` in a subprocess on 127.0.0.1 (a free port), for the server tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -118,7 +119,8 @@ class RemoteServer:
         return out
 
     def core_pid(self) -> int:
-        pids = [p for p, cmd in child_pids(self.proc.pid) if "spawn_main" in cmd]
+        """The engine core: the server's one child besides multiprocessing's resource tracker."""
+        pids = [p for p, cmd in child_pids(self.proc.pid) if "resource_tracker" not in cmd]
         assert len(pids) == 1, child_pids(self.proc.pid)
         return pids[0]
 
@@ -198,21 +200,48 @@ def wait_metrics(server, condition, what: str, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+ABORTED = 'pagedllm:request_success_total{finished_reason="abort"}'
+
+
+@contextlib.contextmanager
+def core_frozen(server):
+    """The engine core stopped (SIGSTOP) for the block, the API process running: no step, so no
+    token, is made meanwhile. What a test does inside (a disconnect, an abort) comes before the
+    request's next token however fast the machine is; /metrics still answers (the API process
+    serves it), showing what the core last reported."""
+    pid = server.core_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_aborted(server, before: dict) -> dict:
+    """Wait until the API process has counted one more aborted request than `before` (it counts
+    when it aborts, before the core hears of it: this works with the core frozen)."""
+    return wait_metrics(server, lambda m: m[ABORTED] > before[ABORTED], "the API server aborted the request")
+
+
 def disconnect_when(server, path: str, body: dict, condition, what: str) -> None:
-    """POST body (not streamed) and close the connection, the request still in flight, once
-    condition(metrics) holds: a client going away at a moment seen, not timed."""
+    """POST body (not streamed) and, once condition(metrics) holds, close the connection with the
+    core frozen, and wait until the API server has aborted the request: the request cannot end
+    (and its end cannot overtake the abort) between the moment seen and the disconnect."""
     import asyncio
 
     async def run():
+        before = server.metrics()
         async with httpx.AsyncClient(timeout=120) as c:
             call = asyncio.create_task(c.post(server.url + path, json=body, headers=server.headers()))
             await asyncio.to_thread(wait_metrics, server, condition, what)
-            assert not call.done(), f"the request ended before the disconnect: {call.result()}"
-            call.cancel()   # closes the connection mid-request
-            try:
-                await call
-            except asyncio.CancelledError:
-                pass
+            with core_frozen(server):
+                assert not call.done(), f"the request ended before the disconnect: {call.result()}"
+                call.cancel()   # closes the connection mid-request
+                try:
+                    await call
+                except asyncio.CancelledError:
+                    pass
+                await asyncio.to_thread(wait_aborted, server, before)
 
     asyncio.run(run())
 

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from server_utils import (RemoteServer, assert_error, disconnect_when, wait_idle, wait_metrics,
-                          wait_session_gone)
+from server_utils import (RemoteServer, assert_error, core_frozen, disconnect_when, wait_aborted, wait_idle,
+                          wait_metrics, wait_session_gone)
 
 pytestmark = pytest.mark.model
 
@@ -254,8 +254,9 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 
 
 # ------------------------------------------------------------------ disconnects free blocks
-# Far more tokens than any check below needs: the request is surely still running when the
-# client goes away, however fast or slow the machine (the verdicts wait for events, not time).
+# The client leaves with the engine core frozen (server_utils.core_frozen) and the core resumes
+# only once the API server has aborted the request: the request cannot run to its end first,
+# however fast or slow the machine. Its many tokens only keep it running until the freeze.
 LONG_TOKENS = MAX_MODEL_LEN - 64
 HOLDS_BLOCKS = (lambda m: m["pagedllm:kv_cache_used_blocks"] > 0 and m["pagedllm:num_requests_running"] == 1,
                 "the request runs and holds KV blocks")
@@ -282,9 +283,13 @@ def test_stream_disconnect_frees_blocks(server):
         assert r.status_code == 200
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert '"error"' not in first, first
-        # The gauges follow the core's stats messages, which may lag the stream: wait for them.
-        wait_metrics(server, *HOLDS_BLOCKS)
-    # the connection is closed: the request is aborted in the core, its blocks come back
+        with core_frozen(server):
+            # The stats that came with the first token say it runs; a later message could only
+            # say it ended, which the freeze now rules out from here on.
+            wait_metrics(server, *HOLDS_BLOCKS)
+            r.close()   # the client goes away
+            wait_aborted(server, before)
+    # the core resumes, gets the abort, the blocks come back
     _assert_aborted_and_freed(server, before)
 
 
