@@ -173,6 +173,15 @@ def tiny_server(max_model_len: int, *args: str) -> RemoteServer:
                          "--chat-template", TINY_CHAT_TEMPLATE, *args])
 
 
+# The two servers the test session shares (conftest.py: `default_server`, `tiny_shared_server`)
+# among the modules that need no flag of their own: starting one (a core process, the model,
+# the C++ kernels) costs more than most of the tests run on it.
+DEFAULT_SERVER_MAX_MODEL_LEN = 1024
+DEFAULT_SERVER_ARGS = ["--max-model-len", str(DEFAULT_SERVER_MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
+                       "--max-num-seqs", "64"]
+TINY_SERVER_MAX_MODEL_LEN = 256
+
+
 def assert_error(r: httpx.Response, status: int, code=None):
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server, end to end: a real `pagedllm serve` subprocess on 127.0.0.1,
-talked to with the official `openai` client and httpx. One server for the whole module; the
-last test stops it with SIGTERM."""
+talked to with the official `openai` client and httpx. The session's `default_server` (shared
+with test_server_beam.py); the last test of the session stops it with SIGTERM."""
 from __future__ import annotations
 
 import asyncio
@@ -11,23 +11,20 @@ import httpx
 import openai
 import pytest
 
-from server_utils import (RemoteServer, assert_error, core_frozen, disconnect_when, wait_aborted, wait_idle,
-                          wait_metrics, wait_session_gone)
+from server_utils import (DEFAULT_SERVER_MAX_MODEL_LEN, assert_error, core_frozen, disconnect_when, wait_aborted,
+                          wait_idle, wait_metrics, wait_session_gone)
 
 pytestmark = pytest.mark.model
 
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = DEFAULT_SERVER_MAX_MODEL_LEN
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = RemoteServer(["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
-                        "--max-num-seqs", "64"])
-    yield srv
-    srv.close()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -562,6 +559,7 @@ def test_prefix_cache_reported_in_usage_and_metrics(server, client):
 
 
 # ------------------------------------------------------------------ shutdown (last: it stops the server)
+@pytest.mark.stops_server
 @pytest.mark.timeout(120)
 def test_sigterm_with_request_in_flight_exits_cleanly(server):
     body = {"prompt": "Count to one thousand:", "max_tokens": 800, "stream": True, "ignore_eos": True}
