@@ -119,8 +119,9 @@ class RemoteServer:
         return out
 
     def core_pid(self) -> int:
-        """The engine core: the server's one child besides multiprocessing's resource tracker."""
-        pids = [p for p, cmd in child_pids(self.proc.pid) if "resource_tracker" not in cmd]
+        """The engine core: the server's one live child besides multiprocessing's resource tracker
+        (a core that died, not yet reaped, has no command line)."""
+        pids = [p for p, cmd in child_pids(self.proc.pid) if cmd and "resource_tracker" not in cmd]
         assert len(pids) == 1, child_pids(self.proc.pid)
         return pids[0]
 
@@ -223,7 +224,10 @@ def core_frozen(server):
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:   # the server stopped it meanwhile
+            pass
 
 
 def wait_aborted(server, before: dict) -> dict:
