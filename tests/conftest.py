@@ -84,9 +84,9 @@ def default_server(model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_shared_server():
-    """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py and
-    test_server_sampling.py."""
-    from server_utils import TINY_SERVER_MAX_MODEL_LEN, tiny_server
-    srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN)
+    """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py,
+    test_server_sampling.py and test_input_bounds.py."""
+    from server_utils import TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN, tiny_server
+    srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES))
     yield srv
     srv.close()

@@ -180,7 +180,8 @@ def tiny_server(max_model_len: int, *args: str) -> RemoteServer:
 DEFAULT_SERVER_MAX_MODEL_LEN = 1024
 DEFAULT_SERVER_ARGS = ["--max-model-len", str(DEFAULT_SERVER_MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
                        "--max-num-seqs", "64"]
-TINY_SERVER_MAX_MODEL_LEN = 256
+TINY_SERVER_MAX_MODEL_LEN = 64
+TINY_SERVER_MAX_BODY_BYTES = 64 << 10   # small, for test_input_bounds.py's 413s
 
 
 def assert_error(r: httpx.Response, status: int, code=None):
