@@ -41,6 +41,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs the real default model (slower)")
+    config.addinivalue_line("markers", "stops_server: stops the session's shared server (run last)")
 
 
 @pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marks
@@ -48,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+    # A test that stops a shared server runs after every other test (which may share it).
+    items.sort(key=lambda item: item.get_closest_marker("stops_server") is not None)   # stable
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +70,23 @@ def hf_model(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+# ---------------------------------------------------------------- shared servers (tests/server_utils.py)
+@pytest.fixture(scope="session")
+def default_server(model_dir):
+    """`pagedllm serve` of the default model, shared by test_server.py and test_server_beam.py."""
+    from server_utils import DEFAULT_SERVER_ARGS, RemoteServer
+    srv = RemoteServer(DEFAULT_SERVER_ARGS)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_shared_server():
+    """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py,
+    test_server_sampling.py and test_input_bounds.py."""
+    from server_utils import TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN, tiny_server
+    srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES))
+    yield srv
+    srv.close()

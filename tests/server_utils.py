@@ -1,6 +1,7 @@
 """A real `pagedllm serve` in a subprocess on 127.0.0.1 (a free port), for the server tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -118,7 +119,9 @@ class RemoteServer:
         return out
 
     def core_pid(self) -> int:
-        pids = [p for p, cmd in child_pids(self.proc.pid) if "spawn_main" in cmd]
+        """The engine core: the server's one live child besides multiprocessing's resource tracker
+        (a core that died, not yet reaped, has no command line)."""
+        pids = [p for p, cmd in child_pids(self.proc.pid) if cmd and "resource_tracker" not in cmd]
         assert len(pids) == 1, child_pids(self.proc.pid)
         return pids[0]
 
@@ -171,6 +174,16 @@ def tiny_server(max_model_len: int, *args: str) -> RemoteServer:
                          "--chat-template", TINY_CHAT_TEMPLATE, *args])
 
 
+# The two servers the test session shares (conftest.py: `default_server`, `tiny_shared_server`)
+# among the modules that need no flag of their own: starting one (a core process, the model,
+# the C++ kernels) costs more than most of the tests run on it.
+DEFAULT_SERVER_MAX_MODEL_LEN = 1024
+DEFAULT_SERVER_ARGS = ["--max-model-len", str(DEFAULT_SERVER_MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
+                       "--max-num-seqs", "64"]
+TINY_SERVER_MAX_MODEL_LEN = 64
+TINY_SERVER_MAX_BODY_BYTES = 64 << 10   # small, for test_input_bounds.py's 413s
+
+
 def assert_error(r: httpx.Response, status: int, code=None):
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
@@ -198,21 +211,51 @@ def wait_metrics(server, condition, what: str, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+ABORTED = 'pagedllm:request_success_total{finished_reason="abort"}'
+
+
+@contextlib.contextmanager
+def core_frozen(server):
+    """The engine core stopped (SIGSTOP) for the block, the API process running: no step, so no
+    token, is made meanwhile. What a test does inside (a disconnect, an abort) comes before the
+    request's next token however fast the machine is; /metrics still answers (the API process
+    serves it), showing what the core last reported."""
+    pid = server.core_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:   # the server stopped it meanwhile
+            pass
+
+
+def wait_aborted(server, before: dict) -> dict:
+    """Wait until the API process has counted one more aborted request than `before` (it counts
+    when it aborts, before the core hears of it: this works with the core frozen)."""
+    return wait_metrics(server, lambda m: m[ABORTED] > before[ABORTED], "the API server aborted the request")
+
+
 def disconnect_when(server, path: str, body: dict, condition, what: str) -> None:
-    """POST body (not streamed) and close the connection, the request still in flight, once
-    condition(metrics) holds: a client going away at a moment seen, not timed."""
+    """POST body (not streamed) and, once condition(metrics) holds, close the connection with the
+    core frozen, and wait until the API server has aborted the request: the request cannot end
+    (and its end cannot overtake the abort) between the moment seen and the disconnect."""
     import asyncio
 
     async def run():
+        before = server.metrics()
         async with httpx.AsyncClient(timeout=120) as c:
             call = asyncio.create_task(c.post(server.url + path, json=body, headers=server.headers()))
             await asyncio.to_thread(wait_metrics, server, condition, what)
-            assert not call.done(), f"the request ended before the disconnect: {call.result()}"
-            call.cancel()   # closes the connection mid-request
-            try:
-                await call
-            except asyncio.CancelledError:
-                pass
+            with core_frozen(server):
+                assert not call.done(), f"the request ended before the disconnect: {call.result()}"
+                call.cancel()   # closes the connection mid-request
+                try:
+                    await call
+                except asyncio.CancelledError:
+                    pass
+                await asyncio.to_thread(wait_aborted, server, before)
 
     asyncio.run(run())
 

@@ -17,21 +17,20 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                       MAX_STOP_TOKEN_IDS, ParamError)
-from server_utils import TINY, TINY_CHAT_TEMPLATE, assert_error, tiny_server
+from server_utils import (TINY, TINY_CHAT_TEMPLATE, TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN,
+                          assert_error)
 
 MODEL = TINY
-MAX_MODEL_LEN = 64
-LIMIT = 64 << 10          # the server's --max-request-body-bytes
+MAX_MODEL_LEN = TINY_SERVER_MAX_MODEL_LEN   # the shared tiny server's (conftest.py)
+LIMIT = TINY_SERVER_MAX_BODY_BYTES          # its --max-request-body-bytes
 # The tiny model's word-level vocabulary: "w5" ... "w511" and "<unk>": 5 characters at most.
 MAX_CHARS = MAX_MODEL_LEN * 5
 TEMPLATE = TINY_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = tiny_server(MAX_MODEL_LEN, "--max-request-body-bytes", str(LIMIT))
-    yield srv
-    srv.close()
+def server(tiny_shared_server):
+    return tiny_shared_server
 
 
 @pytest.fixture(scope="module")

@@ -1,33 +1,31 @@
 """The OpenAI-compatible server, end to end: a real `pagedllm serve` subprocess on 127.0.0.1,
-talked to with the official `openai` client and httpx. One server for the whole module; the
-last test stops it with SIGTERM."""
+talked to with the official `openai` client and httpx. The session's `default_server` (shared
+with test_server_beam.py); the last test of the session stops it with SIGTERM."""
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import httpx
 import openai
 import pytest
 
-from server_utils import (RemoteServer, assert_error, disconnect_when, wait_idle, wait_metrics,
-                          wait_session_gone)
+from server_utils import (DEFAULT_SERVER_MAX_MODEL_LEN, assert_error, core_frozen, disconnect_when, wait_aborted,
+                          wait_idle, wait_metrics, wait_session_gone)
 
 pytestmark = pytest.mark.model
 
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = DEFAULT_SERVER_MAX_MODEL_LEN
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = RemoteServer(["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
-                        "--max-num-seqs", "64"])
-    yield srv
-    srv.close()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -254,8 +252,9 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 
 
 # ------------------------------------------------------------------ disconnects free blocks
-# Far more tokens than any check below needs: the request is surely still running when the
-# client goes away, however fast or slow the machine (the verdicts wait for events, not time).
+# The client leaves with the engine core frozen (server_utils.core_frozen) and the core resumes
+# only once the API server has aborted the request: the request cannot run to its end first,
+# however fast or slow the machine. Its many tokens only keep it running until the freeze.
 LONG_TOKENS = MAX_MODEL_LEN - 64
 HOLDS_BLOCKS = (lambda m: m["pagedllm:kv_cache_used_blocks"] > 0 and m["pagedllm:num_requests_running"] == 1,
                 "the request runs and holds KV blocks")
@@ -282,9 +281,13 @@ def test_stream_disconnect_frees_blocks(server):
         assert r.status_code == 200
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert '"error"' not in first, first
-        # The gauges follow the core's stats messages, which may lag the stream: wait for them.
-        wait_metrics(server, *HOLDS_BLOCKS)
-    # the connection is closed: the request is aborted in the core, its blocks come back
+        with core_frozen(server):
+            # The stats that came with the first token say it runs; a later message could only
+            # say it ended, which the freeze now rules out from here on.
+            wait_metrics(server, *HOLDS_BLOCKS)
+            r.close()   # the client goes away
+            wait_aborted(server, before)
+    # the core resumes, gets the abort, the blocks come back
     _assert_aborted_and_freed(server, before)
 
 
@@ -557,6 +560,7 @@ def test_prefix_cache_reported_in_usage_and_metrics(server, client):
 
 
 # ------------------------------------------------------------------ shutdown (last: it stops the server)
+@pytest.mark.stops_server
 @pytest.mark.timeout(120)
 def test_sigterm_with_request_in_flight_exits_cleanly(server):
     body = {"prompt": "Count to one thousand:", "max_tokens": 800, "stream": True, "ignore_eos": True}
@@ -565,8 +569,11 @@ def test_sigterm_with_request_in_flight_exits_cleanly(server):
         for line in lines:
             if line.startswith("data: "):
                 break
-        code = server.terminate(timeout=120)
-        rest = [line for line in lines if line]  # the stream ends (an error event, then [DONE])
+        # The core frozen, the request cannot run to its end: the signal's abort ends the stream.
+        with core_frozen(server):
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]  # the stream ends (an error event, then [DONE])
+    code = server.proc.wait(120)   # (a second SIGTERM would force uvicorn's exit)
     assert code == 0, server.log_text()
     # Aborted, not waited for: its 800 tokens did not all come before the end.
     assert rest and rest[-1] == "data: [DONE]", rest

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from server_utils import RemoteServer, assert_error, disconnect_when, wait_idle
+from server_utils import assert_error, disconnect_when, wait_idle
 from test_beam_search import hf_beam_hypotheses
 from test_logprobs import TOL, hf_logprobs
 
@@ -24,10 +24,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = RemoteServer(["--max-model-len", "512", "--kv-cache-memory", "0.25", "--max-num-seqs", "32"])
-    yield srv
-    srv.close()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

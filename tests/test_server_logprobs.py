@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_utils import TINY, TINY_CHAT_TEMPLATE, tiny_server
+from server_utils import TINY, TINY_CHAT_TEMPLATE
 from test_logprobs import check_position, hf_logprobs, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
 
 PROMPT = [5, 17, 33, 101, 7, 250, 9, 64]
@@ -18,10 +18,8 @@ SAMPLING = dict(temperature=0.7, seed=11, presence_penalty=0.6, frequency_penalt
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    srv = tiny_server(256)
-    yield srv
-    srv.close()
+def server(tiny_dir, tiny_shared_server):
+    return tiny_shared_server
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import math
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from server_utils import TINY, TINY_CHAT_TEMPLATE, tiny_server
+from server_utils import TINY, TINY_CHAT_TEMPLATE, TINY_SERVER_MAX_MODEL_LEN
 
 MODEL = TINY
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = TINY_SERVER_MAX_MODEL_LEN   # the offline LLM as the shared server
 MAX_TOKENS = 16
 TEMPLATE = TINY_CHAT_TEMPLATE
 PROMPTS = [[5, 17, 33, 99, 100, 7], [300, 301, 302], [9, 9, 9, 9]]
@@ -30,10 +30,8 @@ OPENAI_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty"
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = tiny_server(MAX_MODEL_LEN)
-    yield srv
-    srv.close()
+def server(tiny_shared_server):
+    return tiny_shared_server
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ its blocks go back and it returns to the front of the waiting queue.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from pagedllm.config import SchedulerConfig
@@ -16,6 +17,18 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
 from pagedllm.core.scheduler_output import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class _Step:
+    """What one `Scheduler.schedule()` has decided so far: the budget left, the tokens and new
+    blocks of each scheduled request, which are new to the runner, which preempted."""
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -87,20 +100,19 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        new_reqs: list[Request] = []
-        cached_reqs: list[Request] = []
-        preempted: list[Request] = []
-        kv = self.kv_cache_manager
+        step = _Step(self.config.max_num_batched_tokens)
         self._fork_ready_parents()
+        self._schedule_running(step)
+        if not step.preempted:   # no admission while we are short of blocks
+            self._schedule_waiting(step)
+        return self._make_output(step)
 
-        # 1. Running requests, oldest first, a unit at a time (a request, or a search's beams).
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, oldest first, a unit at a time (a request, or a search's beams)."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             unit = _unit_at(self.running, i)
-            plan = self._plan_tokens(unit, budget)
+            plan = self._plan_tokens(unit, step.budget)
             # Room for the whole unit, or preempt the newest units; units are contiguous and
             # taken from the end, so a victim is never one scheduled earlier in this step.
             while (allocated := self._allocate_unit(plan)) is None:
@@ -108,68 +120,67 @@ class Scheduler:
                 del self.running[-len(victims):]
                 for victim in reversed(victims):   # pushed to the front in their order
                     self._preempt(victim)
-                preempted.extend(victims)
+                step.preempted.extend(victims)
                 if victims[0] is unit[0]:
                     break
             if allocated is None:
-                break
+                return
             for (request, n), blocks in zip(plan, allocated):
                 if request.request_id in self.unsent:
                     self.unsent.discard(request.request_id)
-                    new_reqs.append(request)
+                    step.new_reqs.append(request)
                 else:
-                    cached_reqs.append(request)
-                num_scheduled[request.request_id] = n
-                new_block_ids[request.request_id] = [b.block_id for b in blocks]
-                budget -= n
+                    step.cached_reqs.append(request)
+                step.num_scheduled[request.request_id] = n
+                step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
+                step.budget -= n
             i += len(unit)
 
-        # 2. Waiting units, first come first served; none while we are short of blocks.
-        if not preempted:
-            max_seqs = self.config.max_num_seqs
-            num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
-            while self.waiting and budget > 0:
-                unit = _unit_at(self.waiting, 0)
-                # A request counts as every sequence it will fork into (n siblings, beams).
-                width = sum(r.get_max_num_running_seqs() for r in unit)
-                if num_seqs + width > max_seqs:
-                    break
-                # A search's beams come back together: room for all of them at their full
-                # prompt first (prefix hits only lower that), so no beam is left behind.
-                if len(unit) > 1 and sum(kv.num_blocks_to_allocate(r, self._num_tokens_to_compute(r))
-                                         for r in unit) > kv.num_free_blocks():
-                    break
-                n = self._admit(unit[0], budget, num_scheduled, new_reqs)
-                if n is None:
-                    break   # nothing changed
-                budget -= n
-                for request in unit[1:]:
-                    n = self._admit(request, budget, num_scheduled, new_reqs, with_unit=True)
-                    if n is None:
-                        raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
-                    budget -= n
-                num_seqs += width
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting units, first come first served, while sequences, blocks and budget last."""
+        kv = self.kv_cache_manager
+        max_seqs = self.config.max_num_seqs
+        num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
+        while self.waiting and step.budget > 0:
+            unit = _unit_at(self.waiting, 0)
+            # A request counts as every sequence it will fork into (n siblings, beams).
+            width = sum(r.get_max_num_running_seqs() for r in unit)
+            if num_seqs + width > max_seqs:
+                return
+            # A search's beams come back together: room for all of them at their full
+            # prompt first (prefix hits only lower that), so no beam is left behind.
+            if len(unit) > 1 and sum(kv.num_blocks_to_allocate(r, self._num_tokens_to_compute(r))
+                                     for r in unit) > kv.num_free_blocks():
+                return
+            if self._admit(unit[0], step) is None:
+                return   # nothing changed
+            for request in unit[1:]:
+                if self._admit(request, step, with_unit=True) is None:
+                    raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
+            num_seqs += width
 
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        """The step as the runner reads it; the scheduled tokens count as computed from here."""
+        kv = self.kv_cache_manager
         out = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
-                               r.sampling_params, self.kv_cache_manager.get_block_ids(r.request_id),
-                               r.num_computed_tokens)
-                for r in new_reqs],
+                               r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens)
+                for r in step.new_reqs],
             scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens,
+                CachedRequestData(r.request_id, step.new_block_ids[r.request_id], r.num_computed_tokens,
                                   self.pending_tokens.pop(r.request_id, []))
-                for r in cached_reqs],
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            preempted_req_ids={r.request_id for r in preempted},
+                for r in step.cached_reqs],
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in step.preempted},
             finished_req_ids=self.finished_req_ids,
-            blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
+            blocks_to_copy=kv.take_pending_copies(),
         )
-        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache_manager.take_pending_swaps()
+        out.blocks_to_swap_out, out.blocks_to_swap_in = kv.take_pending_swaps()
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step schedules the rest.
-        for req_id, n in num_scheduled.items():
+        for req_id, n in step.num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         return out
 
@@ -205,21 +216,20 @@ class Scheduler:
             allocated.append(blocks)
         return allocated
 
-    def _admit(self, request: Request, budget: int, num_scheduled: dict[str, int],
-               new_reqs: list[Request], with_unit: bool = False) -> Optional[int]:
+    def _admit(self, request: Request, step: _Step, with_unit: bool = False) -> Optional[int]:
         """Move the waiting request at the front to running with the tokens the budget allows
-        (prefix-cache hits first) -> the tokens scheduled; None, changing nothing, when the
-        blocks (or, without chunked prefill, the budget) are not there. `with_unit`: a beam
+        (prefix-cache hits first), scheduled into `step` -> the tokens scheduled; None, changing
+        nothing, when the blocks (or, without chunked prefill, the budget) are not there. `with_unit`: a beam
         following its search's first admitted beam, which may get no tokens this step."""
         kv = self.kv_cache_manager
         swapped = kv.is_swapped(request)
         hits, num_hit_tokens = ([], 0) if swapped else kv.get_computed_blocks(request)
         n = self._num_tokens_to_compute(request) - num_hit_tokens
-        if n > budget and not self.config.chunked_prefill:
+        if n > step.budget and not self.config.chunked_prefill:
             if not with_unit:
                 return None
             n = 0
-        n = min(n, budget)
+        n = min(n, step.budget)
         blocks = kv.swap_in(request, n) if swapped else kv.allocate_slots(request, n, hits)
         if blocks is None:
             return None
@@ -237,8 +247,9 @@ class Scheduler:
             if with_unit:
                 self.unsent.add(request.request_id)
             return 0
-        new_reqs.append(request)
-        num_scheduled[request.request_id] = n
+        step.new_reqs.append(request)
+        step.num_scheduled[request.request_id] = n
+        step.budget -= n
         return n
 
     def _num_tokens_to_compute(self, request: Request) -> int:

@@ -80,10 +80,6 @@ class SamplingMetadata:
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) \
             == len(stop_ids_for_min_tokens) == B
         greedy = [p.greedy for p in params]
-
-        def f32(xs):
-            return torch.tensor(xs, dtype=torch.float32, device=device)
-
         # Sampling-only knobs are neutralised on greedy rows so that the flags only
         # count rows where they matter.
         temps = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
@@ -94,48 +90,62 @@ class SamplingMetadata:
         pres = [float(p.presence_penalty) for p in params]
         freq = [float(p.frequency_penalty) for p in params]
         no_penalties = all(r == 1.0 and a == 0.0 and b == 0.0 for r, a, b in zip(rep, pres, freq))
-
-        bias_r, bias_t, bias_v = [], [], []
-        for i, p in enumerate(params):
-            for t, v in (p.logit_bias or {}).items():
-                if 0 <= t < V:
-                    bias_r.append(i); bias_t.append(t); bias_v.append(v)
-        mt_r, mt_t = [], []
-        for i, (p, out, stops) in enumerate(zip(params, output_token_ids, stop_ids_for_min_tokens)):
-            if len(out) < p.min_tokens:
-                for t in stops:
-                    if 0 <= t < V:
-                        mt_r.append(i); mt_t.append(t)
-
-        def i64(xs):
-            return torch.tensor(xs, dtype=torch.int64, device=device)
-
         random_list = [i for i, g in enumerate(greedy) if not g]
         on_k = [k for k in top_k if k < V]
         return cls(
-            temperature=f32(temps),
+            temperature=_f32(temps, device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            top_p=f32(top_p),
-            top_k=i64(top_k),
-            min_p=f32(min_p),
+            top_p=_f32(top_p, device),
+            top_k=_i64(top_k, device),
+            min_p=_f32(min_p, device),
             no_top_p=all(x >= 1.0 for x in top_p),
             no_top_k=not on_k,
             max_top_k=max(on_k, default=None),
-            random_rows=None if len(random_list) in (0, B) else i64(random_list),
+            random_rows=None if len(random_list) in (0, B) else _i64(random_list, device),
             random_row_list=random_list,
             no_min_p=all(x <= 0.0 for x in min_p),
-            repetition_penalties=f32(rep),
-            presence_penalties=f32(pres),
-            frequency_penalties=f32(freq),
+            repetition_penalties=_f32(rep, device),
+            presence_penalties=_f32(pres, device),
+            frequency_penalties=_f32(freq, device),
             no_penalties=no_penalties,
             prompt_token_ids=None if no_penalties else _pad(prompt_token_ids, V, device),
             output_token_ids=None if no_penalties else _pad(output_token_ids, V, device),
-            logit_bias=(i64(bias_r), i64(bias_t), f32(bias_v)) if bias_r else None,
-            min_tokens_mask=(i64(mt_r), i64(mt_t)) if mt_r else None,
+            logit_bias=_logit_bias(params, V, device),
+            min_tokens_mask=_min_tokens_mask(params, output_token_ids, stop_ids_for_min_tokens, V, device),
             generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
+
+
+def _f32(xs: list[float], device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.float32, device=device)
+
+
+def _i64(xs: list[int], device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64, device=device)
+
+
+def _logit_bias(params: Sequence[SamplingParams], V: int, device):
+    """Every row's logit_bias as sparse (rows [N], token ids [N], values [N]); None if no row has one."""
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        for t, v in (p.logit_bias or {}).items():
+            if 0 <= t < V:
+                rows.append(i); ids.append(t); values.append(v)
+    return (_i64(rows, device), _i64(ids, device), _f32(values, device)) if rows else None
+
+
+def _min_tokens_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                     stop_ids: Sequence[set[int]], V: int, device):
+    """(rows [M], token ids [M]) of the stop ids masked in rows still short of min_tokens; None if none."""
+    rows, ids = [], []
+    for i, (p, out, stops) in enumerate(zip(params, output_token_ids, stop_ids)):
+        if len(out) < p.min_tokens:
+            for t in stops:
+                if 0 <= t < V:
+                    rows.append(i); ids.append(t)
+    return (_i64(rows, device), _i64(ids, device)) if rows else None
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:

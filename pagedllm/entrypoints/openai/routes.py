@@ -1,0 +1,153 @@
+"""The server's routes, one APIRouter per concern, as vLLM's api_server has them: the OpenAI API
+(/v1/completions, /v1/chat/completions, /v1/models), tokenisation (/tokenize, /detokenize) and
+the server's own (/health, /version, /metrics). A route finds the engine and the serving objects
+on `app.state` (set by `build_app`)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm import __version__
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
+from pagedllm.entrypoints.openai.errors import engine_error
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
+
+logger = logging.getLogger("pagedllm.server")
+
+openai_router = APIRouter()
+tokenize_router = APIRouter()
+server_router = APIRouter()
+# What --api-key guards: everything but the server's own routes (a probe needs no key).
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")
+
+
+def engine(request: Request) -> AsyncLLM:
+    return request.app.state.engine
+
+
+def completion(request: Request) -> OpenAIServingCompletion:
+    return request.app.state.openai_serving_completion
+
+
+def chat(request: Request) -> OpenAIServingChat:
+    return request.app.state.openai_serving_chat
+
+
+# -------------------------------------------------------------------- the OpenAI API
+async def _run_until_disconnect(coro, raw_request: Request):
+    """Await `coro`, cancelling it (which aborts its requests) if the client disconnects."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_disconnect():
+        while True:
+            msg = await raw_request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    logger.debug("client disconnected: request cancelled")
+    return None
+
+
+async def _respond(create, req, raw_request: Request):
+    """`create(req, raw_request)` (a completion or chat) as a streamed or a JSON response."""
+    try:
+        if req.stream:  # errors before the first chunk are plain HTTP errors
+            return StreamingResponse(await create(req, raw_request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        result = await _run_until_disconnect(create(req, raw_request), raw_request)
+    except (EngineDeadError, EngineOverloadedError) as e:
+        return engine_error(e)
+    except RequestFailedError as e:   # rendered by the OpenAIError handler
+        raise request_failed_error(e) from None
+    except ValueError as e:   # the engine's validation: a 400 naming the field where it can
+        raise invalid_request(e) from None
+    if result is None:  # the client is gone
+        return Response(status_code=499)
+    return JSONResponse(result.model_dump(exclude_none=False))
+
+
+@openai_router.post("/v1/completions")
+async def create_completion(req: CompletionRequest, raw_request: Request):
+    return await _respond(completion(raw_request).create_completion, req, raw_request)
+
+
+@openai_router.post("/v1/chat/completions")
+async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
+    return await _respond(chat(raw_request).create_chat_completion, req, raw_request)
+
+
+@openai_router.get("/v1/models")
+async def list_models(raw_request: Request):
+    state = raw_request.app.state
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
+         "root": state.engine.config.model_config.model, "parent": None,
+         "max_model_len": state.engine.max_model_len} for name in state.served_model_names]}
+
+
+# -------------------------------------------------------------------- tokenisation
+@tokenize_router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, raw_request: Request):
+    eng = engine(raw_request)
+    completion(raw_request).check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError("give exactly one of prompt or messages", param="prompt")
+    if req.prompt is not None:
+        with bad_input_is_400():
+            eng.processor.check_prompt_chars(len(req.prompt))
+        ids = eng.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+    else:
+        serving = chat(raw_request)
+        ids = serving.prompt_ids(serving.conversation(req.messages), req.add_generation_prompt, False)
+    return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": list(ids)}
+
+
+@tokenize_router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, raw_request: Request):
+    eng = engine(raw_request)
+    completion(raw_request).check_model(req.model)
+    vocab = eng.config.model_config.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise OpenAIError(f"tokens must be integers in [0, {vocab}), got {bad[0]}", param="tokens")
+    return {"prompt": eng.tokenizer.decode(req.tokens)}
+
+
+# -------------------------------------------------------------------- the server's own
+@server_router.get("/health")
+async def health(raw_request: Request):
+    try:
+        engine(raw_request).check_health()
+    except EngineDeadError as e:
+        return engine_error(e)
+    return Response(status_code=200)
+
+
+@server_router.get("/version")
+async def version():
+    return {"version": __version__}
+
+
+@server_router.get("/metrics")
+async def metrics(raw_request: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    return Response(generate_latest(engine(raw_request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
