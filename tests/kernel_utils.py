@@ -47,10 +47,10 @@ def require_built(ext):
 
     import pytest
 
-    from pagedllm.attention import cpu_kernels
+    from pagedllm.csrc import build
     if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
         pytest.skip("the C++ kernels are turned off here (PAGEDLLM_NO_CPU_KERNELS is set)")
-    if cpu_kernels.cxx_compiler() is None:
+    if build.cxx_compiler() is None:
         pytest.skip(f"no C++ compiler on this machine ({os.environ.get('CXX', 'c++')} is not on PATH)")
-    why = "; ".join(f"{name}: {reason}" for name, reason in cpu_kernels.build_failures.items())
+    why = "; ".join(f"{name}: {reason}" for name, reason in build.build_failures.items())
     pytest.fail(f"a C++ extension did not build though a compiler exists: {why or 'no reason recorded'}")

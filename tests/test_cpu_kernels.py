@@ -82,25 +82,33 @@ def test_an_interrupted_build_does_not_hang_the_next(tmp_path):
     import sys
     import textwrap
     require_built(decode_kernel())
-    code = textwrap.dedent("""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "add_one.cpp").write_text(       # pybind11 alone: seconds to compile, not minutes
+        "#include <pybind11/pybind11.h>\n"
+        "int add_one(int x) { return x + 1; }\n"
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"add_one\", &add_one); }\n")
+    code = textwrap.dedent(f"""
         import os
+        from pathlib import Path
         from torch.utils import cpp_extension
-        from pagedllm.attention.cpu_kernels import build_cpu_extension
-        d = cpp_extension._get_build_directory("pagedllm_lock_test", verbose=False)
+        from pagedllm.csrc import build
+        name = build.extension_name("pagedllm_lock_test", Path({str(src)!r}))
+        d = cpp_extension._get_build_directory(name, verbose=False)
         open(os.path.join(d, "lock"), "w").close()      # as a killed build leaves it
-        m = build_cpu_extension("pagedllm_lock_test", "int add_one(int x) { return x + 1; }", ["add_one"])
+        m = build.build_extension("pagedllm_lock_test", Path({str(src)!r}), ["add_one.cpp"])
         print(m.add_one(41), os.path.exists(os.path.join(d, "lock")))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
     assert out.stdout.split() == ["42", "False"], out.stderr[-2000:]
 
 
 def test_a_kernel_that_did_not_build_fails_where_a_compiler_exists(monkeypatch):
     """The kernel tests' verdict when an extension is None: a failure naming the build error
     on a machine with a compiler, a skip saying so on one without."""
-    from pagedllm.attention import cpu_kernels
-    monkeypatch.setitem(cpu_kernels.build_failures, "pagedllm_x", "RuntimeError: error: expected ';'")
+    from pagedllm.csrc import build
+    monkeypatch.setitem(build.build_failures, "pagedllm_x", "RuntimeError: error: expected ';'")
     monkeypatch.delenv("PAGEDLLM_NO_CPU_KERNELS", raising=False)
     monkeypatch.setenv("CXX", "sh")   # on PATH everywhere: "a compiler exists"
     with pytest.raises(pytest.fail.Exception, match="pagedllm_x: RuntimeError: error: expected ';'"):
@@ -108,4 +116,4 @@ def test_a_kernel_that_did_not_build_fails_where_a_compiler_exists(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(pytest.skip.Exception, match=r"no C\+\+ compiler on this machine"):
         require_built(None)
-    assert require_built(cpu_kernels) is cpu_kernels
+    assert require_built(build) is build

@@ -17,57 +17,13 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention import cpu_kernels
-from pagedllm.models import cpu_ops
+from pagedllm.csrc.build import cpu_extension
 from pagedllm.models.cpu_linear import PackedLinear
 
-_LOOP = r"""
-static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
-  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
-
-// x [M, hidden] (the embedded tokens), positions [M] int64; per layer 10 tensors: input norm,
-// qkv weight, qkv bias, o weight, o bias, post-attention norm, gate_up weight, gate_up bias,
-// down weight, down bias (an empty tensor = no bias); caches [S, Hkv, D] per layer;
-// slot_mapping [M] int64, block_table [M, NB] int32, seq_lens [M] int32 -> hidden [M, hidden].
-torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
-                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                            torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, double eps, double scale) {
-  const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(weights.size() == 10 * k_caches.size() && k_caches.size() == v_caches.size());
-  for (size_t l = 0; l < k_caches.size(); ++l) {
-    const torch::Tensor* w = &weights[10 * l];
-    auto qkv = linear_small(rms_norm(x, w[0], eps), w[1], opt(w[2]));     // [M, q + 2 kv]
-    auto q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
-    auto k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
-    rotary_embedding_(q, k, cos, sin, positions);
-    k_caches[l].index_copy_(0, slot_mapping, k);
-    v_caches[l].index_copy_(0, slot_mapping, v);
-    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale);
-    x = x + linear_small(o.reshape({M, q_size}), w[3], opt(w[4]));
-    auto gate_up = linear_small(rms_norm(x, w[5], eps), w[6], opt(w[7]));
-    x = x + linear_small(silu_and_mul(gate_up), w[8], opt(w[9]));
-  }
-  return rms_norm(x, final_norm, eps);
-}
-"""
-
-_ext = None
-_tried = False
-
-
 def decode_loop_ext():
-    """One extension holding the fused ops, the decode kernel and the loop (so the loop calls
-    them directly), or None."""
-    global _ext, _tried
-    if not _tried:
-        _tried = True
-        _ext = cpu_kernels.build_cpu_extension(
-            "pagedllm_cpu_decode_loop_v1", cpu_ops._SOURCE + cpu_kernels._SOURCE + _LOOP, ["decode_layers"])
-    return _ext
+    """The extension holding the loop (csrc/decode_loop.cpp's decode_layers) beside the fused
+    ops and the decode kernel it calls, or None."""
+    return cpu_extension()
 
 
 class DecodeLoop:

@@ -1,0 +1,238 @@
+// Paged attention for decode steps on the CPU: K and V read straight from the cache's pages
+// through the block table (see attention/cpu_kernels.py).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_types.h"
+#include "ops.h"
+
+// One (request, KV head): the G query heads that share the KV head, over the L keys reached
+// through the block table. k, v point at this KV head of slot 0; ks / vs are slot strides.
+// T is the cache's element: float, or uint16_t holding bfloat16 bits. q and out are float32.
+template <typename T>
+struct Task {
+  const float* q;
+  const T* k;
+  const T* v;
+  const int32_t* blocks;
+  int64_t L, block_size, ks, vs, G, D;
+  float scale;
+  float* scores;
+  float* out;
+};
+
+static void softmax_rows(float* s, int64_t G, int64_t L);
+
+// Portable path: any D, any CPU.
+template <typename T>
+static void decode_task_scalar(const Task<T>& t) {
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < t.G; ++g) {
+        float s = 0.f;
+        for (int64_t d = 0; d < t.D; ++d) s += t.q[g * t.D + d] * to_f(kb[j * t.ks + d]);
+        t.scores[g * t.L + t0 + j] = s * t.scale;
+      }
+  }
+  softmax_rows(t.scores, t.G, t.L);
+  std::fill(t.out, t.out + t.G * t.D, 0.f);
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < t.G; ++g) {
+        const float p = t.scores[g * t.L + t0 + j];
+        for (int64_t d = 0; d < t.D; ++d) t.out[g * t.D + d] += p * to_f(vb[j * t.vs + d]);
+      }
+  }
+}
+
+#ifdef __AVX512F__
+// e^x for x <= 0 (scores minus their max): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by its
+// degree-7 Taylor polynomial (relative error ~1e-8, below float rounding).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Blocks sit anywhere in the cache, so no hardware prefetcher runs ahead across a block
+// boundary: ask for block blk + 1's rows of this head while block blk is being read.
+template <typename T>
+static inline void prefetch_block(const Task<T>& t, const T* base, int64_t blk, int64_t stride) {
+  const int64_t t0 = blk * t.block_size;
+  if (t0 >= t.L) return;
+  const int64_t n = std::min(t.block_size, t.L - t0);
+  constexpr int64_t E = sizeof(T);
+  const char* b = (const char*)(base + (int64_t)t.blocks[blk] * t.block_size * stride);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < t.D * E; c += 64) _mm_prefetch(b + j * stride * E + c, _MM_HINT_T0);
+}
+
+// ND = D / 16 vectors a head row. Scores: each key row is loaded once into registers and
+// dotted with the G query heads. Output: GN heads at a time accumulate in registers while
+// the value rows stream past once.
+template <int ND, int GN, typename T>
+static void pv_heads(const Task<T>& t, int64_t g0) {
+  __m512 acc[GN][ND];
+  for (int gi = 0; gi < GN; ++gi)
+    for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
+  prefetch_block(t, t.v, 0, t.vs);
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    prefetch_block(t, t.v, blk + 1, t.vs);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vb + j * t.vs;
+      __m512 vv[ND];
+      for (int c = 0; c < ND; ++c) vv[c] = load16(v + 16 * c);
+      for (int gi = 0; gi < GN; ++gi) {
+        const __m512 p = _mm512_set1_ps(t.scores[(g0 + gi) * t.L + t0 + j]);
+        for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
+      }
+    }
+  }
+  for (int gi = 0; gi < GN; ++gi)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(t.out + (g0 + gi) * t.D + 16 * c, acc[gi][c]);
+}
+
+template <int ND, typename T>
+static void decode_task_avx512(const Task<T>& t) {
+  prefetch_block(t, t.k, 0, t.ks);
+  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t n = std::min(t.block_size, t.L - t0);
+    const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
+    prefetch_block(t, t.k, blk + 1, t.ks);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 kv[ND];
+      for (int c = 0; c < ND; ++c) kv[c] = load16(kb + j * t.ks + 16 * c);
+      for (int64_t g = 0; g < t.G; ++g) {
+        const float* qg = t.q + g * t.D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+        for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
+        t.scores[g * t.L + t0 + j] = _mm512_reduce_add_ps(acc) * t.scale;
+      }
+    }
+  }
+  softmax_rows(t.scores, t.G, t.L);
+  constexpr int GMAX = ND >= 8 ? 1 : 8 / ND;  // keep GN x ND accumulators within 16 registers
+  int64_t g = 0;
+  for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX, T>(t, g);
+  for (; g < t.G; ++g) pv_heads<ND, 1, T>(t, g);
+}
+#endif
+
+static void softmax_rows(float* s, int64_t G, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < L; ++i) m = sg[i] > m ? sg[i] : m;
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vm = _mm512_set1_ps(m);
+    for (; i + 16 <= L; i += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), vm));
+      _mm512_storeu_ps(sg + i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; i < L; ++i) {
+      sg[i] = std::exp(sg[i] - m);
+      sum += sg[i];
+    }
+    const float inv = 1.f / sum;
+    for (i = 0; i < L; ++i) sg[i] *= inv;
+  }
+}
+
+template <typename T>
+static void decode_task(const Task<T>& t) {
+#ifdef __AVX512F__
+  if (t.D == 64) return decode_task_avx512<4, T>(t);
+  if (t.D == 128) return decode_task_avx512<8, T>(t);
+#endif
+  decode_task_scalar<T>(t);
+}
+
+// q [B, H, D] contiguous, caches [S, Hkv, D], all of element T -> out [B, H, D] of T. bfloat16:
+// each task widens its G query rows into a float32 buffer and rounds its float32 output once.
+template <typename T>
+static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
+                                double scale) {
+  constexpr bool F32 = std::is_same<T, float>::value;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  const int64_t G = H / Hkv, NB = block_table.size(1);
+  auto out = torch::empty_like(q);
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_table.data_ptr<int32_t>();
+  const int64_t max_len = B ? *std::max_element(sl, sl + B) : 0;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const int64_t ks = k_cache.stride(0), vs = v_cache.stride(0);    // slot strides
+  const int64_t khs = k_cache.stride(1), vhs = v_cache.stride(1);  // head strides
+  const float fscale = (float)scale;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * max_len);
+    std::vector<float> qbuf(F32 ? 0 : G * D), obuf(F32 ? 0 : G * D);  // [G, D] bfloat16 only
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / Hkv, h = idx % Hkv;
+      const T* qt = qp + (b * H + h * G) * D;
+      T* ot = op + (b * H + h * G) * D;
+      const float* qf;
+      float* of;
+      if constexpr (F32) {
+        qf = qt;
+        of = ot;
+      } else {
+        for (int64_t i = 0; i < G * D; ++i) qbuf[i] = to_f(qt[i]);
+        qf = qbuf.data();
+        of = obuf.data();
+      }
+      // clang-format off: Task's fields in its order, not one a line
+      const Task<T> t{qf, kp + h * khs, vp + h * vhs, tables + b * NB, sl[b],
+                      block_size, ks, vs, G, D, fscale, scores.data(), of};
+      // clang-format on
+      decode_task<T>(t);
+      if constexpr (!F32)
+        for (int64_t i = 0; i < G * D; ++i) ot[i] = f2bf(obuf[i]);
+    }
+  });
+  return out;
+}
+
+// q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
+// seq_lens [B] int32 -> out [B, H, D]. float32, or bfloat16 (q, caches and out; computed in float32).
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
+                           double scale) {
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == dt && v_cache.scalar_type() == dt);
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
+  if (dt == torch::kBFloat16)
+    return run_decode<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale);
+  TORCH_CHECK(dt == torch::kFloat);
+  return run_decode<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale);
+}

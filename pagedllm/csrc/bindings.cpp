@@ -1,0 +1,16 @@
+// The Python module (its name, TORCH_EXTENSION_NAME, is given by the build: csrc/build.py).
+// wrap_pybind_function turns a failed TORCH_CHECK into the Python exception torch raises. Only
+// this file includes torch/extension.h (pybind11, Python.h, the C++ frontend): the kernels'
+// files need torch/types.h alone, which compiles in a fraction of the time.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
+  m.def("linear_small", torch::wrap_pybind_function(linear_small), "linear_small");
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
+  m.def("rotary_embedding_", torch::wrap_pybind_function(rotary_embedding_), "rotary_embedding_");
+  m.def("decode_layers", torch::wrap_pybind_function(decode_layers), "decode_layers");
+}

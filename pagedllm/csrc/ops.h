@@ -1,0 +1,27 @@
+// The extension's functions: defined in attention.cpp, fused_ops.cpp and decode_loop.cpp (which
+// calls the others), bound to Python in bindings.cpp. Shapes and dtypes at each definition.
+#pragma once
+
+#include <torch/types.h>
+
+#include <vector>
+
+// attention.cpp
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
+                           double scale);
+
+// fused_ops.cpp
+torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+                       torch::Tensor positions);
+
+// decode_loop.cpp
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                            torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
+                            double scale);
