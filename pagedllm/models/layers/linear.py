@@ -25,8 +25,18 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pagedllm.models.layers.linear_method import LinearMethodBase, default_linear_method
+from pagedllm.models.cpu_ops import cpu_ops
+from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
+from pagedllm.models.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagedllm.models.layers.weight_utils import copy_weight
+
+
+def default_linear_method() -> LinearMethodBase:
+    """The method for a layer built now: on the CPU in float32 / bfloat16, oneDNN-packed
+    weights (unless PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
+    if torch.get_default_device().type == "cpu" and packed_linear_supported(torch.get_default_dtype()):
+        return CPUPackedLinearMethod(cpu_ops())
+    return UnquantizedLinearMethod()
 
 
 class LinearBase(nn.Module):

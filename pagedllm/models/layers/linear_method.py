@@ -3,8 +3,9 @@
 A LinearMethod creates the layer's weight (`create_weights`), turns the loaded checkpoint
 weight into what it computes with (`process_weights_after_loading`, once) and computes
 (`apply`). The layer owns which slice of the checkpoint it holds (models/layers/linear.py); the
-method owns the arithmetic. One is chosen when the layer is built, from the device and dtype
-the model is built in (the loader sets both as torch's defaults) and the environment.
+method owns the arithmetic. One is chosen when the layer is built (linear.py
+`default_linear_method`), from the device and dtype the model is built in (the loader sets both
+as torch's defaults) and the environment.
 """
 from __future__ import annotations
 
@@ -37,12 +38,3 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
 
-
-def default_linear_method() -> LinearMethodBase:
-    """The method for a layer built now: on the CPU in float32 / bfloat16, oneDNN-packed
-    weights (unless PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
-    from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
-    if torch.get_default_device().type == "cpu" and packed_linear_supported(torch.get_default_dtype()):
-        from pagedllm.models.cpu_ops import cpu_ops
-        return CPUPackedLinearMethod(cpu_ops())
-    return UnquantizedLinearMethod()

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.sharding import split_range
-from pagedllm.models.layers.linear_method import LinearMethodBase, default_linear_method
+from pagedllm.models.layers.linear import default_linear_method
+from pagedllm.models.layers.linear_method import LinearMethodBase
 from pagedllm.models.layers.weight_utils import copy_weight
 
 
