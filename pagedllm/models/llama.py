@@ -97,7 +97,6 @@ class LlamaForCausalLM(nn.Module):
         whole model on one rank."""
         super().__init__()
         self.hf = hf
-        self.parallel = parallel
         shard = self.shard = parallel.shard if parallel is not None else plan_model_shard(hf, 1, 1, 0)
         comm = parallel.tp if parallel is not None else None
         tp, hidden, head_dim = shard.tp, hf["hidden_size"], shard.head_dim
