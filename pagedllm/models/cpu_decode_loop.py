@@ -8,8 +8,9 @@ in the same order on the same values, so its hidden states equal the eager path'
 (tests/test_cpu_decode_loop.py); only the Python between them is gone.
 
 Used by LlamaForCausalLM.forward when the model is whole on one rank, on the CPU, with the
-fused ops and packed linears with the row-streaming kernel, the step is all decode with decode attention by pages, and it
-has at most SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
+fused ops and packed linears with the row-streaming kernel (their methods, chosen when the
+layers were built), the step is all decode with decode attention by pages, and it has at most
+SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
 from __future__ import annotations
 
