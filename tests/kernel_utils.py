@@ -20,13 +20,14 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
     make(rows, cols) draws a tensor, cast(module) sets the dtype; full and partial rotary."""
     import torch
 
-    from pagedllm.models.llama import RotaryEmbedding
+    from pagedllm.models.layers.rotary_embedding import RotaryEmbedding
     for partial in (1.0, 0.5):
         rope = cast(RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 512))
         qkv = make(7, (9 + 2 * 3) * 64)
         pos = torch.tensor([0, 5, 100, 511, 3, 2, 1])
         q, k, v = qkv.split([576, 192, 192], dim=-1)
         q, k = q.view(7, 9, 64), k.view(7, 3, 64)
+        rope.ops = None
         q_ref, k_ref = (t.clone() for t in rope(pos, q, k))
         v_before = v.clone()
         rope.ops = ops
@@ -34,6 +35,20 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
         torch.testing.assert_close(q_new.float(), q_ref.float(), **close)
         torch.testing.assert_close(k_new.float(), k_ref.float(), **close)
         assert torch.equal(v, v_before)   # in place on q and k only
+
+
+def packed_linear(lin, small_ops):
+    """A linear layer computing with the CPU's oneDNN-packed method (the row-streaming kernel at
+    1-3 rows where small_ops is given), holding nn.Linear lin's weights, as after loading."""
+    from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
+    from pagedllm.models.layers.linear import ReplicatedLinear
+    layer = ReplicatedLinear(lin.in_features, lin.out_features, lin.bias is not None,
+                             CPUPackedLinearMethod(small_ops)).to(lin.weight.dtype)
+    layer.weight.weight_loader(layer.weight, lin.weight.detach())
+    if lin.bias is not None:
+        layer.bias.weight_loader(layer.bias, lin.bias.detach())
+    layer.linear_method.process_weights_after_loading(layer)
+    return layer
 
 
 def require_built(ext):

@@ -43,17 +43,18 @@ def test_bf16_linear_small_matches_float32_reference(rows, in_features):
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 128])
 def test_bf16_packed_linear_matches_float32_reference(rows):
-    """PackedLinear in bfloat16: the kernel at 1-3 rows, oneDNN's bf16 linear above (which also
-    sums in float32)."""
-    from pagedllm.models.cpu_linear import PackedLinear, packed_linear_supported
+    """The CPU packed linear method in bfloat16: the kernel at 1-3 rows, oneDNN's bf16 linear
+    above (which also sums in float32)."""
+    from kernel_utils import packed_linear
+    from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     if not packed_linear_supported(torch.bfloat16):
         pytest.skip("oneDNN bf16 linear not available here")
     torch.manual_seed(rows)
     lin = torch.nn.Linear(576, 1728, bias=True).bfloat16()
     x = _bf16(rows, 576)
     with torch.inference_mode():
-        packed = PackedLinear(lin, _ops())
-        assert packed.small_ops is not None   # bf16 keeps the plain weight for the kernel
+        packed = packed_linear(lin, _ops())
+        assert packed.weight is not None   # bf16 keeps the plain weight for the kernel
         ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
         out = packed(x)
     assert out.dtype == torch.bfloat16
@@ -63,8 +64,9 @@ def test_bf16_packed_linear_matches_float32_reference(rows):
 def test_bf16_fused_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE in bfloat16 (strided q/k views of a fused QKV output, a
     partial rotary dim, the RoPE tables cast with the model): the fused ops equal the bfloat16
-    torch code of models/llama.py (transformers' arithmetic) to one bfloat16 step."""
-    from pagedllm.models.llama import LlamaMLP, RMSNorm
+    torch code of models/layers/ (transformers' arithmetic) to one bfloat16 step."""
+    from pagedllm.models.layers.activation import SiluAndMul
+    from pagedllm.models.layers.layernorm import RMSNorm
     ops = _ops()
     torch.manual_seed(0)
     close = dict(rtol=BF16_STEP, atol=1e-6)
@@ -73,17 +75,19 @@ def test_bf16_fused_ops_match_the_torch_layers():
         norm.weight.uniform_(0.5, 1.5)
         norm = norm.bfloat16()
         x = _bf16(37, 1200, scale=3)[:, :576]          # rows strided, as a residual view can be
+        norm.ops = None
         ref = norm(x)
         norm.ops = ops
         out = norm(x)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), ref.float(), **close)
 
-        mlp = LlamaMLP(64, 96).bfloat16()
-        x = _bf16(5, 64, scale=2)
-        ref = mlp(x)
-        mlp.ops = ops
-        torch.testing.assert_close(mlp(x).float(), ref.float(), rtol=2 * BF16_STEP, atol=1e-3)
+        act = SiluAndMul()
+        x = _bf16(5, 192, scale=2)                      # the gate_up output of an MLP, [T, 2I]
+        act.ops = None
+        ref = act(x)
+        act.ops = ops
+        torch.testing.assert_close(act(x).float(), ref.float(), rtol=2 * BF16_STEP, atol=1e-3)
 
         check_rope_in_place(ops, _bf16, lambda m: m.bfloat16(), **close)
 

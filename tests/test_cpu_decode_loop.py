@@ -26,7 +26,7 @@ def _decode_loop(llm):
 
     from pagedllm.attention.cpu_kernels import decode_kernel
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
-    from pagedllm.models.cpu_linear import packed_linear_supported
+    from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops
     model = llm.llm_engine.core.model_executor.driver_worker.model_runner.model
     if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP") == "0":

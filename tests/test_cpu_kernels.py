@@ -35,24 +35,28 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
 
 def test_fused_cpu_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
-    partial rotary dim): the fused ops equal the torch code of models/llama.py."""
+    partial rotary dim): the fused ops equal the torch code of models/layers/."""
     from pagedllm.models.cpu_ops import cpu_ops
-    from pagedllm.models.llama import LlamaMLP, RMSNorm
+    from pagedllm.models.layers.activation import SiluAndMul
+    from pagedllm.models.layers.layernorm import RMSNorm
     ops = require_built(cpu_ops())
     torch.manual_seed(0)
     with torch.inference_mode():
         norm = RMSNorm(576, 1e-5)
+        assert norm.ops is ops   # chosen when the layer is built (here: on the CPU, float32)
         norm.weight.uniform_(0.5, 1.5)
         x = torch.randn(37, 576) * 3
+        norm.ops = None
         ref = norm(x)
         norm.ops = ops
         torch.testing.assert_close(norm(x), ref, rtol=1e-6, atol=1e-6)
 
-        mlp = LlamaMLP(64, 96)
-        x = torch.randn(5, 64)
-        ref = mlp(x)
-        mlp.ops = ops
-        torch.testing.assert_close(mlp(x), ref, rtol=1e-6, atol=1e-6)
+        act = SiluAndMul()
+        x = torch.randn(5, 192) * 3                    # the gate_up output of an MLP, [T, 2I]
+        act.ops = None
+        ref = act(x)
+        act.ops = ops
+        torch.testing.assert_close(act(x), ref, rtol=1e-6, atol=1e-6)
 
         check_rope_in_place(ops, torch.randn, lambda m: m, rtol=1e-6, atol=1e-6)
 
@@ -61,8 +65,9 @@ def test_fused_cpu_ops_match_the_torch_layers():
 def test_packed_linear_matches_f_linear(rows):
     """oneDNN on the packed weight, and (1-3 rows) the row-streaming kernel, equal F.linear;
     an in_features that is not a multiple of 16 exercises the kernel's scalar tail."""
-    from pagedllm.models.cpu_linear import PackedLinear, packed_linear_supported
+    from kernel_utils import packed_linear
     from pagedllm.models.cpu_ops import cpu_ops
+    from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     if not packed_linear_supported(torch.float32):
         pytest.skip("oneDNN linear not available in this torch build")
     torch.manual_seed(rows)
@@ -71,7 +76,7 @@ def test_packed_linear_matches_f_linear(rows):
         x = torch.randn(rows, in_features)
         with torch.inference_mode():
             for small_ops in (None, require_built(cpu_ops())):
-                torch.testing.assert_close(PackedLinear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(packed_linear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
 def test_an_interrupted_build_does_not_hang_the_next(tmp_path):

@@ -7,9 +7,10 @@ path calls at 1-3 rows (linear_small, rms_norm, rotary_embedding_, paged_decode,
 in the same order on the same values, so its hidden states equal the eager path's bit for bit
 (tests/test_cpu_decode_loop.py); only the Python between them is gone.
 
-Used by LlamaForCausalLM.forward when the model is the plain (unsplit) CPU model with the
-fused ops and packed linears, the step is all decode with decode attention by pages, and it
-has at most SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
+Used by LlamaForCausalLM.forward when the model is whole on one rank, on the CPU, with the
+fused ops and packed linears with the row-streaming kernel (their methods, chosen when the
+layers were built), the step is all decode with decode attention by pages, and it has at most
+SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention import cpu_kernels
 from pagedllm.csrc.build import cpu_extension
-from pagedllm.models.cpu_linear import PackedLinear
+from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
 
 def decode_loop_ext():
     """The extension holding the loop (csrc/decode_loop.cpp's decode_layers) beside the fused
@@ -29,7 +30,7 @@ def decode_loop_ext():
 class DecodeLoop:
     """The model's weights, flattened once at load time, and the call."""
 
-    max_rows = PackedLinear.SMALL_ROWS   # the eager path's linears use linear_small up to here
+    max_rows = CPUPackedLinearMethod.SMALL_ROWS   # the eager path's linears use linear_small up to here
 
     def __init__(self, model, ext) -> None:
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
@@ -65,9 +66,14 @@ def enable_decode_loop(model) -> bool:
     from pagedllm.models.llama import LlamaForCausalLM
     if not envs.PAGEDLLM_CPU_DECODE_LOOP or type(model) is not LlamaForCausalLM:
         return False
+    if model.shard.tp.tp_size > 1 or model.shard.pp_size > 1:   # the loop has no collectives
+        return False
     layer = model.layers[0]
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    if model.rope.ops is None or not all(isinstance(m, PackedLinear) and m.small_ops is not None for m in linears):
+    if model.rope.ops is None or layer.mlp.act_fn.ops is None or model.norm.ops is None:
+        return False
+    if not all(isinstance(m.linear_method, CPUPackedLinearMethod) and m.linear_method.small_ops is not None
+               for m in linears):
         return False
     if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
         return False

@@ -8,7 +8,7 @@ rotate-half RoPE); only the order of a row's sum differs. In bfloat16 each op co
 float32 and rounds to bfloat16 where torch's bfloat16 ops round (so the result is torch's up to
 the order of a sum); `linear_small` accumulates in float32 and rounds once. The C++ is
 csrc/fused_ops.cpp (built by csrc/build.py). Other dtypes, or a machine where the extension
-cannot be built, keep the torch code in models/llama.py.
+cannot be built, keep the layers' torch code (models/layers/).
 """
 from __future__ import annotations
 
@@ -25,16 +25,10 @@ def cpu_ops():
     return cpu_extension()
 
 
-def enable_fused_cpu_ops(model: torch.nn.Module) -> bool:
-    """Give every RMSNorm, MLP and rotary embedding of a loaded float32 or bfloat16 CPU model
-    the fused ops (their `ops` attribute; None keeps the torch code). Decided once, at load time."""
-    param = next(model.parameters())
-    if param.dtype not in FUSED_DTYPES or param.device.type != "cpu":
-        return False
-    ops = cpu_ops()
-    if ops is None:
-        return False
-    for m in model.modules():
-        if hasattr(m, "ops"):
-            m.ops = ops
-    return True
+def fused_cpu_ops():
+    """The fused ops for a layer being built now, or None (the layer's torch code): they apply
+    where the model is built on the CPU in float32 or bfloat16 (the loader sets torch's default
+    device and dtype while it builds). Decided once, when the layer is built."""
+    if torch.get_default_device().type != "cpu" or torch.get_default_dtype() not in FUSED_DTYPES:
+        return None
+    return cpu_ops()

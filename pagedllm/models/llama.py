@@ -1,95 +1,30 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache, for every tensor- and
+pipeline-parallel size (one rank's part of it; the whole model at one rank).
 
 Tokens of all requests are one flat batch [num_tokens, hidden]; attention is the only
 place where requests are told apart (through AttentionMetadata). QKV and gate/up are fused
-into one matrix product each at load time.
+into one matrix product each: their layers load the checkpoint's separate matrices into one
+parameter (stacked_params_mapping). distributed/sharding.py plans which heads, intermediate
+columns, vocabulary rows and layers this rank holds; the layers (models/layers/) cut their
+slices as they load.
 """
 from __future__ import annotations
 
-import math
+from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import paged_attention
-from pagedllm.models.hf_config import head_dim_of
-
-
-class RMSNorm(nn.Module):
-    ops = None   # fused CPU ops (models/cpu_ops.py), set at load time where they apply
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        # As transformers: normalise in float32, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(hf: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scaling of the config's RoPE."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    partial = hf.get("partial_rotary_factor", 1.0)
-    dim = int(head_dim * partial)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    cfg = {**scaling, **params}
-    if kind == "linear":
-        inv_freq = inv_freq / cfg["factor"]
-    elif kind == "llama3":
-        factor, low, high = cfg["factor"], cfg["low_freq_factor"], cfg["high_freq_factor"]
-        old_len = cfg["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    elif kind != "default":
-        raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3)")
-    return inv_freq, 1.0
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once at start-up."""
-    ops = None   # fused CPU ops (models/cpu_ops.py): rotate q and k in place
-
-    def __init__(self, hf: dict, head_dim: int, max_positions: int) -> None:
-        super().__init__()
-        inv_freq, self.attention_scaling = rope_inv_freq(hf, head_dim)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)                       # [P, rot/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                 # [P, rot]
-        self.register_buffer("cos", emb.cos() * self.attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * self.attention_scaling, persistent=False)
-        self.rot_dim = emb.shape[-1]
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated (rotate-half convention)."""
-        if self.ops is not None:
-            self.ops.rotary_embedding_(q, k, self.cos, self.sin, positions)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)     # [T, 1, rot]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
-    xr, rest = x[..., :rot], x[..., rot:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+from pagedllm.distributed.sharding import TPShard, plan_model_shard
+from pagedllm.models.layers.activation import SiluAndMul
+from pagedllm.models.layers.layernorm import RMSNorm
+from pagedllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.models.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.layers.weight_utils import default_weight_loader
+from pagedllm.models.utils import PPMissingLayer, pp_missing_prefixes
 
 
 class LlamaAttention(nn.Module):
@@ -97,14 +32,15 @@ class LlamaAttention(nn.Module):
     # The torch one here; the loader sets Triton's on the model's layers for the GPU path.
     attention = staticmethod(paged_attention)
 
-    def __init__(self, hf: dict, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         bias = hf.get("attention_bias", False) or hf.get("model_type") == "qwen2"
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=hf.get("attention_bias", False))
+        self.num_heads, self.num_kv_heads, self.head_dim = len(tp.q_heads), len(tp.kv_heads), head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, tp.q_heads, tp.kv_heads, bias)
+        q_features = range(tp.q_heads.start * head_dim, tp.q_heads.stop * head_dim)
+        self.o_proj = RowParallelLinear(q_features, hidden, hf.get("attention_bias", False), comm)
         self.scale = head_dim ** -0.5
 
     def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
@@ -119,30 +55,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    ops = None   # fused CPU ops (models/cpu_ops.py): silu(gate) * up in one pass
+    """intermediate: this rank's range of the intermediate features."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: range, bias: bool = False, comm=None) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, comm)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)                                  # [T, 2I]
-        if self.ops is not None:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))     # [T, 2I] -> [T, I] -> [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, num_heads, num_kv_heads, head_dim)
+        self.self_attn = LlamaAttention(hf, tp, head_dim, comm)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.mlp = LlamaMLP(hf["hidden_size"], hf["intermediate_size"], hf.get("mlp_bias", False))
+        self.mlp = LlamaMLP(hf["hidden_size"], tp.intermediate, hf.get("mlp_bias", False), comm)
 
     def forward(self, x, positions, rope, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
@@ -150,37 +82,92 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Fused parameter -> the checkpoint matrices stacked into it, in order.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                              "gate_up_proj": ["gate_proj", "up_proj"]}
+    # (our name, checkpoint name, shard id): how load_weights routes a stacked matrix.
+    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+                              (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+                              (".gate_up_proj", ".up_proj", 1)]
     # models/cpu_decode_loop.py: small decode steps on the CPU in one C++ call (set at load time)
     decode_loop = None
 
-    def __init__(self, hf: dict, max_positions: int) -> None:
+    def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
+        """parallel (distributed.parallel_state.ParallelContext): this rank's shard; None: the
+        whole model on one rank."""
         super().__init__()
         self.hf = hf
-        num_heads = hf["num_attention_heads"]
-        num_kv_heads = hf.get("num_key_value_heads", num_heads)
-        head_dim = head_dim_of(hf)
-        self.embed_tokens = nn.Embedding(hf["vocab_size"], hf["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf, num_heads, num_kv_heads, head_dim)
-                                    for _ in range(hf["num_hidden_layers"]))
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = hf.get("tie_word_embeddings", False)
-        self.lm_head = nn.Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        shard = self.shard = parallel.shard if parallel is not None else plan_model_shard(hf, 1, 1, 0)
+        comm = parallel.tp if parallel is not None else None
+        tp, hidden, head_dim = shard.tp, hf["hidden_size"], shard.head_dim
+        first, last = shard.is_first_stage, shard.is_last_stage
+        # The embedding and the LM head live on stage 0 (the driver samples there); the final
+        # norm on the last stage.
+        self.embed_tokens = VocabParallelEmbedding(tp.vocab, hidden, comm) if first else PPMissingLayer()
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf, tp, head_dim, comm) if i in shard.layers
+                                    else PPMissingLayer() for i in range(hf["num_hidden_layers"]))
+        self.stage_layers = tuple(self.layers[i] for i in shard.layers)   # plain tuple: not registered twice
+        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self.lm_head = (ParallelLMHead(tp.vocab, hidden, hf["vocab_size"], comm,
+                                       tied=self.embed_tokens if self.tie_word_embeddings else None)
+                        if first else PPMissingLayer())
         self.rope = RotaryEmbedding(hf, head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        if (self.decode_loop is not None and meta.all_decode and meta.decode_block_table is not None
-                and x.shape[0] <= self.decode_loop.max_rows):
-            return self.decode_loop(x, positions, kv_caches, meta)   # the layers in one C++ call
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] (final-normed on the last stage).
+        Stage 0 embeds input_ids; a later stage starts from hidden_in (the previous stage's
+        output). kv_caches holds this stage's layers only."""
+        if hidden_in is None:
+            x = self.embed_tokens(input_ids)
+            if (self.decode_loop is not None and meta.all_decode and meta.decode_block_table is not None
+                    and x.shape[0] <= self.decode_loop.max_rows):
+                return self.decode_loop(x, positions, kv_caches, meta)   # the layers in one C++ call
+        else:
+            x = hidden_in
+        for layer, (k_cache, v_cache) in zip(self.stage_layers, kv_caches):
             x = layer(x, positions, self.rope, k_cache, v_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] of the rows that sample -> logits [B, vocab] (float32)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden [B, hidden] of the rows that sample -> logits [B, vocab] (float32); stage 0
+        only, None on TP ranks other than 0."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Checkpoint (HF) tensors -> this rank's parameters, each layer cutting its own slice.
+        Returns the names of the parameters loaded in full (every shard of a fused one).
+        ValueError names a checkpoint tensor that fits no parameter."""
+        params = dict(self.named_parameters())
+        elsewhere = pp_missing_prefixes(self)
+        shards_needed = {fused: sum(f == fused for f, _, _ in self.stacked_params_mapping)
+                         for fused, _, _ in self.stacked_params_mapping}
+        shards_seen: dict[str, set] = {}
+        loaded = set()
+        for ckpt_name, tensor in weights:
+            name = ckpt_name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue   # the RoPE tables are computed from the config
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue   # the LM head is the embedding
+            shard_id, need = None, 1
+            for fused, part, sid in self.stacked_params_mapping:
+                if part in name:
+                    name, shard_id, need = name.replace(part, fused), sid, shards_needed[fused]
+                    break
+            if name.startswith(elsewhere):
+                continue   # held by another pipeline stage
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {ckpt_name!r}")
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"weight {ckpt_name!r}: {e}") from e
+            seen = shards_seen.setdefault(name, set())
+            seen.add(shard_id)
+            if len(seen) == need:
+                loaded.add(name)
+        return loaded

@@ -1,0 +1,20 @@
+"""SiLU-and-multiply: x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.cpu_ops import fused_cpu_ops
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = fused_cpu_ops()   # one pass in C++ where the layer is built on the CPU; None: torch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_and_mul(x)
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up

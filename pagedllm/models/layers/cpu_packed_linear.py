@@ -1,0 +1,52 @@
+"""Linear layers over oneDNN-prepacked weights, for the CPU.
+
+F.linear on the CPU hands the plain [out, in] weight to MKL's sgemm at every call. oneDNN's
+linear over a weight reordered once, after loading, into its own blocked layout is 1.5-2x
+faster at every batch an engine sees, from one decode token to a 2048-token prefill chunk
+(BENCHMARKS.md), with the same float32 arithmetic: only the order of the sums differs
+(~1e-6 relative). At 1-3 rows (a decode step of 1-3 requests) the step is bound by reading the
+weights, and a plain row-streaming kernel (models/cpu_ops.py `linear_small`) reads them faster
+than oneDNN does (23 vs 17 GB/s at one row); so the plain weight is kept beside the packed copy
+(twice the weight memory, except a tied LM head, which shares the embedding's).
+In bfloat16 oneDNN runs its bf16 kernels (AVX512-BF16 here: 1.5-2.8x its float32 rate at
+every size, accumulating in float32), and the row-streaming kernel reads half the bytes.
+`PAGEDLLM_CPU_PACKED_LINEAR=0` keeps plain F.linear (to compare).
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm import envs
+from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
+
+
+def packed_linear_supported(dtype: torch.dtype) -> bool:
+    if not envs.PAGEDLLM_CPU_PACKED_LINEAR:
+        return False
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+class CPUPackedLinearMethod(UnquantizedLinearMethod):
+    """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and the plain W
+    for 1-3 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built."""
+
+    SMALL_ROWS = 3   # up to this many rows, the row-streaming kernel on the plain weight
+
+    def __init__(self, small_ops=None) -> None:
+        self.small_ops = small_ops
+
+    def process_weights_after_loading(self, layer):
+        # The batch-size hint only picks the blocking; any number of rows works with it.
+        packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 128)
+        layer.register_buffer("packed_weight", packed, persistent=False)
+        if self.small_ops is None:
+            layer.weight = None   # nothing reads the plain weight: don't hold it twice
+
+    def apply(self, layer, x, bias=None):
+        if self.small_ops is not None and 0 < x.shape[0] <= self.SMALL_ROWS:
+            return self.small_ops.linear_small(x, layer.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")

@@ -1,0 +1,22 @@
+"""RMSNorm (transformers' arithmetic: normalise in float32, then scale)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.models.cpu_ops import fused_cpu_ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+        self.ops = fused_cpu_ops()   # the fused C++ op where the layer is built on the CPU; None: torch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)

@@ -1,0 +1,79 @@
+"""The embedding and the LM head split by vocabulary range over the TP group (as vLLM's
+vocab_parallel_embedding.py); with one rank (comm None or of size 1) plain ones.
+
+- VocabParallelEmbedding: each rank holds a range of the vocabulary; ids outside it give
+  zeros, and the all-reduce fills in every row.
+- ParallelLMHead: each rank computes the logits of its vocabulary range (through its
+  LinearMethod); TP rank 0 gathers them into the full [tokens, vocab] row (only it samples).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.sharding import split_range
+from pagedllm.models.layers.linear import default_linear_method
+from pagedllm.models.layers.linear_method import LinearMethodBase
+from pagedllm.models.layers.weight_utils import copy_weight
+
+
+def _one_rank(comm):
+    return None if comm is None or comm.size == 1 else comm
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab: range, hidden_size: int, comm=None) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size), requires_grad=False)  # [V_rank, H]
+        self.weight.weight_loader = self.weight_loader
+        self.comm = _one_rank(comm)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_weight(param.data, loaded[self.vocab.start:self.vocab.stop])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.vocab.start) & (input_ids < self.vocab.stop)
+        out = F.embedding(torch.where(inside, input_ids - self.vocab.start, 0), self.weight)
+        out.masked_fill_(~inside[:, None], 0)
+        return self.comm.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """tied: the embedding whose weight this head shares (tie_word_embeddings); its loader
+    loads it."""
+
+    def __init__(self, vocab: range, hidden_size: int, vocab_size: int, comm=None,
+                 tied: Optional[VocabParallelEmbedding] = None,
+                 linear_method: Optional[LinearMethodBase] = None) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.vocab_size = vocab_size
+        self.comm = _one_rank(comm)
+        self.linear_method = linear_method or default_linear_method()
+        if tied is not None:
+            self.weight = tied.weight
+        else:
+            self.linear_method.create_weights(self, hidden_size, len(vocab))   # [V_rank, H]
+            self.weight.weight_loader = self.weight_loader
+        # Gather needs one shape: every rank's slice is padded to the largest.
+        self.width = -(vocab_size // -comm.size) if self.comm is not None else len(vocab)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_weight(param.data, loaded[self.vocab.start:self.vocab.stop])
+
+    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden [B, H] -> logits [B, vocab] (float32) on TP rank 0, None on the others."""
+        logits = self.linear_method.apply(self, hidden).float()
+        if self.comm is None:
+            return logits
+        parts = self.comm.gather(F.pad(logits, (0, self.width - logits.shape[1])), dst=0)
+        if parts is None:
+            return None
+        return torch.cat([p[:, :len(split_range(self.vocab_size, self.comm.size, i))]
+                          for i, p in enumerate(parts)], dim=1)
