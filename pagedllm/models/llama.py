@@ -1,8 +1,9 @@
 """The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
 Tokens of all requests are one flat batch [num_tokens, hidden]; attention is the only
-place where requests are told apart (through AttentionMetadata). QKV and gate/up are fused
-into one matrix product each at load time.
+place where requests are told apart (attention.layer.Attention, which reads the step's
+metadata from the forward context). QKV and gate/up are fused into one matrix product each at
+load time.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.attention.layer import Attention
 from pagedllm.models.hf_config import head_dim_of
 
 
@@ -93,10 +93,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> 
 
 
 class LlamaAttention(nn.Module):
-    # The attention backend: paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> out.
-    # The torch one here; the loader sets Triton's on the model's layers for the GPU path.
-    attention = staticmethod(paged_attention)
-
     def __init__(self, hf: dict, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
@@ -106,15 +102,16 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=hf.get("attention_bias", False))
         self.scale = head_dim ** -0.5
+        self.attn = Attention(num_heads, head_dim, self.scale, num_kv_heads)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        o = self.attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.attn(q, k, v)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -144,15 +141,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = LlamaMLP(hf["hidden_size"], hf["intermediate_size"], hf.get("mlp_bias", False))
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+    def forward(self, x, positions, rope):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    # models/cpu_decode_loop.py: small decode steps on the CPU in one C++ call (set at load time)
-    decode_loop = None
-
     def __init__(self, hf: dict, max_positions: int) -> None:
         super().__init__()
         self.hf = hf
@@ -169,16 +163,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(hf, head_dim, max_positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (inside the runner's
+        forward context)."""
         x = self.embed_tokens(input_ids)
-        if (self.decode_loop is not None and meta.all_decode and meta.decode_block_table is not None
-                and x.shape[0] <= self.decode_loop.max_rows):
-            return self.decode_loop(x, positions, kv_caches, meta)   # the layers in one C++ call
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ import re
 import torch
 from safetensors import safe_open
 
+from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
-from pagedllm.models.cpu_decode_loop import enable_decode_loop
 from pagedllm.models.cpu_linear import pack_linears
 from pagedllm.models.cpu_ops import enable_fused_cpu_ops
 from pagedllm.models.registry import get_model_class
@@ -45,10 +45,12 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
                attention_backend: str = "torch") -> torch.nn.Module:
     """parallel (pagedllm.distributed.parallel_state.ParallelContext): load only this rank's
     shard (tensor / pipeline parallelism); None: the whole model. device: where the weights
-    live ("cpu" or "cuda"); attention_backend: "torch" or "triton" (see pagedllm/attention)."""
+    live ("cpu" or "cuda"); attention_backend: "torch" or "triton", resolved once by
+    attention/selector.py for the model's Attention layers."""
     cls = get_model_class(config.hf_config)
     dtype = _dtype(config)
-    with torch.device("meta"):
+    backend = get_attn_backend(device, dtype, attention_backend)
+    with torch.device("meta"), set_current_attn_backend(backend):
         if parallel is None:
             model = cls(config.hf_config, config.max_model_len)
         else:
@@ -91,17 +93,9 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(dtype).eval().requires_grad_(False)
-    if attention_backend == "triton":
-        from pagedllm.attention.triton_backend import paged_attention
-        from pagedllm.models.llama import LlamaAttention
-        for m in model.modules():
-            if isinstance(m, LlamaAttention):
-                m.attention = paged_attention
     if torch.device(device).type == "cpu":
         pack_linears(model)   # after the dtype cast: the packed copy is made in the final dtype
         enable_fused_cpu_ops(model)
-        if attention_backend == "torch":   # the loop calls the torch backend's C++ decode kernel
-            enable_decode_loop(model)
     return model
 
 

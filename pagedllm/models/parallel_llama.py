@@ -54,14 +54,12 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
         self.rope = RotaryEmbedding(hf, head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
                 hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Stage 0 embeds input_ids; a later stage starts from hidden_in (the previous stage's
-        output). kv_caches holds this stage's layers only. The last stage applies the norm."""
+        output). The last stage applies the norm."""
         x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in
-        layers = self.layers[self.shard.layers.start:self.shard.layers.stop]
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+        for layer in self.layers[self.shard.layers.start:self.shard.layers.stop]:
+            x = layer(x, positions, self.rope)
         return self.norm(x) if self.norm is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
