@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backends.abstract import AttentionBackend
 
 BACKEND_NAMES = ("torch", "cpu", "triton")
@@ -35,13 +36,14 @@ def _backend(device: torch.device, name: str) -> AttentionBackend:
 def get_attn_backend(device, dtype: torch.dtype, name: str = "torch") -> AttentionBackend:
     """name: "torch" (the CPU's: paged C++ decode when it builds, else SDPA), "cpu" (the C++
     decode; an error where it cannot run), or "triton"."""
-    from pagedllm.attention.cpu_kernels import cpu_decode_supported
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
     device = torch.device(device)
-    if name == "torch" and device.type == "cpu" and cpu_decode_supported(dtype):
+    # (Asked only for the CPU's names: the question builds the C++ kernel.)
+    by_pages = name != "triton" and device.type == "cpu" and cpu_kernels.cpu_decode_supported(dtype)
+    if name == "torch" and by_pages:
         name = "cpu"
-    elif name == "cpu" and not (device.type == "cpu" and cpu_decode_supported(dtype)):
+    elif name == "cpu" and not by_pages:
         raise ValueError(f"the cpu attention backend needs a CPU device, a {dtype} decode kernel "
                          "and a C++ compiler (attention/cpu_kernels.py)")
     return _backend(device, name)
