@@ -11,24 +11,26 @@ pytestmark = pytest.mark.model
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
 
 
-def _counting(loop, calls):
+class _Counting:
     """The loop, recording the rows of each call."""
-    def wrapped(x, *args):
-        calls.append(x.shape[0])
-        return loop(x, *args)
-    wrapped.max_rows = loop.max_rows
-    return wrapped
+    def __init__(self, loop, calls):
+        self.loop, self.calls, self.applies = loop, calls, loop.applies
+
+    def __call__(self, input_ids, positions):
+        self.calls.append(input_ids.shape[0])
+        return self.loop(input_ids, positions)
 
 
 def _decode_loop(llm):
-    """The engine's C++ decode loop: built wherever a compiler exists, and enabled."""
+    """The engine's runner, whose C++ decode loop is built wherever a compiler exists."""
     import os
 
     from pagedllm.attention.cpu_kernels import decode_kernel
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops
-    model = llm.llm_engine.core.model_executor.driver_worker.model_runner.model
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    model = runner.model
     if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP") == "0":
         pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
     dtype = model.norm.weight.dtype
@@ -36,8 +38,8 @@ def _decode_loop(llm):
         pytest.skip(f"no oneDNN {dtype} linear here (this torch build or CPU): the decode loop needs it")
     for ext in (cpu_ops, decode_kernel, decode_loop_ext):
         require_built(ext())
-    assert model.decode_loop is not None, "the extensions are built, yet the engine did not enable the loop"
-    return model
+    assert runner.decode_loop is not None, "the extensions are built, yet the engine did not enable the loop"
+    return runner
 
 
 def _run(llm, prompts):
@@ -50,23 +52,23 @@ def _run(llm, prompts):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_loop_equals_eager_layers(model_dir, dtype):
     llm = LLM(model_dir, dtype=dtype, enable_prefix_caching=False)
-    model = _decode_loop(llm)
-    calls, loop = [], model.decode_loop
-    model.decode_loop = _counting(loop, calls)
+    runner = _decode_loop(llm)
+    calls, loop = [], runner.decode_loop
+    runner.decode_loop = _Counting(loop, calls)
     for prompts in (PROMPTS[:1], PROMPTS):           # batch 1 and batch 3
         calls.clear()
         with_loop = _run(llm, prompts)
         assert calls and set(calls) <= {1, 2, 3}, calls
-        model.decode_loop = None
+        runner.decode_loop = None
         eager = _run(llm, prompts)
-        model.decode_loop = _counting(loop, calls)
+        runner.decode_loop = _Counting(loop, calls)
         assert with_loop == eager
 
 
 def test_decode_loop_only_for_small_decode_steps(model_dir):
     llm = LLM(model_dir)
-    model = _decode_loop(llm)
-    calls, loop = [], model.decode_loop
-    model.decode_loop = _counting(loop, calls)
+    runner = _decode_loop(llm)
+    calls, loop = [], runner.decode_loop
+    runner.decode_loop = _Counting(loop, calls)
     llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert calls == [], "6 requests in a step: the eager path"

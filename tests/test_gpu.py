@@ -69,7 +69,7 @@ def test_float32_greedy_equals_transformers(tiny_dir, prompts, reference_fp32, e
     llm = LLM(tiny_dir, dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64,
               gpu_memory_utilization=0.3)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
-    assert runner.device.type == "cuda" and runner.attention_backend == "triton"
+    assert runner.device.type == "cuda" and runner.attn_backend.name == "triton"
     assert (runner.graphs is None) == enforce_eager
     if runner.graphs is not None:
         replays, run = [], runner.graphs.run

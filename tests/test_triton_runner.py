@@ -60,7 +60,7 @@ def test_triton_backend_engine_equals_transformers(tiny_dir, prompts, reference)
     """Chunks of 32 tokens: steps mix prefill chunks (with and without cached past) and decodes."""
     llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
-    assert runner.attention_backend == "triton" and runner.graphs is None   # no GPU: no graphs
+    assert runner.attn_backend.name == "triton" and runner.graphs is None   # no GPU: no graphs
     assert _generate(llm, prompts) == reference
 
 

@@ -102,7 +102,7 @@ def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, h
     the model runner makes them (q/k/v views of one fused projection, the cache
     [slots, Hkv, D], block-table columns up to the longest sequence, or all of them when
     captured)."""
-    from pagedllm.worker.cuda_graph import graph_metadata
+    from pagedllm.attention.backends.triton_attn import TritonAttentionBackend
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     q_lens = np.array([n for _, n in reqs])
     seq_lens = np.array([c + n for c, n in reqs], dtype=np.int32)
@@ -117,9 +117,9 @@ def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, h
     k_cache, v_cache = (torch.zeros(num_slots, Hkv, D, dtype=dtype) for _ in range(2))
     slots = torch.zeros(T, dtype=torch.int64)
     if captured:
-        meta = graph_metadata(slots, torch.from_numpy(qsl), torch.from_numpy(seq_lens),
-                              torch.from_numpy(np.ascontiguousarray(block_table)), Hkv, block_size,
-                              max_model_len)
+        meta = TritonAttentionBackend("cpu").build_graph_metadata(
+            slots, torch.from_numpy(qsl), torch.from_numpy(seq_lens),
+            torch.from_numpy(np.ascontiguousarray(block_table)), Hkv, block_size, max_model_len)
     else:
         meta = build_triton_metadata(qsl, seq_lens, block_table, block_size, slots,
                                      max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))

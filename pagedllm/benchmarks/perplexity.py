@@ -78,18 +78,20 @@ def load_pagedllm(model_dir: str, dtype: str, window: int):
 def pagedllm_window_logits(config, model, ids: list[int], first: int):
     """One window as a single prefill (no past) over a scratch paged KV cache -> float32 logits
     [len(ids) - first, V] predicting ids[first:], from positions first-1 .. len(ids)-2."""
-    import numpy as np
     import torch
-    from pagedllm.attention.metadata import build_attention_metadata
+    from pagedllm.attention.layer import attention_layers, bind_kv_cache
+    from pagedllm.forward_context import set_forward_context
     T, bs = len(ids), 16
     nb = -(-T // bs)
     dtype = next(model.parameters()).dtype
     shape = (nb * bs, config.num_kv_heads, config.head_dim)
     kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
-    meta = build_attention_metadata(np.array([0, T], dtype=np.int32), np.array([T], dtype=np.int32),
-                                    np.arange(nb, dtype=np.int32)[None, :], bs,
-                                    torch.arange(T, dtype=torch.int64))
-    hidden = model(torch.tensor(ids, dtype=torch.int64), torch.arange(T, dtype=torch.int64), kv, meta)
+    bind_kv_cache(model, kv)
+    backend = next(iter(attention_layers(model).values())).backend
+    meta = backend.build_metadata(torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+                                  torch.arange(nb, dtype=torch.int32)[None, :], torch.arange(T, dtype=torch.int64), bs)
+    with set_forward_context(meta):
+        hidden = model(torch.tensor(ids, dtype=torch.int64), torch.arange(T, dtype=torch.int64))
     return torch.cat([model.compute_logits(hidden[s:min(s + 256, T - 1)])
                       for s in range(first - 1, T - 1, 256)])
 

@@ -7,19 +7,25 @@ path calls at 1-3 rows (linear_small, rms_norm, rotary_embedding_, paged_decode,
 in the same order on the same values, so its hidden states equal the eager path's bit for bit
 (tests/test_cpu_decode_loop.py); only the Python between them is gone.
 
-Used by LlamaForCausalLM.forward when the model is whole on one rank, on the CPU, with the
-fused ops and packed linears with the row-streaming kernel (their methods, chosen when the
-layers were built), the step is all decode with decode attention by pages, and it has at most
-SMALL_ROWS tokens. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
+Built once at load time (`build_decode_loop`) for a model whole on one rank, on the CPU, with
+the fused ops and packed linears with the row-streaming kernel (their methods, chosen when the
+layers were built) and the cpu attention backend; the ModelRunner calls it instead of the model
+for steps that are all decode with at most SMALL_ROWS tokens (`DecodeLoop.applies`). It reads
+the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from pagedllm import envs
 from pagedllm.attention import cpu_kernels
+from pagedllm.attention.layer import attention_layers
 from pagedllm.csrc.build import cpu_extension
+from pagedllm.forward_context import get_forward_context
 from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
+
 
 def decode_loop_ext():
     """The extension holding the loop (csrc/decode_loop.cpp's decode_layers) beside the fused
@@ -49,36 +55,45 @@ class DecodeLoop:
         self.eps = model.norm.eps
         self.final_norm = model.norm.weight
         self.rope = model.rope
+        self.embed_tokens = model.embed_tokens
+        self.attns = list(attention_layers(model).values())   # their caches are bound later
         self.ext = ext
 
-    def __call__(self, x, positions, kv_caches, meta) -> torch.Tensor:
-        ks = [k for k, _ in kv_caches]
-        vs = [v for _, v in kv_caches]
+    def applies(self, meta, num_tokens: int) -> bool:
+        """A step the loop computes exactly as the eager layers: all decode, attention by pages,
+        few enough rows that the eager linears take linear_small too."""
+        return meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [M] -> final hidden states [M, hidden], as the model's forward."""
+        meta = get_forward_context().attn_metadata
+        ks = [a.kv_cache[0] for a in self.attns]
+        vs = [a.kv_cache[1] for a in self.attns]
+        x = self.embed_tokens(input_ids)
         return self.ext.decode_layers(x, positions, self.weights, ks, vs, meta.slot_mapping,
                                       meta.decode_block_table, meta.decode_seq_lens,
                                       self.rope.cos, self.rope.sin, self.final_norm,
                                       *self.dims, meta.block_size, self.eps, self.scale)
 
 
-def enable_decode_loop(model) -> bool:
-    """Give a loaded CPU model its DecodeLoop where every piece it calls is in use (decided
-    once, at load time)."""
+def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
+    """The DecodeLoop of a loaded CPU model where every piece it calls is in use, else None
+    (decided once, at load time)."""
+    from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
     from pagedllm.models.llama import LlamaForCausalLM
-    if not envs.PAGEDLLM_CPU_DECODE_LOOP or type(model) is not LlamaForCausalLM:
-        return False
+    if (not envs.PAGEDLLM_CPU_DECODE_LOOP or type(model) is not LlamaForCausalLM
+            or not isinstance(attn_backend, CPUAttentionBackend)):   # it calls that backend's kernel
+        return None
     if model.shard.tp.tp_size > 1 or model.shard.pp_size > 1:   # the loop has no collectives
-        return False
+        return None
     layer = model.layers[0]
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if model.rope.ops is None or layer.mlp.act_fn.ops is None or model.norm.ops is None:
-        return False
+        return None
     if not all(isinstance(m.linear_method, CPUPackedLinearMethod) and m.linear_method.small_ops is not None
                for m in linears):
-        return False
+        return None
     if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
-        return False
+        return None
     ext = decode_loop_ext()
-    if ext is None:
-        return False
-    model.decode_loop = DecodeLoop(model, ext)
-    return True
+    return DecodeLoop(model, ext) if ext is not None else None

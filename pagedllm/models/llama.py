@@ -2,7 +2,8 @@
 pipeline-parallel size (one rank's part of it; the whole model at one rank).
 
 Tokens of all requests are one flat batch [num_tokens, hidden]; attention is the only
-place where requests are told apart (through AttentionMetadata). QKV and gate/up are fused
+place where requests are told apart (attention.layer.Attention, which reads the step's
+metadata from the forward context). QKV and gate/up are fused
 into one matrix product each: their layers load the checkpoint's separate matrices into one
 parameter (stacked_params_mapping). distributed/sharding.py plans which heads, intermediate
 columns, vocabulary rows and layers this rank holds; the layers (models/layers/) cut their
@@ -15,8 +16,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.attention.layer import Attention
 from pagedllm.distributed.sharding import TPShard, plan_model_shard
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.layernorm import RMSNorm
@@ -28,10 +28,6 @@ from pagedllm.models.utils import PPMissingLayer, pp_missing_prefixes
 
 
 class LlamaAttention(nn.Module):
-    # The attention backend: paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> out.
-    # The torch one here; the loader sets Triton's on the model's layers for the GPU path.
-    attention = staticmethod(paged_attention)
-
     def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
@@ -42,15 +38,16 @@ class LlamaAttention(nn.Module):
         q_features = range(tp.q_heads.start * head_dim, tp.q_heads.stop * head_dim)
         self.o_proj = RowParallelLinear(q_features, hidden, hf.get("attention_bias", False), comm)
         self.scale = head_dim ** -0.5
+        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        o = self.attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.attn(q, k, v)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -76,8 +73,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = LlamaMLP(hf["hidden_size"], tp.intermediate, hf.get("mlp_bias", False), comm)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+    def forward(self, x, positions, rope):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,9 +86,6 @@ class LlamaForCausalLM(nn.Module):
     stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
                               (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
                               (".gate_up_proj", ".up_proj", 1)]
-    # models/cpu_decode_loop.py: small decode steps on the CPU in one C++ call (set at load time)
-    decode_loop = None
-
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         """parallel (distributed.parallel_state.ParallelContext): this rank's shard; None: the
         whole model on one rank."""
@@ -115,20 +109,13 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(hf, head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden] (final-normed on the last stage).
-        Stage 0 embeds input_ids; a later stage starts from hidden_in (the previous stage's
-        output). kv_caches holds this stage's layers only."""
-        if hidden_in is None:
-            x = self.embed_tokens(input_ids)
-            if (self.decode_loop is not None and meta.all_decode and meta.decode_block_table is not None
-                    and x.shape[0] <= self.decode_loop.max_rows):
-                return self.decode_loop(x, positions, kv_caches, meta)   # the layers in one C++ call
-        else:
-            x = hidden_in
-        for layer, (k_cache, v_cache) in zip(self.stage_layers, kv_caches):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+        """input_ids, positions [T] -> hidden states [T, hidden] (final-normed on the last stage),
+        inside the runner's forward context. Stage 0 embeds input_ids; a later stage starts from
+        hidden_in (the previous stage's output)."""
+        x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in
+        for layer in self.stage_layers:
+            x = layer(x, positions, self.rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -12,8 +12,8 @@ import os
 import torch
 from safetensors import safe_open
 
+from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
-from pagedllm.models.cpu_decode_loop import enable_decode_loop
 from pagedllm.models.registry import get_model_class
 
 
@@ -64,18 +64,13 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
                attention_backend: str = "torch") -> torch.nn.Module:
     """parallel (pagedllm.distributed.parallel_state.ParallelContext): load only this rank's
     shard (tensor / pipeline parallelism); None: the whole model. device: where the weights
-    live ("cpu" or "cuda"); attention_backend: "torch" or "triton" (see pagedllm/attention)."""
+    live ("cpu" or "cuda"); attention_backend: "torch" or "triton", resolved once by
+    attention/selector.py for the model's Attention layers."""
     cls = get_model_class(config.hf_config)
-    with torch.device(device), _default_dtype(_dtype(config)):
+    dtype = _dtype(config)
+    backend = get_attn_backend(device, dtype, attention_backend)
+    with torch.device(device), _default_dtype(dtype), set_current_attn_backend(backend):
         model = cls(config.hf_config, config.max_model_len, parallel)
     load_weights(model, iter_weights(config.model), config.model)
     model = model.eval().requires_grad_(False)
-    if attention_backend == "triton":
-        from pagedllm.attention.triton_backend import paged_attention
-        from pagedllm.models.llama import LlamaAttention
-        for m in model.modules():
-            if isinstance(m, LlamaAttention):
-                m.attention = paged_attention
-    if torch.device(device).type == "cpu" and attention_backend == "torch":
-        enable_decode_loop(model)   # the loop calls the torch backend's C++ decode kernel
     return model

@@ -8,9 +8,10 @@ buffers: a step copies its inputs in and pads the batch up to the next captured 
 padding row is a one-token request of length 1 whose K/V are not written (slot -1) and whose
 output is dropped; it reads one slot of a block it does not own, harmlessly.
 
-The attention metadata of a captured size is fixed at capture: max_query_len 1 and
-max_seq_len = max_model_len, which only choose the tile shapes and the split-K count (the
-kernels read each request's length from seq_lens), so one graph serves every context length.
+The attention metadata of a captured size is fixed at capture, over the static buffers: the
+backend builds it (`AttentionBackend.build_graph_metadata`) so that one graph serves every
+context length. The forward context is set around the capture (the layers read the metadata
+then); a replay needs none.
 
 capture=False runs the same padded static-buffer path eagerly: the CPU tests use it under
 Triton's interpreter to check the padding; only a GPU checks the capture itself.
@@ -23,23 +24,9 @@ import time
 
 import torch
 
-from pagedllm.attention.triton_backend import (TritonAttentionMetadata, _num_sms,
-                                               choose_num_splits)
+from pagedllm.forward_context import set_forward_context
 
 logger = logging.getLogger(__name__)
-
-
-def graph_metadata(slot_mapping, query_start_loc, seq_lens, block_table, num_kv_heads: int,
-                   block_size: int, max_model_len: int) -> TritonAttentionMetadata:
-    """The attention metadata a captured decode step of len(seq_lens) requests is recorded
-    with: static buffers, max_query_len 1 and max_seq_len max_model_len (tile shapes and the
-    split-K count fixed for every context length)."""
-    splits = choose_num_splits(len(seq_lens), num_kv_heads, 1, max_model_len,
-                               _num_sms(block_table.device))
-    return TritonAttentionMetadata(
-        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-        block_table=block_table, block_size=block_size, max_query_len=1,
-        max_seq_len=max_model_len, num_splits=splits)
 
 
 class DecodeGraphs:
@@ -62,15 +49,15 @@ class DecodeGraphs:
         if capture:
             self._capture_all()
 
-    def _meta(self, size: int) -> TritonAttentionMetadata:
+    def _meta(self, size: int):
         r = self.runner
-        return graph_metadata(self.slot_mapping[:size], self.query_start_loc[:size + 1],
-                              self.seq_lens[:size], self.block_table[:size], r.num_kv_heads,
-                              r.block_size, r.max_model_len)
+        return r.attn_backend.build_graph_metadata(
+            self.slot_mapping[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
+            self.block_table[:size], r.num_kv_heads, r.block_size, r.max_model_len)
 
-    def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
-        return self.runner.model(self.input_ids[:size], self.positions[:size],
-                                 self.runner.kv_caches, meta)
+    def _forward(self, size: int, meta) -> torch.Tensor:
+        with set_forward_context(meta):
+            return self.runner.model(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -54,7 +54,8 @@ def dummy_step_layout(num_tokens: int, num_reqs: int, block_size: int):
 @torch.inference_mode()
 def profile_kv_cache_memory(runner) -> int:
     """Run the dummy step on runner's GPU; return the KV cache budget in bytes and log it."""
-    from pagedllm.attention.triton_backend import build_triton_metadata
+    from pagedllm.attention.layer import bind_kv_cache
+    from pagedllm.forward_context import set_forward_context
     from pagedllm.worker.sampler import SamplingMetadata
     sc = runner.config.scheduler_config
     util = runner.config.device_config.gpu_memory_utilization
@@ -66,13 +67,14 @@ def profile_kv_cache_memory(runner) -> int:
     weights = torch.cuda.memory_allocated()
     # A temporary cache just big enough for the dummy requests (its size is not activation).
     runner.kv_caches = runner.alloc_kv_caches(num_blocks, runner.device)
+    bind_kv_cache(runner.model, runner.kv_caches)
     cache_bytes = torch.cuda.memory_allocated() - weights
-    meta = build_triton_metadata(qsl, seq_lens, block_table, runner.block_size,
-                                 torch.from_numpy(slots), device=runner.device,
-                                 max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()))
+    meta = runner.attn_backend.build_metadata(
+        torch.from_numpy(qsl), torch.from_numpy(seq_lens), torch.from_numpy(block_table),
+        torch.from_numpy(slots), runner.block_size, int(np.diff(qsl).max()), int(seq_lens.max()))
     input_ids = torch.zeros(T, dtype=torch.int64, device=runner.device)
-    hidden = runner.model(input_ids, torch.from_numpy(positions).to(runner.device),
-                          runner.kv_caches, meta)
+    with set_forward_context(meta):
+        hidden = runner.model(input_ids, torch.from_numpy(positions).to(runner.device))
     logits = runner.model.compute_logits(hidden[torch.from_numpy(qsl[1:] - 1).to(runner.device)])
     params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * R
     md = SamplingMetadata.build(params, [[0]] * R, [[]] * R, [None] * R, [set()] * R,
@@ -82,6 +84,7 @@ def profile_kv_cache_memory(runner) -> int:
     peak = torch.cuda.max_memory_allocated() - weights - cache_bytes
     del hidden, logits
     runner.kv_caches = []
+    bind_kv_cache(runner.model, [])   # the layers let go of the temporary cache too
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved())

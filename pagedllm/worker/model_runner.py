@@ -8,10 +8,12 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from pagedllm.attention.cpu_kernels import cpu_decode_supported
-from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
+from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.forward_context import set_forward_context
+from pagedllm.models.cpu_decode_loop import build_decode_loop
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.fault_injection import FaultInjector
@@ -34,17 +36,19 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.vocab_size
         self.device = torch.device(dc.device)
-        self.attention_backend = dc.attention_backend
         # --seed: requests without a seed of their own draw from torch's global generator, so
         # the same engine seed gives the same run (vLLM's set_random_seed).
         torch.manual_seed(mc.seed)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
-        # This rank's KV cache: the layers of its pipeline stage, the KV heads of its TP share.
-        self.num_cache_layers = mc.num_layers if parallel is None else parallel.shard.num_layers
-        self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
         self.dtype = next(self.model.parameters()).dtype
-        # Decode attention straight from the pages when the C++ kernel builds (CPU).
-        self.decode_by_pages = self.attention_backend == "torch" and cpu_decode_supported(self.dtype)
+        # The backend the model's Attention layers were built with (the selector caches it).
+        self.attn_backend = get_attn_backend(self.device, self.dtype, dc.attention_backend)
+        # This rank's KV cache, as its layers declare it: the layers of its pipeline stage, the
+        # KV heads of its TP share.
+        self.kv_cache_spec = list(get_kv_cache_spec(self.model, cc.block_size, self.dtype).values())
+        self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
+        # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
+        self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
         self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size)
         self.requests: dict[str, CachedRequestState] = {}
@@ -58,25 +62,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
-        mc = self.config.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_cache_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+        return sum(spec.page_size_bytes for spec in self.kv_cache_spec)
 
     def alloc_kv_caches(self, num_blocks: int, device, pin: bool = False):
-        """One (K, V) pair per layer, each [num_blocks * block_size, num_kv_heads, head_dim].
-        On the CPU torch.zeros maps pages lazily: unused blocks cost no memory until written."""
-        shape = (num_blocks * self.block_size, self.num_kv_heads, self.config.model_config.head_dim)
-        return [tuple(torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
-                      for _ in range(2)) for _ in range(self.num_cache_layers)]
+        """Each layer's tensors as its spec shapes them (full attention: (K, V), each
+        [num_blocks * block_size, num_kv_heads, head_dim]). On the CPU torch.zeros maps pages
+        lazily: unused blocks cost no memory until written."""
+        return [tuple(torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin)
+                      for shape in spec.kv_shapes(num_blocks)) for spec in self.kv_cache_spec]
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """The KV cache, the swap space (host memory, pinned when the cache is on a GPU), and
         then the decode CUDA graphs, which capture the cache's addresses."""
         self.kv_caches = self.alloc_kv_caches(num_blocks, self.device)
+        bind_kv_cache(self.model, self.kv_caches)
         self.cpu_caches = (self.alloc_kv_caches(num_cpu_blocks, "cpu", pin=self.device.type == "cuda")
                            if num_cpu_blocks else [])
         dc = self.config.device_config
-        if self.device.type == "cuda" and dc.cuda_graph_sizes:
+        if self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes:
             from pagedllm.worker.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self, dc.cuda_graph_sizes, capture=True)
 
@@ -187,26 +190,21 @@ class ModelRunner:
         inputs = batch.prepare_inputs(so.num_scheduled_tokens)
         if self.graphs is not None and self.graphs.can_run(inputs):
             return inputs, None    # a captured decode step builds its own metadata
-        if self.attention_backend == "triton":
-            from pagedllm.attention.triton_backend import build_triton_metadata
-            nb = -(inputs.max_seq_len // -self.block_size)   # only the columns in use travel
-            meta = build_triton_metadata(inputs.query_start_loc, inputs.seq_lens,
-                                         inputs.block_table[:, :nb], self.block_size,
-                                         inputs.slot_mapping, device=self.device,
-                                         max_query_len=inputs.max_query_len,
-                                         max_seq_len=inputs.max_seq_len)
-        else:
-            meta = build_attention_metadata(inputs.query_start_loc.numpy(), inputs.seq_lens.numpy(),
-                                            batch.block_table_np[:batch.num_reqs], self.block_size,
-                                            inputs.slot_mapping, decode_by_pages=self.decode_by_pages)
+        meta = self.attn_backend.build_metadata(inputs.query_start_loc, inputs.seq_lens,
+                                                inputs.block_table, inputs.slot_mapping, self.block_size,
+                                                inputs.max_query_len, inputs.max_seq_len)
         return inputs, meta
 
     def _forward(self, inputs, meta) -> torch.Tensor:
         """The model over this step's tokens -> final hidden states [num_tokens, hidden]."""
         if meta is None:
             return self.graphs.run(inputs)
-        return self.model(inputs.input_ids.to(self.device, non_blocking=True),
-                          inputs.positions.to(self.device, non_blocking=True), self.kv_caches, meta)
+        input_ids = inputs.input_ids.to(self.device, non_blocking=True)
+        positions = inputs.positions.to(self.device, non_blocking=True)
+        with set_forward_context(meta):
+            if self.decode_loop is not None and self.decode_loop.applies(meta, input_ids.shape[0]):
+                return self.decode_loop(input_ids, positions)   # the layers in one C++ call
+            return self.model(input_ids, positions)
 
     def _sampling_metadata(self, rows: np.ndarray) -> Optional[SamplingMetadata]:
         """None when every row is plain greedy: the sampler then takes the argmax."""

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.forward_context import set_forward_context
 from pagedllm.worker.input_batch import CachedRequestState
 from pagedllm.worker.model_runner import ModelRunner, to_runner_output
 from pagedllm.worker.sampler import SamplingMetadata
@@ -65,7 +66,8 @@ class ParallelModelRunner(ModelRunner):
         hidden_in = None
         if not pc.is_first_stage:
             hidden_in = pc.recv_prev(torch.empty(inputs.input_ids.shape[0], self.hidden_size, dtype=self.dtype))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden_in)
+        with set_forward_context(meta):
+            hidden = self.model(inputs.input_ids, inputs.positions, hidden_in)
         if not pc.is_last_stage:
             pc.send_next(hidden)
         elif len(inputs.sample_rows):

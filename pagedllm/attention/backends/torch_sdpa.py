@@ -1,0 +1,26 @@
+"""The reference backend: plain torch, SDPA over the gathered slots of each request
+(attention/torch_backend.py does the work; attention/metadata.py builds its metadata)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.attention.torch_backend import paged_attention
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch"
+    decode_by_pages = False   # decodes gather their slots into a [Bd, L] matrix
+
+    def build_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                       max_query_len: Optional[int] = None,
+                       max_seq_len: Optional[int] = None) -> AttentionMetadata:
+        return build_attention_metadata(query_start_loc.numpy(), seq_lens.numpy(), block_table.numpy(),
+                                        block_size, slot_mapping, decode_by_pages=self.decode_by_pages)
+
+    def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)

@@ -1,0 +1,43 @@
+"""The GPU backend: Triton kernels (attention/triton_kernels.py, launched by
+attention/triton_backend.py), index tensors on the device, CUDA-graph capture of decode steps."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.triton_backend import (TritonAttentionMetadata, _num_sms,
+                                               build_triton_metadata, choose_num_splits,
+                                               paged_attention)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def build_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                       max_query_len: Optional[int] = None,
+                       max_seq_len: Optional[int] = None) -> TritonAttentionMetadata:
+        if max_seq_len is not None:   # only the block-table columns in use travel to the device
+            block_table = block_table[:, :-(max_seq_len // -block_size)]
+        return build_triton_metadata(query_start_loc, seq_lens, block_table, block_size, slot_mapping,
+                                     device=self.device, max_query_len=max_query_len,
+                                     max_seq_len=max_seq_len)
+
+    def forward(self, layer, q, k, v, kv_cache, meta: TritonAttentionMetadata) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+
+    def build_graph_metadata(self, slot_mapping, query_start_loc, seq_lens, block_table,
+                             num_kv_heads: int, block_size: int,
+                             max_model_len: int) -> TritonAttentionMetadata:
+        """max_query_len 1 and max_seq_len max_model_len: they only choose the tile shapes and
+        the split-K count (the kernels read each request's length from seq_lens), so one graph
+        serves every context length."""
+        splits = choose_num_splits(len(seq_lens), num_kv_heads, 1, max_model_len,
+                                   _num_sms(block_table.device))
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table=block_table, block_size=block_size, max_query_len=1,
+            max_seq_len=max_model_len, num_splits=splits)

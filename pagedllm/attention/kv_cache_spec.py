@@ -1,0 +1,39 @@
+"""What one layer keeps in the KV cache, declared by the layer (vLLM v1's KVCacheSpec): the
+runner sizes and allocates the cache from these, so a layer of another kind (sliding window,
+latent/MLA) declares its own spec instead of the runner assuming full attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block of this layer takes."""
+        raise NotImplementedError
+
+    def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        """The shapes of this layer's cache tensors for num_blocks blocks."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """K and V of every token: two tensors [num_blocks * block_size, num_kv_heads, head_size]
+    (a flat slot axis: slot = block_id * block_size + offset)."""
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * elem
+
+    def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        return [(num_blocks * self.block_size, self.num_kv_heads, self.head_size)] * 2

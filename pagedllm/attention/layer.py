@@ -1,0 +1,66 @@
+"""Attention: the model's attention op over the paged KV cache (vLLM's / nano-vllm's
+layers/attention.py).
+
+A model computes q, k, v and calls `Attention.forward(q, k, v)`; the layer owns its view of
+the KV cache (bound once by the runner: `bind_kv_cache`), reads the step's metadata from the
+forward context, and calls the backend it was built with (attention/selector.py). It also
+declares what it keeps in the cache (`get_kv_cache_spec`), from which the runner sizes and
+allocates the cache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from pagedllm.attention.selector import get_current_attn_backend
+from pagedllm.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 backend: Optional[AttentionBackend] = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.backend = backend if backend is not None else get_current_attn_backend()
+        # (K, V), each [num_blocks * block_size, num_kv_heads, head_dim]: views of the runner's cache
+        self.kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (this step's, rotated) -> out [T, H, D]; k/v are written
+        into this layer's cache at the step's slot_mapping."""
+        if self.kv_cache is None:
+            raise RuntimeError("this Attention layer has no KV cache: the runner binds it "
+                               "(attention.layer.bind_kv_cache) once the cache is allocated")
+        return self.backend.forward(self, q, k, v, self.kv_cache, get_forward_context().attn_metadata)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={self.backend.name}")
+
+
+def attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """The model's Attention layers by module name, in layer order (a pipeline stage: its own)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def get_kv_cache_spec(model: nn.Module, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
+    """What each attention layer of the model keeps in the cache, by layer name."""
+    return {name: layer.get_kv_cache_spec(block_size, dtype) for name, layer in attention_layers(model).items()}
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
+    """Give each attention layer its cache: kv_caches[i] is the i-th layer's (K, V), in layer
+    order. An empty list unbinds them (so that a temporary cache can be freed)."""
+    layers = list(attention_layers(model).values())
+    if kv_caches and len(kv_caches) != len(layers):
+        raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
+    for i, layer in enumerate(layers):
+        layer.kv_cache = tuple(kv_caches[i]) if kv_caches else None
