@@ -71,7 +71,7 @@ def test_attention_layer_needs_cache_and_context():
 
 def test_kv_cache_spec_sizes_the_cache(tiny_dir):
     llm = LLM(tiny_dir)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     mc = runner.config.model_config
     specs = get_kv_cache_spec(runner.model, runner.block_size, runner.dtype)
     assert list(specs) == [f"layers.{i}.self_attn.attn" for i in range(mc.num_layers)]
@@ -93,7 +93,7 @@ def test_cpu_and_torch_backends_same_greedy_tokens(tiny_dir, monkeypatch):
 
     def generate(expected_backend):
         llm = LLM(tiny_dir, max_num_batched_tokens=24)
-        assert llm.llm_engine.core.runner.attn_backend.name == expected_backend
+        assert llm.llm_engine.core.model_executor.driver_worker.model_runner.attn_backend.name == expected_backend
         return [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch],
                                                                 params, use_tqdm=False)]
                 for batch in (prompts[:1], prompts)]
