@@ -27,7 +27,7 @@ MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model"}
 
 
 def pytest_addoption(parser):
-    # The workload fuzzers (tests/test_engine_fuzz.py, tests/test_server_fuzz.py): a fixed seed
+    # The workload fuzzers (tests/engine/test_engine_fuzz.py, tests/entrypoints/test_server_fuzz.py): a fixed seed
     # and a bounded case count in CI; scale or replay from the command line.
     group = parser.getgroup("fuzz")
     group.addoption("--fuzz-cases", type=int, default=None,

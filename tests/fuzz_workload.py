@@ -1,5 +1,5 @@
-"""A seeded random workload for the fuzzers (tests/test_engine_fuzz.py on the engine,
-tests/test_server_fuzz.py on the server): an engine configuration with a tiny KV cache, and a
+"""A seeded random workload for the fuzzers (tests/engine/test_engine_fuzz.py on the engine,
+tests/entrypoints/test_server_fuzz.py on the server): an engine configuration with a tiny KV cache, and a
 mix of requests over the `random:tiny` model (vocabulary "w3".."w511", EOS id 2).
 
 Everything is drawn from `random.Random(seed)`, so a seed names a case exactly. The mix covers

@@ -46,7 +46,7 @@ def case_label(seed: int, group: int, case: int) -> str:
 
 
 def replay_command(seed: int, group: int, case: int) -> str:
-    return (f"PYTHONPATH=$PWD python -m pytest -q -s tests/test_engine_fuzz.py::test_engine_fuzz "
+    return (f"PYTHONPATH=$PWD python -m pytest -q -s tests/engine/test_engine_fuzz.py::test_engine_fuzz "
             f"--fuzz-seed {seed} --fuzz-replay {group}:{case}")
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from fuzz_workload import MODEL, EngineSpec, RequestSpec, draw_requests
 from server_utils import RemoteServer, wait_idle
-from test_engine_fuzz import TIE_EPS, Reference, one_thread, reference  # noqa: F401 (fixtures)
+from engine.test_engine_fuzz import TIE_EPS, Reference, one_thread, reference  # noqa: F401 (fixtures)
 
 NAME = "fuzz"
 CI_SECONDS = 30
@@ -213,7 +213,7 @@ def test_server_fuzz(request, fuzz_server, reference):
     print(f"\nserver fuzz, seed {seed}, {spec}: {sum(outcomes.values())} requests in "
           f"{time.monotonic() - t0:.1f} s: {dict(outcomes)}")
     log = "\n".join(line for line in server.log_text().splitlines() if "Running:" not in line)
-    assert not bad, (f"seed {seed} (rerun: PYTHONPATH=$PWD python -m pytest -q -s tests/test_server_fuzz.py "
+    assert not bad, (f"seed {seed} (rerun: PYTHONPATH=$PWD python -m pytest -q -s tests/entrypoints/test_server_fuzz.py "
                      f"--fuzz-seed {seed}): {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
                      + "\n".join(bad[:12]) + f"\nserver log (tail, stats lines left out):\n{log[-4000:]}")
     assert outcomes["200"] >= 10, outcomes

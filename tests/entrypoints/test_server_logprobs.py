@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from server_utils import TINY, TINY_CHAT_TEMPLATE
-from test_logprobs import check_position, hf_logprobs, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
+from engine.test_logprobs import check_position, hf_logprobs, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
 
 PROMPT = [5, 17, 33, 101, 7, 250, 9, 64]
 MESSAGES = [{"role": "user", "content": "w12 w400 w33 w77"}, {"role": "assistant", "content": "w8 w9"},

@@ -16,7 +16,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _request() -> m.EngineCoreRequest:

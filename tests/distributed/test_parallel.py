@@ -219,7 +219,7 @@ def test_tp2_from_a_script_on_stdin():
     import subprocess
     import sys
     run = subprocess.run([sys.executable, "-"], input=STDIN_SCRIPT, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("TP ")]
     assert [tp for _, tp, _ in lines] == ["1", "2"], run.stdout

@@ -21,7 +21,7 @@ from pagedllm.models import download
 from pagedllm.models.download import (
     DEFAULT_MODEL, default_model_dir, ensure_default_model, pagedllm_home, resolve_model)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

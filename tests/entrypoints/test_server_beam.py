@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from server_utils import assert_error, disconnect_when, wait_idle
-from test_beam_search import hf_beam_hypotheses
-from test_logprobs import TOL, hf_logprobs
+from engine.test_beam_search import hf_beam_hypotheses
+from engine.test_logprobs import TOL, hf_logprobs
 
 pytestmark = pytest.mark.model
 
