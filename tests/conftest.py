@@ -82,6 +82,14 @@ def default_server(model_dir):
     srv.close()
 
 
+@pytest.fixture(scope="module")
+def client(request, server):
+    """The official openai client on the module's `server` fixture (a module's CLIENT_TIMEOUT, in
+    seconds, overrides the client's default)."""
+    return server.client(**({"timeout": request.module.CLIENT_TIMEOUT}
+                            if hasattr(request.module, "CLIENT_TIMEOUT") else {}))
+
+
 @pytest.fixture(scope="session")
 def tiny_shared_server():
     """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from test_logprobs import hf_logprobs
+from engine.test_logprobs import hf_logprobs
 
 pytestmark = pytest.mark.model
 

@@ -27,15 +27,12 @@ LIMIT = TINY_SERVER_MAX_BODY_BYTES          # its --max-request-body-bytes
 MAX_CHARS = MAX_MODEL_LEN * 5
 TEMPLATE = TINY_CHAT_TEMPLATE
 
+CLIENT_TIMEOUT = 30   # seconds: the tiny model answers fast
+
 
 @pytest.fixture(scope="module")
 def server(tiny_shared_server):
     return tiny_shared_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client(timeout=30)
 
 
 def _raw_exchange(port: int, head: bytes, body_parts=(), timeout: float = 30.0) -> bytes:

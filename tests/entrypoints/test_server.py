@@ -28,11 +28,6 @@ def server(default_server):
     return default_server
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
 def post(server, path, body=None, content=None, **kw):
     kw.setdefault("timeout", 60)
     if content is not None:

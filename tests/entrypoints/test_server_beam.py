@@ -28,14 +28,8 @@ def server(default_server):
     return default_server
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
 def beam(**kw):
     return {"use_beam_search": True, **kw}
-
 
 
 def _check_choices(choices, hyps, tokenizer, hf_model=None, prompt_ids=None, length_penalty=1.0):

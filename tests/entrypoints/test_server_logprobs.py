@@ -23,11 +23,6 @@ def server(tiny_dir, tiny_shared_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
 def token_id(tiny_dir):
     """Token string (as the server reports it) -> id."""
     from transformers import AutoTokenizer

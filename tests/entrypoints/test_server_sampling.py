@@ -28,15 +28,12 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 OPENAI_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n",
                  "best_of", "logprobs"}
 
+CLIENT_TIMEOUT = 30   # seconds: the tiny model answers fast
+
 
 @pytest.fixture(scope="module")
 def server(tiny_shared_server):
     return tiny_shared_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client(timeout=30)
 
 
 @pytest.fixture(scope="module")
