@@ -96,7 +96,7 @@ def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_p
             pass
         code = 1
     finally:
-        if core is not None and hasattr(core, "shutdown"):
+        if core is not None:
             try:
                 core.shutdown()  # the worker processes of a split model, if any
             except Exception:
