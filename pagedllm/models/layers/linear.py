@@ -31,6 +31,12 @@ from pagedllm.models.layers.linear_method import LinearMethodBase, UnquantizedLi
 from pagedllm.models.layers.weight_utils import copy_weight
 
 
+def multi_rank(comm):
+    """The tensor-parallel group where it has more than one rank, else None: at one rank a
+    parallel layer is a plain one and calls no collective."""
+    return comm if comm is not None and comm.size > 1 else None
+
+
 def default_linear_method() -> LinearMethodBase:
     """The method for a layer built now: on the CPU in float32 / bfloat16, oneDNN-packed
     weights (unless PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
@@ -122,7 +128,7 @@ class RowParallelLinear(LinearBase):
                  linear_method: Optional[LinearMethodBase] = None) -> None:
         super().__init__(len(input_range), output_size, bias, linear_method)
         self.input_range = input_range
-        self.comm = comm if comm is not None and comm.size > 1 else None   # None: one rank
+        self.comm = multi_rank(comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm is None:

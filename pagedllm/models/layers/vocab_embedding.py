@@ -15,13 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.sharding import split_range
-from pagedllm.models.layers.linear import default_linear_method
+from pagedllm.models.layers.linear import default_linear_method, multi_rank
 from pagedllm.models.layers.linear_method import LinearMethodBase
 from pagedllm.models.layers.weight_utils import copy_weight
-
-
-def _one_rank(comm):
-    return None if comm is None or comm.size == 1 else comm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,7 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab = vocab
         self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size), requires_grad=False)  # [V_rank, H]
         self.weight.weight_loader = self.weight_loader
-        self.comm = _one_rank(comm)
+        self.comm = multi_rank(comm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded[self.vocab.start:self.vocab.stop])
@@ -54,7 +50,7 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.vocab = vocab
         self.vocab_size = vocab_size
-        self.comm = _one_rank(comm)
+        self.comm = multi_rank(comm)
         self.linear_method = linear_method or default_linear_method()
         if tied is not None:
             self.weight = tied.weight
