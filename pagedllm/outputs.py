@@ -13,6 +13,8 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first (nothing precedes it), then {prompt token and top k: Logprob}.
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
@@ -38,3 +40,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: Optional[PromptLogprobs] = None   # SamplingParams.prompt_logprobs (vLLM's shape)

@@ -68,6 +68,25 @@ class Request:
         # its blocks, so a search split between running and waiting could wait forever).
         self.group_id: Optional[str] = None
         self.fork_width = 1             # a search's first beam: the number of beams it becomes
+        # prompt_logprobs: the scored prompt tokens gathered so far (ids, logprobs, rank each),
+        # sent with the first token and then None (a recompute after preemption adds nothing).
+        self.prompt_logprobs: Optional[list] = [] if sampling_params.prompt_logprobs is not None else None
+
+    def add_prompt_logprobs(self, chunk) -> None:
+        """One step's scored positions (worker/prompt_logprobs.py); positions already held (a
+        prefill recomputed after preemption) are skipped."""
+        if self.prompt_logprobs is None:
+            return
+        start, ids, lps, ranks = chunk
+        skip = len(self.prompt_logprobs) + 1 - start
+        if skip < 0:   # the prefix cache is skipped for these requests: no gap can arise
+            raise RuntimeError(f"prompt logprobs of {self.request_id} from token {start}, "
+                               f"after {len(self.prompt_logprobs)}")
+        self.prompt_logprobs.extend(zip(ids[skip:], lps[skip:], ranks[skip:]))
+
+    def take_prompt_logprobs(self) -> Optional[list]:
+        out, self.prompt_logprobs = self.prompt_logprobs, None
+        return out
 
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this request will run as (seed 001): a parallel-sampling parent

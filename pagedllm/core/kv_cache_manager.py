@@ -95,8 +95,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks at the start of the request, and the number of
-        tokens they hold. The last token is always left to compute, so there are logits."""
-        if not self.enable_caching:
+        tokens they hold. The last token is always left to compute, so there are logits. A
+        request that asks for prompt logprobs takes none: it needs every prompt position's
+        logits (as vLLM, it recomputes rather than return gaps)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

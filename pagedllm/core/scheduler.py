@@ -272,6 +272,9 @@ class Scheduler:
                 child.num_cached_tokens = parent.num_cached_tokens
                 child.status = RequestStatus.RUNNING
                 self.requests[child.request_id] = child
+            for child in children[1:]:   # the prompt's logprobs come once, with the first sibling
+                child.prompt_logprobs = None
+            children[0].prompt_logprobs = parent.take_prompt_logprobs()
             self.running[at:at + 1] = children
             self._free_request(parent)
             self.unsent.update(c.request_id for c in children)
@@ -330,6 +333,10 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
+        for req_id, chunk in (runner_output.prompt_logprobs or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.add_prompt_logprobs(chunk)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             new_ids = runner_output.sampled_token_ids[row]
@@ -347,6 +354,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 new_logprobs=[logprobs[row]] if logprobs is not None and logprobs[row] else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                prompt_logprobs=request.take_prompt_logprobs(),
             ))
             if finished:
                 self.running.remove(request)

@@ -47,6 +47,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]       # [] for a request still in a prefill chunk
     # Per sampled row: ([token ids], [logprobs], rank of the sampled token); sampled first.
     logprobs: Optional[list[Optional[tuple[list[int], list[float], int]]]] = None
+    # Rows that asked for prompt logprobs: req id -> the positions this step scored
+    # (worker/prompt_logprobs.py: (first prompt index, [n][k+1] ids, [n][k+1] logprobs, [n] ranks)).
+    prompt_logprobs: Optional[dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]]] = None
 
 
 @dataclass
@@ -57,3 +60,6 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     new_logprobs: Optional[list[tuple[list[int], list[float], int]]] = None
     num_cached_tokens: int = 0
+    # With the first token of a request that asked for them: the logprobs of prompt tokens
+    # 1..P-1, each ([prompt token, top k...] ids, logprobs, rank of the prompt token).
+    prompt_logprobs: Optional[list[tuple[list[int], list[float], int]]] = None

@@ -11,7 +11,7 @@ from typing import Optional
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,6 +29,23 @@ class RequestStats:
     last_token_time: Optional[float] = None
 
 
+def logprob_dicts(entries, tokenizer) -> list[dict[int, Logprob]]:
+    """The core's (ids, logprobs, rank) per position -> {token id: Logprob}, the chosen (or
+    prompt) token first with its rank, then the top k ranked 1..k; the tokens decoded in one
+    call."""
+    entries = list(entries)
+    texts = iter(tokenizer.batch_decode([[t] for ids, _, _ in entries for t in ids]))
+    out = []
+    for ids, lps, rank in entries:
+        pos: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(ids, lps)):
+            text = next(texts)
+            if tid not in pos:   # the chosen token may be among the top k too
+                pos[tid] = Logprob(lp, rank if j == 0 else j, text)
+        out.append(pos)
+    return out
+
+
 class ParentRequest:
     """n > 1 (or best_of > 1): the siblings' outputs are gathered into one RequestOutput; with
     best_of, the n of highest cumulative logprob are kept when all are done."""
@@ -40,6 +57,7 @@ class ParentRequest:
         self.user_wants_logprobs = params.logprobs is not None
         self.outputs: list[Optional[CompletionOutput]] = [None] * self.num_samples
         self.num_finished = 0
+        self.prompt_logprobs: Optional[PromptLogprobs] = None   # once, for all the siblings
 
     def final_outputs(self) -> list[CompletionOutput]:
         outs = list(self.outputs)
@@ -72,16 +90,29 @@ class RequestState:
         self.stats = RequestStats(arrival_time=request.arrival_time)
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
+        self.prompt_logprobs: Optional[PromptLogprobs] = None
+        self.prompt_logprobs_sent = False   # DELTA: only the first output carries them
 
     def add_logprobs(self, entries) -> None:
-        for ids, lps, rank in entries:
-            pos: dict[int, Logprob] = {}
-            for j, (tid, lp) in enumerate(zip(ids, lps)):
-                if tid in pos:
-                    continue  # the sampled token also among the top k
-                pos[tid] = Logprob(lp, rank if j == 0 else j, self.tokenizer.decode([tid]))
-            self.logprobs.append(pos)
+        self.logprobs.extend(logprob_dicts(entries, self.tokenizer))
+        for _, lps, _ in entries:
             self.cumulative_logprob += lps[0]
+
+    def set_prompt_logprobs(self, entries) -> None:
+        """vLLM's shape: None for the first prompt token (nothing precedes it), then a dict per
+        token; a sibling's go to its parent, once."""
+        holder = self.parent if self.parent is not None else self
+        if holder.prompt_logprobs is None:
+            holder.prompt_logprobs = [None] + logprob_dicts(entries, self.tokenizer)
+
+    def take_prompt_logprobs(self) -> Optional[PromptLogprobs]:
+        holder = self.parent if self.parent is not None else self
+        if self.kind != OutputKind.DELTA:
+            return holder.prompt_logprobs
+        if self.prompt_logprobs_sent or holder.prompt_logprobs is None:
+            return None
+        self.prompt_logprobs_sent = True
+        return holder.prompt_logprobs
 
     def make_completion(self, finished: bool) -> CompletionOutput:
         delta = self.kind == OutputKind.DELTA
@@ -158,6 +189,8 @@ class OutputProcessor:
             st.output_token_ids.extend(out.new_token_ids)
             if st.logprobs is not None and out.new_logprobs:
                 st.add_logprobs(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                st.set_prompt_logprobs(out.prompt_logprobs)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             stop_str = st.detokenizer.update(out.new_token_ids, finish_reason == "stop")
             if stop_str is not None and finish_reason is None:
@@ -181,7 +214,8 @@ class OutputProcessor:
         parent = st.parent
         if parent is None:
             return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
-                                 finished, st.num_cached_tokens, metrics=vars(st.stats))
+                                 finished, st.num_cached_tokens, metrics=vars(st.stats),
+                                 prompt_logprobs=st.take_prompt_logprobs())
         parent.outputs[st.index] = completion
         if finished:
             parent.num_finished += 1
@@ -197,4 +231,5 @@ class OutputProcessor:
         else:
             outputs = [o for o in parent.outputs if o is not None]
         return RequestOutput(parent.request_id, st.prompt, st.prompt_token_ids, outputs,
-                             all_done, st.num_cached_tokens, metrics=vars(st.stats))
+                             all_done, st.num_cached_tokens, metrics=vars(st.stats),
+                             prompt_logprobs=st.take_prompt_logprobs())

@@ -97,8 +97,9 @@ class Processor:
             raise ValueError(f"n / best_of ({params.num_samples}) must be <= max_num_seqs ({max_seqs})")
         if beam_width > max_seqs:
             raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
-        if params.prompt_logprobs is not None:   # accepted by SamplingParams, not computed yet
-            raise ValueError("prompt_logprobs is not supported yet; leave it None")
+        if params.prompt_logprobs is not None and self.config.parallel_config.world_size > 1:
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with tensor or pipeline "
+                                                "parallelism yet; leave it None")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

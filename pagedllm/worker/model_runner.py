@@ -18,6 +18,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class ModelRunner:
         PROFILER.mark("prepare_inputs")
         batch = self.input_batch
         hidden = self._forward(inputs, meta)
+        # Before the sampled tokens are appended: it reads the prompt's tokens of the batch.
+        prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, inputs, batch)
         rows, out = inputs.sample_rows.tolist(), None
         if rows:
             logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
@@ -167,6 +170,7 @@ class ModelRunner:
             PROFILER.mark("forward")
         result = to_runner_output(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
                                   lambda row, state, token: batch.append_token(row, token))
+        result.prompt_logprobs = prompt_logprobs
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         PROFILER.mark("runner_update")
         return result

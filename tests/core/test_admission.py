@@ -99,11 +99,6 @@ def test_prompt_must_leave_room_for_one_token(llm8):
         llm8.llm_engine.core.num_blocks - 1
 
 
-def test_prompt_logprobs_is_refused_until_it_is_computed(llm8):
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported yet"):
-        llm8.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=2, max_tokens=2), use_tqdm=False)
-
-
 # A cache that holds one search of width 4 at full length (4 beams x 4 blocks of 4 tokens), not two.
 SMALL_CACHE = dict(max_num_seqs=16, max_model_len=64, block_size=4, num_gpu_blocks=18)
 
