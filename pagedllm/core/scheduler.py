@@ -272,9 +272,11 @@ class Scheduler:
                 child.num_cached_tokens = parent.num_cached_tokens
                 child.status = RequestStatus.RUNNING
                 self.requests[child.request_id] = child
-            for child in children[1:]:   # the prompt's logprobs come once, with the first sibling
-                child.prompt_logprobs = None
-            children[0].prompt_logprobs = parent.take_prompt_logprobs()
+            # Each sibling carries the prompt's logprobs with its first token (a stream echoes
+            # them in its first chunk); the frontend keeps one copy, on the parent.
+            shared = parent.take_prompt_logprobs()
+            for child in children:
+                child.prompt_logprobs = shared
             self.running[at:at + 1] = children
             self._free_request(parent)
             self.unsent.update(c.request_id for c in children)

@@ -89,6 +89,8 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM's beam search: n is the beam width, the n best hypotheses are the choices.
     use_beam_search: StrictBool = False
     length_penalty: Number = 1.0
+    # vLLM's: the prompt tokens' logprobs with the top k (not while streaming, as vLLM).
+    prompt_logprobs: Optional[StrictInt] = None
 
     def beam_search_conflict(self) -> Optional[str]:
         """The first field set to a value that beam search cannot honour, if any."""
@@ -100,9 +102,11 @@ class _SamplingFields(OpenAIBaseModel):
                 return name
         return None
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """ValueError (from SamplingParams) on an out-of-range value."""
         return SamplingParams(
+            prompt_logprobs=prompt_logprobs,
             n=self.n if self.n is not None else 1,
             best_of=getattr(self, "best_of", None),
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -147,12 +151,27 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+# vLLM's `prompt_logprobs` in a response: None for the first prompt token, then
+# {token id: {"logprob", "rank", "decoded_token"}} per token.
+PromptLogprobsJSON = Optional[list[Optional[dict[str, dict[str, Any]]]]]
+
+
+def prompt_logprobs_json(plps) -> PromptLogprobsJSON:
+    """RequestOutput.prompt_logprobs as vLLM's server writes them."""
+    if plps is None:
+        return None
+    return [None if pos is None else
+            {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in pos.items()} for pos in plps]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: PromptLogprobsJSON = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -235,6 +254,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    prompt_logprobs: PromptLogprobsJSON = None   # vLLM's extra (the request's prompt_logprobs)
 
 
 # ------------------------------------------------------------------ tokenizer endpoints

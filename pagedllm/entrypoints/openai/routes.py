@@ -95,13 +95,24 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
     return await _respond(chat(raw_request).create_chat_completion, req, raw_request)
 
 
+def _model_card(state, name: str) -> dict:
+    """OpenAI's Model object (id, object, created, owned_by) with vLLM's extras."""
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
+            "root": state.engine.config.model_config.model, "parent": None,
+            "max_model_len": state.engine.max_model_len}
+
+
 @openai_router.get("/v1/models")
 async def list_models(raw_request: Request):
     state = raw_request.app.state
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
-         "root": state.engine.config.model_config.model, "parent": None,
-         "max_model_len": state.engine.max_model_len} for name in state.served_model_names]}
+    return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
+
+
+@openai_router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, raw_request: Request):
+    """The openai client's models.retrieve; 404 model_not_found for a name not served."""
+    completion(raw_request).check_model(model)
+    return _model_card(raw_request.app.state, model)
 
 
 # -------------------------------------------------------------------- tokenisation

@@ -10,7 +10,8 @@ from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, usage_dict, random_id)
+    ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, prompt_logprobs_json,
+    usage_dict, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
                                                       stream_error, stream_final)
 
@@ -45,6 +46,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request=None):
         self.check_model(req.model)
+        self.check_stream_fields(req)
         if req.tools:
             raise OpenAIError("tools are not supported", param="tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -59,14 +61,16 @@ class OpenAIServingChat(OpenAIServing):
         if req.use_beam_search:
             self.check_beam_search(req)
         with bad_input_is_400(_RENAMES):
-            req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)  # the values, first
+            req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                prompt_logprobs=req.prompt_logprobs)  # the values, first
         ids = self.prompt_ids(self.conversation(req.messages), req.add_generation_prompt,
                               req.continue_final_message)
         if not ids:
             raise OpenAIError("the messages produced an empty prompt", param="messages")
         max_tokens = self.check_context(len(ids), max_tokens, "messages")
         with bad_input_is_400(_RENAMES):
-            params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+            params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                         prompt_logprobs=req.prompt_logprobs)
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
@@ -112,7 +116,8 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
                                                       total_tokens=num_prompt + num_gen,
                                                       prompt_tokens_details=PromptTokensDetails(
-                                                          cached_tokens=final.num_cached_tokens)))
+                                                          cached_tokens=final.num_cached_tokens)),
+                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
 
     # ------------------------------------------------------------ beam search
     async def _beam_full(self, req, request_id, created, handles, num_prompt) -> ChatCompletionResponse:

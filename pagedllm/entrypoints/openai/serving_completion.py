@@ -9,7 +9,7 @@ from typing import AsyncIterator, Optional
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import (
     MAX_PROMPTS, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
-    UsageInfo, usage_dict, random_id)
+    UsageInfo, prompt_logprobs_json, usage_dict, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
                                                       stream_error, stream_final)
 
@@ -39,23 +39,33 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request=None):
         """A CompletionResponse, or an async iterator of SSE lines (stream=True)."""
         self.check_model(req.model)
+        self.check_stream_fields(req)
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
+        # echo with max_tokens 0: the prompt alone (OpenAI, vLLM); one token is generated and dropped.
+        echo_only = req.echo and req.max_tokens == 0
+        if req.max_tokens is not None and req.max_tokens < 1 and not echo_only:
+            raise OpenAIError(f"max_tokens must be an integer >= 1 (or 0 with echo), got {req.max_tokens}",
+                              param="max_tokens")
+        max_tokens = 1 if echo_only else req.max_tokens
+        # echo with logprobs: the prompt's tokens come with their logprobs and top k too.
+        prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
-            raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not computed)",
-                              param="echo")
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise OpenAIError(f"max_tokens must be an integer >= 1, got {req.max_tokens}", param="max_tokens")
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
         if req.use_beam_search:
             self.check_beam_search(req)
-        with bad_input_is_400():
-            req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs)  # the values, first
+            if echo_only or prompt_logprobs is not None:
+                raise OpenAIError("echo with logprobs or max_tokens 0 is not supported with use_beam_search",
+                                  param="echo")
+        with bad_input_is_400():   # the values, first
+            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         prompts = self._prompts(req)
         per_prompt = []
         with bad_input_is_400():
             for text, ids in prompts:
-                max_tokens = self.check_context(len(ids), req.max_tokens, "prompt")
-                per_prompt.append((text, ids, req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)))
+                n_tokens = self.check_context(len(ids), max_tokens, "prompt")
+                per_prompt.append((text, ids, req.sampling_params(max_tokens=n_tokens, logprobs=req.logprobs,
+                                                                  prompt_logprobs=prompt_logprobs)))
 
         request_id = random_id("cmpl")
         created = int(time.time())
@@ -76,25 +86,34 @@ class OpenAIServingCompletion(OpenAIServing):
             for s in streams:
                 s.close()
             raise
+        echo = _Echo(req, texts, [ids for _, ids, _ in per_prompt], echo_only)
         if req.stream:
-            return self._stream(req, request_id, created, streams, texts, num_prompt_tokens)
-        return await self._full(req, request_id, created, streams, texts, num_prompt_tokens)
+            return self._stream(req, request_id, created, streams, echo, num_prompt_tokens)
+        return await self._full(req, request_id, created, streams, echo, num_prompt_tokens)
 
     # ------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids, logprobs, offset: int) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's legacy logprobs from offset `offset` of the text; a prompt's first token
+        (None: nothing precedes it) has no logprob and no top logprobs."""
         out = CompletionLogprobs()
         for tid, pos in zip(token_ids, logprobs):
-            (sid, slp), _ = self.sampled_and_top(pos, 0)
-            tok = self.token_str(sid, slp)
-            out.tokens.append(tok)
-            out.token_logprobs.append(max(slp.logprob, -9999.0))
-            out.top_logprobs.append({self.token_str(t, lp): max(lp.logprob, -9999.0) for t, lp in pos.items()})
+            if pos is None:
+                tok = self.tokenizer.decode([tid])
+                out.tokens.append(tok)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                (sid, slp), _ = self.sampled_and_top(pos, 0)
+                tok = self.token_str(sid, slp)
+                out.tokens.append(tok)
+                out.token_logprobs.append(max(slp.logprob, -9999.0))
+                out.top_logprobs.append({self.token_str(t, lp): max(lp.logprob, -9999.0) for t, lp in pos.items()})
             out.text_offset.append(offset)
             offset += len(tok)
         return out, offset
 
     # ------------------------------------------------------------ non-streaming
-    async def _full(self, req, request_id, created, streams, texts, num_prompt_tokens) -> CompletionResponse:
+    async def _full(self, req, request_id, created, streams, echo: "_Echo", num_prompt_tokens) -> CompletionResponse:
         n = req.n or 1
         finals: dict[int, object] = {}
         async for i, out in self.merge(streams):
@@ -103,13 +122,16 @@ class OpenAIServingCompletion(OpenAIServing):
         num_gen = 0
         for i in range(len(streams)):
             for c in finals[i].outputs:
-                prefix = texts[i] if req.echo else ""
+                text, ids, lps, generated = echo.parts(i, c, finals[i].prompt_logprobs, first=True)
                 lp = None
-                if req.logprobs is not None and c.logprobs is not None:
-                    lp, _ = self._logprobs(c.token_ids, c.logprobs, len(prefix))
-                choices.append(CompletionChoice(index=i * n + c.index, text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                num_gen += len(c.token_ids)
+                if req.logprobs is not None and lps is not None:
+                    lp, _ = self._logprobs(ids, lps, 0)
+                choices.append(CompletionChoice(
+                    index=i * n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=(prompt_logprobs_json(finals[i].prompt_logprobs)
+                                     if req.prompt_logprobs is not None else None)))
+                num_gen += generated
         choices.sort(key=lambda ch: ch.index)
         cached = sum(f.num_cached_tokens for f in finals.values())
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen,
@@ -147,7 +169,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             bool(req.stream_options and req.stream_options.include_usage))
 
     # ------------------------------------------------------------ streaming
-    async def _stream(self, req, request_id, created, streams, texts, num_prompt_tokens) -> AsyncIterator[str]:
+    async def _stream(self, req, request_id, created, streams, echo: "_Echo", num_prompt_tokens) -> AsyncIterator[str]:
+        """Each choice's first chunk carries the echoed prompt (and its logprobs), as vLLM's."""
         n = req.n or 1
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
@@ -161,16 +184,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     idx = i * n + c.index
-                    text = c.text
-                    if idx not in started:
-                        started.add(idx)
-                        if req.echo:
-                            text = texts[i] + text
-                        offsets[idx] = len(texts[i]) if req.echo else 0
-                    num_gen += len(c.token_ids)
+                    first = idx not in started
+                    started.add(idx)
+                    text, ids, lps, generated = echo.parts(i, c, out.prompt_logprobs, first)
+                    if first:   # an echoed prompt's tokens are at the start of the text too
+                        offsets[idx] = 0
+                    num_gen += generated
                     lp = None
-                    if req.logprobs is not None and c.logprobs:
-                        lp, offsets[idx] = self._logprobs(c.token_ids, c.logprobs, offsets[idx])
+                    if req.logprobs is not None and lps:
+                        lp, offsets[idx] = self._logprobs(ids, lps, offsets[idx])
                     if not text and lp is None and c.finish_reason is None:
                         continue
                     chunk = {"id": request_id, "object": "text_completion", "created": created,
@@ -192,3 +214,24 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
 
+class _Echo:
+    """What a choice shows of its prompt: with echo, the prompt's text, tokens and (with
+    logprobs) logprobs before the completion's; with max_tokens 0, the prompt alone."""
+
+    def __init__(self, req: CompletionRequest, texts: list[str], prompt_ids: list[list[int]], echo_only: bool):
+        self.echo, self.with_logprobs, self.echo_only = req.echo, req.logprobs is not None, echo_only
+        self.texts, self.prompt_ids = texts, prompt_ids
+
+    def parts(self, i: int, c, prompt_logprobs, first: bool):
+        """(text, token ids, logprobs or None, number of generated tokens shown) of prompt i's
+        choice c; `first`: its first chunk (the only one that echoes, when streaming)."""
+        text, ids, lps = c.text, list(c.token_ids), c.logprobs
+        if self.echo_only:
+            text, ids, lps = "", [], None
+        if not (self.echo and first):
+            return text, ids, lps, len(ids)
+        generated = len(ids)
+        plps = None
+        if self.with_logprobs:
+            plps = list(prompt_logprobs) + list(lps or [])
+        return self.texts[i] + text, self.prompt_ids[i] + ids, plps, generated

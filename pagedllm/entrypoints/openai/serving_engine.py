@@ -141,6 +141,17 @@ class OpenAIServing:
                 param=what, code="context_length_exceeded")
         return max_tokens
 
+    @staticmethod
+    def check_stream_fields(req) -> None:
+        """400 for fields that need stream (stream_options, as OpenAI and vLLM) or that a
+        stream cannot carry (prompt_logprobs, as vLLM), and for prompt_logprobs with beam search."""
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise OpenAIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+        if req.prompt_logprobs is not None and req.use_beam_search:
+            raise OpenAIError("prompt_logprobs is not supported with use_beam_search", param="prompt_logprobs")
+
     # ------------------------------------------------------------ beam search
     @staticmethod
     def check_beam_search(req) -> int:
