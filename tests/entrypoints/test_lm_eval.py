@@ -49,8 +49,8 @@ def _evaluate(model: str, model_args: dict, task_dir) -> dict:
     from lm_eval.tasks import TaskManager
     tasks = TaskManager(include_path=str(task_dir), include_defaults=False)   # not lm-eval's thousands
     return simple_evaluate(model=model, model_args=model_args, tasks=["plp_mc", "plp_rolling"],
-                           task_manager=tasks, log_samples=True, batch_size=1, device="cpu", random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                           fewshot_random_seed=0)
+                           task_manager=tasks, log_samples=True, batch_size=1, device="cpu", random_seed=0,
+                           numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
 
 
 def _loglikelihoods(results: dict, task: str) -> dict[int, list[float]]:
