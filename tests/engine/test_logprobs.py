@@ -43,11 +43,10 @@ def check_position(ref: torch.Tensor, sampled: int, sampled_lp: float, top: list
         assert abs(lp - ref_top[j]) < TOL, (where, "rank", j + 1, tid, lp, ref_top[j])
 
 
-def check_completion(hf_model, prompt_ids, c, k: int, where: str = "") -> int:
-    """An offline CompletionOutput (logprobs=k) against transformers; -> positions checked."""
-    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids), where
-    ref = hf_logprobs(hf_model, prompt_ids, c.token_ids)
-    for i, (tid, pos) in enumerate(zip(c.token_ids, c.logprobs)):
+def check_logprob_dicts(ref: torch.Tensor, token_ids: list[int], dicts, k: int, where: str = "") -> None:
+    """{id: Logprob} per position (the chosen / prompt token first, then the top k ranked 1..k)
+    against the reference rows `ref` [len(token_ids), V]."""
+    for i, (tid, pos) in enumerate(zip(token_ids, dicts)):
         first, first_lp = next(iter(pos.items()))
         assert first == tid, (where, i, "the sampled token comes first")
         top = sorted(((t, lp) for t, lp in pos.items() if lp.rank <= k and (t != tid or len(pos) == k)),
@@ -56,6 +55,14 @@ def check_completion(hf_model, prompt_ids, c, k: int, where: str = "") -> int:
         check_position(ref[i], tid, first_lp.logprob, [(t, lp.logprob) for t, lp in top], k,
                        first_lp.rank, f"{where} token {i}")
         assert [lp.rank for _, lp in top] == list(range(1, k + 1)), (where, i, pos)
+        assert all(isinstance(lp.decoded_token, str) for lp in pos.values()), (where, i, pos)
+
+
+def check_completion(hf_model, prompt_ids, c, k: int, where: str = "") -> int:
+    """An offline CompletionOutput (logprobs=k) against transformers; -> positions checked."""
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids), where
+    ref = hf_logprobs(hf_model, prompt_ids, c.token_ids)
+    check_logprob_dicts(ref, c.token_ids, c.logprobs, k, where)
     # The cumulative logprob is the sum of the sampled tokens' logprobs.
     want = float(ref[torch.arange(len(c.token_ids)), torch.tensor(c.token_ids)].sum())
     assert abs(c.cumulative_logprob - want) < TOL * max(1, len(c.token_ids)), (where, c.cumulative_logprob, want)

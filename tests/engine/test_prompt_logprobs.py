@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from engine.test_logprobs import TOL, _prompt, check_position, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
+from engine.test_logprobs import _prompt, check_logprob_dicts, tiny_dir, tiny_hf  # noqa: F401 (fixtures)
 from server_utils import TINY
 
 
@@ -22,16 +22,7 @@ def hf_prompt_logprobs(hf_model, prompt_ids: list[int]) -> torch.Tensor:
 
 def check_prompt_logprobs(hf_model, prompt_ids: list[int], plps, k: int, where: str = "") -> None:
     assert plps is not None and len(plps) == len(prompt_ids) and plps[0] is None, where
-    ref = hf_prompt_logprobs(hf_model, prompt_ids)
-    for i, (tid, pos) in enumerate(zip(prompt_ids[1:], plps[1:])):
-        first, first_lp = next(iter(pos.items()))
-        assert first == tid, (where, i, "the prompt token comes first")
-        top = sorted(((t, lp) for t, lp in pos.items() if lp.rank <= k and (t != tid or len(pos) == k)),
-                     key=lambda e: e[1].rank)
-        assert len(pos) == k + (tid not in dict(top)), (where, i, pos)
-        check_position(ref[i], tid, first_lp.logprob, [(t, lp.logprob) for t, lp in top], k,
-                       first_lp.rank, f"{where} prompt token {i + 1}")
-        assert all(isinstance(lp.decoded_token, str) for lp in pos.values())
+    check_logprob_dicts(hf_prompt_logprobs(hf_model, prompt_ids), prompt_ids[1:], plps[1:], k, where)
 
 
 @pytest.fixture(scope="module")
