@@ -82,3 +82,19 @@ def test_preempted_prefill_reports_each_token_once(tiny_hf):
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
     for i, (p, out) in enumerate(zip(prompts, outs)):
         check_prompt_logprobs(tiny_hf, p, out.prompt_logprobs, 2, f"request {i}")
+
+
+def test_split_model_refuses_them(llm):
+    """A model split by tensor / pipeline parallelism does not compute them: a ValueError naming
+    the field, before anything runs (the Processor of such an engine, on the same tokenizer)."""
+    import copy
+    import dataclasses
+
+    from pagedllm.config import ParallelConfig
+    from pagedllm.sampling_params import ParamError
+    proc = copy.copy(llm.llm_engine.processor)
+    proc.config = dataclasses.replace(proc.config, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ParamError, match="prompt_logprobs") as e:
+        proc.process("r", [5, 6, 7], SamplingParams(prompt_logprobs=1))
+    assert e.value.param == "prompt_logprobs"
+    proc.process("r", [5, 6, 7], SamplingParams())   # the rest is unchanged
