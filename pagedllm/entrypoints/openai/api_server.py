@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -51,6 +52,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.created = int(time.time())
     state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
     add_exception_handlers(app)

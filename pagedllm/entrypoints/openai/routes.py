@@ -15,9 +15,10 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import engine_error
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
 
 logger = logging.getLogger("pagedllm.server")
@@ -39,6 +40,10 @@ def completion(request: Request) -> OpenAIServingCompletion:
 
 def chat(request: Request) -> OpenAIServingChat:
     return request.app.state.openai_serving_chat
+
+
+def responses(request: Request) -> OpenAIServingResponses:
+    return request.app.state.openai_serving_responses
 
 
 # -------------------------------------------------------------------- the OpenAI API
@@ -93,6 +98,11 @@ async def create_completion(req: CompletionRequest, raw_request: Request):
 @openai_router.post("/v1/chat/completions")
 async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
     return await _respond(chat(raw_request).create_chat_completion, req, raw_request)
+
+
+@openai_router.post("/v1/responses")
+async def create_response(req: ResponsesRequest, raw_request: Request):
+    return await _respond(responses(raw_request).create_response, req, raw_request)
 
 
 @openai_router.get("/v1/models")
