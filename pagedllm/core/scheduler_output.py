@@ -47,6 +47,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]       # [] for a request still in a prefill chunk
     # Per sampled row: ([token ids], [logprobs], rank of the sampled token); sampled first.
     logprobs: Optional[list[Optional[tuple[list[int], list[float], int]]]] = None
+    # --runner pooling: per row, the prompt's pooled vector once its last token is computed.
+    pooler_output: Optional[list[Optional[list[float]]]] = None
 
 
 @dataclass
@@ -57,3 +59,4 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     new_logprobs: Optional[list[tuple[list[int], list[float], int]]] = None
     num_cached_tokens: int = 0
+    pooled: Optional[list[float]] = None   # --runner pooling: the request's embedding (it ends with it)
