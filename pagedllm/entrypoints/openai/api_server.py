@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedllm.server")
@@ -53,6 +54,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template)
     state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
+    state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
     add_exception_handlers(app)
@@ -157,7 +159,8 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
                           restart_engine_on_failure=ns.restart_engine_on_failure)
         logger.info("starting the engine core process (model %s)", engine.config.model_config.model)
         await engine.start()
-        if chat_template is None and engine.tokenizer.chat_template is None:
+        if engine.config.model_config.runner == "generate" and chat_template is None \
+                and engine.tokenizer.chat_template is None:
             logger.warning("the model has no chat template: /v1/chat/completions needs --chat-template")
         server = _make_server(build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes),
                               ns, engine)

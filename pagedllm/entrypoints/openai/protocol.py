@@ -285,3 +285,13 @@ class ResponsesRequest(OpenAIBaseModel):
     # Extras (vLLM's names), as on the other endpoints.
     seed: Optional[StrictInt] = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     top_k: Optional[StrictInt] = None
+
+
+# ------------------------------------------------------------------ embeddings
+class EmbeddingRequest(OpenAIBaseModel):
+    model: Optional[StrictStr] = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[StrictInt] = None
+    user: Optional[StrictStr] = None
+    add_special_tokens: StrictBool = True   # vLLM's extra

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Optional
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, sse, stream_error
+from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, bad_input_is_400, sse, stream_error
 from pagedllm.sampling_params import SamplingParams
 
 _RENAMES = {"max_tokens": "max_output_tokens"}   # the engine's names -> the Responses API's
@@ -98,7 +98,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             return self._stream(resp, stream)
         async for _, out in self.merge([stream]):
             resp.update(out)
-        return _JSON(resp.body(resp.status()))
+        return JSONBody(resp.body(resp.status()))
 
     async def _stream(self, resp: "_Response", stream) -> AsyncIterator[str]:
         seq = iter(range(1 << 62))
@@ -129,13 +129,6 @@ class OpenAIServingResponses(OpenAIServingChat):
             yield event("error", code=err.code or err.type, message=err.message, param=err.param)
         finally:
             await merged.aclose()
-
-
-class _JSON(dict):
-    """A Responses body that routes.py returns as JSON as it is (no pydantic model)."""
-
-    def model_dump(self, **_) -> dict:
-        return dict(self)
 
 
 def _text_part(text: str) -> dict:
