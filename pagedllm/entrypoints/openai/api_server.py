@@ -156,7 +156,8 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
     try:
         engine = AsyncLLM(engine_args, model_name=names[0], max_waiting_requests=ns.max_waiting_requests,
                           log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
-                          restart_engine_on_failure=ns.restart_engine_on_failure)
+                          restart_engine_on_failure=ns.restart_engine_on_failure,
+                          metrics_prefix=ns.metrics_prefix)
         logger.info("starting the engine core process (model %s)", engine.config.model_config.model)
         await engine.start()
         if engine.config.model_config.runner == "generate" and chat_template is None \
