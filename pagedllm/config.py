@@ -13,6 +13,38 @@ from pagedllm.models.hf_config import head_dim_of
 from pagedllm.models.registry import resolve_architecture
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass
+class PoolerConfig:
+    """How `--runner pooling` turns a prompt's final hidden states (after the final norm) into one
+    vector: its last token's or the mean over its tokens, L2-normalised or not."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    @classmethod
+    def from_dir(cls, path: str) -> "PoolerConfig":
+        """A sentence-transformers directory's choice (modules.json + its Pooling module's
+        config.json); else vLLM's default for a decoder LM: last token, normalised."""
+        modules_path = os.path.join(path, "modules.json")
+        if not os.path.isfile(modules_path):
+            return cls()
+        with open(modules_path) as f:
+            modules = json.load(f)
+        types = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+        pooling_type = "LAST"
+        if "Pooling" in types:
+            with open(os.path.join(path, types["Pooling"].get("path", ""), "config.json")) as f:
+                modes = {k for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True}
+            known = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN"}
+            if len(modes) != 1 or not modes <= set(known):
+                raise ValueError(f"{modules_path}: pooling {sorted(modes)} is not supported "
+                                 "(pooling_mode_lasttoken or pooling_mode_mean_tokens, one of them)")
+            pooling_type = known[modes.pop()]
+        return cls(pooling_type=pooling_type, normalize="Normalize" in types)
+
+
 @dataclass
 class ModelConfig:
     model: str                      # directory of an HF-format model
@@ -20,6 +52,9 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int = 0
     seed: int = 0
+    # "generate" (sampling) or "pooling" (an embedding per prompt, no sampling: /v1/embeddings).
+    runner: str = "generate"
+    pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
 
     @classmethod
     def from_dir(cls, path: str, dtype: str = "float32", max_model_len: Optional[int] = None,
@@ -164,6 +199,12 @@ class EngineConfig:
             from pagedllm.distributed.sharding import validate_parallel_sizes
             validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
                                     p.pipeline_parallel_size)
+        m = self.model_config
+        if m.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {m.runner!r}")
+        if m.runner == "pooling" and (p.world_size > 1 or p.data_parallel_size > 1):
+            raise ValueError("runner 'pooling' runs one unsplit replica: tensor_parallel_size, "
+                             "pipeline_parallel_size and data_parallel_size must be 1")
         d = self.device_config
         if d.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")

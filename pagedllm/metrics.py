@@ -25,20 +25,26 @@ _TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+DEFAULT_METRICS_PREFIX = "pagedllm"
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
+                 prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+        """prefix: the series' namespace (`--metrics-prefix vllm`: the names vLLM's dashboards
+        query, which these mirror; see examples/grafana/README.md)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self.model_name = model_name
 
         def hist(name, doc, buckets):
-            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         def gauge(name, doc):
-            return Gauge(f"pagedllm:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
         def counter(name, doc):
-            return Counter(f"pagedllm:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first output token).",
                          _LATENCY_BUCKETS)
@@ -61,14 +67,14 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (0 to 1).")
-        fin = Counter("pagedllm:request_success", "Finished sequences, by finish reason.",
+        fin = Counter(f"{prefix}:request_success", "Finished sequences, by finish reason.",
                       labels + ["finished_reason"], registry=r)
         self.finished = {reason: fin.labels(model_name, reason) for reason in FINISH_REASONS}
         # Data parallelism: where the router sent the requests (one series per replica).
-        self.replica_added = Gauge("pagedllm:dp_replica_requests_added",
+        self.replica_added = Gauge(f"{prefix}:dp_replica_requests_added",
                                    "Requests (and beam searches) added to each data-parallel replica.",
                                    labels + ["replica"], registry=r)
-        self.rejected = Counter("pagedllm:request_rejected", "Requests refused (overload, engine dead).",
+        self.rejected = Counter(f"{prefix}:request_rejected", "Requests refused (overload, engine dead).",
                                 labels + ["reason"], registry=r)
         self._last_preemptions = 0
         self.core_stats: dict = {"running": 0, "waiting": 0, "kv_usage": 0.0, "used_blocks": 0,

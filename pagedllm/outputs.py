@@ -41,3 +41,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: Optional[PromptLogprobs] = None   # SamplingParams.prompt_logprobs (vLLM's shape)
+
+
+@dataclass
+class PoolingOutput:
+    """A prompt's pooled hidden state (vLLM's shape: `.outputs.embedding`)."""
+    embedding: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one prompt on a `runner="pooling"` engine (LLM.embed, /v1/embeddings)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

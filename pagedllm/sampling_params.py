@@ -166,6 +166,12 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
+def pooling_params() -> SamplingParams:
+    """What a pooling request carries through the engine: a pooling runner reads no sampling
+    field; the request ends once its prompt is computed, with its pooled vector (worker/pooler.py)."""
+    return SamplingParams(temperature=0.0, max_tokens=1)
+
+
 def _show(value) -> str:
     """repr of a value for an error message, summarised when long (client input can be MiB)."""
     if isinstance(value, str) and len(value) > 80:

@@ -30,10 +30,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-enforce-eager", action="store_true",
                    help="GPU: run the same batches again with --enforce-eager (no CUDA graphs)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw pagedllm's TTFT / TPOT percentiles and output tok/s against the batch size")
 
 
 def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) -> dict:
     """One batch through the engine, step by step -> TTFT, decode time per step, profile."""
+    import numpy as np
     from pagedllm.engine.output_processor import OutputKind
     from pagedllm.profiler import PROFILER, summarize
     from pagedllm.sampling_params import SamplingParams
@@ -43,13 +46,15 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
         engine.add_request(f"lat-{len(prompts)}-{i}", {"prompt_token_ids": p}, params, kind=OutputKind.DELTA)
     if profile:
         PROFILER.start()
-    step_times, first_token, produced = [], None, 0
+    step_times, first_token, produced, ttfts = [], None, 0, {}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         outs = engine.step()
         step_times.append(time.perf_counter() - ts)
         produced += sum(len(o.outputs[0].token_ids) for o in outs)
+        for o in outs:   # each request's own time to first token
+            ttfts.setdefault(o.request_id, time.perf_counter() - t0)
         if first_token is None and produced >= len(prompts):
             first_token = time.perf_counter() - t0   # every request has its first token
             decode_from = len(step_times)
@@ -61,6 +66,10 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
            "tpot_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1),
            "decode_tok_s": len(prompts) * len(decode_steps) / max(sum(decode_steps), 1e-9),
            "output_tok_s": produced / total}
+    # Percentiles over the requests (TTFT) and over the decode steps (TPOT), for --plot.
+    for q in (50, 90, 99):
+        row[f"p{q}_ttft_ms"] = 1e3 * float(np.percentile(list(ttfts.values()), q))
+        row[f"p{q}_tpot_ms"] = 1e3 * float(np.percentile(decode_steps, q)) if decode_steps else float("nan")
     if profile:
         row["profile_decode"] = summarize([s for s in steps if s["num_tokens"] == s["num_reqs"]])
         row["profile_all"] = summarize(steps)
@@ -221,4 +230,10 @@ def main(ns: argparse.Namespace) -> int:
         write_json(ns.output_json, {"command": command_line(), "machine": machine,
                                     "settings": {k: v for k, v in vars(ns).items() if k != "func"},
                                     "results": rows})
+    if ns.plot:
+        from pagedllm.benchmarks.plot import plot_load
+        plot_load([r for r in rows if r["system"] == "pagedllm"], "batch", "batch size (requests)", "output_tok_s",
+                  ns.plot, f"pagedllm bench latency: input {ns.input_len} / output {ns.output_len} tokens, "
+                  f"dtype {ns.dtype}")
+        print(f"saved {ns.plot}")
     return 0

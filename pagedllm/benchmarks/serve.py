@@ -5,7 +5,8 @@ ignore_eos, so every request produces exactly its output length. Requests are se
 as fast as --concurrency allows, or at a Poisson --request-rate (still capped by
 --concurrency). Per request: time to first token (TTFT), time per output token after the
 first (TPOT), the gaps between streamed chunks (ITL) and end-to-end latency (E2E).
-Printed as a table (one row per --concurrency value) and saved as JSON (--output-json).
+Printed as a table (one row per --concurrency value), saved as JSON (--output-json) and drawn
+(--plot FILE.png).
 
     pagedllm serve &
     pagedllm bench serve --concurrency 1 8 32 --num-prompts 32 \\
@@ -45,6 +46,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "process (max_num_seqs = the concurrency, the --tokenizer model) and print "
                         "the server's output throughput as a share of the offline one")
     p.add_argument("--output-json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw TTFT / TPOT percentiles and output tok/s against the concurrency (matplotlib)")
 
 
 @dataclass
@@ -222,4 +225,10 @@ def main(ns: argparse.Namespace) -> int:
                                     "request_rate": None if math.isinf(ns.request_rate) else ns.request_rate,
                                     "seed": ns.seed, "runs": rows})
         print(f"saved {ns.output_json}")
+    if ns.plot:
+        from pagedllm.benchmarks.plot import plot_load
+        plot_load(rows, "concurrency", "concurrency (requests in flight)", "output_throughput", ns.plot,
+                  f"pagedllm bench serve: {model}, {ns.num_prompts} requests, input {ns.random_input_len} / "
+                  f"output {ns.random_output_len} tokens")
+        print(f"saved {ns.plot}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1

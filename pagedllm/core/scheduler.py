@@ -339,8 +339,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None:
                 request.add_prompt_logprobs(chunk)
+        pooled = runner_output.pooler_output
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
+            if pooled is not None and pooled[row] is not None and request is not None and not request.is_finished():
+                outputs.append(self._finish_pooled(request, pooled[row]))
+                continue
             new_ids = runner_output.sampled_token_ids[row]
             if request is None or not new_ids or request.is_finished():
                 continue  # mid-prefill, or ended (aborted) while the step ran
@@ -362,6 +366,14 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    def _finish_pooled(self, request: Request, vector: list[float]) -> EngineCoreOutput:
+        """A pooling request ends with its prompt: its vector is its only output."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(request)
+        self._free_request(request)
+        return EngineCoreOutput(request.request_id, [], finish_reason="stop", pooled=vector,
+                                num_cached_tokens=max(request.num_cached_tokens, 0))
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

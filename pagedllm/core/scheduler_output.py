@@ -50,6 +50,8 @@ class ModelRunnerOutput:
     # Rows that asked for prompt logprobs: req id -> the positions this step scored
     # (worker/prompt_logprobs.py: (first prompt index, [n][k+1] ids, [n][k+1] logprobs, [n] ranks)).
     prompt_logprobs: Optional[dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]]] = None
+    # --runner pooling: per row, the prompt's pooled vector once its last token is computed.
+    pooler_output: Optional[list[Optional[list[float]]]] = None
 
 
 @dataclass
@@ -63,3 +65,4 @@ class EngineCoreOutput:
     # With the first token of a request that asked for them: the logprobs of prompt tokens
     # 1..P-1, each ([prompt token, top k...] ids, logprobs, rank of the prompt token).
     prompt_logprobs: Optional[list[tuple[list[int], list[float], int]]] = None
+    pooled: Optional[list[float]] = None   # --runner pooling: the request's embedding (it ends with it)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, cuda_graph_ladder, resolve_dtype)
+                             PoolerConfig, SchedulerConfig, cuda_graph_ladder, resolve_dtype)
 
 
 @dataclass
@@ -32,6 +32,7 @@ class EngineArgs:
     attention_backend: str = "auto"     # "auto" (triton on cuda, torch on cpu), "torch", "triton"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False         # no CUDA graphs
+    runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -51,6 +52,12 @@ class EngineArgs:
         dc = self._device_config()
         mc = ModelConfig.from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
         mc.dtype = resolve_dtype(mc.dtype, mc.hf_config, dc.device)
+        mc.runner = self.runner
+        prefix_caching = self.enable_prefix_caching
+        if self.runner == "pooling":
+            mc.pooler_config = PoolerConfig.from_dir(path)
+            # A mean needs every prompt token's hidden state: a cached prefix would skip some.
+            prefix_caching = prefix_caching and mc.pooler_config.pooling_type == "LAST"
         sc = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=mc.max_model_len,
@@ -58,7 +65,7 @@ class EngineArgs:
                              preemption_mode=self.preemption_mode)
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,
-                         enable_prefix_caching=self.enable_prefix_caching,
+                         enable_prefix_caching=prefix_caching,
                          swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks)
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size,

@@ -31,7 +31,7 @@ from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, R
 from pagedllm.engine.llm_engine import eos_token_ids, load_tokenizer, make_requests
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.metrics import EngineMetrics, StatLogger
+from pagedllm.metrics import DEFAULT_METRICS_PREFIX, EngineMetrics, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -43,7 +43,8 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFaile
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, model_name: Optional[str] = None,
                  max_waiting_requests: Optional[int] = None, log_level: str = "INFO",
-                 log_stats_interval: float = 5.0, restart_engine_on_failure: bool = False) -> None:
+                 log_stats_interval: float = 5.0, restart_engine_on_failure: bool = False,
+                 metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
         self.config = engine_args.create_engine_config()
         model_dir = self.config.model_config.model
         self.model_name = model_name or model_dir
@@ -52,7 +53,7 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = self.config.scheduler_config.max_num_seqs
         self.max_model_len = self.config.model_config.max_model_len
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix)
         self.stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._log_level = log_level
         self.client: Optional[EngineCoreClient] = None

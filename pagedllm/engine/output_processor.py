@@ -11,7 +11,8 @@ from typing import Optional
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, PromptLogprobs,
+                              RequestOutput)
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -186,6 +187,12 @@ class OutputProcessor:
                 stats.first_token_time = now
                 st.num_cached_tokens = out.num_cached_tokens
             stats.last_token_time = now
+            if out.pooled is not None:   # a pooling request: its vector, and it is done
+                del self.states[out.req_id]
+                st.finish_reason = "stop"
+                request_outputs.append(PoolingRequestOutput(st.request_id, PoolingOutput(out.pooled),
+                                                            st.prompt_token_ids, True, st.num_cached_tokens))
+                continue
             st.output_token_ids.extend(out.new_token_ids)
             if st.logprobs is not None and out.new_logprobs:
                 st.add_logprobs(out.new_logprobs)

@@ -39,9 +39,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory for weights, activations and KV cache (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--runner", default=None, choices=["generate", "pooling"],
+                   help="generate (sampling, default) or pooling: an embedding per prompt, served on "
+                        "/v1/embeddings (vLLM's flag)")
+    p.add_argument("--task", default=None, choices=["generate", "embed"],
+                   help="the older name of --runner: embed is --runner pooling")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
+
+
+def _runner(ns: argparse.Namespace) -> str:
+    """--runner, or its alias --task (embed = pooling); ValueError when they disagree."""
+    from_task = {"embed": "pooling", "generate": "generate", None: None}[getattr(ns, "task", None)]
+    runner = getattr(ns, "runner", None)
+    if runner is not None and from_task is not None and runner != from_task:
+        raise ValueError(f"--runner {runner} and --task {ns.task} disagree; give one of them")
+    return runner or from_task or "generate"
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -58,7 +72,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager)
+                      enforce_eager=ns.enforce_eager, runner=_runner(ns))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""LLM: the offline API. `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`."""
+"""LLM: the offline API. `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`;
+`LLM(model, runner="pooling").embed(prompts)`."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -9,8 +10,8 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams, pooling_params
 
 
 class LLM:
@@ -34,10 +35,8 @@ class LLM:
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of the prompts. Every prompt is validated before any runs."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        self._check_runner("generate", "generate")
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -47,6 +46,22 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
+        return self._submit(prompts, params, use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One pooled vector per prompt (`out.outputs.embedding`), in the order of the prompts;
+        needs LLM(..., runner="pooling")."""
+        self._check_runner("pooling", "embed")
+        prompts = _prompt_list(prompts)
+        return self._submit(prompts, [pooling_params()] * len(prompts), use_tqdm)
+
+    def _check_runner(self, runner: str, method: str) -> None:
+        have = self.llm_engine.config.model_config.runner
+        if have != runner:
+            raise ValueError(f"LLM.{method}() needs runner={runner!r}; this LLM was made with runner={have!r}")
+
+    def _submit(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list:
         engine = self.llm_engine
         # Validate all before adding any, so a bad prompt leaves the engine untouched.
         for p, sp in zip(prompts, params):
@@ -64,10 +79,9 @@ class LLM:
         """Beam search per prompt; beams share KV blocks. Returns BeamSearchOutput per prompt,
         its `sequences` best first (as transformers' generate(num_beams=beam_width))."""
         from pagedllm.engine.beam_search import beam_search
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return beam_search(self.llm_engine, list(prompts), beam_width, max_tokens, length_penalty, ignore_eos)
+        self._check_runner("generate", "beam_search")
+        return beam_search(self.llm_engine, _prompt_list(prompts), beam_width, max_tokens, length_penalty,
+                           ignore_eos)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: Optional[str] = None,
@@ -105,6 +119,13 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, a list of token ids) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, chat_template=None,

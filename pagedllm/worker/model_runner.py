@@ -18,6 +18,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata
 
@@ -55,6 +56,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.faults = FaultInjector.from_env()   # tests only (PAGEDLLM_FAULT_INJECTION)
         self.sampler = Sampler()
+        # --runner pooling: prompts are pooled, never sampled (worker/pooler.py).
+        self.pooler = Pooler(mc.pooler_config) if mc.runner == "pooling" else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.eos_ids = frozenset(eos_token_ids)
         # Seeded requests' generators live until the request finishes, across preemption,
@@ -157,6 +160,8 @@ class ModelRunner:
         PROFILER.mark("prepare_inputs")
         batch = self.input_batch
         hidden = self._forward(inputs, meta)
+        if self.pooler is not None:
+            return self._pool(so, inputs, hidden)
         # Before the sampled tokens are appended: it reads the prompt's tokens of the batch.
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, inputs, batch)
         rows, out = inputs.sample_rows.tolist(), None
@@ -174,6 +179,17 @@ class ModelRunner:
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         PROFILER.mark("runner_update")
         return result
+
+    def _pool(self, so: SchedulerOutput, inputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """A pooling step: each row whose prompt ends here gets its vector instead of a token."""
+        batch = self.input_batch
+        n = batch.num_reqs
+        self.pooler.forget(so.finished_req_ids)
+        pooled = self.pooler(hidden, inputs, batch.states[:n], batch.num_computed_tokens_cpu[:n].copy())
+        PROFILER.mark("forward")
+        batch.num_computed_tokens_cpu[:n] += inputs.num_scheduled_tokens.astype(np.int32)
+        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids],
+                                 pooler_output=pooled)
 
     def _prepare(self, so: SchedulerOutput):
         """Block copies, the batch brought in step with `so`, and this step's (inputs, attention

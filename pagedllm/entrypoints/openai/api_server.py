@@ -35,6 +35,8 @@ from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -51,6 +53,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.created = int(time.time())
     state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
+    state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
     add_exception_handlers(app)
@@ -152,10 +156,12 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
     try:
         engine = AsyncLLM(engine_args, model_name=names[0], max_waiting_requests=ns.max_waiting_requests,
                           log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
-                          restart_engine_on_failure=ns.restart_engine_on_failure)
+                          restart_engine_on_failure=ns.restart_engine_on_failure,
+                          metrics_prefix=ns.metrics_prefix)
         logger.info("starting the engine core process (model %s)", engine.config.model_config.model)
         await engine.start()
-        if chat_template is None and engine.tokenizer.chat_template is None:
+        if engine.config.model_config.runner == "generate" and chat_template is None \
+                and engine.tokenizer.chat_template is None:
             logger.warning("the model has no chat template: /v1/chat/completions needs --chat-template")
         server = _make_server(build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes),
                               ns, engine)

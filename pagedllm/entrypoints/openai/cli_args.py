@@ -31,8 +31,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", dest="serve_log_level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--metrics-prefix", type=_metrics_prefix, default="pagedllm",
+                   help="the namespace of the /metrics series (default pagedllm); 'vllm' gives the names "
+                        "vLLM's Grafana dashboards query (vllm:num_requests_running, ...)")
     p.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="seconds between stats lines while busy (default 5)")
+
+
+def _metrics_prefix(value: str) -> str:
+    import re
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", value):
+        raise argparse.ArgumentTypeError(f"must be a Prometheus name ([a-zA-Z_][a-zA-Z0-9_]*), got {value!r}")
+    return value
 
 
 def _positive_int(value: str) -> int:

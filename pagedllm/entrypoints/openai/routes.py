@@ -1,5 +1,5 @@
 """The server's routes, one APIRouter per concern, as vLLM's api_server has them: the OpenAI API
-(/v1/completions, /v1/chat/completions, /v1/models), tokenisation (/tokenize, /detokenize) and
+(/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models), tokenisation (/tokenize, /detokenize) and
 the server's own (/health, /version, /metrics). A route finds the engine and the serving objects
 on `app.state` (set by `build_app`)."""
 from __future__ import annotations
@@ -15,9 +15,11 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import engine_error
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
 
 logger = logging.getLogger("pagedllm.server")
@@ -39,6 +41,14 @@ def completion(request: Request) -> OpenAIServingCompletion:
 
 def chat(request: Request) -> OpenAIServingChat:
     return request.app.state.openai_serving_chat
+
+
+def responses(request: Request) -> OpenAIServingResponses:
+    return request.app.state.openai_serving_responses
+
+
+def embedding(request: Request) -> OpenAIServingEmbedding:
+    return request.app.state.openai_serving_embedding
 
 
 # -------------------------------------------------------------------- the OpenAI API
@@ -67,10 +77,21 @@ async def _run_until_disconnect(coro, raw_request: Request):
     return None
 
 
-async def _respond(create, req, raw_request: Request):
-    """`create(req, raw_request)` (a completion or chat) as a streamed or a JSON response."""
+def _check_runner(raw_request: Request, runner: str) -> None:
+    """A generation endpoint on a --runner pooling server (or /v1/embeddings on a generating
+    one) is a 400 saying which runner serves it."""
+    have = engine(raw_request).config.model_config.runner
+    if have != runner:
+        raise OpenAIError(f"{raw_request.url.path} needs a server started with --runner {runner}; "
+                          f"this one runs --runner {have}", param="model", code="wrong_runner")
+
+
+async def _respond(create, req, raw_request: Request, runner: str = "generate"):
+    """`create(req, raw_request)` (a completion, chat, response or embedding) as a streamed or a
+    JSON response."""
+    _check_runner(raw_request, runner)
     try:
-        if req.stream:  # errors before the first chunk are plain HTTP errors
+        if getattr(req, "stream", False):  # errors before the first chunk are plain HTTP errors
             return StreamingResponse(await create(req, raw_request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         result = await _run_until_disconnect(create(req, raw_request), raw_request)
@@ -100,6 +121,16 @@ def _model_card(state, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
             "root": state.engine.config.model_config.model, "parent": None,
             "max_model_len": state.engine.max_model_len}
+
+
+@openai_router.post("/v1/responses")
+async def create_response(req: ResponsesRequest, raw_request: Request):
+    return await _respond(responses(raw_request).create_response, req, raw_request)
+
+
+@openai_router.post("/v1/embeddings")
+async def create_embedding(req: EmbeddingRequest, raw_request: Request):
+    return await _respond(embedding(raw_request).create_embedding, req, raw_request, runner="pooling")
 
 
 @openai_router.get("/v1/models")

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Optional
 
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import (
-    MAX_PROMPTS, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
     UsageInfo, prompt_logprobs_json, usage_dict, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
                                                       stream_error, stream_final)
@@ -17,24 +17,7 @@ from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, O
 class OpenAIServingCompletion(OpenAIServing):
     def _prompts(self, req: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
         """[(text or None, token ids)], validated by the engine's Processor."""
-        p = req.prompt
-        if isinstance(p, str):
-            items = [p]
-        elif len(p) == 0:
-            raise OpenAIError("prompt must not be empty", param="prompt")
-        elif isinstance(p[0], int):
-            items = [p]
-        else:
-            items = list(p)
-        if len(items) > MAX_PROMPTS:
-            raise OpenAIError(f"prompt must be at most {MAX_PROMPTS} prompts, got {len(items)}", param="prompt")
-        out = []
-        for item in items:
-            try:
-                out.append(self.engine.processor.tokenize(item, add_special_tokens=req.add_special_tokens))
-            except ValueError as e:
-                raise OpenAIError(str(e), param="prompt") from None
-        return out
+        return self.tokenize_prompts(req.prompt, req.add_special_tokens, "prompt")
 
     async def create_completion(self, req: CompletionRequest, raw_request=None):
         """A CompletionResponse, or an async iterator of SSE lines (stream=True)."""

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional, Sequence
 from pagedllm.engine.async_llm import AsyncLLM, BeamSearchHandle, RequestStream
 from pagedllm.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchOutput
 from pagedllm.engine.processor import check_prompt_len
+from pagedllm.entrypoints.openai.protocol import MAX_PROMPTS
 from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger("pagedllm.server")
@@ -73,6 +74,13 @@ async def stream_final(make_response, head: dict, chunk_choice, include_usage: b
     except Exception as e:  # the engine died or the server is stopping
         yield sse(stream_error(e).body())
     yield SSE_DONE
+
+
+class JSONBody(dict):
+    """A response body built as a plain dict (no pydantic model): routes.py returns it as it is."""
+
+    def model_dump(self, **_) -> dict:
+        return dict(self)
 
 
 def request_failed_error(e) -> OpenAIError:
@@ -151,6 +159,26 @@ class OpenAIServing:
             raise OpenAIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         if req.prompt_logprobs is not None and req.use_beam_search:
             raise OpenAIError("prompt_logprobs is not supported with use_beam_search", param="prompt_logprobs")
+    def tokenize_prompts(self, p, add_special_tokens: bool, param: str) -> list[tuple[Optional[str], list[int]]]:
+        """A string, a list of strings, token ids or lists of them -> [(text or None, token ids)],
+        validated by the engine's Processor; 400 naming `param`."""
+        if isinstance(p, str):
+            items = [p]
+        elif len(p) == 0:
+            raise OpenAIError(f"{param} must not be empty", param=param)
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        if len(items) > MAX_PROMPTS:
+            raise OpenAIError(f"{param} must be at most {MAX_PROMPTS} prompts, got {len(items)}", param=param)
+        out = []
+        for item in items:
+            try:
+                out.append(self.engine.processor.tokenize(item, add_special_tokens=add_special_tokens))
+            except ValueError as e:
+                raise OpenAIError(str(e), param=param) from None
+        return out
 
     # ------------------------------------------------------------ beam search
     @staticmethod

@@ -1,0 +1,49 @@
+"""POST /v1/embeddings (a `--runner pooling` server): each input (a string, strings, token ids
+or lists of them) -> its pooled vector, as floats or base64 (little-endian float32, as OpenAI
+sends it), with the prompt tokens counted in usage. The inputs run as one batch of requests."""
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+
+from pagedllm.engine.output_processor import OutputKind
+from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, random_id
+from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, OpenAIServing
+from pagedllm.sampling_params import pooling_params
+
+
+def encode(vector: list[float], encoding_format: str):
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    async def create_embedding(self, req: EmbeddingRequest, raw_request=None):
+        self.check_model(req.model)
+        if req.dimensions is not None:
+            raise OpenAIError("dimensions is not supported: the vectors have the model's hidden size "
+                              f"({self.engine.config.model_config.hidden_size})", param="dimensions")
+        prompts = self.tokenize_prompts(req.input, req.add_special_tokens, "input")
+        for _, ids in prompts:
+            self.check_context(len(ids), None, "input")
+        request_id = random_id("embd")
+        streams = []
+        try:
+            for i, (_, ids) in enumerate(prompts):
+                streams.append(self.engine.add_request({"prompt_token_ids": ids}, pooling_params(),
+                                                       f"{request_id}-{i}", OutputKind.FINAL_ONLY))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        vectors: list = [None] * len(streams)
+        async for i, out in self.merge(streams):
+            vectors[i] = out.outputs.embedding
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        return JSONBody({"id": request_id, "object": "list", "created": int(time.time()), "model": self.model_name,
+                      "data": [{"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
+                               for i, v in enumerate(vectors)],
+                      "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})

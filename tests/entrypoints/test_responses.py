@@ -1,0 +1,80 @@
+"""/v1/responses through the official openai client against a real `pagedllm serve` (the shared
+tiny random-model server): `responses.create` and `responses.stream` give, greedy, the text that
+/v1/chat/completions gives for the same messages, with the Responses event sequence and usage;
+fields a stateless server cannot honour are 400s naming them."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+INSTRUCTIONS = "w12 w400 w33"
+QUESTION = "w77 w8 w9"
+MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+MAX = 12
+
+
+@pytest.fixture(scope="module")
+def server(tiny_shared_server):
+    return tiny_shared_server
+
+
+@pytest.fixture(scope="module")
+def chat_reference(client):
+    r = client.chat.completions.create(model=None, messages=MESSAGES, temperature=0, max_tokens=MAX)
+    return r.choices[0].message.content, r.usage
+
+
+def test_create_matches_chat(client, chat_reference):
+    text, usage = chat_reference
+    r = client.responses.create(model=None, instructions=INSTRUCTIONS, input=QUESTION, temperature=0,
+                                max_output_tokens=MAX)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == text
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.usage.input_tokens == usage.prompt_tokens and r.usage.output_tokens == usage.completion_tokens
+    assert r.usage.total_tokens == usage.total_tokens
+    # Stopped by max_output_tokens (the chat reference ran for as long): incomplete, saying why.
+    if usage.completion_tokens == MAX:
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    # The same conversation as message items with input_text parts.
+    r2 = client.responses.create(model=None, temperature=0, max_output_tokens=MAX, input=[
+        {"role": "system", "content": INSTRUCTIONS},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    assert r2.output_text == text
+
+
+def test_stream_matches_chat(client, chat_reference):
+    text, usage = chat_reference
+    with client.responses.stream(model=None, instructions=INSTRUCTIONS, input=QUESTION, temperature=0,
+                                 max_output_tokens=MAX) as stream:
+        events = list(stream)
+    # As OpenAI's API: an answer cut by max_output_tokens ends with response.incomplete (the
+    # helper's get_final_response() wants response.completed), else response.completed.
+    final = events[-1].response
+    types = [e.type for e in events]
+    head = ["response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert types[:4] == head and types[-4:-1] == tail, types
+    assert types[-1] == ("response.incomplete" if usage.completion_tokens == MAX else "response.completed")
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and types[4:-4] == ["response.output_text.delta"] * len(deltas)
+    assert "".join(e.delta for e in deltas) == text == events[-4].text == final.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.usage.output_tokens == usage.completion_tokens and final.status == events[-1].type[9:]
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(previous_response_id="resp_123"), "previous_response_id"),
+    (dict(store=True), "store"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}), "text.format"),
+    (dict(max_output_tokens=0), "max_output_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]), "input"),
+])
+def test_refused_with_400(client, kwargs, param):
+    kwargs = {"input": QUESTION, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=None, **kwargs)
+    assert e.value.body["param"] == param, e.value.body
