@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         # The embedding and the LM head live on stage 0 (the driver samples there); the final
         # norm on the last stage.
         self.embed_tokens = VocabParallelEmbedding(tp.vocab, hidden, comm) if first else PPMissingLayer()
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf, tp, head_dim, comm) if i in shard.layers
+        self.layers = nn.ModuleList(self.make_layer(hf, i, tp, head_dim, comm) if i in shard.layers
                                     else PPMissingLayer() for i in range(hf["num_hidden_layers"]))
         self.stage_layers = tuple(self.layers[i] for i in shard.layers)   # plain tuple: not registered twice
         self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
@@ -107,6 +107,10 @@ class LlamaForCausalLM(nn.Module):
                                        tied=self.embed_tokens if self.tie_word_embeddings else None)
                         if first else PPMissingLayer())
         self.rope = RotaryEmbedding(hf, head_dim, max_positions)
+
+    def make_layer(self, hf: dict, index: int, tp: TPShard, head_dim: int, comm) -> nn.Module:
+        """Decoder layer `index` (a model of the family with other layers overrides this)."""
+        return LlamaDecoderLayer(hf, tp, head_dim, comm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:

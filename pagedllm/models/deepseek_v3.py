@@ -1,0 +1,150 @@
+"""DeepSeek-V3: multi-head latent attention over a latent KV cache,
+dense first layers then DeepSeekMoE, on the Llama family's skeleton (embedding, stage layers,
+final norm, LM head, the loading loop: models/llama.py).
+
+Attention (MLA, attention/mla_attention.py): the query comes from q_proj, or through a low
+rank (q_a_proj -> q_a_layernorm -> q_b_proj); kv_a_proj_with_mqa gives the latent c_kv
+[kv_lora_rank] (then kv_a_layernorm) and one RoPE key k_pe [qk_rope_head_dim] shared by the
+heads; the cache keeps only [c_kv, k_pe]; kv_b_proj up-projects c_kv into each head's k_nope
+[qk_nope_head_dim] and v [v_head_dim]. RoPE touches only the qk_rope_head_dim part.
+
+RoPE layout: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3)...
+(`rope_interleave`, transformers' default for V3), and transformers' output lists the rotated
+evens, then the odds. Permuting the rope rows of q_(b_)proj and kv_a_proj_with_mqa at load
+(evens first) turns that into the rotate-half RoPE the engine already has, with the same
+values: no interleaved kernel, and the cache's k_pe equals transformers' cached one.
+
+The MTP layers (model.layers.{num_hidden_layers}...) belong to models/deepseek_mtp.py; this
+model skips them when it loads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.attention.mla_attention import MLAAttention
+from pagedllm.distributed.sharding import TPShard
+from pagedllm.models.layers.layernorm import RMSNorm
+from pagedllm.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
+from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
+
+# transformers' DeepseekV3RMSNorm default: the q/kv low-rank norms do not take rms_norm_eps
+LORA_NORM_EPS = 1e-6
+
+
+def mla_softmax_scale(hf: dict) -> float:
+    """1/sqrt(qk_nope + qk_rope), times mscale^2 under yarn RoPE with mscale_all_dim
+    (transformers' yarn_apply_mscale)."""
+    scale = (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def deinterleave_rope_rows(w: torch.Tensor, group: int, rope_dim: int) -> torch.Tensor:
+    """Rows in groups of `group` (a head, or the whole kv_a output) whose last rope_dim rows are
+    interleaved RoPE pairs -> the same rows with those listed evens first, then odds."""
+    lead = group - rope_dim
+    perm = torch.cat((torch.arange(lead), lead + torch.arange(0, rope_dim, 2),
+                      lead + torch.arange(1, rope_dim, 2)))
+    return w.view(-1, group, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+class DeepseekV3Attention(nn.Module):
+    """MLA with this rank's heads (tp.q_heads); the latent projections are whole on every rank
+    (every rank caches the same latents, as vLLM's MLA under TP)."""
+
+    def __init__(self, hf: dict, tp: TPShard, comm=None) -> None:
+        super().__init__()
+        hidden, bias = hf["hidden_size"], hf.get("attention_bias", False)
+        self.num_heads = len(tp.q_heads)
+        self.dn, self.dr, self.dv = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+        self.kv_lora_rank, self.q_lora_rank = hf["kv_lora_rank"], hf.get("q_lora_rank")
+        h0, h1 = tp.q_heads.start, tp.q_heads.stop
+
+        def heads(d):   # this rank's output features of a per-head projection of width d
+            return range(h0 * d, h1 * d)
+        qk = self.dn + self.dr
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads(qk), False)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, heads(qk), False)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.dr, bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        # Never called as a linear: its plain weight is W_UK / W_UV (decode absorbs them) and
+        # the prefill's up-projection, so it keeps F.linear's layout (no packing).
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads(self.dn + self.dv), False,
+                                              UnquantizedLinearMethod())
+        self.o_proj = RowParallelLinear(heads(self.dv), hidden, bias, comm)
+        self.mla_attn = MLAAttention(self.num_heads, mla_softmax_scale(hf), self.kv_lora_rank,
+                                     self.dn, self.dr, self.dv)
+
+    def forward(self, x, positions, rope):
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(T, self.num_heads, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())                          # [T, R]
+        q_pe, k_pe = rope(positions, q_pe.contiguous(), k_pe.contiguous().view(T, 1, self.dr))
+        o = self.mla_attn(q_nope, q_pe, kv_c, k_pe.view(T, self.dr), self.kv_b_proj.weight)
+        return self.o_proj(o.reshape(T, self.num_heads * self.dv))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, hf: dict, index: int, tp: TPShard, comm=None) -> None:
+        super().__init__()
+        eps, hidden = hf.get("rms_norm_eps", 1e-6), hf["hidden_size"]
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = DeepseekV3Attention(hf, tp, comm)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        if index < hf.get("first_k_dense_replace", hf["num_hidden_layers"]):
+            self.mlp = LlamaMLP(hidden, tp.intermediate, False, comm)
+        else:
+            raise ValueError(f"layer {index} is a DeepSeekMoE layer (first_k_dense_replace "
+                             f"{hf.get('first_k_dense_replace')}); MoE layers are not supported yet")
+
+    def forward(self, x, positions, rope):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    def make_layer(self, hf: dict, index: int, tp: TPShard, head_dim: int, comm) -> nn.Module:
+        return DeepseekV3DecoderLayer(hf, index, tp, comm)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._main_model_weights(weights))
+
+    def _main_model_weights(self, weights) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint without the MTP layers, RoPE rows de-interleaved (module docstring)."""
+        hf = self.hf
+        n = hf["num_hidden_layers"]
+        interleaved = hf.get("rope_interleave", True)
+        for name, t in weights:
+            parts = name.split(".")
+            if name.startswith("model.layers.") and int(parts[2]) >= n:
+                continue   # model.layers.{n + k}: the k-th MTP module (models/deepseek_mtp.py)
+            yield name, rope_rows_deinterleaved(hf, name, t) if interleaved else t
+
+
+def rope_rows_deinterleaved(hf: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor with its interleaved RoPE rows listed evens first (identity for any
+    tensor without RoPE rows)."""
+    dr = hf["qk_rope_head_dim"]
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        return deinterleave_rope_rows(t, hf["qk_nope_head_dim"] + dr, dr)
+    if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+        return deinterleave_rope_rows(t, hf["kv_lora_rank"] + dr, dr)
+    return t

@@ -1,0 +1,97 @@
+"""DeepSeek-V3 (models/deepseek_v3.py) on a tiny random DeepseekV3ForCausalLM made here with
+transformers' own class: greedy output equal to transformers' generate, token for token, under
+chunked prefill with small blocks and a prefix-cache hit; and the MLA cache holds only the
+latent and the RoPE key (its shape and bytes per token, against the MHA equivalent)."""
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+MAX_TOKENS = 12
+# Small but every MLA part: a q low rank, nope / rope / v head dims that differ, 4 heads.
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+            topk_group=1, max_position_embeddings=256, initializer_range=0.1)
+
+
+def make_deepseek_dir(out, seed: int = 0, **overrides):
+    """A DeepseekV3ForCausalLM with random weights (seed), saved with a word-level tokenizer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from pagedllm.models.random_model import BOS, EOS, UNK, _write_tokenizer
+    cfg = DeepseekV3Config(**{**TINY, **overrides}, bos_token_id=BOS, eos_token_id=EOS,
+                           pad_token_id=UNK, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out, cfg.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepseek-v3-tiny")
+    return out, make_deepseek_dir(out)
+
+
+def prompts_with_shared_prefix():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(3, TINY["vocab_size"], (40,), generator=g).tolist()
+    # The second batch reuses the first prompt's first 24 tokens (6 full blocks of 4).
+    first = [base[:30], base[5:12], base[10:11]]
+    second = [base[:24] + base[30:37], torch.randint(3, TINY["vocab_size"], (19,), generator=g).tolist()]
+    return first, second
+
+
+def hf_greedy(model, prompts):
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+                [0, len(p):].tolist() for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def run_and_compare(llm, model):
+    first, second = prompts_with_shared_prefix()
+    outs = llm.generate([{"prompt_token_ids": p} for p in first], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, first)
+    outs = llm.generate([{"prompt_token_ids": p} for p in second], GREEDY, use_tqdm=False)
+    assert outs[0].num_cached_tokens == 24, "the shared prefix should be a prefix-cache hit"
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, second)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_equals_transformers_chunked_prefix_hit(tiny, backend):
+    """Block size 4, a 16-token budget: prefill chunks with and without cached past, decodes
+    (absorbed) beside them; the torch backend gathers decode slots, the cpu one pages."""
+    out, model = tiny
+    try:
+        llm = LLM(str(out), block_size=4, max_num_batched_tokens=16, attention_backend="torch",
+                  dtype="float32")
+    except ValueError:
+        pytest.skip("no C++ decode kernel")
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    if backend == "torch":   # the SDPA reference backend's metadata (gathered decode slots)
+        from pagedllm.attention.selector import _backend
+        runner.attn_backend = _backend(runner.device, "torch")
+    run_and_compare(llm, model)
+
+
+def test_mla_cache_is_latent(tiny):
+    out, _ = tiny
+    llm = LLM(str(out), block_size=4, num_gpu_blocks=8, dtype="float32")
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    R, dr, L = TINY["kv_lora_rank"], TINY["qk_rope_head_dim"], TINY["num_hidden_layers"]
+    assert len(runner.kv_caches) == L
+    for layer in runner.kv_caches:
+        assert len(layer) == 1 and tuple(layer[0].shape) == (8 * 4, R + dr)
+    bytes_per_token = runner.kv_bytes_per_block() // 4
+    assert bytes_per_token == L * (R + dr) * 4
+    H, dqk, dv = TINY["num_attention_heads"], TINY["qk_nope_head_dim"] + dr, TINY["v_head_dim"]
+    mha = L * H * (dqk + dv) * 4
+    print(f"MLA cache: {bytes_per_token} B/token ({L} layers x ({R}+{dr}) x 4 B); "
+          f"MHA equivalent: {mha} B/token ({L} x {H} heads x ({dqk}+{dv}) x 4 B): {mha / bytes_per_token:.1f}x")
