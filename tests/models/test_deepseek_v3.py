@@ -52,33 +52,40 @@ def hf_greedy(model, prompts):
                 [0, len(p):].tolist() for p in prompts]
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return [hf_greedy(tiny[1], batch) for batch in prompts_with_shared_prefix()]
 
 
-def run_and_compare(llm, model):
-    first, second = prompts_with_shared_prefix()
-    outs = llm.generate([{"prompt_token_ids": p} for p in first], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, first)
-    outs = llm.generate([{"prompt_token_ids": p} for p in second], GREEDY, use_tqdm=False)
-    assert outs[0].num_cached_tokens == 24, "the shared prefix should be a prefix-cache hit"
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, second)
+def run_and_compare(llm, reference, max_tokens=MAX_TOKENS):
+    """The two batches in turn (the second hits the first's cached prefix) against transformers
+    (its first max_tokens tokens)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, (batch, ref) in enumerate(zip(prompts_with_shared_prefix(), reference)):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
+        if i == 1:
+            assert outs[0].num_cached_tokens == 24, "the shared prefix should be a prefix-cache hit"
+        assert [o.outputs[0].token_ids for o in outs] == [r[:max_tokens] for r in ref]
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_greedy_equals_transformers_chunked_prefix_hit(tiny, backend):
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_greedy_equals_transformers_chunked_prefix_hit(tiny, reference, backend):
     """Block size 4, a 16-token budget: prefill chunks with and without cached past, decodes
-    (absorbed) beside them; the torch backend gathers decode slots, the cpu one pages."""
-    out, model = tiny
+    beside them. torch: SDPA backend's metadata (gathered decode slots); cpu: by pages (both
+    decompress prefills, absorb decodes); triton: every token through the latent kernel (under
+    the interpreter here, on fewer tokens)."""
     try:
-        llm = LLM(str(out), block_size=4, max_num_batched_tokens=16, attention_backend="torch",
-                  dtype="float32")
+        llm = LLM(str(tiny[0]), block_size=4, max_num_batched_tokens=16, dtype="float32",
+                  attention_backend="triton" if backend == "triton" else "torch")
     except ValueError:
         pytest.skip("no C++ decode kernel")
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
-    if backend == "torch":   # the SDPA reference backend's metadata (gathered decode slots)
+    if backend == "torch":
         from pagedllm.attention.selector import _backend
         runner.attn_backend = _backend(runner.device, "torch")
-    run_and_compare(llm, model)
+    assert runner.attn_backend.name == backend
+    # The interpreter is slow: 4 tokens still cover chunked prefill, the prefix hit and decodes.
+    run_and_compare(llm, reference, 4 if backend == "triton" else MAX_TOKENS)
 
 
 def test_mla_cache_is_latent(tiny):
