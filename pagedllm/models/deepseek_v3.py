@@ -1,5 +1,5 @@
 """DeepSeek-V3: multi-head latent attention over a latent KV cache,
-dense first layers then DeepSeekMoE, on the Llama family's skeleton (embedding, stage layers,
+dense first layers then DeepSeekMoE (models/layers/fused_moe.py's experts and grouped_topk), on the Llama family's skeleton (embedding, stage layers,
 final norm, LM head, the loading loop: models/llama.py).
 
 Attention (MLA, attention/mla_attention.py): the query comes from q_proj, or through a low
@@ -23,12 +23,15 @@ import math
 from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.mla_attention import MLAAttention
-from pagedllm.distributed.sharding import TPShard
+from pagedllm.distributed.sharding import TPShard, split_range
+from pagedllm.models.layers.fused_moe import FusedMoE, expert_intermediate_range
 from pagedllm.models.layers.layernorm import RMSNorm
-from pagedllm.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.models.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                           multi_rank)
 from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -99,18 +102,60 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * self.dv))
 
 
+class DeepseekV3Gate(nn.Module):
+    """The router: logits in float32 (as transformers computes them) and the expert-score
+    correction bias [E], which only chooses experts (FusedMoE's grouped_topk)."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())                 # [T, E]
+
+
+class DeepseekV3MoE(nn.Module):
+    """DeepSeekMoE: n_shared_experts always-on experts (one MLP of n_shared * moe_intermediate)
+    plus the routed experts (sigmoid scores, group-limited top-k, routed_scaling_factor). Both
+    leave their partial sums unreduced; the layer all-reduces once over the TP group."""
+
+    def __init__(self, hf: dict, tp: TPShard, comm=None) -> None:
+        super().__init__()
+        hidden, moe_i = hf["hidden_size"], hf["moe_intermediate_size"]
+        num_experts = hf["n_routed_experts"]
+        self.gate = DeepseekV3Gate(hidden, num_experts)
+        self.experts = FusedMoE(
+            num_experts, hf["num_experts_per_tok"], hidden, expert_intermediate_range(moe_i, tp), comm,
+            renormalize=bool(hf.get("norm_topk_prob", True)), reduce_results=False,
+            use_grouped_topk=True, num_expert_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1, scoring_func=hf.get("scoring_func", "sigmoid"),
+            e_score_correction_bias=self.gate.e_score_correction_bias,
+            routed_scaling_factor=hf.get("routed_scaling_factor", 1.0))
+        shared = moe_i * hf.get("n_shared_experts", 1)
+        self.shared_experts = (LlamaMLP(hidden, split_range(shared, tp.tp_size, tp.tp_rank), False, None)
+                               if shared else None)
+        self.comm = multi_rank(comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.comm.all_reduce(out) if self.comm is not None else out
+
+
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, hf: dict, index: int, tp: TPShard, comm=None) -> None:
+    """Dense MLP in the first `first_k_dense_replace` layers, DeepSeekMoE after."""
+
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, layer_idx: int = 0) -> None:
         super().__init__()
         eps, hidden = hf.get("rms_norm_eps", 1e-6), hf["hidden_size"]
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = DeepseekV3Attention(hf, tp, comm)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        if index < hf.get("first_k_dense_replace", hf["num_hidden_layers"]):
-            self.mlp = LlamaMLP(hidden, tp.intermediate, False, comm)
-        else:
-            raise ValueError(f"layer {index} is a DeepSeekMoE layer (first_k_dense_replace "
-                             f"{hf.get('first_k_dense_replace')}); MoE layers are not supported yet")
+        dense = layer_idx < hf.get("first_k_dense_replace", 0) or not hf.get("n_routed_experts")
+        self.mlp = LlamaMLP(hidden, tp.intermediate, False, comm) if dense else DeepseekV3MoE(hf, tp, comm)
 
     def forward(self, x, positions, rope):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope)
@@ -119,10 +164,13 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    # No q/k/v stacking: MLA's projections load as they are (".q_proj" must stay q_proj).
     stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+    decoder_layer = DeepseekV3DecoderLayer
 
-    def make_layer(self, hf: dict, index: int, tp: TPShard, head_dim: int, comm) -> nn.Module:
-        return DeepseekV3DecoderLayer(hf, index, tp, comm)
+    def weight_name_mapping(self):
+        experts = FusedMoE.make_expert_params_mapping(self.hf.get("n_routed_experts") or 0)
+        return [(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts] + super().weight_name_mapping()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._main_model_weights(weights))

@@ -26,7 +26,8 @@ ATOL = RTOL = 1e-4
 
 
 class Batch:
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, heads=H):
+        self.H = H = heads
         g = torch.Generator().manual_seed(seed)
         rng = np.random.default_rng(seed)
         seq_lens = np.array([c + n for c, n in REQS], dtype=np.int32)
@@ -63,6 +64,7 @@ class Batch:
     def reference(self) -> torch.Tensor:
         cache = self.cache.double().clone()
         cache[self.slot_mapping] = torch.cat((self.kv_c, self.k_pe), -1).double()
+        H = self.H
         w = self.w_kv_b.double().view(H, DN + DV, R)
         out = torch.empty(len(self.positions), H, DV, dtype=torch.float64)
         for t, (i, pos) in enumerate(self.positions):
@@ -93,11 +95,14 @@ def test_torch_path_equals_definition(by_pages):
     assert torch.equal(cache[b.slot_mapping], new)   # the latent rows were written, exactly
 
 
-def test_triton_kernel_equals_definition_and_torch_path():
+@pytest.mark.parametrize("heads", [4, 20])
+def test_triton_kernel_equals_definition_and_torch_path(heads):
+    """4 heads: a program takes 4 tokens x 4 heads of a prefill chunk; 20: 16 heads of one token
+    (two head blocks, the second partly masked)."""
     pytest.importorskip("triton")
     from pagedllm.attention.triton_backend import build_triton_metadata
     from pagedllm.attention.triton_mla import mla_attention_triton
-    b = Batch(seed=1)
+    b = Batch(seed=1, heads=heads)
     tmeta = build_triton_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping, device="cpu")
     cache = b.cache.clone()
     out = mla_attention_triton(*b.args(), cache, b.w_kv_b, tmeta, SCALE)

@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (models/deepseek_v3.py) on a tiny random DeepseekV3ForCausalLM made here with
-transformers' own class: greedy output equal to transformers' generate, token for token, under
+"""DeepSeek-V3 (models/deepseek_v3.py: MLA + DeepSeekMoE) on a tiny random DeepseekV3ForCausalLM
+made here with transformers' own class: greedy output equal to transformers' generate, token for token, under
 chunked prefill with small blocks and a prefix-cache hit; and the MLA cache holds only the
 latent and the RoPE key (its shape and bytes per token, against the MHA equivalent)."""
 import pytest
@@ -8,12 +8,15 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
-# Small but every MLA part: a q low rank, nope / rope / v head dims that differ, 4 heads.
+# Small but every part: a q low rank, nope / rope / v head dims that differ, 4 heads; a dense
+# first layer, then DeepSeekMoE (8 routed experts in 4 groups, 2 groups kept, top 3, a shared
+# expert, scaled weights).
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
-            topk_group=1, max_position_embeddings=256, initializer_range=0.1)
+            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+            max_position_embeddings=256, initializer_range=0.1)
 
 
 def make_deepseek_dir(out, seed: int = 0, **overrides):
@@ -25,6 +28,9 @@ def make_deepseek_dir(out, seed: int = 0, **overrides):
                            pad_token_id=UNK, dtype=torch.float32)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():   # transformers starts the correction bias at 0: make it choose
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     model.save_pretrained(out, safe_serialization=True)
     _write_tokenizer(out, cfg.vocab_size)
     return model
