@@ -169,22 +169,34 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     decoder_layer = DeepseekV3DecoderLayer
 
     def weight_name_mapping(self):
-        experts = FusedMoE.make_expert_params_mapping(self.hf.get("n_routed_experts") or 0)
-        return [(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts] + super().weight_name_mapping()
+        return deepseek_weight_name_mapping(self.hf)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._main_model_weights(weights))
+        n = self.hf["num_hidden_layers"]
+        # model.layers.{n + k}: the k-th MTP module's (models/deepseek_mtp.py)
+        return super().load_weights(deinterleave_rope(
+            self.hf, ((name, t) for name, t in weights if layer_index(name) is None or layer_index(name) < n)))
 
-    def _main_model_weights(self, weights) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint without the MTP layers, RoPE rows de-interleaved (module docstring)."""
-        hf = self.hf
-        n = hf["num_hidden_layers"]
-        interleaved = hf.get("rope_interleave", True)
-        for name, t in weights:
-            parts = name.split(".")
-            if name.startswith("model.layers.") and int(parts[2]) >= n:
-                continue   # model.layers.{n + k}: the k-th MTP module (models/deepseek_mtp.py)
-            yield name, rope_rows_deinterleaved(hf, name, t) if interleaved else t
+
+def deepseek_weight_name_mapping(hf: dict) -> list[tuple[str, str, object]]:
+    """(our name part, checkpoint part, shard id): routed experts into FusedMoE, gate/up stacked."""
+    experts = FusedMoE.make_expert_params_mapping(hf.get("n_routed_experts") or 0)
+    return ([(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts]
+            + DeepseekV3ForCausalLM.stacked_params_mapping)
+
+
+def layer_index(name: str):
+    """i of a checkpoint name model.layers.{i}...., else None."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+
+def deinterleave_rope(hf: dict, weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights with interleaved RoPE rows listed evens first, where the config's RoPE is
+    interleaved (module docstring)."""
+    interleaved = hf.get("rope_interleave", True)
+    for name, t in weights:
+        yield name, rope_rows_deinterleaved(hf, name, t) if interleaved else t
 
 
 def rope_rows_deinterleaved(hf: dict, name: str, t: torch.Tensor) -> torch.Tensor:
