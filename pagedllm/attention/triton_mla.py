@@ -5,7 +5,7 @@ the heads); the kernel reads the paged latent cache [S, R + dr] through the bloc
 
 - ``mla_attention_kernel``: one program per (block of BLOCK_Q query tokens of one request,
   block of BLOCK_H heads), the rows (token, head) flattened into 16 (tl.dot's minimum M). The
-  request is found by the unified kernel's binary search (``_find_request``: grid
+  request is found by the unified kernel's binary search (``_query_block``: grid
   num_tokens // BLOCK_Q + num_reqs, no device value); each row attends the keys 0 ..= its
   position, in tiles of BLOCK_N cache rows: s = q_lat . c_kv + q_pe . k_pe (two ``tl.dot``s
   over one row load), online softmax in float32 (base 2), acc += p . c_kv. The value is the
@@ -24,7 +24,7 @@ import triton.language as tl
 from pagedllm.attention.mla_attention import absorb_query, split_kv_b, unabsorb_output
 from pagedllm.attention.triton_backend import (KernelLaunch, TritonAttentionMetadata, _next_pow2,
                                                _options, write_kv)
-from pagedllm.attention.triton_kernels import _find_request
+from pagedllm.attention.triton_kernels import _query_block
 
 
 @triton.jit
@@ -40,13 +40,10 @@ def mla_attention_kernel(
 ):
     q_block = tl.program_id(0)
     head_block = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    req, q_start, q_len, q_block_local, context_len = _query_block(
+        query_start_loc_ptr, seq_lens_ptr, q_block, num_reqs, BLOCK_Q)
     if q_block_local * BLOCK_Q >= q_len:   # past this request's last query block
         return
-    context_len = tl.load(seq_lens_ptr + req) - q_len
 
     # Rows: (query token of the block, head of the head block) flattened.
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)

@@ -4,13 +4,10 @@ float64 per-token loop written here from the definition: decompress every cached
 
 A batch mixes a prefill without past, prefill chunks with cached past and decodes, over
 shuffled physical blocks of size 4; the torch path (decodes absorbed, prefills decompressed,
-with the gathered-slot and the by-pages metadata) and the Triton kernel (every token absorbed,
-under TRITON_INTERPRET=1 without a GPU) must both match it. Cache slots no request owns hold
+with the gathered-slot and the by-pages metadata) and the Triton kernel (every token absorbed;
+on a GPU when there is one, else under TRITON_INTERPRET=1, which conftest.py sets) must both
+match it. Cache slots no request owns hold
 NaN except the null block (a kernel reading outside its blocks fails)."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (conftest sets it too)
-
 import numpy as np
 import pytest
 import torch
@@ -103,11 +100,12 @@ def test_triton_kernel_equals_definition_and_torch_path(heads):
     from pagedllm.attention.triton_backend import build_triton_metadata
     from pagedllm.attention.triton_mla import mla_attention_triton
     b = Batch(seed=1, heads=heads)
-    tmeta = build_triton_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping, device="cpu")
-    cache = b.cache.clone()
-    out = mla_attention_triton(*b.args(), cache, b.w_kv_b, tmeta, SCALE)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tmeta = build_triton_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping, device=dev)
+    cache = b.cache.clone().to(dev)
+    out = mla_attention_triton(*(x.to(dev) for x in b.args()), cache, b.w_kv_b.to(dev), tmeta, SCALE).cpu()
     torch.testing.assert_close(out.double(), b.reference(), atol=ATOL, rtol=RTOL)
-    assert torch.equal(cache[b.slot_mapping], torch.cat((b.kv_c, b.k_pe), -1))
+    assert torch.equal(cache.cpu()[b.slot_mapping], torch.cat((b.kv_c, b.k_pe), -1))
     meta = build_attention_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping)
     torch_out = mla_attention_torch(*b.args(), b.cache.clone(), b.w_kv_b, meta, SCALE)
     torch.testing.assert_close(out, torch_out, atol=ATOL, rtol=RTOL)

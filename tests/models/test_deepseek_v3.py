@@ -81,7 +81,7 @@ def test_greedy_equals_transformers_chunked_prefix_hit(tiny, reference, backend)
     decompress prefills, absorb decodes); triton: every token through the latent kernel (under
     the interpreter here, on fewer tokens)."""
     try:
-        llm = LLM(str(tiny[0]), block_size=4, max_num_batched_tokens=16, dtype="float32",
+        llm = LLM(str(tiny[0]), device="cpu", block_size=4, max_num_batched_tokens=16, dtype="float32",
                   attention_backend="triton" if backend == "triton" else "torch")
     except ValueError:
         pytest.skip("no C++ decode kernel")
@@ -94,9 +94,22 @@ def test_greedy_equals_transformers_chunked_prefix_hit(tiny, reference, backend)
     run_and_compare(llm, reference, 4 if backend == "triton" else MAX_TOKENS)
 
 
+def test_tp2_greedy_equals_transformers(tiny, reference, monkeypatch):
+    """Tensor parallelism 2: each rank holds 2 of the 4 heads (q_b / kv_b column-parallel, o_proj
+    row-parallel), the whole latent projections and the same latent cache, half of every
+    expert's and the shared expert's intermediate columns (one all-reduce per MoE layer)."""
+    monkeypatch.setenv("PAGEDLLM_WORKER_THREADS", "1")
+    llm = LLM(str(tiny[0]), device="cpu", tensor_parallel_size=2, block_size=4,
+              max_num_batched_tokens=16, dtype="float32")
+    try:
+        run_and_compare(llm, reference)
+    finally:
+        llm.shutdown()
+
+
 def test_mla_cache_is_latent(tiny):
     out, _ = tiny
-    llm = LLM(str(out), block_size=4, num_gpu_blocks=8, dtype="float32")
+    llm = LLM(str(out), device="cpu", block_size=4, num_gpu_blocks=8, dtype="float32")
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     R, dr, L = TINY["kv_lora_rank"], TINY["qk_rope_head_dim"], TINY["num_hidden_layers"]
     assert len(runner.kv_caches) == L
@@ -108,3 +121,34 @@ def test_mla_cache_is_latent(tiny):
     mha = L * H * (dqk + dv) * 4
     print(f"MLA cache: {bytes_per_token} B/token ({L} layers x ({R}+{dr}) x 4 B); "
           f"MHA equivalent: {mha} B/token ({L} x {H} heads x ({dqk}+{dv}) x 4 B): {mha / bytes_per_token:.1f}x")
+    # DeepSeek-V3's own dims in bfloat16 (BENCHMARKS.md): 61 layers, kv_lora_rank 512, rope 64;
+    # 128 heads of K 192 (128 nope + 64 rope) and V 128.
+    from pagedllm.attention.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec
+    mla_v3 = 61 * MLAAttentionSpec(16, 512, 64, torch.bfloat16).page_size_bytes // 16
+    mha_v3 = 61 * (FullAttentionSpec(16, 128, 192, torch.bfloat16).page_size_bytes
+                   + FullAttentionSpec(16, 128, 128, torch.bfloat16).page_size_bytes) // 32
+    assert (mla_v3, mha_v3) == (70_272, 4_997_120)
+    print(f"DeepSeek-V3: MLA {mla_v3} B/token vs MHA {mha_v3} B/token ({mha_v3 / mla_v3:.1f}x)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_greedy_equals_transformers_on_gpu(tiny):
+    """The CUDA path: the latent Triton kernel compiled, the grouped-expert Triton matmuls,
+    decode steps replayed from CUDA graphs; against transformers on the same GPU (float32)."""
+    out, model = tiny
+    gpu_model = model.to("cuda")
+    try:
+        first, second = prompts_with_shared_prefix()
+        with torch.inference_mode():
+            reference = [[r.tolist() for r in (
+                gpu_model.generate(torch.tensor([p], device="cuda"), do_sample=False,
+                                   attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"),
+                                   max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)[0, len(p):]
+                for p in batch)] for batch in (first, second)]
+    finally:
+        model.to("cpu")
+    llm = LLM(str(out), device="cuda", attention_backend="triton", dtype="float32", block_size=4,
+              max_num_batched_tokens=16)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    assert runner.graphs is not None
+    run_and_compare(llm, reference)
