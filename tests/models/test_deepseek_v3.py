@@ -94,6 +94,20 @@ def test_greedy_equals_transformers_chunked_prefix_hit(tiny, reference, backend)
     run_and_compare(llm, reference, 4 if backend == "triton" else MAX_TOKENS)
 
 
+def test_yarn_rope_equals_transformers(tmp_path):
+    """DeepSeek-V3's released RoPE is yarn (factor, mscale / mscale_all_dim): the engine's
+    frequencies, cos/sin attention factor and softmax mscale^2 against transformers', with
+    positions past original_max_position_embeddings (16)."""
+    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                mscale=0.8, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+    model = make_deepseek_dir(tmp_path, rope_parameters=yarn)
+    first, _ = prompts_with_shared_prefix()
+    llm = LLM(str(tmp_path), device="cpu", block_size=4, max_num_batched_tokens=16, dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in first],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, first)
+
+
 def test_tp2_greedy_equals_transformers(tiny, reference, monkeypatch):
     """Tensor parallelism 2: each rank holds 2 of the 4 heads (q_b / kv_b column-parallel, o_proj
     row-parallel), the whole latent projections and the same latent cache, half of every
