@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.sharding import plan_model_shard
-from pagedllm.models.deepseek_v3 import (DeepseekV3DecoderLayer, deepseek_weight_name_mapping,
-                                         deinterleave_rope, layer_index)
+from pagedllm.models.deepseek_v3 import (DeepseekV3DecoderLayer, check_mla_config,
+                                         deepseek_weight_name_mapping, deinterleave_rope, layer_index)
 from pagedllm.models.layers.layernorm import RMSNorm
 from pagedllm.models.layers.linear import ReplicatedLinear
 from pagedllm.models.layers.rotary_embedding import RotaryEmbedding
@@ -70,6 +70,7 @@ class DeepSeekMTP(nn.Module):
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         super().__init__()
+        check_mla_config(hf)
         self.hf = hf
         num = hf.get("num_nextn_predict_layers") or 0
         if num < 1:

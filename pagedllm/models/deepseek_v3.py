@@ -1,6 +1,6 @@
-"""DeepSeek-V3: multi-head latent attention over a latent KV cache,
-dense first layers then DeepSeekMoE (models/layers/fused_moe.py's experts and grouped_topk), on the Llama family's skeleton (embedding, stage layers,
-final norm, LM head, the loading loop: models/llama.py).
+"""DeepSeek-V3: multi-head latent attention over a latent KV cache, dense first layers then
+DeepSeekMoE (models/layers/fused_moe.py's experts and grouped_topk), on the Llama family's
+skeleton (embedding, stage layers, final norm, LM head, the loading loop: models/llama.py).
 
 Attention (MLA, attention/mla_attention.py): the query comes from q_proj, or through a low
 rank (q_a_proj -> q_a_layernorm -> q_b_proj); kv_a_proj_with_mqa gives the latent c_kv
@@ -168,14 +168,33 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     stacked_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
     decoder_layer = DeepseekV3DecoderLayer
 
+    def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
+        check_mla_config(hf)
+        super().__init__(hf, max_positions, parallel)
+
     def weight_name_mapping(self):
         return deepseek_weight_name_mapping(self.hf)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         n = self.hf["num_hidden_layers"]
         # model.layers.{n + k}: the k-th MTP module's (models/deepseek_mtp.py)
-        return super().load_weights(deinterleave_rope(
-            self.hf, ((name, t) for name, t in weights if layer_index(name) is None or layer_index(name) < n)))
+        main = ((name, t) for name, t in weights if layer_index(name) is None or layer_index(name) < n)
+        return super().load_weights(deinterleave_rope(self.hf, main))
+
+
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_mla_config(hf: dict) -> None:
+    """ValueError naming a missing or non-positive MLA dimension of config.json."""
+    for name in MLA_FIELDS:
+        v = hf.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"config.json's {name} must be an integer >= 1 for a DeepSeek-V3 "
+                             f"model, got {v!r}")
+    if hf["qk_rope_head_dim"] % 2:
+        raise ValueError(f"config.json's qk_rope_head_dim must be even (RoPE rotates pairs), "
+                         f"got {hf['qk_rope_head_dim']}")
 
 
 def deepseek_weight_name_mapping(hf: dict) -> list[tuple[str, str, object]]:

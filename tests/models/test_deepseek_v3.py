@@ -166,3 +166,12 @@ def test_greedy_equals_transformers_on_gpu(tiny):
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.graphs is not None
     run_and_compare(llm, reference)
+
+
+def test_bad_mla_config_is_a_value_error():
+    from pagedllm.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from transformers import DeepseekV3Config
+    hf = DeepseekV3Config(**TINY).to_dict()
+    for field, bad in (("kv_lora_rank", None), ("qk_rope_head_dim", 7), ("v_head_dim", 0)):
+        with pytest.raises(ValueError, match=field):
+            DeepseekV3ForCausalLM({**hf, field: bad}, 64)
