@@ -94,6 +94,18 @@ def test_greedy_equals_transformers_chunked_prefix_hit(tiny, reference, backend)
     run_and_compare(llm, reference, 4 if backend == "triton" else MAX_TOKENS)
 
 
+def test_swap_preemption_moves_latent_blocks(tiny, reference):
+    """A cache too small for the batch: preempted requests' latent blocks go to the CPU swap
+    space and back (the runner copies a layer's cache as the tuple its spec shapes)."""
+    llm = LLM(str(tiny[0]), device="cpu", block_size=4, max_num_batched_tokens=16, dtype="float32",
+              num_gpu_blocks=14, preemption_mode="swap", num_cpu_blocks=64)
+    first, _ = prompts_with_shared_prefix()
+    outs = llm.generate([{"prompt_token_ids": p} for p in first],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.core.scheduler.num_swaps > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference[0]
+
+
 def test_yarn_rope_equals_transformers(tmp_path):
     """DeepSeek-V3's released RoPE is yarn (factor, mscale / mscale_all_dim): the engine's
     frequencies, cos/sin attention factor and softmax mscale^2 against transformers', with
