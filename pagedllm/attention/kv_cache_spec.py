@@ -37,3 +37,21 @@ class FullAttentionSpec(KVCacheSpec):
 
     def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         return [(num_blocks * self.block_size, self.num_kv_heads, self.head_size)] * 2
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): per token only the compressed latent c_kv
+    [kv_lora_rank] and the decoupled RoPE key k_pe [qk_rope_head_dim], shared by every head;
+    one tensor [num_blocks * block_size, kv_lora_rank + qk_rope_head_dim]."""
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * (self.kv_lora_rank + self.qk_rope_head_dim) * elem
+
+    def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        return [(num_blocks * self.block_size, self.kv_lora_rank + self.qk_rope_head_dim)]

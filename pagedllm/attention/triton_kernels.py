@@ -75,6 +75,19 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
+def _query_block(query_start_loc_ptr, seq_lens_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """Global query block q_block -> (its request, the request's first token, its number of new
+    tokens, the block's index inside them, the tokens already cached before this step). A
+    program whose q_block_local * BLOCK_Q >= q_len is past its request's last block."""
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    context_len = tl.load(seq_lens_ptr + req) - q_len
+    return req, q_start, q_len, q_block_local, context_len
+
+
+@triton.jit
 def unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     # split-K partials (unused when NUM_SPLITS == 1)
@@ -98,14 +111,10 @@ def unified_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    req, q_start, q_len, q_block_local, context_len = _query_block(
+        query_start_loc_ptr, seq_lens_ptr, q_block, num_reqs, BLOCK_Q)
     if q_block_local * BLOCK_Q >= q_len:  # past this request's last query block
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len          # tokens already in the cache before this step
 
     # Rows: (query token, query head of this KV head's group) flattened.
     offs_m = tl.arange(0, BLOCK_M)

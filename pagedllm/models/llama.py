@@ -28,7 +28,9 @@ from pagedllm.models.utils import PPMissingLayer, pp_missing_prefixes
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
+    """qk_norm: RMSNorm over each head's q and k before RoPE (Qwen 3)."""
+
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, qk_norm: bool = False) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         bias = hf.get("attention_bias", False) or hf.get("model_type") == "qwen2"
@@ -39,6 +41,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_features, hidden, hf.get("attention_bias", False), comm)
         self.scale = head_dim ** -0.5
         self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads)
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
     def forward(self, x, positions, rope):
         T = x.shape[0]
@@ -46,6 +51,9 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         o = self.attn(q, k, v)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -65,13 +73,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
+    """A subclass (Qwen 3, the MoE models) sets qk_norm and builds its own MLP (make_mlp)."""
+    qk_norm = False
+
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, layer_idx: int = 0) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, tp, head_dim, comm)
+        self.self_attn = LlamaAttention(hf, tp, head_dim, comm, self.qk_norm)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.mlp = LlamaMLP(hf["hidden_size"], tp.intermediate, hf.get("mlp_bias", False), comm)
+        self.mlp = self.make_mlp(hf, tp, comm, layer_idx)
+
+    def make_mlp(self, hf: dict, tp: TPShard, comm, layer_idx: int) -> nn.Module:
+        return LlamaMLP(hf["hidden_size"], tp.intermediate, hf.get("mlp_bias", False), comm)
 
     def forward(self, x, positions, rope):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope)
@@ -86,6 +100,8 @@ class LlamaForCausalLM(nn.Module):
     stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
                               (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
                               (".gate_up_proj", ".up_proj", 1)]
+    decoder_layer = LlamaDecoderLayer
+
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         """parallel (distributed.parallel_state.ParallelContext): this rank's shard; None: the
         whole model on one rank."""
@@ -98,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         # The embedding and the LM head live on stage 0 (the driver samples there); the final
         # norm on the last stage.
         self.embed_tokens = VocabParallelEmbedding(tp.vocab, hidden, comm) if first else PPMissingLayer()
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf, tp, head_dim, comm) if i in shard.layers
+        self.layers = nn.ModuleList(self.decoder_layer(hf, tp, head_dim, comm, i) if i in shard.layers
                                     else PPMissingLayer() for i in range(hf["num_hidden_layers"]))
         self.stage_layers = tuple(self.layers[i] for i in shard.layers)   # plain tuple: not registered twice
         self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
@@ -123,14 +139,19 @@ class LlamaForCausalLM(nn.Module):
         only, None on TP ranks other than 0."""
         return self.lm_head(hidden)
 
+    def weight_name_mapping(self) -> list[tuple[str, str, object]]:
+        """(our name part, checkpoint name part, shard id), first match wins: a subclass puts
+        its own entries (experts, renamed modules) before these."""
+        return self.stacked_params_mapping
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint (HF) tensors -> this rank's parameters, each layer cutting its own slice.
         Returns the names of the parameters loaded in full (every shard of a fused one).
         ValueError names a checkpoint tensor that fits no parameter."""
         params = dict(self.named_parameters())
         elsewhere = pp_missing_prefixes(self)
-        shards_needed = {fused: sum(f == fused for f, _, _ in self.stacked_params_mapping)
-                         for fused, _, _ in self.stacked_params_mapping}
+        mapping = self.weight_name_mapping()
+        shards_needed = {fused: sum(f == fused for f, _, _ in mapping) for fused, _, _ in mapping}
         shards_seen: dict[str, set] = {}
         loaded = set()
         for ckpt_name, tensor in weights:
@@ -140,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue   # the LM head is the embedding
             shard_id, need = None, 1
-            for fused, part, sid in self.stacked_params_mapping:
+            for fused, part, sid in mapping:
                 if part in name:
                     name, shard_id, need = name.replace(part, fused), sid, shards_needed[fused]
                     break

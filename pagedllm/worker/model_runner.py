@@ -70,7 +70,8 @@ class ModelRunner:
 
     def alloc_kv_caches(self, num_blocks: int, device, pin: bool = False):
         """Each layer's tensors as its spec shapes them (full attention: (K, V), each
-        [num_blocks * block_size, num_kv_heads, head_dim]). On the CPU torch.zeros maps pages
+        [num_blocks * block_size, num_kv_heads, head_dim]; MLA: (latent,), [num_blocks *
+        block_size, kv_lora_rank + qk_rope_head_dim]). On the CPU torch.zeros maps pages
         lazily: unused blocks cost no memory until written."""
         return [tuple(torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin)
                       for shape in spec.kv_shapes(num_blocks)) for spec in self.kv_cache_spec]
@@ -137,7 +138,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------ step
     def _copy_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
-        """Every layer's K and V of block src into block dst (copy-on-write, swap)."""
+        """Every layer's cache tensors (K and V, or MLA's latent) of block src into block dst
+        (copy-on-write, swap)."""
         offs = torch.arange(self.block_size)
         src = (torch.tensor([s for s, _ in pairs])[:, None] * self.block_size + offs).reshape(-1)
         dst = (torch.tensor([d for _, d in pairs])[:, None] * self.block_size + offs).reshape(-1)
@@ -146,9 +148,9 @@ class ModelRunner:
         # Host -> device may be asynchronous (stream-ordered); device -> host must not be, as
         # the host indexes the result at once.
         async_copy = dst_dev.type == "cuda"
-        for (k_src, v_src), (k_dst, v_dst) in zip(src_caches, dst_caches):
-            k_dst[dst] = k_src[src].to(dst_dev, non_blocking=async_copy)
-            v_dst[dst] = v_src[src].to(dst_dev, non_blocking=async_copy)
+        for layer_src, layer_dst in zip(src_caches, dst_caches):   # (K, V), or MLA's (latent,)
+            for t_src, t_dst in zip(layer_src, layer_dst):
+                t_dst[dst] = t_src[src].to(dst_dev, non_blocking=async_copy)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -31,9 +31,39 @@ def rope_inv_freq(hf: dict, head_dim: int) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        return yarn_inv_freq(inv_freq, cfg, dim, theta, hf.get("max_position_embeddings"))
     elif kind != "default":
-        raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3)")
+        raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn)")
     return inv_freq, 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, cfg: dict, dim: int, theta: float,
+                  max_positions) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters): frequencies blended between the original
+    (extrapolated, fast dims) and divided by `factor` (interpolated, slow dims) over a linear
+    ramp between the beta_fast / beta_slow rotation counts; cos/sin scaled by the attention
+    factor (DeepSeek: mscale / mscale_all_dim)."""
+    old_len = cfg["original_max_position_embeddings"]
+    factor = cfg.get("factor") or max_positions / old_len
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attention = cfg.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = cfg.get("mscale"), cfg.get("mscale_all_dim")
+        attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                     else get_mscale(factor))
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(cfg.get("beta_fast") or 32), correction_dim(cfg.get("beta_slow") or 1)
+    if cfg.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
