@@ -142,6 +142,9 @@ class FusedMoE(nn.Module):
                                  or not 1 <= (topk_group or 0) <= num_expert_group):
             raise ValueError(f"n_group ({num_expert_group}) must divide n_routed_experts "
                              f"({num_experts}) and topk_group ({topk_group}) be in [1, n_group]")
+        if len(intermediate) == 0:
+            raise ValueError(f"tensor_parallel_size is larger than the experts' intermediate size: "
+                             f"this rank's share of it is empty ({intermediate})")
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate = intermediate
         I = len(intermediate)
