@@ -140,6 +140,19 @@ def test_weight_loader_refuses_bad_shards():
         FusedMoE(E, K, H, range(I), use_grouped_topk=True, num_expert_group=3, topk_group=1)
 
 
+def test_grouped_routing_in_the_layer_uses_the_gates_bias():
+    """DeepSeek's gate owns e_score_correction_bias; FusedMoE routes with it but does not
+    register it as its own parameter (it would be named, and loaded, twice)."""
+    bias = torch.nn.Parameter(torch.randn(E), requires_grad=False)
+    moe = FusedMoE(E, K, H, range(I), use_grouped_topk=True, num_expert_group=4, topk_group=2,
+                   scoring_func="sigmoid", e_score_correction_bias=bias, routed_scaling_factor=2.0)
+    assert {n for n, _ in moe.named_parameters()} == {"w13_weight", "w2_weight"}
+    logits = torch.randn(9, E)
+    w, ids = moe.select_experts(logits)
+    rw, rids = ref_deepseek_topk(logits, K, 4, 2, bias, 2.0)
+    assert torch.equal(by_id(w, ids)[1], by_id(rw, rids)[1])
+
+
 def test_expert_params_mapping_names():
     m = FusedMoE.make_expert_params_mapping(12, "w1", "w2", "w3")
     assert len(m) == 36 and (".experts.w13_", ".experts.11.w3.", (11, "w3")) in m
