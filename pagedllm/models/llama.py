@@ -8,6 +8,10 @@ into one matrix product each: their layers load the checkpoint's separate matric
 parameter (stacked_params_mapping). distributed/sharding.py plans which heads, intermediate
 columns, vocabulary rows and layers this rank holds; the layers (models/layers/) cut their
 slices as they load.
+
+Qwen 3, Mixtral and Qwen3-MoE (qwen3.py, mixtral.py, qwen3_moe.py) are subclasses: the hooks
+are `qk_norm`, `LlamaDecoderLayer.make_mlp`, `LlamaForCausalLM.decoder_layer` and
+`weight_name_mapping`.
 """
 from __future__ import annotations
 

@@ -12,8 +12,10 @@ from pagedllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
 
 
 def is_sparse_layer(hf: dict, layer_idx: int) -> bool:
+    """transformers' rule (num_experts 0: every layer dense)."""
     step = hf.get("decoder_sparse_step", 1) or 1
-    return layer_idx not in (hf.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
+    has_experts = bool(hf.get("num_local_experts") or hf.get("num_experts"))
+    return has_experts and layer_idx not in (hf.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
@@ -27,5 +29,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     decoder_layer = Qwen3MoeDecoderLayer
 
     def weight_name_mapping(self):
+        if not any(is_sparse_layer(self.hf, i) for i in range(self.hf["num_hidden_layers"])):
+            return super().weight_name_mapping()
         experts = FusedMoE.make_expert_params_mapping(num_experts_of(self.hf))
         return [(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts] + super().weight_name_mapping()

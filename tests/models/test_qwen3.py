@@ -3,16 +3,16 @@ equal to transformers' generate on the same random weights, token for token, und
 prefill with small blocks (ties allowed as DESIGN.md defines them).
 
 The helpers here (a random-weight directory made with transformers' own class, its greedy
-reference, the comparison) are shared by test_moe_models.py. Biases and norm weights are
-drawn at random too (transformers initialises them to 0 and 1, which would hide a bias or
-norm that is not loaded)."""
+reference, the engine run) are shared by test_moe_models.py; the comparison is
+test_greedy_equality.py's. Biases and norm weights are drawn at random too (transformers
+initialises them to 0 and 1, which would hide a bias or norm that is not loaded)."""
 import pytest
 import torch
 
+from engine.test_greedy_equality import assert_greedy_equal   # ties as DESIGN.md allows them
 from pagedllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
-TIE_EPS = 1e-4
 PROMPT_LENGTHS = [1, 6, 19, 41, 70]
 VOCAB = 256
 # A small cache of tiny blocks and a token budget that chunks every prompt longer than 16.
@@ -60,21 +60,6 @@ def hf_reference(model, prompt_ids):
             gaps = [float(t.topk(2).values[0] - t.topk(2).values[1]) for t in (s[0].float() for s in out.logits)]
             refs.append((out.sequences[0, len(p):].tolist(), gaps))
     return refs
-
-
-def assert_greedy_equal(outputs, reference, label):
-    ties = 0
-    for i, (out, (ref, gaps)) in enumerate(zip(outputs, reference)):
-        ours = out.outputs[0].token_ids
-        assert len(ours) == len(ref) == MAX_TOKENS, f"[{label}] prompt {i}: {len(ours)} vs {len(ref)} tokens"
-        for j, (a, b) in enumerate(zip(ours, ref)):
-            if a != b:
-                assert gaps[j] < TIE_EPS, (f"[{label}] prompt {i}: token {j} is {a}, transformers gives "
-                                           f"{b} (top-2 gap {gaps[j]:.3g} is no tie)")
-                ties += 1
-                break
-    print(f"[{label}] {len(outputs)} prompts equal to transformers; numerical ties met: {ties}")
-    assert ties <= 1, f"[{label}] too many ties ({ties}) to be chance"
 
 
 def run_engine(model_dir, prompt_ids, **settings):

@@ -142,6 +142,9 @@ class FusedMoE(nn.Module):
                                  or not 1 <= (topk_group or 0) <= num_expert_group):
             raise ValueError(f"n_group ({num_expert_group}) must divide n_routed_experts "
                              f"({num_experts}) and topk_group ({topk_group}) be in [1, n_group]")
+        if len(intermediate) == 0:
+            raise ValueError(f"tensor_parallel_size is larger than the experts' intermediate size: "
+                             f"this rank's share of it is empty ({intermediate})")
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate = intermediate
         I = len(intermediate)
@@ -149,7 +152,9 @@ class FusedMoE(nn.Module):
         self.renormalize, self.use_grouped_topk = renormalize, use_grouped_topk
         self.num_expert_group, self.topk_group = num_expert_group, topk_group
         self.scoring_func, self.routed_scaling_factor = scoring_func, routed_scaling_factor
-        self.e_score_correction_bias = e_score_correction_bias   # the gate's parameter, not ours
+        # The gate's parameter [E], not ours: kept out of our parameters (a Parameter assigned to
+        # a Module registers itself), so that it is named and loaded once, as the gate's.
+        object.__setattr__(self, "e_score_correction_bias", e_score_correction_bias)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * I, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, I), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader

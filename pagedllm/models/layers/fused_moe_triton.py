@@ -3,7 +3,7 @@ fused_moe_kernel, simplified).
 
 The (token, slot) assignments are sorted by expert and each expert's run padded to a multiple
 of BLOCK_M (`align_block_size`, vectorised torch, no host sync: the buffer is sized for the
-worst case, T*k + E*(BLOCK_M-1) rows); every BLOCK_M rows then belong to one expert, so a
+worst case, T*k + E*(BLOCK_M-1) rows, so a CUDA graph can capture it); every BLOCK_M rows then belong to one expert, so a
 program computes a [BLOCK_M, BLOCK_N] tile of that expert's product with `tl.dot`, gathering
 its input rows by assignment id. Padding rows (id = T*k) are masked out. gate_up and down are
 one launch each; SiLU-and-mul between them; the down launch multiplies each row by its routing
@@ -68,7 +68,9 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     Blocks past the last expert's run hold only padding."""
     flat = topk_ids.reshape(-1)
     n, dev = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)                        # [E]
+    # scatter_add, not bincount: bincount reads the largest id back to the host, which a
+    # CUDA graph capture (decode steps) cannot do.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)                                        # [E]
     order = torch.argsort(flat, stable=True)                                    # [n]
