@@ -13,8 +13,8 @@ START, END = "<tool_call>", "</tool_call>"
 class HermesToolParser(ToolParser):
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         head, sep, rest = text.partition(START)
-        if partial and not sep:
-            head = head[:len(head) - held_back(head, START)]
+        if partial and not sep:   # a tail that may begin a call, or the space before one, waits
+            head = head[:len(head) - held_back(head, START)].rstrip()
         out = ParsedOutput(content=head if not sep else head.rstrip())
         blocks = rest.split(START) if sep else []
         for block in blocks:
