@@ -385,6 +385,8 @@ class Scheduler:
                 finished = True
             else:
                 finished = self._check_stop(request)
+                if not finished and so is not None and so.grammar.is_terminated():   # e.g. with ignore_eos
+                    request.status, finished = RequestStatus.FINISHED_STOPPED, True
             outputs.append(EngineCoreOutput(
                 req_id=req_id, new_token_ids=new_ids,
                 finish_reason=request.get_finished_reason().value if finished else None,

@@ -42,7 +42,7 @@ def _params(kind, **kw):
     return SamplingParams(temperature=1.0, max_tokens=150, structured_outputs=spec[kind], **kw)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_n_prefix_caching_and_preemption(model):
     from pagedllm.entrypoints.llm import LLM
     # 20 blocks of 16 tokens for 12 sequences of ~100 tokens (a shared prompt): they cannot all run at once.
