@@ -6,16 +6,18 @@ import time
 from typing import Optional
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_FSM = 1   # in the waiting queue until its grammar is compiled (structured output)
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything past this line is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -68,6 +70,10 @@ class Request:
         # its blocks, so a search split between running and waiting could wait forever).
         self.group_id: Optional[str] = None
         self.fork_width = 1             # a search's first beam: the number of beams it becomes
+        so = sampling_params.structured_outputs
+        self.structured_output_request = StructuredOutputRequest(so) if so is not None else None
+        if so is not None:
+            self.status = RequestStatus.WAITING_FOR_FSM
         # prompt_logprobs: the scored prompt tokens gathered so far (ids, logprobs, rank each),
         # sent with the first token and then None (a recompute after preemption adds nothing).
         self.prompt_logprobs: Optional[list] = [] if sampling_params.prompt_logprobs is not None else None
@@ -99,6 +105,8 @@ class Request:
                         self.sampling_params.child(index), self.eos_token_id, self.arrival_time)
         child.max_tokens = self.max_tokens
         child.extra_keys = self.extra_keys
+        if self.structured_output_request is not None:   # the same grammar, its own matcher
+            child.structured_output_request = self.structured_output_request.fork()
         return child
 
     # ------------------------------------------------------------ lengths

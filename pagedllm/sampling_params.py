@@ -5,6 +5,7 @@ so that bad input never reaches the engine.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -31,6 +32,65 @@ class ParamError(ValueError):
         return type(self), (self.param, str(self))
 
 
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20   # a schema / regex / grammar text; compiling costs with its size
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of a JSON schema (a dict or its text),
+    any JSON object (`json_object`), a regex, a list of choices, or an EBNF (GBNF) grammar.
+    The schema is kept as its text: the engine compiles each distinct text once."""
+    json: Union[None, str, dict] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json, ensure_ascii=False)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object is True else []
+        if len(set_) != 1:
+            raise ParamError("structured_outputs", "structured_outputs must set exactly one of json, regex, "
+                                                   f"choice, grammar, json_object; got {set_ or 'none'}")
+        kind = set_[0]
+        if kind == "choice":
+            if (not self.choice or len(self.choice) > MAX_CHOICES
+                    or any(not isinstance(c, str) or c == "" for c in self.choice)):
+                raise ParamError("structured_outputs.choice", f"structured_outputs.choice must be a list of 1 to "
+                                 f"{MAX_CHOICES} non-empty strings, got {_show(self.choice)}")
+        elif kind != "json_object":
+            v = getattr(self, kind)
+            if not isinstance(v, str) or not v.strip():
+                raise ParamError(f"structured_outputs.{kind}",
+                                 f"structured_outputs.{kind} must be a non-empty string, got {_show(v)}")
+            if len(v) > MAX_STRUCTURED_SPEC_CHARS:
+                raise ParamError(f"structured_outputs.{kind}", f"structured_outputs.{kind} must have at most "
+                                 f"{MAX_STRUCTURED_SPEC_CHARS} characters, got {len(v)}")
+
+    @property
+    def kind(self) -> str:
+        """json | json_object | regex | choice | grammar."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    @property
+    def spec(self) -> str:
+        """The spec as text: with `kind`, the key of its compiled grammar."""
+        k = self.kind
+        if k == "json_object":
+            return ""
+        if k == "choice":
+            return json.dumps(self.choice, ensure_ascii=False)
+        return getattr(self, k)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -55,6 +115,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Internal (beam search): the core reports logprobs but appends no token; the caller
     # chooses the next token and appends it or forks the request.
     external_tokens: bool = False
@@ -118,6 +179,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
                 bad(name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", self.logit_bias, "a mapping of token id to a bias in [-100, 100]")

@@ -98,3 +98,20 @@ def tiny_shared_server():
     srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES))
     yield srv
     srv.close()
+
+
+@pytest.fixture(scope="session")
+def structured_server(tmp_path_factory):
+    """`pagedllm serve` of a tiny random-weight model with a small byte-level tokenizer (so that
+    JSON, regexes and tool calls can be spelled), Hermes tool calls and the qwen3 reasoning
+    parser: shared by tests/structured_output/ and tests/entrypoints/test_tools*.py."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent / "structured_output"))
+    from server_utils import RemoteServer
+    from tiny_chat_model import make_tiny_chat_model
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    srv = RemoteServer(["--model", str(model), "--max-model-len", "1024", "--max-num-seqs", "128",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    yield srv
+    srv.close()

@@ -16,7 +16,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
 from pagedllm.core.scheduler_output import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Scheduler:
         self.unsent: set[str] = set()
         # Tokens appended from outside (beam search) that the runner has not seen yet.
         self.pending_tokens: dict[str, list[int]] = {}
+        # Ended because their grammar failed to compile: reported by the next update.
+        self.grammar_failed: list[Request] = []
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -137,11 +139,42 @@ class Scheduler:
             i += len(unit)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        """Waiting units, first come first served, while sequences, blocks and budget last."""
+        """Waiting units, first come first served, while sequences, blocks and budget last;
+        a request whose grammar is still compiling is passed over and keeps its place."""
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _grammar_pending(self, request: Request) -> bool:
+        """True while the request's grammar compiles (WAITING_FOR_FSM); a grammar that failed to
+        compile ends the request (the frontend validated the spec, so this is rare)."""
+        if request.status != RequestStatus.WAITING_FOR_FSM:
+            return False
+        so = request.structured_output_request
+        if not so.is_ready():
+            return True
+        request.status = RequestStatus.WAITING
+        if so.error is not None:
+            self.waiting.popleft()
+            request.stop_reason = so.error
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self.grammar_failed.append(request)
+        return False
+
+    def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
         max_seqs = self.config.max_num_seqs
         num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
         while self.waiting and step.budget > 0:
+            head = self.waiting[0]
+            if self._grammar_pending(head):
+                skipped.append(self.waiting.popleft())
+                continue
+            if head.is_finished():
+                continue
             unit = _unit_at(self.waiting, 0)
             # A request counts as every sequence it will fork into (n siblings, beams).
             width = sum(r.get_max_num_running_seqs() for r in unit)
@@ -181,7 +214,11 @@ class Scheduler:
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step schedules the rest.
         for req_id, n in step.num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            # Constrained and sampling this step (a prefill chunk or a forking parent does not).
+            if request.structured_output_request is not None and request.num_computed_tokens >= request.num_tokens:
+                out.structured_output_request_ids.append(req_id)
         return out
 
     def _plan_tokens(self, unit: list[Request], budget: int) -> list[tuple[Request, int]]:
@@ -333,7 +370,9 @@ class Scheduler:
     # ------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = [EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value, r.stop_reason)
+                                           for r in self.grammar_failed]
+        self.grammar_failed = []
         logprobs = runner_output.logprobs
         for req_id, chunk in (runner_output.prompt_logprobs or {}).items():
             request = self.requests.get(req_id)
@@ -353,7 +392,14 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(req_id, [], new_logprobs=[logprobs[row]]))
                 continue
             request.append_output_token_ids(new_ids)
-            finished = self._check_stop(request)
+            so = request.structured_output_request
+            if so is not None and not so.grammar.accept_tokens(new_ids):   # never when the mask applied
+                request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, "grammar refused a token"
+                finished = True
+            else:
+                finished = self._check_stop(request)
+                if not finished and so is not None and so.grammar.is_terminated():   # e.g. with ignore_eos
+                    request.status, finished = RequestStatus.FINISHED_STOPPED, True
             outputs.append(EngineCoreOutput(
                 req_id=req_id, new_token_ids=new_ids,
                 finish_reason=request.get_finished_reason().value if finished else None,

@@ -3,7 +3,7 @@ so that it can cross a process boundary (msgspec) unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -39,6 +39,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)   # (src, dst): copy-on-write
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device)
+    # Structured output: the constrained requests that sample this step, and their token bitmask
+    # rows in that order (numpy int32 [len(ids), ceil(V / 32)], filled by the engine core).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Optional[Any] = None
 
 
 @dataclass

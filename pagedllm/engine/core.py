@@ -20,6 +20,7 @@ from pagedllm.engine.step_failures import StepFailures
 from pagedllm.executor.abstract import Executor
 from pagedllm.profiler import PROFILER
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ class EngineCore:
                  executor_class: Optional[type[Executor]] = None) -> None:
         """executor_class: None picks it from the config (Executor.get_class)."""
         self.config = config
+        self.eos_ids = set(eos_ids)
         executor_class = executor_class or Executor.get_class(config)
-        self.model_executor = executor_class(config, eos_token_ids=eos_ids)
+        self.model_executor = executor_class(config, eos_token_ids=self.eos_ids)
         try:
             self._init_cache(config)
         except BaseException:
@@ -53,6 +55,8 @@ class EngineCore:
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, kv)
+        self.structured_output_manager = StructuredOutputManager(
+            config.model_config.model, config.model_config.vocab_size, self.eos_ids)
         self.failures = StepFailures(self.scheduler, executor)
         # Pipeline parallelism: up to max_concurrent_batches steps in flight, so that no stage
         # waits for the others (recompute preemption only: a swapped-out request must not
@@ -89,9 +93,18 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the executor (the worker processes of a split model). Idempotent."""
         self.model_executor.shutdown()
+        if hasattr(self, "structured_output_manager"):
+            self.structured_output_manager.shutdown()
 
     def add_request(self, request: Request) -> None:
+        self.structured_output_manager.grammar_init(request)   # compiles off the loop
         self.scheduler.add_request(request)
+
+    def _schedule(self):
+        """The step's SchedulerOutput with the token bitmask of its constrained rows."""
+        so = self.failures.schedule()
+        self.structured_output_manager.grammar_bitmask(self.scheduler.requests, so)
+        return so
 
     def abort_requests(self, req_ids) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
@@ -105,7 +118,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         PROFILER.begin_step()
-        so = self.failures.schedule()
+        so = self._schedule()
         PROFILER.mark("schedule")
         try:
             ro = self.model_executor.execute_model(so)
@@ -124,6 +137,7 @@ class EngineCore:
         scheduled again until its output is in (a prefill's next chunk may be)."""
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
             so = self.scheduler.schedule()
+            self.structured_output_manager.grammar_bitmask(self.scheduler.requests, so)
             handle = self.model_executor.submit(so)
             if so.total_num_scheduled_tokens > 0:
                 self.batch_queue.append((so, handle))

@@ -254,7 +254,7 @@ class EngineCoreProc:
     def _queue_events(self, t0: float) -> list[tuple[str, float]]:
         events = []
         for rid, req in list(self.unscheduled.items()):
-            if req.status == RequestStatus.WAITING:
+            if req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM):
                 continue
             del self.unscheduled[rid]
             if req.status != RequestStatus.FINISHED_ABORTED:

@@ -53,6 +53,15 @@ class Processor:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages
                                     if isinstance(m, dict) and isinstance(m.get("content"), str)), "messages")
 
+    def check_structured_outputs(self, params: SamplingParams, beam_width: int = 1) -> None:
+        """The spec parses (the compiler's message otherwise), and the request can honour it."""
+        from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
+        if beam_width > 1 or params.external_tokens:
+            raise ParamError("structured_outputs", "structured_outputs is not supported with beam search")
+        if self.config.parallel_config.pipeline_parallel_size > 1:
+            raise ParamError("structured_outputs", "structured_outputs is not supported with pipeline parallelism")
+        validate_structured_outputs(params.structured_outputs)
+
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
         """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict):
@@ -97,6 +106,8 @@ class Processor:
             raise ValueError(f"n / best_of ({params.num_samples}) must be <= max_num_seqs ({max_seqs})")
         if beam_width > max_seqs:
             raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params, beam_width)
         if params.prompt_logprobs is not None and self.config.parallel_config.world_size > 1:
             raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with tensor or pipeline "
                                                 "parallelism yet; leave it None")

@@ -129,8 +129,9 @@ def _prompt_list(prompts) -> list:
 
 
 def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, chat_template=None,
-                        continue_final_message=False) -> list[int]:
-    """Token ids of one conversation through the chat template (shared with the server)."""
+                        continue_final_message=False, **template_kwargs) -> list[int]:
+    """Token ids of one conversation through the chat template (shared with the server);
+    `template_kwargs` (tools, enable_thinking, ...) are the template's variables."""
     if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
         raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
@@ -139,7 +140,8 @@ def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, cha
         raise ValueError("the model has no chat template; pass chat_template")
     ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final_message,
                                   continue_final_message=continue_final_message,
-                                  chat_template=chat_template, tokenize=True, return_dict=False)
+                                  chat_template=chat_template, tokenize=True, return_dict=False,
+                                  **template_kwargs)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -20,7 +20,7 @@ from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
-from pagedllm.worker.sampler import Sampler, SamplingMetadata
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,9 @@ class ModelRunner:
         if rows:
             logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
+            if so.grammar_bitmask is not None:   # structured output: constrained rows only
+                apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
+                                      [inputs.req_ids[r] for r in rows])
             PROFILER.mark("forward")
             out = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
             PROFILER.mark("sample")

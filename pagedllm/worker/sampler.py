@@ -1,6 +1,8 @@
 """The sampler: one token per request from the logits of its last scheduled position.
 
 Order (as vLLM v1):
+  0. structured output: the grammar's token bitmask (apply_grammar_bitmask, called by the runner
+     on the constrained rows only);
   1. logprobs from the *raw* logits (log_softmax before any processing), if any row asks;
   2. logit_bias, min_tokens masking of stop ids, penalties (repetition, presence, frequency);
   3. greedy rows: argmax of the processed logits;
@@ -189,6 +191,30 @@ class Sampler:
             return SamplerOutput(sampled, None, None, None)
         ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled, ids, lps, ranks)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)   # bit j of a bitmask word allows token 32 * word + j
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask, bitmask_req_ids: Sequence[str],
+                          row_req_ids: Sequence[str]) -> None:
+    """Structured output: -inf, in place, on the tokens each constrained row's grammar forbids,
+    before any other processing (so greedy, temperature, top-k / top-p and logprobs all see the
+    mask). ``logits``: [B, V], row i = request row_req_ids[i]; ``bitmask``: numpy int32
+    [R, ceil(V' / 32)], row j = request bitmask_req_ids[j] (V' >= V: the grammar engine's width
+    may be padded). Rows without a grammar are not touched."""
+    where = {rid: i for i, rid in enumerate(row_req_ids)}
+    pairs = [(where[rid], j) for j, rid in enumerate(bitmask_req_ids) if rid in where]
+    if not pairs:
+        return
+    V = logits.shape[1]
+    rows = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    words = torch.from_numpy(bitmask)[[p[1] for p in pairs]]                     # [R, W] int32
+    allowed = ((words[:, :, None] >> _BIT) & 1).view(len(pairs), -1)[:, :V].bool()  # [R, V]
+    if allowed.shape[1] < V:   # logits wider than the grammar's vocabulary: padding ids stay forbidden
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    rows, allowed = rows.to(logits.device), allowed.to(logits.device, non_blocking=True)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

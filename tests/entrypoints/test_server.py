@@ -373,7 +373,8 @@ LONG = "hello " * 1000  # ~1000 tokens
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": 5}}}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
                               "add_generation_prompt": True, "max_tokens": "x"}, "max_tokens"),
     ("/tokenize", {}, "prompt"),

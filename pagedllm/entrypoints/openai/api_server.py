@@ -43,7 +43,7 @@ logger = logging.getLogger("pagedllm.server")
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
               chat_template: Optional[str] = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, **chat_options) -> FastAPI:
     """The FastAPI app: routes (routes.py) reading what they serve from `app.state`, error
     handlers (errors.py), and the body-size limit and API key as the outermost middleware."""
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None)
@@ -52,7 +52,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.served_model_names = served_model_names
     state.created = int(time.time())
     state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
-    state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    # chat_options: enable_auto_tool_choice, tool_call_parser, reasoning_parser (OpenAIServingChat)
+    state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template, **chat_options)
     state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     for router in (openai_router, tokenize_router, server_router):
@@ -163,8 +164,10 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
         if engine.config.model_config.runner == "generate" and chat_template is None \
                 and engine.tokenizer.chat_template is None:
             logger.warning("the model has no chat template: /v1/chat/completions needs --chat-template")
-        server = _make_server(build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes),
-                              ns, engine)
+        app = build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                        reasoning_parser=ns.reasoning_parser)
+        server = _make_server(app, ns, engine)
         _hand_signals_to_uvicorn(loop)
         await _run(server, sock, ns, names[0], engine)
         return server.exit_code

@@ -29,6 +29,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="when the engine core process dies, start a new one (the requests in flight get "
                         "503) instead of exiting 1 for a supervisor to restart the server")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    # Names known here without importing the parsers (the CLI builds every parser at start).
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>) or "
+                        "llama3_json ({\"name\", \"parameters\"})")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split <think>...</think> off the answer into reasoning_content")
     p.add_argument("--log-level", dest="serve_log_level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--metrics-prefix", type=_metrics_prefix, default="pagedllm",

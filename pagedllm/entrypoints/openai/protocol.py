@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PROMPTS = 2048  # prompts in one completion request (the sampling fields' bounds: SamplingParams)
@@ -23,7 +23,9 @@ _BEAM_NEUTRAL = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0
                  "repetition_penalty": (None, 1), "presence_penalty": (None, 0),
                  "frequency_penalty": (None, 0), "logit_bias": (None, {}), "stop": (None, []),
                  "stop_token_ids": (None, []), "min_tokens": (0,), "best_of": (None,),
-                 "top_logprobs": (None, 0)}
+                 "top_logprobs": (None, 0), "response_format": (None,), "structured_outputs": (None,),
+                 "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+                 "guided_grammar": (None,)}
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -62,6 +64,32 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
+# ------------------------------------------------------------------ structured output
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: StrictStr = "response"
+    description: Optional[StrictStr] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(OpenAIBaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+    json_: Optional[Union[StrictStr, dict[str, Any]]] = Field(default=None, alias="json")
+    regex: Optional[StrictStr] = None
+    choice: Optional[list[StrictStr]] = None
+    grammar: Optional[StrictStr] = None
+    json_object: Optional[StrictBool] = None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions (OpenAI's and the vLLM extras)."""
     model: Optional[StrictStr] = None
@@ -91,6 +119,44 @@ class _SamplingFields(OpenAIBaseModel):
     length_penalty: Number = 1.0
     # vLLM's: the prompt tokens' logprobs with the top k (not while streaming, as vLLM).
     prompt_logprobs: Optional[StrictInt] = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* (one of them).
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
+    guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The constraint asked for, validated by the grammar compiler; ParamError naming the
+        field (response_format, structured_outputs, guided_*) with the compiler's message."""
+        specs: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ParamError("response_format", "response_format of type json_schema needs "
+                                                    "json_schema.schema (a JSON schema object)")
+            specs.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            kw = self.structured_outputs.model_dump(exclude_none=True)
+            specs.append(("structured_outputs", {("json" if k == "json_" else k): v for k, v in kw.items()}))
+        specs += [(name, {kind: getattr(self, name)}) for name, kind in _GUIDED.items()
+                  if getattr(self, name) is not None]
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise ParamError(specs[1][0], f"only one of response_format, structured_outputs and guided_* may "
+                                          f"constrain the output; got {specs[0][0]} and {specs[1][0]}")
+        param, kw = specs[0]
+        try:
+            params = StructuredOutputsParams(**kw)
+        except ParamError as e:
+            raise ParamError(param, f"{param}: {e}") from None
+        from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
+        validate_structured_outputs(params, param)
+        return params
 
     def beam_search_conflict(self) -> Optional[str]:
         """The first field set to a value that beam search cannot honour, if any."""
@@ -127,6 +193,7 @@ class _SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -190,10 +257,23 @@ class ContentPart(OpenAIBaseModel):
     text: Optional[StrictStr] = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: StrictStr
+    arguments: StrictStr     # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: StrictStr = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: StrictStr
     content: Optional[Union[StrictStr, list[ContentPart]]] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None     # an assistant's calls, back in the history
+    tool_call_id: Optional[StrictStr] = None        # a tool message: the call it answers
 
     def text(self) -> Optional[str]:
         if self.content is None or isinstance(self.content, str):
@@ -206,6 +286,26 @@ class ChatMessage(OpenAIBaseModel):
         return "\n".join(parts)
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = None
@@ -215,8 +315,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     echo: StrictBool = False
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class ChatLogprob(OpenAIBaseModel):
@@ -236,6 +338,8 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):

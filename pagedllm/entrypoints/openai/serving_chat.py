@@ -6,19 +6,47 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
+import json
+from typing import Optional
+
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.llm import apply_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, prompt_logprobs_json,
     usage_dict, random_id)
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
+from pagedllm.entrypoints.openai.tool_parsers.hermes import render_tool_messages, tools_system_prompt
+from pagedllm.entrypoints.openai.tool_parsers.streaming import ChatOutputParser
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
                                                       stream_error, stream_final)
 
 _RENAMES = {"logprobs": "top_logprobs"}  # the engine's names -> chat's
 
 
+def _finish_reason(reason: Optional[str], called_tools: bool) -> Optional[str]:
+    return "tool_calls" if reason == "stop" and called_tools else reason
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine, served_model_names, chat_template=None, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
+        super().__init__(engine, served_model_names, chat_template)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser_class = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
+        self.reasoning_parser_class = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self._template_renders_tools: Optional[bool] = None
+
     def conversation(self, req_messages) -> list[dict]:
         """The messages as the chat template takes them; 400 when their text alone cannot fit
         in the context (checked before the template renders or the tokenizer runs)."""
@@ -31,26 +59,89 @@ class OpenAIServingChat(OpenAIServing):
             msg = {"role": m.role, "content": text if text is not None else ""}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:   # templates take the arguments as an object
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name,
+                                                   "arguments": _json_or_text(c.function.arguments)}}
+                                     for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         with bad_input_is_400():
             self.engine.processor.check_messages_chars(conv)
         return conv
 
-    def prompt_ids(self, conv: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+    def prompt_ids(self, conv: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                   tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> list[int]:
+        """Token ids of the conversation; `tools` go to the template, or, where it does not render
+        them (the default model's ChatML), into a Hermes system block with the calls as text."""
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            if self.renders_tools():
+                kwargs["tools"] = [{"type": "function", "function": t} for t in tools]
+            else:
+                conv = render_tool_messages(conv)
+                block = tools_system_prompt(tools)
+                if conv and conv[0]["role"] == "system":
+                    conv = [{**conv[0], "content": conv[0]["content"] + "\n\n" + block}] + conv[1:]
+                else:
+                    conv = [{"role": "system", "content": block}] + conv
         try:
             return apply_chat_template(self.tokenizer, conv, add_generation_prompt, self.chat_template,
-                                       continue_final_message)
+                                       continue_final_message, **kwargs)
         except Exception as e:  # ValueError, jinja2 errors (raise_exception in templates), ...
             raise OpenAIError(f"the chat template could not be applied to the messages: {e}",
                               param="messages") from None
 
+    def renders_tools(self) -> bool:
+        """Whether the chat template uses its `tools` variable (a probe rendered with and without)."""
+        if self._template_renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_tool_xyz", "parameters": {"type": "object"}}}
+            try:
+                self._template_renders_tools = (
+                    apply_chat_template(self.tokenizer, probe, True, self.chat_template, tools=[tool])
+                    != apply_chat_template(self.tokenizer, probe, True, self.chat_template))
+            except Exception:
+                self._template_renders_tools = False
+        return self._template_renders_tools
+
+    def tool_plan(self, req: ChatCompletionRequest) -> tuple[Optional[list[dict]], Optional[ToolParser],
+                                                                Optional[StructuredOutputsParams]]:
+        """(tools for the prompt, the parser of the output, the constraint that enforces the
+        choice) for the request's tools and tool_choice; 400 when they cannot be honoured."""
+        tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "none":
+            return None, None, None
+        if not tools:
+            raise OpenAIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+        if choice == "auto":
+            if not (self.enable_auto_tool_choice and self.tool_parser_class):
+                raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                  "to be set", param="tool_choice")
+            return tools, self.tool_parser_class(), None
+        if choice == "required":
+            schema = required_schema(tools, req.parallel_tool_calls)
+            parser = RequiredToolParser()
+        else:
+            named = [t for t in tools if t["name"] == choice.function.name]
+            if not named:
+                raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not "
+                                  "in tools", param="tool_choice")
+            schema = named[0].get("parameters") or {"type": "object"}
+            parser = NamedToolParser(named[0]["name"])
+        from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
+        try:
+            constraint = StructuredOutputsParams(json=schema)
+            validate_structured_outputs(constraint, "tools")
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tools") from None
+        return tools, parser, constraint
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request=None):
         self.check_model(req.model)
         self.check_stream_fields(req)
-        if req.tools:
-            raise OpenAIError("tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise OpenAIError("response_format other than text is not supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -60,17 +151,25 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.use_beam_search:
             self.check_beam_search(req)
+        tools, tool_parser, tool_constraint = self.tool_plan(req)
+        if tools and req.use_beam_search:
+            raise OpenAIError("tools are not supported with use_beam_search", param="tools")
         with bad_input_is_400(_RENAMES):
-            req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                prompt_logprobs=req.prompt_logprobs)  # the values, first
+            params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                         prompt_logprobs=req.prompt_logprobs)  # the values, first
+        if tool_constraint is not None and params.structured_outputs is not None:
+            raise OpenAIError("tool_choice required or a named function constrains the output already: "
+                              "response_format / structured_outputs cannot be added", param="tool_choice")
         ids = self.prompt_ids(self.conversation(req.messages), req.add_generation_prompt,
-                              req.continue_final_message)
+                              req.continue_final_message, tools, req.chat_template_kwargs)
         if not ids:
             raise OpenAIError("the messages produced an empty prompt", param="messages")
         max_tokens = self.check_context(len(ids), max_tokens, "messages")
         with bad_input_is_400(_RENAMES):
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                          prompt_logprobs=req.prompt_logprobs)
+        if tool_constraint is not None:
+            params.structured_outputs = tool_constraint
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
@@ -80,9 +179,14 @@ class OpenAIServingChat(OpenAIServing):
             return await self._beam_full(req, request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind)
+
+        reasoning_parser = self.reasoning_parser_class() if self.reasoning_parser_class else None
+
+        def output_parser() -> ChatOutputParser:   # one per choice (the parsers themselves keep no state)
+            return ChatOutputParser(reasoning_parser, tool_parser)
         if req.stream:
-            return self._stream(req, request_id, created, stream, len(ids))
-        return await self._full(req, request_id, created, stream, len(ids))
+            return self._stream(req, request_id, created, stream, len(ids), output_parser)
+        return await self._full(req, request_id, created, stream, len(ids), output_parser)
 
     # ------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids, logprobs, k: int) -> ChatChoiceLogprobs:
@@ -98,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoiceLogprobs(content=content)
 
     # ------------------------------------------------------------ non-streaming
-    async def _full(self, req, request_id, created, stream, num_prompt) -> ChatCompletionResponse:
+    async def _full(self, req, request_id, created, stream, num_prompt, output_parser) -> ChatCompletionResponse:
         final = None
         async for _, out in self.merge([stream]):
             final = out
@@ -107,8 +211,10 @@ class OpenAIServingChat(OpenAIServing):
             lp = None
             if req.logprobs and c.logprobs is not None:
                 lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-            choices.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                                logprobs=lp, finish_reason=c.finish_reason,
+            reasoning, content, calls = output_parser().final(c.text)
+            message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+            choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
+                                                finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                                                 stop_reason=c.stop_reason))
             num_gen += len(c.token_ids)
         choices.sort(key=lambda ch: ch.index)
@@ -145,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
                             bool(req.stream_options and req.stream_options.include_usage))
 
     # ------------------------------------------------------------ streaming
-    async def _stream(self, req, request_id, created, stream, num_prompt) -> AsyncIterator[str]:
+    async def _stream(self, req, request_id, created, stream, num_prompt, output_parser) -> AsyncIterator[str]:
         n = req.n or 1
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
@@ -166,6 +272,7 @@ class OpenAIServingChat(OpenAIServing):
                               "logprobs": None, "finish_reason": None}],
                             usage_dict(num_prompt, 0) if continuous else None)
             cached = 0
+            parsers = [output_parser() for _ in range(n)]
             async for _, out in merged:
                 cached = out.num_cached_tokens
                 for c in out.outputs:
@@ -173,11 +280,13 @@ class OpenAIServingChat(OpenAIServing):
                     lp = None
                     if req.logprobs and c.logprobs:
                         lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0).model_dump()
-                    if not c.text and lp is None and c.finish_reason is None:
+                    parser = parsers[c.index]
+                    delta = parser.delta(c.text, c.finish_reason is not None)
+                    if not delta and lp is None and c.finish_reason is None:
                         continue
-                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                                  "finish_reason": _finish_reason(c.finish_reason, parser.called_tools),
+                                  "stop_reason": c.stop_reason}],
                                 usage_dict(num_prompt, num_gen) if continuous else None)
             if include_usage:
                 yield chunk([], usage_dict(num_prompt, num_gen, cached))
