@@ -63,13 +63,18 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ decode
     def _to_tokens(self, ids) -> list[str]:
         conv = self.tokenizer.convert_ids_to_tokens
-        return [conv(int(i)) for i in ids if int(i) not in self._skip_ids]
+        return [t for t in (conv(int(i)) for i in ids if int(i) not in self._skip_ids) if t is not None]
 
     def _decode_next(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is unfinished)."""
         if token_id in self._skip_ids:
             return ""
-        self.tokens.append(self.tokenizer.convert_ids_to_tokens(int(token_id)))
+        token = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if token is None:
+            # An id past the tokenizer's vocabulary (the model's logits can be wider, padded):
+            # it has no text, as in vLLM; it must not fail the output loop of every request.
+            return ""
+        self.tokens.append(token)
         to_string = self.tokenizer.convert_tokens_to_string
         prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
         new_text = to_string(self.tokens[self.prefix_offset:])

@@ -181,3 +181,13 @@ def test_random_chunks_match_decode(tok):
         i += n
         out.append(d.get_next_output_text(i >= len(ids), True))
     assert "".join(out) == detokenize_all(tok, ids)
+
+
+def test_ids_past_the_vocabulary_add_no_text(tok):
+    # A model's logits can be wider than its tokenizer (padded vocabularies): such an id has no
+    # text, in the prompt's context or in the output, and must not fail the request's output.
+    ids = enc(tok, TEXTS[2])
+    past = len(tok) + 7
+    deltas, d, stop = stream(tok, ids[:3] + [past] + ids[3:], prompt_ids=[past, *enc(tok, PROMPT)], chunk=1)
+    assert stop is None
+    assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=True)
