@@ -37,3 +37,11 @@ class FullAttentionSpec(KVCacheSpec):
 
     def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         return [(num_blocks * self.block_size, self.num_kv_heads, self.head_size)] * 2
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A sliding-window layer: each query attends to the last `sliding_window` tokens only (its
+    own included). Same tensors as full attention; the KV cache manager may free a request's
+    blocks that fall wholly before every future query's window (when every layer slides)."""
+    sliding_window: int = 0

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.distributed.sharding import TPShard, plan_model_shard
+from pagedllm.models.hf_config import layer_sliding_windows
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.layernorm import RMSNorm
 from pagedllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -28,7 +29,7 @@ from pagedllm.models.utils import PPMissingLayer, pp_missing_prefixes
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, sliding_window=None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         bias = hf.get("attention_bias", False) or hf.get("model_type") == "qwen2"
@@ -38,7 +39,8 @@ class LlamaAttention(nn.Module):
         q_features = range(tp.q_heads.start * head_dim, tp.q_heads.stop * head_dim)
         self.o_proj = RowParallelLinear(q_features, hidden, hf.get("attention_bias", False), comm)
         self.scale = head_dim ** -0.5
-        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads,
+                              sliding_window=sliding_window)
 
     def forward(self, x, positions, rope):
         T = x.shape[0]
@@ -65,11 +67,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, sliding_window=None) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, tp, head_dim, comm)
+        self.self_attn = LlamaAttention(hf, tp, head_dim, comm, sliding_window)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = LlamaMLP(hf["hidden_size"], tp.intermediate, hf.get("mlp_bias", False), comm)
 
@@ -98,22 +100,36 @@ class LlamaForCausalLM(nn.Module):
         # The embedding and the LM head live on stage 0 (the driver samples there); the final
         # norm on the last stage.
         self.embed_tokens = VocabParallelEmbedding(tp.vocab, hidden, comm) if first else PPMissingLayer()
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf, tp, head_dim, comm) if i in shard.layers
+        self.layers = nn.ModuleList(self.make_layer(hf, i, tp, head_dim, comm) if i in shard.layers
                                     else PPMissingLayer() for i in range(hf["num_hidden_layers"]))
         self.stage_layers = tuple(self.layers[i] for i in shard.layers)   # plain tuple: not registered twice
-        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
+        self.norm = self.make_norm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         self.lm_head = (ParallelLMHead(tp.vocab, hidden, hf["vocab_size"], comm,
                                        tied=self.embed_tokens if self.tie_word_embeddings else None)
                         if first else PPMissingLayer())
-        self.rope = RotaryEmbedding(hf, head_dim, max_positions)
+        self.rope = self.make_rope(hf, head_dim, max_positions)
+
+    # What a variant of the family builds differently (models/gemma3.py overrides these).
+    def make_layer(self, hf: dict, index: int, tp: TPShard, head_dim: int, comm) -> nn.Module:
+        return LlamaDecoderLayer(hf, tp, head_dim, comm, layer_sliding_windows(hf)[index])
+
+    def make_norm(self, hidden: int, eps: float) -> nn.Module:
+        return RMSNorm(hidden, eps)
+
+    def make_rope(self, hf: dict, head_dim: int, max_positions: int) -> nn.Module:
+        """What each layer's forward gets as `rope`."""
+        return RotaryEmbedding(hf, head_dim, max_positions)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (final-normed on the last stage),
         inside the runner's forward context. Stage 0 embeds input_ids; a later stage starts from
         hidden_in (the previous stage's output)."""
-        x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in
+        x = self.embed(input_ids) if hidden_in is None else hidden_in
         for layer in self.stage_layers:
             x = layer(x, positions, self.rope)
         return self.norm(x)
