@@ -51,11 +51,11 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_small_window):
             gaps = [float(lg[0].topk(2).values[0] - lg[0].topk(2).values[1]) for lg in out.logits]
             refs.append((out.sequences[0, len(p):].tolist(), gaps))
     del hf
-    # Blocks of 8, 24 tokens a step, a cache too small for the three at once.
-    llm = LLM(str(gemma3_small_window), block_size=8, max_num_batched_tokens=24, num_gpu_blocks=22)
+    # Blocks of 8, 24 tokens a step, a cache of 15 blocks: the longest request (97 + 16 tokens)
+    # alone fills it.
+    llm = LLM(str(gemma3_small_window), block_size=8, max_num_batched_tokens=24, num_gpu_blocks=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    assert llm.llm_engine.num_preemptions > 0
     for i, (o, (ref, gaps)) in enumerate(zip(outs, refs)):
         ours = o.outputs[0].token_ids
         first = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
@@ -63,4 +63,4 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_small_window):
             assert len(ours) == len(ref), f"prompt {i}: {len(ours)} tokens vs {len(ref)}"
         else:   # only a numerical tie may differ (docs/design.md)
             assert gaps[first] < 1e-4, f"prompt {i}: token {first} is {ours[first]}, transformers {ref[first]}"
-    assert any(len(p) > WINDOW for p in prompts)
+    assert llm.llm_engine.num_preemptions > 0

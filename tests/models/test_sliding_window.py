@@ -130,12 +130,22 @@ def test_mistral_sliding_window_equals_transformers(mistral_dir, mistral_referen
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks - 1
 
 
-def test_gemma3_equals_transformers(gemma_dir):
+@pytest.fixture(scope="module")
+def gemma_reference(gemma_dir):
+    return _reference(gemma_dir, _prompts(1))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemma3_equals_transformers(gemma_dir, gemma_reference, tp, monkeypatch):
     """Local and global layers, per-type RoPE (linear scaling on the global ones), q/k norms,
-    soft-capped logits; chunked prefill with tiny blocks and preemption."""
-    prompts = _prompts(1)
-    refs = _reference(gemma_dir, prompts)
-    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=40)
-    assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window is None   # global layers
-    _assert_equal(_generate(llm, prompts), refs, "gemma3")
-    assert llm.llm_engine.num_preemptions > 0
+    soft-capped logits; chunked prefill with tiny blocks and preemption; tensor parallel 2
+    (2 query heads a rank, the one KV head replicated)."""
+    monkeypatch.setenv("PAGEDLLM_WORKER_THREADS", "1")
+    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=40,
+              tensor_parallel_size=tp)
+    try:
+        assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window is None   # global layers
+        _assert_equal(_generate(llm, _prompts(1)), gemma_reference, f"gemma3 tp={tp}")
+        assert llm.llm_engine.num_preemptions > 0
+    finally:
+        llm.shutdown()
