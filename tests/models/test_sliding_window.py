@@ -6,13 +6,13 @@ while it runs; a Gemma 3 (global and local layers) keeps them."""
 import numpy as np
 import pytest
 import torch
+from greedy_utils import assert_greedy_equal, hf_greedy
 from kernel_utils import require_built
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.random_model import BOS, EOS, UNK, _write_tokenizer
 
 MAX_TOKENS = 24
-TIE_EPS = 1e-4
 VOCAB = 256
 WINDOW = 24
 
@@ -71,29 +71,11 @@ def _reference(model_dir, prompts):
     """transformers' greedy, EOS held back for MAX_TOKENS (min_new_tokens = our min_tokens)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 output_logits=True, return_dict_in_generate=True)
-            gaps = [float(lg[0].topk(2).values[0] - lg[0].topk(2).values[1]) for lg in out.logits]
-            refs.append((out.sequences[0, len(p):].tolist(), gaps))
-    return refs
+    return hf_greedy(model, prompts, MAX_TOKENS, min_new_tokens=MAX_TOKENS)
 
 
 def _assert_equal(outs, refs, label):
-    ties = 0
-    for i, (out, (ref, gaps)) in enumerate(zip(outs, refs)):
-        ours = out.outputs[0].token_ids
-        for j, (a, b) in enumerate(zip(ours, ref)):
-            if a != b:
-                assert gaps[j] < TIE_EPS, f"[{label}] prompt {i}: token {j} is {a}, transformers gives {b}"
-                ties += 1
-                break
-        else:
-            assert len(ours) == len(ref), f"[{label}] prompt {i}: {len(ours)} tokens vs {len(ref)}"
-    assert ties <= 1, f"[{label}] {ties} ties"
+    assert_greedy_equal(outs, refs, label, max_ties=1)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
