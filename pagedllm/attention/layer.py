@@ -15,22 +15,31 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionBackend
-from pagedllm.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from pagedllm.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.attention.selector import get_current_attn_backend
 from pagedllm.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: Optional[AttentionBackend] = None) -> None:
+                 backend: Optional[AttentionBackend] = None, sliding_window: Optional[int] = None) -> None:
+        """sliding_window: each query attends to its last `sliding_window` tokens only (None: all)."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = backend if backend is not None else get_current_attn_backend()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+        if sliding_window is not None and not self.backend.supports_sliding_window:
+            raise ValueError(f"the {self.backend.name} attention backend does not run sliding-window "
+                             f"layers; use --attention-backend torch")
+        self.sliding_window = sliding_window
         # (K, V), each [num_blocks * block_size, num_kv_heads, head_dim]: views of the runner's cache
         self.kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
         return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -43,7 +52,7 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, backend={self.backend.name}")
+                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}, backend={self.backend.name}")
 
 
 def attention_layers(model: nn.Module) -> dict[str, Attention]:

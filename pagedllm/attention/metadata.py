@@ -1,7 +1,8 @@
-"""AttentionMetadata: per-step index tensors, built once and read by every layer."""
+"""AttentionMetadata: per-step index tensors, built once and read by every layer (and once more
+per sliding window, for the layers that have one: `AttentionMetadata.windowed`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -10,11 +11,12 @@ import torch
 
 @dataclass
 class PrefillChunk:
-    """A request with more than one new token: causal inside the chunk, full over its past."""
+    """A request with more than one new token: causal inside the chunk, full over its past (or
+    over the last W tokens of it, in a sliding window)."""
     start: int                        # its tokens are [start, end) of the step
     end: int
-    kv_slots: Optional[torch.Tensor]  # [seq_len] cache slots to read; None: no past, use new K/V
-    mask: Optional[torch.Tensor]      # [q_len, seq_len] bool; None: plain causal
+    kv_slots: Optional[torch.Tensor]  # [num_keys] cache slots to read; None: no past, use new K/V
+    mask: Optional[torch.Tensor]      # [q_len, num_keys] bool; None: plain causal
 
 
 @dataclass
@@ -30,45 +32,74 @@ class AttentionMetadata:
     block_size: int
     prefills: list[PrefillChunk]
     all_decode: bool
+    sliding_window: Optional[int] = None        # the window the slots and masks are cut to
+    # What it was built from, to build the same step for another window (once each).
+    inputs: tuple = field(default=(), repr=False)
+    by_window: dict = field(default_factory=dict, repr=False)
+
+    def windowed(self, sliding_window: Optional[int]) -> "AttentionMetadata":
+        """This step's metadata for a layer with that sliding window (None: self)."""
+        if sliding_window is None or sliding_window == self.sliding_window:
+            return self
+        if sliding_window not in self.by_window:
+            self.by_window[sliding_window] = build_attention_metadata(*self.inputs, sliding_window=sliding_window)
+        return self.by_window[sliding_window]
 
 
 def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                              block_table: np.ndarray, block_size: int,
-                             slot_mapping: torch.Tensor, decode_by_pages: bool = False) -> AttentionMetadata:
+                             slot_mapping: torch.Tensor, decode_by_pages: bool = False,
+                             sliding_window: Optional[int] = None) -> AttentionMetadata:
     """query_start_loc [num_reqs+1], seq_lens [num_reqs], block_table [num_reqs, max_blocks].
-    decode_by_pages: the decode kernel reads pages itself (no slot matrix needed)."""
+    decode_by_pages: the decode kernel reads pages itself (no slot matrix needed).
+    sliding_window W: a query at position p attends to keys (p - W, p] only (transformers'
+    sliding-window mask); keys before the window are never gathered, so their blocks may have
+    been freed (the block table may name a block another request now holds)."""
     q_lens = np.diff(query_start_loc)
     computed = seq_lens - q_lens
     decode_rows = np.nonzero(q_lens == 1)[0]
-    offsets = np.arange(block_size)
 
-    def slots_of(rows: np.ndarray, length: int) -> np.ndarray:
-        nb = -(length // -block_size)
-        return (block_table[rows, :nb, None].astype(np.int64) * block_size + offsets).reshape(len(rows), -1)[:, :length]
+    def first_key(query_pos):
+        """The first key a query at query_pos attends to."""
+        return np.maximum(query_pos - sliding_window + 1, 0) if sliding_window else np.zeros_like(query_pos)
+
+    def slots_at(rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """pos [len(rows), L] token positions -> their cache slots."""
+        return block_table[rows[:, None], pos // block_size].astype(np.int64) * block_size + pos % block_size
 
     decode_token_idx = decode_kv_slots = decode_mask = decode_bt = decode_sl = None
-    if len(decode_rows) and decode_by_pages:
+    if len(decode_rows) and decode_by_pages:   # the kernel cuts the window itself
         L = int(seq_lens[decode_rows].max())
         decode_token_idx = torch.from_numpy(query_start_loc[decode_rows].astype(np.int64))
         decode_bt = torch.from_numpy(np.ascontiguousarray(block_table[decode_rows, :-(L // -block_size)]))
         decode_sl = torch.from_numpy(seq_lens[decode_rows].astype(np.int32))
     elif len(decode_rows):
-        L = int(seq_lens[decode_rows].max())
-        slots = slots_of(decode_rows, L)                                        # [Bd, L]
-        valid = np.arange(L)[None, :] < seq_lens[decode_rows][:, None]          # [Bd, L]
+        lens = seq_lens[decode_rows].astype(np.int64)
+        start = first_key(lens - 1)                                             # [Bd]
+        n = lens - start
+        L = int(n.max())
+        valid = np.arange(L)[None, :] < n[:, None]                              # [Bd, L]
+        pos = np.where(valid, start[:, None] + np.arange(L), 0)
         decode_token_idx = torch.from_numpy(query_start_loc[decode_rows].astype(np.int64))
-        decode_kv_slots = torch.from_numpy(np.where(valid, slots, 0))
+        decode_kv_slots = torch.from_numpy(np.where(valid, slots_at(decode_rows, pos), 0))
         decode_mask = torch.from_numpy(valid)[:, None, None, :]
 
     prefills = []
     for row in np.nonzero(q_lens > 1)[0]:
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         c, s = int(computed[row]), int(seq_lens[row])
-        if c == 0:
+        if c == 0 and (not sliding_window or s <= sliding_window):
             prefills.append(PrefillChunk(start, end, None, None))
-        else:
-            kv_slots = torch.from_numpy(slots_of(np.array([row]), s)[0])
-            mask = torch.arange(s)[None, :] <= (c + torch.arange(end - start))[:, None]
-            prefills.append(PrefillChunk(start, end, kv_slots, mask))
+            continue
+        k0 = int(first_key(np.int64(c)))
+        kpos, qpos = np.arange(k0, s), np.arange(c, s)
+        mask = kpos[None, :] <= qpos[:, None]                                   # [q_len, s - k0]
+        if sliding_window:
+            mask &= kpos[None, :] > qpos[:, None] - sliding_window
+        # No past: the chunk's own K/V (k0 is 0), windowed by the mask.
+        kv_slots = None if c == 0 else torch.from_numpy(slots_at(np.array([row]), kpos[None, :])[0])
+        prefills.append(PrefillChunk(start, end, kv_slots, torch.from_numpy(mask)))
+    inputs = (query_start_loc, seq_lens, block_table, block_size, slot_mapping, decode_by_pages)
     return AttentionMetadata(slot_mapping, decode_token_idx, decode_kv_slots, decode_mask,
-                             decode_bt, decode_sl, block_size, prefills, all_decode=not prefills)
+                             decode_bt, decode_sl, block_size, prefills, all_decode=not prefills,
+                             sliding_window=sliding_window, inputs=inputs)

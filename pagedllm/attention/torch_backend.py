@@ -22,14 +22,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] (this step's), caches [S, Hkv, D] -> out [T, H, D]."""
+    """q [T, H, D], k/v [T, Hkv, D] (this step's), caches [S, Hkv, D] -> out [T, H, D]; meta
+    built for the layer's sliding window, if it has one (AttentionMetadata.windowed)."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     if meta.decode_block_table is not None:   # the C++ kernel reads the pages directly
         out[meta.decode_token_idx] = decode_kernel()(q[meta.decode_token_idx], k_cache, v_cache,
                                                      meta.decode_block_table, meta.decode_seq_lens,
-                                                     meta.block_size, scale)
+                                                     meta.block_size, scale, meta.sliding_window or 0)
     elif meta.decode_token_idx is not None:
         qd = q[meta.decode_token_idx].unsqueeze(2)                  # [Bd, H, 1, D]
         kd = k_cache[meta.decode_kv_slots].transpose(1, 2)          # [Bd, Hkv, L, D]

@@ -91,7 +91,7 @@ def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0):
     if not cpu_decode_supported(dtype):
         raise ValueError(f"the CPU decode kernel does not take dtype {dtype}; use --dtype float32")
     kernel = decode_kernel()
-    fn = lambda: kernel(q, k_cache, v_cache, block_table, seq_lens, bs, scale)  # noqa: E731
+    fn = lambda: kernel(q, k_cache, v_cache, block_table, seq_lens, bs, scale, 0)  # noqa: E731
     return fn, moved, "C++ paged_decode"
 
 

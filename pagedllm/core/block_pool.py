@@ -122,6 +122,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (out of the free queue if free)."""
         for block in blocks:
+            if block is self.null_block:
+                continue   # a sliding-window request's freed block (forked): never counted
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1

@@ -6,6 +6,10 @@ Sharing happens three ways, all through block ref counts:
 - fork: a child request (parallel sample, beam) starts with its parent's blocks;
 - copy-on-write: before a request writes into a partly filled block that another request
   also holds, it gets a private copy (the copy itself is done by the model runner).
+
+With a sliding window W on every layer (Mistral), a request's blocks that lie wholly before
+the window of every query it has left to compute are freed while it runs (vLLM's
+SlidingWindowManager): its block table keeps the null block in their place.
 """
 from __future__ import annotations
 
@@ -64,9 +68,12 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: Optional[int] = None) -> None:
+        """sliding_window: every layer attends to the last `sliding_window` tokens only
+        (models/hf_config.kv_cache_sliding_window); None: keep every block."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
         # Hashes of each request's full blocks, computed as its tokens arrive.
@@ -121,6 +128,7 @@ class KVCacheManager:
         free blocks — then nothing changed (all or nothing) and the caller preempts.
         """
         new_computed_blocks = new_computed_blocks or []
+        self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         num_new_blocks, cow, num_taken = self._count(request, num_new_tokens, new_computed_blocks)
         if num_taken > self.block_pool.get_num_free_blocks():
             return None
@@ -128,6 +136,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
+        self.remove_skipped_blocks(request.request_id, num_computed)   # hits before the window
         if cow:
             src = blocks[-1]
             dst = self.block_pool.get_new_blocks(1)[0]
@@ -139,6 +148,24 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return ([dst] if cow else []) + new_blocks
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Sliding window: free the request's blocks that no query from position
+        num_computed_tokens on can see (a query at p attends to (p - W, p]), so tokens
+        [0, num_computed_tokens - W] are skipped; the table keeps the null block in their place."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        num_skipped_blocks = (num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if not blocks or num_skipped_blocks <= 0:
+            return
+        null, freed = self.block_pool.null_block, []
+        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):   # tail first
+            if blocks[i] is null:
+                break   # the blocks before it were freed earlier
+            freed.append(blocks[i])
+            blocks[i] = null
+        self.block_pool.free_blocks(freed)
 
     def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
         """Free blocks that allocate_slots(request, num_new_tokens) would take."""
@@ -165,7 +192,7 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         hashes = self._block_hashes(request)
         for i in range(num_full):
-            if blocks[i].block_hash is None:
+            if blocks[i].block_hash is None and blocks[i] is not self.block_pool.null_block:
                 self.block_pool.cache_block(blocks[i], hashes[i])
 
     def fork(self, parent: Request, child: Request) -> None:

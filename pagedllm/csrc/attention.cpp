@@ -11,16 +11,18 @@
 #include "cpu_types.h"
 #include "ops.h"
 
-// One (request, KV head): the G query heads that share the KV head, over the L keys reached
-// through the block table. k, v point at this KV head of slot 0; ks / vs are slot strides.
-// T is the cache's element: float, or uint16_t holding bfloat16 bits. q and out are float32.
+// One (request, KV head): the G query heads that share the KV head, over keys [start, L)
+// (W = L - start of them; start > 0 in a sliding window) reached through the block table; the
+// entries before start's block are never read (a sliding-window request frees those blocks).
+// k, v point at this KV head of slot 0; ks / vs are slot strides. T is the cache's element:
+// float, or uint16_t holding bfloat16 bits. q and out are float32.
 template <typename T>
 struct Task {
   const float* q;
   const T* k;
   const T* v;
   const int32_t* blocks;
-  int64_t L, block_size, ks, vs, G, D;
+  int64_t start, L, W, block_size, ks, vs, G, D;
   float scale;
   float* scores;
   float* out;
@@ -31,24 +33,24 @@ static void softmax_rows(float* s, int64_t G, int64_t L);
 // Portable path: any D, any CPU.
 template <typename T>
 static void decode_task_scalar(const Task<T>& t) {
-  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
-    const int64_t n = std::min(t.block_size, t.L - t0);
+  for (int64_t blk = t.start / t.block_size, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = j0; j < n; ++j)
       for (int64_t g = 0; g < t.G; ++g) {
         float s = 0.f;
         for (int64_t d = 0; d < t.D; ++d) s += t.q[g * t.D + d] * to_f(kb[j * t.ks + d]);
-        t.scores[g * t.L + t0 + j] = s * t.scale;
+        t.scores[g * t.W + t0 + j - t.start] = s * t.scale;
       }
   }
-  softmax_rows(t.scores, t.G, t.L);
+  softmax_rows(t.scores, t.G, t.W);
   std::fill(t.out, t.out + t.G * t.D, 0.f);
-  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
-    const int64_t n = std::min(t.block_size, t.L - t0);
+  for (int64_t blk = t.start / t.block_size, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = j0; j < n; ++j)
       for (int64_t g = 0; g < t.G; ++g) {
-        const float p = t.scores[g * t.L + t0 + j];
+        const float p = t.scores[g * t.W + t0 + j - t.start];
         for (int64_t d = 0; d < t.D; ++d) t.out[g * t.D + d] += p * to_f(vb[j * t.vs + d]);
       }
   }
@@ -94,17 +96,17 @@ static void pv_heads(const Task<T>& t, int64_t g0) {
   __m512 acc[GN][ND];
   for (int gi = 0; gi < GN; ++gi)
     for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
-  prefetch_block(t, t.v, 0, t.vs);
-  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
-    const int64_t n = std::min(t.block_size, t.L - t0);
+  prefetch_block(t, t.v, t.start / t.block_size, t.vs);
+  for (int64_t blk = t.start / t.block_size, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
     prefetch_block(t, t.v, blk + 1, t.vs);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       const T* v = vb + j * t.vs;
       __m512 vv[ND];
       for (int c = 0; c < ND; ++c) vv[c] = load16(v + 16 * c);
       for (int gi = 0; gi < GN; ++gi) {
-        const __m512 p = _mm512_set1_ps(t.scores[(g0 + gi) * t.L + t0 + j]);
+        const __m512 p = _mm512_set1_ps(t.scores[(g0 + gi) * t.W + t0 + j - t.start]);
         for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
       }
     }
@@ -115,23 +117,23 @@ static void pv_heads(const Task<T>& t, int64_t g0) {
 
 template <int ND, typename T>
 static void decode_task_avx512(const Task<T>& t) {
-  prefetch_block(t, t.k, 0, t.ks);
-  for (int64_t t0 = 0, blk = 0; t0 < t.L; t0 += t.block_size, ++blk) {
-    const int64_t n = std::min(t.block_size, t.L - t0);
+  prefetch_block(t, t.k, t.start / t.block_size, t.ks);
+  for (int64_t blk = t.start / t.block_size, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
+    const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
     prefetch_block(t, t.k, blk + 1, t.ks);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       __m512 kv[ND];
       for (int c = 0; c < ND; ++c) kv[c] = load16(kb + j * t.ks + 16 * c);
       for (int64_t g = 0; g < t.G; ++g) {
         const float* qg = t.q + g * t.D;
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
         for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
-        t.scores[g * t.L + t0 + j] = _mm512_reduce_add_ps(acc) * t.scale;
+        t.scores[g * t.W + t0 + j - t.start] = _mm512_reduce_add_ps(acc) * t.scale;
       }
     }
   }
-  softmax_rows(t.scores, t.G, t.L);
+  softmax_rows(t.scores, t.G, t.W);
   constexpr int GMAX = ND >= 8 ? 1 : 8 / ND;  // keep GN x ND accumulators within 16 registers
   int64_t g = 0;
   for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX, T>(t, g);
@@ -170,6 +172,7 @@ static void decode_task(const Task<T>& t) {
 #ifdef __AVX512F__
   if (t.D == 64) return decode_task_avx512<4, T>(t);
   if (t.D == 128) return decode_task_avx512<8, T>(t);
+  if (t.D == 256) return decode_task_avx512<16, T>(t);  // Gemma 3
 #endif
   decode_task_scalar<T>(t);
 }
@@ -179,7 +182,7 @@ static void decode_task(const Task<T>& t) {
 template <typename T>
 static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                                double scale) {
+                                double scale, int64_t window) {
   constexpr bool F32 = std::is_same<T, float>::value;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const int64_t G = H / Hkv, NB = block_table.size(1);
@@ -212,7 +215,8 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
         of = obuf.data();
       }
       // clang-format off: Task's fields in its order, not one a line
-      const Task<T> t{qf, kp + h * khs, vp + h * vhs, tables + b * NB, sl[b],
+      const int64_t start = window > 0 ? std::max(sl[b] - window, (int64_t)0) : 0;
+      const Task<T> t{qf, kp + h * khs, vp + h * vhs, tables + b * NB, start, sl[b], sl[b] - start,
                       block_size, ks, vs, G, D, fscale, scores.data(), of};
       // clang-format on
       decode_task<T>(t);
@@ -225,14 +229,17 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
 
 // q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
 // seq_lens [B] int32 -> out [B, H, D]. float32, or bfloat16 (q, caches and out; computed in float32).
+// window > 0: a sliding-window layer, each query attends to its last `window` keys only.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                           double scale) {
+                           double scale, int64_t window) {
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == dt && v_cache.scalar_type() == dt);
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
   if (dt == torch::kBFloat16)
-    return run_decode<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale);
+    return run_decode<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale,
+                                window);
   TORCH_CHECK(dt == torch::kFloat);
-  return run_decode<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale);
+  return run_decode<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale,
+                           window);
 }

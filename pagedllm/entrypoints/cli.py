@@ -94,8 +94,8 @@ def sampling_params_from(ns: argparse.Namespace):
 
 
 def cmd_download(ns) -> int:
-    from pagedllm.models.download import ensure_default_model
-    print(ensure_default_model(progress=True))
+    from pagedllm.models.download import ensure_ready_model
+    print(ensure_ready_model(ns.name, progress=True))
     return 0
 
 
@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("download", help="prepare the default model (SmolLM2-135M-Instruct) in $PAGEDLLM_HOME")
+    p = sub.add_parser("download", help="prepare a ready model (default SmolLM2-135M-Instruct) in $PAGEDLLM_HOME")
+    p.add_argument("name", nargs="?", default="SmolLM2-135M-Instruct",
+                   choices=["SmolLM2-135M-Instruct", "gemma3-270m"], help="which ready model")
     p.set_defaults(func=cmd_download)
 
     p = sub.add_parser("generate", help="generate from prompts (arguments, or one per line on stdin)")

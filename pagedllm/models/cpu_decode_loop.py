@@ -86,6 +86,8 @@ def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
         return None
     if model.shard.tp.tp_size > 1 or model.shard.pp_size > 1:   # the loop has no collectives
         return None
+    if any(layer.self_attn.attn.sliding_window is not None for layer in model.stage_layers):
+        return None   # the loop attends to every token (Mistral's sliding window: the backend)
     layer = model.layers[0]
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if model.rope.ops is None or layer.mlp.act_fn.ops is None or model.norm.ops is None:

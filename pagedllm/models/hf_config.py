@@ -6,3 +6,35 @@ from __future__ import annotations
 def head_dim_of(hf_config: dict) -> int:
     """config.json's head_dim, else hidden_size / num_attention_heads."""
     return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+
+
+def layer_types_of(hf_config: dict):
+    """config.json's `layer_types` ("sliding_attention" / "full_attention" per layer), or Gemma
+    3's default pattern (every `sliding_window_pattern`-th layer global) where it has none;
+    None for a model without per-layer types."""
+    types, n = hf_config.get("layer_types"), hf_config["num_hidden_layers"]
+    if types is None and hf_config.get("model_type", "").startswith("gemma3"):
+        pattern = hf_config.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    return types
+
+
+def layer_sliding_windows(hf_config: dict) -> list:
+    """Each layer's sliding window (an int), or None where the layer attends to everything, as
+    transformers reads the config: the "sliding_attention" layers of `layer_types_of`, Qwen 2/3
+    (and their MoE) only with `use_sliding_window`, and every layer of a Mistral with `sliding_window`."""
+    n, window = hf_config["num_hidden_layers"], hf_config.get("sliding_window")
+    if not window or (hf_config.get("model_type", "").startswith("qwen") and not hf_config.get("use_sliding_window")):
+        return [None] * n
+    types = layer_types_of(hf_config)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n
+
+
+def kv_cache_sliding_window(hf_config: dict):
+    """The window the KV cache manager may free blocks behind: the one window of a model whose
+    every layer slides (Mistral); None when any layer attends to everything (Gemma 3: its
+    global layers need every block, and all layers share one block table)."""
+    windows = set(layer_sliding_windows(hf_config))
+    return windows.pop() if len(windows) == 1 else None

@@ -9,9 +9,10 @@ parameter (stacked_params_mapping). distributed/sharding.py plans which heads, i
 columns, vocabulary rows and layers this rank holds; the layers (models/layers/) cut their
 slices as they load.
 
-Qwen 3, Mixtral and Qwen3-MoE (qwen3.py, mixtral.py, qwen3_moe.py) are subclasses: the hooks
-are `qk_norm`, `LlamaDecoderLayer.make_mlp`, `LlamaForCausalLM.decoder_layer` and
-`weight_name_mapping`.
+Qwen 3, Mixtral, Qwen3-MoE, DeepSeek-V3 and Gemma 3 are subclasses: the hooks are `qk_norm`,
+`LlamaDecoderLayer.make_mlp`, `LlamaForCausalLM.decoder_layer` (the layer class; `make_layer`
+builds one per index), `make_norm`, `make_rope`, `embed` and `weight_name_mapping`. Each layer
+reads its own sliding window from the config (`layer_sliding_windows`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.distributed.sharding import TPShard, plan_model_shard
+from pagedllm.models.hf_config import layer_sliding_windows
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.layernorm import RMSNorm
 from pagedllm.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -32,9 +34,11 @@ from pagedllm.models.utils import PPMissingLayer, pp_missing_prefixes
 
 
 class LlamaAttention(nn.Module):
-    """qk_norm: RMSNorm over each head's q and k before RoPE (Qwen 3)."""
+    """qk_norm: RMSNorm over each head's q and k before RoPE (Qwen 3); sliding_window: the layer
+    attends to the last W tokens only (Mistral, Gemma 3's local layers)."""
 
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, qk_norm: bool = False) -> None:
+    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, qk_norm: bool = False,
+                 sliding_window=None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         bias = hf.get("attention_bias", False) or hf.get("model_type") == "qwen2"
@@ -44,7 +48,8 @@ class LlamaAttention(nn.Module):
         q_features = range(tp.q_heads.start * head_dim, tp.q_heads.stop * head_dim)
         self.o_proj = RowParallelLinear(q_features, hidden, hf.get("attention_bias", False), comm)
         self.scale = head_dim ** -0.5
-        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads,
+                              sliding_window=sliding_window)
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
@@ -84,7 +89,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, tp, head_dim, comm, self.qk_norm)
+        self.self_attn = LlamaAttention(hf, tp, head_dim, comm, self.qk_norm,
+                                        layer_sliding_windows(hf)[layer_idx])
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = self.make_mlp(hf, tp, comm, layer_idx)
 
@@ -118,22 +124,36 @@ class LlamaForCausalLM(nn.Module):
         # The embedding and the LM head live on stage 0 (the driver samples there); the final
         # norm on the last stage.
         self.embed_tokens = VocabParallelEmbedding(tp.vocab, hidden, comm) if first else PPMissingLayer()
-        self.layers = nn.ModuleList(self.decoder_layer(hf, tp, head_dim, comm, i) if i in shard.layers
+        self.layers = nn.ModuleList(self.make_layer(hf, i, tp, head_dim, comm) if i in shard.layers
                                     else PPMissingLayer() for i in range(hf["num_hidden_layers"]))
         self.stage_layers = tuple(self.layers[i] for i in shard.layers)   # plain tuple: not registered twice
-        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
+        self.norm = self.make_norm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         self.lm_head = (ParallelLMHead(tp.vocab, hidden, hf["vocab_size"], comm,
                                        tied=self.embed_tokens if self.tie_word_embeddings else None)
                         if first else PPMissingLayer())
-        self.rope = RotaryEmbedding(hf, head_dim, max_positions)
+        self.rope = self.make_rope(hf, head_dim, max_positions)
+
+    # What a variant of the family builds differently (models/gemma3.py overrides these).
+    def make_layer(self, hf: dict, index: int, tp: TPShard, head_dim: int, comm) -> nn.Module:
+        return self.decoder_layer(hf, tp, head_dim, comm, index)
+
+    def make_norm(self, hidden: int, eps: float) -> nn.Module:
+        return RMSNorm(hidden, eps)
+
+    def make_rope(self, hf: dict, head_dim: int, max_positions: int) -> nn.Module:
+        """What each layer's forward gets as `rope`."""
+        return RotaryEmbedding(hf, head_dim, max_positions)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (final-normed on the last stage),
         inside the runner's forward context. Stage 0 embeds input_ids; a later stage starts from
         hidden_in (the previous stage's output)."""
-        x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in
+        x = self.embed(input_ids) if hidden_in is None else hidden_in
         for layer in self.stage_layers:
             x = layer(x, positions, self.rope)
         return self.norm(x)

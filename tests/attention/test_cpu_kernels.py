@@ -10,8 +10,12 @@ from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.torch_backend import paged_attention
 
 
-@pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (4, 4, 32, 4), (16, 2, 64, 32), (8, 2, 128, 16)])
-def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
+@pytest.mark.parametrize("H, Hkv, D, bs, window", [(9, 3, 64, 16, None), (4, 4, 32, 4, None),
+                                                   (16, 2, 64, 32, None), (8, 2, 128, 16, None),
+                                                   (8, 2, 128, 16, 21), (4, 1, 256, 4, 7)])
+def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
+    """window: a sliding-window layer's metadata (AttentionMetadata.windowed); the blocks
+    before each window are poisoned with NaN, as if freed and reused: neither path reads them."""
     require_built(decode_kernel())
     rng = np.random.default_rng(H * 100 + bs)
     # A mixed batch: decodes (one new token) around a prefill chunk with a cached past.
@@ -29,8 +33,28 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs):
         kc, vc = torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(0)), \
             torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(1))
         meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages)
+        if window:
+            meta = meta.windowed(window)
+            for row, (s, ql) in enumerate(zip(seq_lens, q_lens)):   # tokens no query of it sees
+                dead = np.arange(max(int(s) - int(ql) - window + 1, 0) // bs * bs)
+                kc[table[row, dead // bs] * bs + dead % bs] = float("nan")
         outs.append(paged_attention(q, k, v, kc, vc, meta, D ** -0.5))
+    assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    if window:   # against a dense reference: each query over its last `window` keys
+        kc, vc = torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(0)), \
+            torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(1))
+        kc[slots], vc[slots] = k, v
+        t = 0
+        for row, (s, ql) in enumerate(zip(seq_lens, q_lens)):
+            for p in range(s - ql, s):
+                keys = np.arange(max(p - window + 1, 0), p + 1)
+                ks = torch.from_numpy(table[row, keys // bs].astype(np.int64) * bs + keys % bs)
+                kr = kc[ks].repeat_interleave(H // Hkv, dim=1)            # [n, H, D]
+                w = torch.softmax(torch.einsum("hd,nhd->hn", q[t], kr) * D ** -0.5, dim=-1)
+                ref = torch.einsum("hn,nhd->hd", w, vc[ks].repeat_interleave(H // Hkv, dim=1))
+                torch.testing.assert_close(outs[1][t], ref, atol=2e-5, rtol=2e-5)
+                t += 1
 
 
 def test_fused_cpu_ops_match_the_torch_layers():

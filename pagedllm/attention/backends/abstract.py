@@ -18,6 +18,7 @@ import torch
 class AttentionBackend(ABC):
     name: str = ""
     supports_cuda_graphs: bool = False
+    supports_sliding_window: bool = False   # layers with a sliding window (attention.layer.Attention)
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

@@ -14,6 +14,7 @@ from pagedllm.attention.torch_backend import paged_attention
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
     decode_by_pages = False   # decodes gather their slots into a [Bd, L] matrix
+    supports_sliding_window = True
 
     def build_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
@@ -23,4 +24,5 @@ class TorchSDPABackend(AttentionBackend):
                                         block_size, slot_mapping, decode_by_pages=self.decode_by_pages)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta.windowed(layer.sliding_window),
+                               layer.scale)

@@ -1,4 +1,4 @@
-"""SiLU-and-multiply: x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+"""Gated activations: x [T, 2I] (gate | up) -> act(gate) * up [T, I]: SiLU (Llama), GELU (Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +18,16 @@ class SiluAndMul(nn.Module):
             return self.ops.silu_and_mul(x)
         gate, up = x.split(x.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """GELU-and-multiply (GeGLU, Gemma's MLP): x [T, 2I] (gate | up) -> gelu(gate) * up [T, I];
+    approximate "tanh" is transformers' `gelu_pytorch_tanh`."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

@@ -1,4 +1,4 @@
-"""RMSNorm (transformers' arithmetic: normalise in float32, then scale)."""
+"""RMSNorm (transformers' arithmetic: normalise in float32, then scale) and Gemma's (1 + weight) variant."""
 from __future__ import annotations
 
 import torch
@@ -20,3 +20,18 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint's weight is an offset from 1 (scale = 1 + weight), and
+    the scaling happens in float32 before the cast back (transformers' Gemma3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,0 +1,133 @@
+"""Sliding-window attention and Gemma 3 against transformers' generate on the same random
+weights (small configs made with transformers' own classes), token for token, under chunked
+prefill with tiny blocks, a tight token budget and a cache small enough to preempt, with
+prompts longer than the window. A Mistral with a window frees its blocks behind the window
+while it runs; a Gemma 3 (global and local layers) keeps them."""
+import numpy as np
+import pytest
+import torch
+from greedy_utils import assert_greedy_equal, hf_greedy
+from kernel_utils import require_built
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.random_model import BOS, EOS, UNK, _write_tokenizer
+
+MAX_TOKENS = 24
+VOCAB = 256
+WINDOW = 24
+
+
+def _save(model, tmp_path):
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path, VOCAB)
+    return tmp_path
+
+
+def _init(model, std=0.2):
+    """Weights far from uniform logits, so that greedy has no near-ties to flip."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, std)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                        sliding_window=WINDOW, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=UNK)
+    return _save(_init(MistralForCausalLM(cfg)), tmp_path_factory.mktemp("mistral-sw"))
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
+                           sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                               "sliding_attention"],
+                           query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 50000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+                           bos_token_id=BOS, eos_token_id=EOS, pad_token_id=UNK)
+    model = _init(Gemma3ForCausalLM(cfg))
+    with torch.no_grad():   # Gemma's norms scale by (1 + weight): make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return _save(model, tmp_path_factory.mktemp("gemma3"))
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, n).tolist() for n in (5, 23, 40, 70, 97)]
+
+
+def _reference(model_dir, prompts):
+    """transformers' greedy, EOS held back for MAX_TOKENS (min_new_tokens = our min_tokens)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_greedy(model, prompts, MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+
+
+def _assert_equal(outs, refs, label):
+    assert_greedy_equal(outs, refs, label, max_ties=1)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+
+def _generate(llm, prompts):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def mistral_reference(mistral_dir):
+    return _reference(mistral_dir, _prompts())
+
+
+@pytest.mark.parametrize("decode_by_pages", [True, False], ids=["cpu-kernel", "sdpa"])
+def test_mistral_sliding_window_equals_transformers(mistral_dir, mistral_reference, decode_by_pages,
+                                                    monkeypatch):
+    """Every layer slides: blocks behind the window are freed as the requests run, a cache of
+    about one long request preempts, and a second pass over the same prompts hits the prefix
+    cache."""
+    from pagedllm.attention import cpu_kernels
+    if decode_by_pages:
+        require_built(cpu_kernels.decode_kernel())
+    else:   # the SDPA backend: decodes gather the window's slots
+        monkeypatch.setattr(cpu_kernels, "cpu_decode_supported", lambda dtype: False)
+    prompts, refs = _prompts(), mistral_reference
+    llm = LLM(str(mistral_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=32)
+    assert llm.llm_engine.core.model_executor.driver_worker.model_runner.attn_backend.decode_by_pages is decode_by_pages
+    kv = llm.llm_engine.core.scheduler.kv_cache_manager
+    assert kv.sliding_window == WINDOW
+    _assert_equal(_generate(llm, prompts), refs, f"mistral by_pages={decode_by_pages}")
+    assert llm.llm_engine.num_preemptions > 0
+    _assert_equal(_generate(llm, prompts), refs, f"mistral by_pages={decode_by_pages}, prefix cache")
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks - 1
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(gemma_dir):
+    return _reference(gemma_dir, _prompts(1))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemma3_equals_transformers(gemma_dir, gemma_reference, tp, monkeypatch):
+    """Local and global layers, per-type RoPE (linear scaling on the global ones), q/k norms,
+    soft-capped logits; chunked prefill with tiny blocks and preemption; tensor parallel 2
+    (2 query heads a rank, the one KV head replicated)."""
+    monkeypatch.setenv("PAGEDLLM_WORKER_THREADS", "1")
+    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=40,
+              tensor_parallel_size=tp)
+    try:
+        assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window is None   # global layers
+        _assert_equal(_generate(llm, _prompts(1)), gemma_reference, f"gemma3 tp={tp}")
+        assert llm.llm_engine.num_preemptions > 0
+    finally:
+        llm.shutdown()
