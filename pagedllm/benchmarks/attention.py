@@ -92,7 +92,8 @@ def copy_rate(torch, device, dtype, timed, nbytes: int) -> float:
 
 
 def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=None):
-    """Random caches holding B requests of context L in shuffled blocks -> (fn, bytes read+written)."""
+    """Random caches holding B requests of context L in shuffled blocks -> (fn, bytes read+written,
+    kernel name). num_splits: the Triton kernel's split-K count (None: the engine's choice)."""
     g = torch.Generator().manual_seed(seed)
     nb = -(-L // bs)
     num_blocks = 1 + B * nb
@@ -109,16 +110,23 @@ def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=No
         qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         bt, sl = block_table.to(device), seq_lens.to(device)
         out = torch.empty_like(q)
-        splits = num_splits or tb.choose_num_splits(B, Hkv, 1, L, tb._num_sms(device))
         fn = lambda: tb.unified_attention(q, k_cache, v_cache, qsl, sl, bt, bs, scale, out=out,  # noqa: E731
-                                          max_query_len=1, max_seq_len=L, num_splits=splits)
-        return fn, moved, "triton unified_attention", splits
+                                          max_query_len=1, max_seq_len=L, num_splits=num_splits)
+        return fn, moved, "triton unified_attention"
     from pagedllm.attention.cpu_kernels import cpu_decode_supported, decode_kernel
     if not cpu_decode_supported(dtype):
         raise ValueError(f"the CPU decode kernel does not take dtype {dtype}; use --dtype float32")
     kernel = decode_kernel()
     fn = lambda: kernel(q, k_cache, v_cache, block_table, seq_lens, bs, scale)  # noqa: E731
-    return fn, moved, "C++ paged_decode", 1
+    return fn, moved, "C++ paged_decode"
+
+
+def engine_num_splits(device, B: int, Hkv: int, L: int) -> int:
+    """The split-K count the engine chooses for an all-decode batch (1: the CPU kernel's)."""
+    if device.type != "cuda":
+        return 1
+    from pagedllm.attention import triton_backend as tb
+    return tb.choose_num_splits(B, Hkv, 1, L, tb._num_sms(device))
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -148,9 +156,9 @@ def main(ns: argparse.Namespace) -> int:
     for B in ns.batch_size:
         for L in ns.context_len:
             for n in ns.num_splits:
-                fn, moved, kernel, splits = decode_case(torch, device, dtype, B, L, ns.num_heads,
-                                                        ns.num_kv_heads, ns.head_dim, ns.block_size,
-                                                        num_splits=n)
+                splits = n or engine_num_splits(device, B, ns.num_kv_heads, L)
+                fn, moved, kernel = decode_case(torch, device, dtype, B, L, ns.num_heads, ns.num_kv_heads,
+                                                ns.head_dim, ns.block_size, num_splits=splits)
                 calls = 1
                 if ns.cuda_graph:
                     fn, calls = graphed(torch, fn)
