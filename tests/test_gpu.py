@@ -9,6 +9,7 @@ bfloat16: different kernels round differently, so greedy paths may part after a 
 stated tolerance is top-1 agreement >= 90 % of positions when transformers, in bfloat16,
 scores our greedy continuation teacher-forced.
 """
+import gc
 import re
 
 import pytest
@@ -32,6 +33,26 @@ def prompts():
     return [[(13 * i + n) % 500 + 3 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
+@pytest.fixture
+def make_llm():
+    """LLM(...) whose GPU memory is given back after the test, before the next one profiles
+    memory. A failed test's traceback keeps its frame, and so its engine, alive: the runner's
+    tensors are dropped here by hand, then collected (del + gc + empty_cache)."""
+    from pagedllm import LLM
+    engines = []
+    yield lambda *args, **kwargs: engines.append(LLM(*args, **kwargs)) or engines[-1]
+    while engines:
+        llm = engines.pop()
+        llm.shutdown()
+        runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+        runner.graphs = runner.model = None
+        runner.kv_caches, runner.cpu_caches = [], []
+        del llm, runner
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def _hf(model_dir, dtype):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
@@ -39,7 +60,9 @@ def _hf(model_dir, dtype):
 
 def _generate(llm, prompts):
     from pagedllm import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # EOS masked for all MAX_TOKENS, as transformers' min_new_tokens does for the reference
+    # (ignore_eos only keeps a request running past EOS; EOS can still be chosen, as in vLLM).
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -64,9 +87,8 @@ def _assert_equal(got, reference):
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_float32_greedy_equals_transformers(tiny_dir, prompts, reference_fp32, enforce_eager):
-    from pagedllm import LLM
-    llm = LLM(tiny_dir, dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64,
+def test_float32_greedy_equals_transformers(make_llm, tiny_dir, prompts, reference_fp32, enforce_eager):
+    llm = make_llm(tiny_dir, dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64,
               gpu_memory_utilization=0.3)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.device.type == "cuda" and runner.attn_backend.name == "triton"
@@ -79,18 +101,16 @@ def test_float32_greedy_equals_transformers(tiny_dir, prompts, reference_fp32, e
         assert replays, "no decode step replayed a CUDA graph"
 
 
-def test_swap_preemption_on_gpu(tiny_dir, prompts, reference_fp32):
+def test_swap_preemption_on_gpu(make_llm, tiny_dir, prompts, reference_fp32):
     """A cache too small for all requests: blocks go to pinned host memory and come back."""
-    from pagedllm import LLM
-    llm = LLM(tiny_dir, dtype="float32", num_gpu_blocks=30, num_cpu_blocks=64,
+    llm = make_llm(tiny_dir, dtype="float32", num_gpu_blocks=30, num_cpu_blocks=64,
               preemption_mode="swap", max_num_batched_tokens=128)
     _assert_equal(_generate(llm, prompts), reference_fp32)
     assert llm.llm_engine.num_preemptions > 0
 
 
-def test_bfloat16_top1_agreement(tiny_dir, prompts):
-    from pagedllm import LLM
-    llm = LLM(tiny_dir, dtype="bfloat16", gpu_memory_utilization=0.3)
+def test_bfloat16_top1_agreement(make_llm, tiny_dir, prompts):
+    llm = make_llm(tiny_dir, dtype="bfloat16", gpu_memory_utilization=0.3)
     assert llm.llm_engine.core.model_executor.driver_worker.model_runner.dtype == torch.bfloat16
     got = _generate(llm, prompts)
     hf = _hf(tiny_dir, torch.bfloat16)
@@ -104,13 +124,12 @@ def test_bfloat16_top1_agreement(tiny_dir, prompts):
     assert agree / total >= 0.9, f"bf16 top-1 agreement {agree}/{total}"
 
 
-def test_memory_profiling_sizes_the_cache(tiny_dir, caplog):
+def test_memory_profiling_sizes_the_cache(make_llm, tiny_dir, caplog):
     import logging
 
-    from pagedllm import LLM
     caplog.set_level(logging.INFO)
     util = 0.25
-    llm = LLM(tiny_dir, dtype="float32", gpu_memory_utilization=util)
+    llm = make_llm(tiny_dir, dtype="float32", gpu_memory_utilization=util)
     core = llm.llm_engine.core
     total = torch.cuda.mem_get_info()[1]
     kv_bytes = core.num_blocks * core.model_executor.kv_bytes_per_block()
@@ -157,3 +176,18 @@ def test_kernels_on_device_match_torch_reference():
     out = tb.paged_attention(q.cuda(), k.cuda(), v.cuda(), kd, vd, meta, D ** -0.5)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kd.cpu(), ref_kc)
+
+
+def test_memory_profile_of_a_second_engine_in_one_process(make_llm, tiny_dir):
+    """Two engines alive in one process (a notebook): the second's weights are its own ~2 MB,
+    not the first's KV cache, and its cache gets about the same share as the first's."""
+    first = make_llm(tiny_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    second = make_llm(tiny_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True)
+    profiles = [llm.llm_engine.core.model_executor.driver_worker.model_runner.memory_profile
+                for llm in (first, second)]
+    weights = sum(p.numel() * p.element_size() for p in
+                  first.llm_engine.core.model_executor.driver_worker.model_runner.model.parameters())
+    for prof in profiles:
+        assert weights <= prof.weights < weights + (8 << 20), prof
+    assert profiles[1].in_use_before > profiles[0].in_use_before + 0.9 * profiles[0].kv_cache
+    assert abs(profiles[1].kv_cache - profiles[0].kv_cache) < 0.02 * profiles[0].requested, profiles

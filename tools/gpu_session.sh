@@ -22,12 +22,12 @@ if [[ $part == all || $part == tests ]]; then
   run python -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/test_gpu.log"
 fi
 if [[ $part == all || $part == attention ]]; then
-  run $BENCH attention --batch-size 1 8 32 128 --context-len 1024 4096 16384 \
+  run $BENCH attention --cuda-graph --batch-size 1 8 32 128 --context-len 1024 4096 16384 \
     --output-json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 fi
 if [[ $part == all || $part == latency ]]; then
   run $BENCH latency $MODEL --batch-size 1 --input-len 128 --output-len 256 --compare-enforce-eager \
-    --output-json "$OUT/latency.json" 2>&1 | tail -20 | tee "$OUT/latency.log"
+    --torch-profile 20 --output-json "$OUT/latency.json" 2>&1 | tail -60 | tee "$OUT/latency.log"
 fi
 if [[ $part == all || $part == throughput ]]; then
   run $BENCH throughput $MODEL --max-num-seqs 256 --num-prompts 512 --hf-batch-size 64 \

@@ -6,8 +6,12 @@ context L, Hkv KV heads of head_dim D, 2 * B * L * Hkv * D elements, plus the qu
 outputs and the block table (counted too, though small). bandwidth = those bytes / kernel time.
 The reference is `dst.copy_(src)` of a large buffer on the same device (bytes read + written
 / time), the rate a streaming kernel can hope for. The kernel is Triton's unified attention
-(split-K chosen as in serving) on a GPU, the C++ paged decode kernel on the CPU. Shapes default
-to Llama-3.2-1B's attention (32 query heads, 8 KV heads, head_dim 64).
+(split-K chosen as in serving, or --num-splits) on a GPU, the C++ paged decode kernel on the
+CPU. Shapes default to Llama-3.2-1B's attention (32 query heads, 8 KV heads, head_dim 64).
+
+--cuda-graph captures GRAPH_CALLS calls of the kernel(s) in one CUDA graph and times its
+replays, as the engine's decode graphs run them: Python's launch overhead (~tens of µs a call,
+which at batch 1 is most of an eager call's time) is not charged to the kernel.
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time the kernel replayed from a captured CUDA graph (no launch overhead)")
+    p.add_argument("--num-splits", type=int, nargs="+", default=[0],
+                   help="GPU: split-K counts to time (0: the engine's choice; several: one row each)")
     p.add_argument("--iters", type=int, default=0, help="timed calls per shape (default: ~0.2 s worth)")
     p.add_argument("--output-json", default=None, metavar="PATH")
 
@@ -51,6 +59,23 @@ def _timer(torch, device):
     return run
 
 
+GRAPH_CALLS = 20   # kernel calls captured in one graph (one replay's launch cost is shared by them)
+
+
+def graphed(torch, fn):
+    """fn's kernels captured GRAPH_CALLS times in one CUDA graph -> (replay, calls per replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # warm-up off the default stream, as torch's docs ask
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return graph.replay, GRAPH_CALLS
+
+
 def _iters(timed, fn, requested: int) -> int:
     if requested:
         return requested
@@ -66,8 +91,9 @@ def copy_rate(torch, device, dtype, timed, nbytes: int) -> float:
     return 2 * nbytes / timed(fn, _iters(timed, fn, 0))
 
 
-def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0):
-    """Random caches holding B requests of context L in shuffled blocks -> (fn, bytes read+written)."""
+def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=None):
+    """Random caches holding B requests of context L in shuffled blocks -> (fn, bytes read+written,
+    kernel name). num_splits: the Triton kernel's split-K count (None: the engine's choice)."""
     g = torch.Generator().manual_seed(seed)
     nb = -(-L // bs)
     num_blocks = 1 + B * nb
@@ -85,7 +111,7 @@ def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0):
         bt, sl = block_table.to(device), seq_lens.to(device)
         out = torch.empty_like(q)
         fn = lambda: tb.unified_attention(q, k_cache, v_cache, qsl, sl, bt, bs, scale, out=out,  # noqa: E731
-                                          max_query_len=1, max_seq_len=L)
+                                          max_query_len=1, max_seq_len=L, num_splits=num_splits)
         return fn, moved, "triton unified_attention"
     from pagedllm.attention.cpu_kernels import cpu_decode_supported, decode_kernel
     if not cpu_decode_supported(dtype):
@@ -93,6 +119,14 @@ def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0):
     kernel = decode_kernel()
     fn = lambda: kernel(q, k_cache, v_cache, block_table, seq_lens, bs, scale, 0)  # noqa: E731
     return fn, moved, "C++ paged_decode"
+
+
+def engine_num_splits(device, B: int, Hkv: int, L: int) -> int:
+    """The split-K count the engine chooses for an all-decode batch (1: the CPU kernel's)."""
+    if device.type != "cuda":
+        return 1
+    from pagedllm.attention import triton_backend as tb
+    return tb.choose_num_splits(B, Hkv, 1, L, tb._num_sms(device))
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -105,8 +139,12 @@ def main(ns: argparse.Namespace) -> int:
     for v in ns.batch_size + ns.context_len:
         if v < 1:
             raise ValueError(f"batch sizes and context lengths must be >= 1, got {v}")
+    if any(n < 0 for n in ns.num_splits):
+        raise ValueError(f"--num-splits must be >= 0 (0: the engine's choice), got {ns.num_splits}")
     from pagedllm.engine.arg_utils import resolve_device
     device = torch.device(resolve_device(ns.device))
+    if device.type != "cuda" and (ns.cuda_graph or ns.num_splits != [0]):
+        raise ValueError("--cuda-graph and --num-splits need device cuda (the Triton kernel)")
     dtype = getattr(torch, ns.dtype if ns.dtype != "auto" else
                     ("bfloat16" if device.type == "cuda" else "float32"))
     timed = _timer(torch, device)
@@ -117,19 +155,26 @@ def main(ns: argparse.Namespace) -> int:
     rows = []
     for B in ns.batch_size:
         for L in ns.context_len:
-            fn, moved, kernel = decode_case(torch, device, dtype, B, L, ns.num_heads, ns.num_kv_heads,
-                                            ns.head_dim, ns.block_size)
-            sec = timed(fn, _iters(timed, fn, ns.iters))
-            rows.append({"batch": B, "context": L, "kv_mib": moved / 2**20, "us": sec * 1e6,
-                         "gbps": moved / sec / 1e9, "pct_of_copy": 100 * moved / sec / peak})
+            for n in ns.num_splits:
+                splits = n or engine_num_splits(device, B, ns.num_kv_heads, L)
+                fn, moved, kernel = decode_case(torch, device, dtype, B, L, ns.num_heads, ns.num_kv_heads,
+                                                ns.head_dim, ns.block_size, num_splits=splits)
+                calls = 1
+                if ns.cuda_graph:
+                    fn, calls = graphed(torch, fn)
+                sec = timed(fn, _iters(timed, fn, ns.iters)) / calls
+                rows.append({"batch": B, "context": L, "splits": splits, "kv_mib": moved / 2**20,
+                             "us": sec * 1e6, "gbps": moved / sec / 1e9, "pct_of_copy": 100 * moved / sec / peak})
     print(f"command: {command_line()}")
     print(f"device: {name}; torch {machine['torch']}, {machine['torch_threads']} threads; "
           f"kernel: {kernel}; {str(dtype).removeprefix('torch.')}; heads {ns.num_heads}/{ns.num_kv_heads}, "
-          f"head_dim {ns.head_dim}, block_size {ns.block_size}")
+          f"head_dim {ns.head_dim}, block_size {ns.block_size}; "
+          f"{f'CUDA graph replays ({GRAPH_CALLS} calls each)' if ns.cuda_graph else 'eager launches'}")
     print(f"copy rate (dst.copy_(src), {copy_bytes >> 20} MiB, read + write): {peak / 1e9:.1f} GB/s\n")
-    print_table(rows, [("batch", "batch", "d"), ("context", "context", "d"), ("kv_mib", "MiB moved", ".1f"),
+    print_table(rows, [("batch", "batch", "d"), ("context", "context", "d"), ("splits", "splits", "d"), ("kv_mib", "MiB moved", ".1f"),
                        ("us", "µs / call", ".1f"), ("gbps", "GB/s", ".1f"), ("pct_of_copy", "% of copy rate", ".1f")])
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "device": name, "kernel": kernel,
-                                    "dtype": str(dtype), "copy_gbps": peak / 1e9, "results": rows})
+                                    "dtype": str(dtype), "cuda_graph": ns.cuda_graph,
+                                    "copy_gbps": peak / 1e9, "results": rows})
     return 0

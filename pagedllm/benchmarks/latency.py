@@ -29,6 +29,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "and/or q4_1 (the file as shipped)")
     p.add_argument("--compare-enforce-eager", action="store_true",
                    help="GPU: run the same batches again with --enforce-eager (no CUDA graphs)")
+    p.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
+                   help="also run torch.profiler over STEPS decode steps of one request (kernels "
+                        "inside CUDA graphs included) and print the kernels by device time")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw pagedllm's TTFT / TPOT percentiles and output tok/s against the batch size")
@@ -74,6 +77,36 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
         row["profile_decode"] = summarize([s for s in steps if s["num_tokens"] == s["num_reqs"]])
         row["profile_all"] = summarize(steps)
     return row
+
+
+def torch_profile(llm, prompt: list[int], steps: int, top: int = 30) -> dict:
+    """torch.profiler over `steps` decode steps of one request, after its prefill and a few
+    warm-up steps -> {"table": kernels by device time, "device_us_per_step", "wall_us_per_step"}."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.sampling_params import SamplingParams
+    engine = llm.llm_engine
+    engine.add_request("torch-profile", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(5):   # the prefill, then warm decode steps
+        engine.step()
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    device_us = sum(getattr(e, key) for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"table": events.table(sort_by=key, row_limit=top), "steps": steps,
+            "device_us_per_step": device_us / steps, "wall_us_per_step": 1e6 * wall / steps}
 
 
 # --llama-cpp precision -> (the file name's type, llama.cpp's file type: ALL_F32 = 0,
@@ -195,6 +228,10 @@ def main(ns: argparse.Namespace) -> int:
     for b, prompts in batches.items():
         print(f"running pagedllm at batch {b} ...", file=sys.stderr, flush=True)
         rows.append(run_pagedllm(llm, prompts, ns.output_len, ns.profile))
+    profiled = None
+    if ns.torch_profile:
+        print("running torch.profiler at batch 1 ...", file=sys.stderr, flush=True)
+        profiled = torch_profile(llm, batches[min(batches)][0], ns.torch_profile)
     if ns.compare_enforce_eager:
         llm.llm_engine.shutdown()
         llm = None
@@ -226,10 +263,14 @@ def main(ns: argparse.Namespace) -> int:
             if "profile_decode" in r:
                 _print_profile(f"batch {r['batch']}, decode steps", r["profile_decode"])
                 _print_profile(f"batch {r['batch']}, all steps (prefill included)", r["profile_all"])
+    if profiled:
+        print(f"\ntorch.profiler, {profiled['steps']} decode steps of one request: "
+              f"{profiled['wall_us_per_step']:.0f} µs a step (wall, profiler on), kernels "
+              f"{profiled['device_us_per_step']:.0f} µs a step\n{profiled['table']}")
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "machine": machine,
                                     "settings": {k: v for k, v in vars(ns).items() if k != "func"},
-                                    "results": rows})
+                                    "results": rows, "torch_profile": profiled})
     if ns.plot:
         from pagedllm.benchmarks.plot import plot_load
         plot_load([r for r in rows if r["system"] == "pagedllm"], "batch", "batch size (requests)", "output_tok_s",

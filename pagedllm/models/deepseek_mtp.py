@@ -60,7 +60,8 @@ class DeepSeekMultiTokenPredictorLayer(DeepseekV3DecoderLayer):
         """h [T, H], t_{i+1} [T], positions [T] -> this module's output hidden states [T, H]."""
         e = self.enorm(self.embed_tokens(next_token_ids))
         x = self.eh_proj(torch.cat((e, self.hnorm(hidden)), dim=-1))           # [T, 2H] -> [T, H]
-        return super().forward(x, positions, rope)
+        out, residual = super().forward(x, positions, rope)
+        return out + residual
 
 
 class DeepSeekMTP(nn.Module):

@@ -33,7 +33,7 @@ from pagedllm.models.layers.layernorm import RMSNorm
 from pagedllm.models.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                            multi_rank)
 from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
-from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 # transformers' DeepseekV3RMSNorm default: the q/kv low-rank norms do not take rms_norm_eps
 LORA_NORM_EPS = 1e-6
@@ -157,9 +157,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         dense = layer_idx < hf.get("first_k_dense_replace", 0) or not hf.get("n_routed_experts")
         self.mlp = LlamaMLP(hidden, tp.intermediate, False, comm) if dense else DeepseekV3MoE(hf, tp, comm)
 
-    def forward(self, x, positions, rope):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    # The Llama layer's residual-stream protocol (LlamaForCausalLM.forward): same four parts.
+    forward = LlamaDecoderLayer.forward
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

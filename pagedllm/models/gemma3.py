@@ -71,11 +71,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp.act_fn = GeluAndMul("tanh")   # hidden_activation gelu_pytorch_tanh
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, x, positions, rope: nn.ModuleDict):
-        """rope: the model's RoPE per layer type; this layer rotates with its own type's."""
+    def forward(self, x, positions, rope: nn.ModuleDict, residual=None):
+        """rope: the model's RoPE per layer type; this layer rotates with its own type's. The
+        residual-stream protocol of LlamaForCausalLM.forward, with the stream kept whole (its
+        norms come after the adds): -> (stream, None)."""
+        if residual is not None:
+            x = x + residual
         attn = self.self_attn(self.input_layernorm(x), positions, rope[self.layer_type])
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -97,9 +97,17 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, hf: dict, tp: TPShard, comm, layer_idx: int) -> nn.Module:
         return LlamaMLP(hf["hidden_size"], tp.intermediate, hf.get("mlp_bias", False), comm)
 
-    def forward(self, x, positions, rope):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, rope, residual=None):
+        """-> (this layer's MLP output, the residual stream before it): each residual add is
+        done by the next RMSNorm (fused there where a fused op is), as in vLLM; None: x is
+        the stream itself (the first layer of a stage)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,9 +162,14 @@ class LlamaForCausalLM(nn.Module):
         inside the runner's forward context. Stage 0 embeds input_ids; a later stage starts from
         hidden_in (the previous stage's output)."""
         x = self.embed(input_ids) if hidden_in is None else hidden_in
+        residual = None
         for layer in self.stage_layers:
-            x = layer(x, positions, self.rope)
-        return self.norm(x)
+            x, residual = layer(x, positions, self.rope, residual)
+        if residual is None:   # a stage without layers
+            return self.norm(x)
+        if isinstance(self.norm, PPMissingLayer):   # the stream itself goes to the next stage
+            return x + residual
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden [B, hidden] of the rows that sample -> logits [B, vocab] (float32); stage 0

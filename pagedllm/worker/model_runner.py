@@ -18,6 +18,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.memory import MemorySnapshot
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
@@ -41,7 +42,11 @@ class ModelRunner:
         # --seed: requests without a seed of their own draw from torch's global generator, so
         # the same engine seed gives the same run (vLLM's set_random_seed).
         torch.manual_seed(mc.seed)
+        # Snapshots around the load: worker/memory.py counts as weights only what it added.
+        self.memory_baseline = MemorySnapshot.take(self.device)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
+        self.memory_after_load = MemorySnapshot.take(self.device)
+        self.memory_profile = None   # worker/memory.MemoryProfile, once profiled
         self.dtype = next(self.model.parameters()).dtype
         # The backend the model's Attention layers were built with (the selector caches it).
         self.attn_backend = get_attn_backend(self.device, self.dtype, dc.attention_backend)

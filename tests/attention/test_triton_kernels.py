@@ -229,11 +229,15 @@ def test_lower_level_matches_without_host_hints():
 # ------------------------------------------------------------------------------ split-K
 def test_choose_num_splits():
     sms = 132
-    assert tb.choose_num_splits(2, 2, 1, 4096, sms) == 16       # small batch, long context
-    assert tb.choose_num_splits(2, 2, 1, 1024, sms) == 4        # >= 256 keys per split
-    assert tb.choose_num_splits(2, 2, 1, 300, sms) == 1         # short context
+    assert tb.choose_num_splits(2, 2, 1, 4096, sms) == 64       # small batch: >= 64 keys per split
+    assert tb.choose_num_splits(2, 2, 1, 1024, sms) == 16
+    assert tb.choose_num_splits(1, 8, 1, 16384, sms) == 128     # 1024 programs: ~8 per SM
+    assert tb.choose_num_splits(1, 8, 1, 4096, sms) == 64
+    assert tb.choose_num_splits(8, 8, 1, 4096, sms) == 16
+    assert tb.choose_num_splits(32, 8, 1, 4096, sms) == 4
+    assert tb.choose_num_splits(2, 2, 1, 100, sms) == 1         # short context
     assert tb.choose_num_splits(2, 2, 7, 4096, sms) == 1        # not all-decode
-    assert tb.choose_num_splits(128, 8, 1, 4096, sms) == 1      # enough programs already
+    assert tb.choose_num_splits(128, 8, 1, 4096, sms) == 1      # ~8 programs per SM already
     n = tb.choose_num_splits(20, 2, 1, 4096, sms)
     assert 1 < n <= tb.SPLIT_MAX and n & (n - 1) == 0
 

@@ -18,7 +18,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.config import cuda_graph_ladder, resolve_dtype  # noqa: E402
 from pagedllm.engine.arg_utils import EngineArgs  # noqa: E402
-from pagedllm.worker.memory import GiB, dummy_step_layout, kv_cache_budget  # noqa: E402
+from pagedllm.worker.memory import (GiB, MemorySnapshot, dummy_step_layout, kv_cache_budget,  # noqa: E402
+                                    profile_by_delta)
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 3, 9, 16, 17, 40]   # across the 16-token block boundary
@@ -145,6 +146,31 @@ def test_kv_cache_budget():
     assert kv_cache_budget(80 * GiB, 0.9, int(2.5 * GiB), int(1.5 * GiB), GiB // 2) == int(67.5 * GiB)
     with pytest.raises(ValueError, match="gpu_memory_utilization 0.05"):
         kv_cache_budget(80 * GiB, 0.05, int(2.5 * GiB), int(1.5 * GiB), GiB // 2)
+
+
+def test_profile_by_delta_ignores_memory_in_use_before():
+    """A second engine in a process where another holds 23 GiB (torch) and another process
+    3 GiB: only what this engine adds counts as its weights, activations and non-torch memory."""
+    total, ctx, other_engine, other_proc = 80 * GiB, GiB // 2, 23 * GiB, 3 * GiB
+
+    def snap(allocated, reserved, non_torch, peak=0):
+        return MemorySnapshot(total=total, free=total - reserved - non_torch, torch_allocated=allocated,
+                              torch_reserved=reserved, torch_peak=peak)
+    base = snap(other_engine, other_engine, ctx + other_proc)
+    loaded = snap(other_engine + 2 * GiB, other_engine + 2 * GiB, ctx + other_proc)
+    before = snap(other_engine + 3 * GiB, other_engine + 3 * GiB, ctx + other_proc)   # + temporary cache
+    after = snap(other_engine + 2 * GiB, other_engine + 2 * GiB, ctx + other_proc + GiB // 4,
+                 peak=other_engine + 4.5 * GiB)
+    prof = profile_by_delta(base, loaded, before, after, 0.5)
+    assert (prof.weights, prof.peak_activation, prof.non_torch) == (2 * GiB, int(1.5 * GiB), GiB // 4)
+    assert prof.in_use_before == other_engine + ctx + other_proc
+    assert prof.kv_cache == 40 * GiB - 2 * GiB - int(1.5 * GiB) - GiB // 4
+    # the old arithmetic (allocated now = weights, used - reserved = non-torch) would have
+    # charged the other engine's 23 GiB as weights and the other process as non-torch:
+    assert prof.kv_cache - (40 * GiB - before.torch_allocated - after.non_torch) > 25 * GiB
+    # the share asked for is not free: a ValueError that says who holds the device
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.8 .* 26.50 GiB are in use"):
+        profile_by_delta(base, loaded, before, after, 0.8)
 
 
 @pytest.mark.parametrize("tokens,reqs,bs", [(2048, 128, 16), (2048, 1, 16), (100, 7, 32), (5, 5, 16)])

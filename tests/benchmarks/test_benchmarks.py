@@ -71,8 +71,12 @@ def test_bench_latency_profile_runs(model_dir, tmp_path):
     out = tmp_path / "lat.json"
     subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "latency", "--model", model_dir,
                     "--batch-size", "1", "3", "--input-len", "8", "--output-len", "6", "--profile",
-                    "--output-json", str(out)], check=True, capture_output=True, text=True, timeout=600)
-    rows = json.loads(out.read_text())["results"]
+                    "--torch-profile", "2", "--output-json", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    tp = data["torch_profile"]     # torch.profiler over 2 decode steps: the ops by time
+    assert tp["steps"] == 2 and "aten::" in tp["table"] and 0 < tp["device_us_per_step"]
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert r["output_tokens"] == 6 * r["batch"]

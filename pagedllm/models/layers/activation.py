@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.cpu_ops import fused_cpu_ops
+from pagedllm.models.layers.fused import fused_layer_ops
 
 
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.ops = fused_cpu_ops()   # one pass in C++ where the layer is built on the CPU; None: torch
+        self.ops = fused_layer_ops()   # one pass in C++ (built on the CPU) or Triton (on a GPU); None: torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:

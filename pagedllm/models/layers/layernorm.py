@@ -1,10 +1,14 @@
-"""RMSNorm (transformers' arithmetic: normalise in float32, then scale) and Gemma's (1 + weight) variant."""
+"""RMSNorm (transformers' arithmetic: normalise in float32, then scale), optionally with the
+residual add before it (vLLM's fused_add_rms_norm: one pass where a fused op is there), and
+Gemma's (1 + weight) variant."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
-from pagedllm.models.cpu_ops import fused_cpu_ops
+from pagedllm.models.layers.fused import fused_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -12,9 +16,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-        self.ops = fused_cpu_ops()   # the fused C++ op where the layer is built on the CPU; None: torch
+        self.ops = fused_layer_ops()   # C++ (built on the CPU) or Triton (on a GPU); None: torch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """x [..., dim] -> the normed x; with residual: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            if hasattr(self.ops, "fused_add_rms_norm"):
+                return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            x = x + residual
+            return self.forward(x), x
         if self.ops is not None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()

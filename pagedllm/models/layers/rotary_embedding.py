@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from pagedllm.models.cpu_ops import fused_cpu_ops
+from pagedllm.models.layers.fused import fused_layer_ops
 
 
 def rope_inv_freq(hf: dict, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -83,7 +83,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos.to(device, dtype), persistent=False)
         self.register_buffer("sin", sin.to(device, dtype), persistent=False)
         self.rot_dim = emb.shape[-1]
-        self.ops = fused_cpu_ops()   # the fused C++ op (q and k rotated in place); None: torch
+        self.ops = fused_layer_ops()   # C++ or Triton, q and k rotated in place; None: torch
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated (rotate-half convention)."""
