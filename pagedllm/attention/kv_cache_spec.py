@@ -55,6 +55,9 @@ class MLAAttentionSpec(KVCacheSpec):
 
     def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         return [(num_blocks * self.block_size, self.kv_lora_rank + self.qk_rope_head_dim)]
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
     """A sliding-window layer: each query attends to the last `sliding_window` tokens only (its
     own included). Same tensors as full attention; the KV cache manager may free a request's
