@@ -159,6 +159,7 @@ class OpenAIServing:
             raise OpenAIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
         if req.prompt_logprobs is not None and req.use_beam_search:
             raise OpenAIError("prompt_logprobs is not supported with use_beam_search", param="prompt_logprobs")
+
     def tokenize_prompts(self, p, add_special_tokens: bool, param: str) -> list[tuple[Optional[str], list[int]]]:
         """A string, a list of strings, token ids or lists of them -> [(text or None, token ids)],
         validated by the engine's Processor; 400 naming `param`."""
