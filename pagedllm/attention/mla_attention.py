@@ -29,6 +29,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.mla_absorb import absorb_query, split_kv_b, unabsorb_output
 from pagedllm.forward_context import get_forward_context
 
 
@@ -59,23 +60,6 @@ class MLAAttention(Attention):
             return mla_attention_triton(q_nope, q_pe, kv_c, k_pe, self.kv_cache[0], w_kv_b,
                                         meta, self.scale)
         return mla_attention_torch(q_nope, q_pe, kv_c, k_pe, self.kv_cache[0], w_kv_b, meta, self.scale)
-
-
-def split_kv_b(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int):
-    """kv_b_proj's weight [H * (dn + dv), R] -> views W_UK [H, dn, R], W_UV [H, dv, R]."""
-    w = w_kv_b.view(num_heads, -1, w_kv_b.shape[-1])
-    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
-
-
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """[q_lat, q_pe]: q_nope [B, H, dn] through W_UK [H, dn, R] into the latent space -> [B, H, R + dr]."""
-    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
-    return torch.cat((q_lat, q_pe), dim=-1)
-
-
-def unabsorb_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [B, H, R] (attention-weighted latents) through W_UV [H, dv, R] -> [B, H, dv]."""
-    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
 def mla_decode_torch(q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, kv_lora_rank: int,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.mla_attention import absorb_query, split_kv_b, unabsorb_output
+from pagedllm.attention.mla_absorb import absorb_query, split_kv_b, unabsorb_output
 from pagedllm.attention.triton_backend import (KernelLaunch, TritonAttentionMetadata, _next_pow2,
                                                _options, write_kv)
 from pagedllm.attention.triton_kernels import _query_block

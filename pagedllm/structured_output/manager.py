@@ -25,9 +25,9 @@ class StructuredOutputManager:
         self.cache: dict[tuple[str, str], Future] = {}
 
     def _make_backend(self):
-        from pagedllm.engine.llm_engine import load_tokenizer
+        from transformers import AutoTokenizer   # not engine.llm_engine's loader: it imports the core
         from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
-        return XgrammarBackend(load_tokenizer(self.model_dir), self.vocab_size, self.stop_token_ids)
+        return XgrammarBackend(AutoTokenizer.from_pretrained(self.model_dir), self.vocab_size, self.stop_token_ids)
 
     def grammar_init(self, request: Request) -> None:
         """Start compiling the request's grammar (or share the one compiled for its spec)."""

@@ -20,6 +20,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import EngineCoreProc
 from pagedllm.engine.step_failures import StepFailures
 from pagedllm.request import Request
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.sampling_params import SamplingParams
 
 TOKEN = 1000
@@ -58,6 +59,8 @@ def _fake_core(num_blocks=64, block_size=4) -> EngineCore:
     core.model_executor = FakeRunner(core.scheduler)
     core.failures = StepFailures(core.scheduler, core.model_executor)
     core.num_blocks = num_blocks
+    # No request here is constrained: the manager is never asked to compile (no tokenizer needed).
+    core.structured_output_manager = StructuredOutputManager("", vocab_size=1000, stop_token_ids=set())
     return core
 
 
