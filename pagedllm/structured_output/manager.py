@@ -8,6 +8,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
+from transformers import AutoTokenizer   # here, not in the pool's thread (an import there can stall)
+
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.request import Request
 
@@ -25,7 +27,6 @@ class StructuredOutputManager:
         self.cache: dict[tuple[str, str], Future] = {}
 
     def _make_backend(self):
-        from transformers import AutoTokenizer   # not engine.llm_engine's loader: it imports the core
         from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
         return XgrammarBackend(AutoTokenizer.from_pretrained(self.model_dir), self.vocab_size, self.stop_token_ids)
 
