@@ -67,9 +67,11 @@ def test_triton_backend_engine_equals_transformers(tiny_dir, prompts, reference)
 
 def test_padded_decode_graph_path_equals_transformers(tiny_dir, prompts, reference):
     """The static-buffer path a CUDA graph replays, run eagerly (capture=False): decode batches
-    of 6, 5, ... requests padded to the captured sizes 8, 4, 2, 1; padding rows write nothing."""
+    of 6, 5, ... requests padded to the captured sizes 8, 4, 2, 1; padding rows write nothing.
+    A graph's metadata is sized for max_model_len (its split-K count follows it): 128 keeps two
+    splits, most of them empty, without the interpreter paying for the tiny model's 1024."""
     from pagedllm.worker.cuda_graph import DecodeGraphs
-    llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32)
+    llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32, max_model_len=128)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     runner.graphs = graphs = DecodeGraphs(runner, [1, 2, 4, 8], capture=False)
     seen, run = [], graphs.run
