@@ -3,7 +3,7 @@ token, for default settings, chunked prefill with tiny blocks, and a KV cache sm
 to force preemption. The one allowed difference is a numerical tie (DESIGN.md): where the
 two first differ, the reference's top-2 logits are within 1e-4."""
 import pytest
-from greedy_utils import assert_greedy_equal, hf_greedy
+from greedy_utils import assert_greedy_equal, hf_greedy_batched
 
 from pagedllm import LLM, SamplingParams
 
@@ -49,8 +49,9 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="session")
 def reference(hf_model, prompts):
-    """transformers greedy: (output token ids, top-2 logit gap at each step) per prompt."""
-    return hf_greedy(hf_model, prompts, MAX_TOKENS)
+    """transformers greedy: (output token ids, top-2 logit gap at each step) per prompt, the 16
+    prompts in one batch."""
+    return hf_greedy_batched(hf_model, prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
