@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import warnings
@@ -157,7 +158,7 @@ class KVServer:
             header = {"layer": pull.next_layer, "num_layers": len(self.kv_caches),
                       "nbytes": [p.numel() for p in parts], "dtype": str(layer[0].dtype)}
             if pull.shm is not None:
-                header["shm"], header["offset"] = pull.shm.name, pull.offset
+                header["shm"], header["offset"], header["pid"] = pull.shm.name, pull.offset, os.getpid()
                 for p in parts:
                     pull.shm.buf[pull.offset:pull.offset + p.numel()] = p.numpy().data
                     pull.offset += p.numel()
@@ -211,7 +212,8 @@ def pull_kv(ctx: zmq.Context, host: str, port: int, req_id: str, first_block: in
                                    f"{header['nbytes']} bytes, expected {expected}/{len(kv_caches)}, {want})")
             if "shm" in header and shm is None:
                 shm = shared_memory.SharedMemory(name=header["shm"])
-                resource_tracker.unregister(shm._name, "shared_memory")   # the producer unlinks it
+                if header["pid"] != os.getpid():   # the producer unlinks it (one tracker per process)
+                    resource_tracker.unregister(shm._name, "shared_memory")
             off = header.get("offset", 0)
             for i, (t, n) in enumerate(zip(layer, want)):
                 if shm is not None:
