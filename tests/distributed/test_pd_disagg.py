@@ -85,6 +85,14 @@ def servers():
             srv.close()
 
 
+def _reference(prompts):
+    llm = LLM(TINY, max_model_len=MAX_LEN)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                       skip_special_tokens=False), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
 async def _one(url: str, prompt: list[int], stream: bool) -> str:
     body = {"model": TINY, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": stream, "skip_special_tokens": False}
