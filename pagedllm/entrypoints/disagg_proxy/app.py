@@ -45,7 +45,10 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
     prefills = [PrefillInstance(u.rstrip("/")) for u in prefill_urls]
     decodes = [DecodeInstance(u.rstrip("/")) for u in decode_urls]
     metrics = _Metrics()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+    # Idle connections expire before the instances' (uvicorn: 5 s), so that a request never goes
+    # out on a connection the instance is closing (a retry could not be safe: the KV is fetched once).
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                               limits=httpx.Limits(max_connections=None, keepalive_expiry=1.0))
 
     @app.get("/health")
     async def health():
