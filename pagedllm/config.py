@@ -174,6 +174,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    # P/D disaggregation (distributed/kv_transfer/config.KVTransferConfig), or None.
+    kv_transfer_config: Optional[object] = None
 
     def validate(self) -> None:
         c, s = self.cache_config, self.scheduler_config
@@ -205,6 +207,9 @@ class EngineConfig:
         if m.runner == "pooling" and (p.world_size > 1 or p.data_parallel_size > 1):
             raise ValueError("runner 'pooling' runs one unsplit replica: tensor_parallel_size, "
                              "pipeline_parallel_size and data_parallel_size must be 1")
+        if self.kv_transfer_config is not None and (p.world_size > 1 or p.data_parallel_size > 1 or m.runner != "generate"):
+            raise ValueError("kv_transfer_config needs one unsplit generating replica: tensor_parallel_size, "
+                             "pipeline_parallel_size and data_parallel_size 1, runner 'generate'")
         d = self.device_config
         if d.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")

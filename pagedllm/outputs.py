@@ -41,6 +41,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: Optional[PromptLogprobs] = None   # SamplingParams.prompt_logprobs (vLLM's shape)
+    # P/D disaggregation: where a finished prefill's KV waits for the decode instance (vLLM's).
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass

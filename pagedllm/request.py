@@ -12,12 +12,13 @@ from pagedllm.structured_output.request import StructuredOutputRequest
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     WAITING_FOR_FSM = 1   # in the waiting queue until its grammar is compiled (structured output)
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_REMOTE_KVS = 2   # holds its blocks while a KV connector loads them; computes nothing
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything past this line is finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -77,6 +78,10 @@ class Request:
         # prompt_logprobs: the scored prompt tokens gathered so far (ids, logprobs, rank each),
         # sent with the first token and then None (a recompute after preemption adds nothing).
         self.prompt_logprobs: Optional[list] = [] if sampling_params.prompt_logprobs is not None else None
+        # P/D disaggregation (distributed/kv_transfer): the request's own copy (the connector
+        # marks a remote prefill as consumed in it).
+        params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+        self.kv_transfer_params: Optional[dict] = dict(params) if params else None
 
     def add_prompt_logprobs(self, chunk) -> None:
         """One step's scored positions (worker/prompt_logprobs.py); positions already held (a

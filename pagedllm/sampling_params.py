@@ -119,6 +119,8 @@ class SamplingParams:
     # Internal (beam search): the core reports logprobs but appends no token; the caller
     # chooses the next token and appends it or forks the request.
     external_tokens: bool = False
+    # vLLM's: free-form extras for plugins; "kv_transfer_params" drives P/D disaggregation.
+    extra_args: Optional[dict] = None
     # Filled by the engine from the tokenizer / generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -132,6 +134,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise ParamError("extra_args", f"extra_args must be a dict, got {self.extra_args!r}")
+            from pagedllm.distributed.kv_transfer.config import validate_kv_transfer_params
+            try:
+                validate_kv_transfer_params(self.extra_args.get("kv_transfer_params"))
+            except ValueError as e:
+                raise ParamError("kv_transfer_params", str(e)) from None
 
     # ------------------------------------------------------------------ checks
     def _validate(self) -> None:

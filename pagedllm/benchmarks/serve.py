@@ -45,6 +45,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="after the server runs, send the same requests through LLM.generate in this "
                         "process (max_num_seqs = the concurrency, the --tokenizer model) and print "
                         "the server's output throughput as a share of the offline one")
+    p.add_argument("--long-every", type=int, default=0, metavar="K",
+                   help="mixed workload: every K-th request has a --long-input-len prompt (P/D benchmarks); "
+                        "the table then adds the short requests' ITL p99 (default 0: off)")
+    p.add_argument("--long-input-len", type=int, default=2048)
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw TTFT / TPOT percentiles and output tok/s against the concurrency (matplotlib)")
@@ -59,14 +63,17 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    status: int = 0
+    start: float = 0.0   # perf_counter when sent
 
 
 async def _one(client, url: str, headers: dict, body: dict) -> RequestResult:
     res = RequestResult(prompt_len=len(body["prompt"]))
-    t0 = time.perf_counter()
+    t0 = res.start = time.perf_counter()
     last = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
+            res.status = r.status_code
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return res
@@ -124,15 +131,17 @@ def _pct(xs, q) -> float:
     return float(np.percentile(xs, q)) * 1000 if len(xs) else float("nan")
 
 
-def summarize(results: list[RequestResult], duration: float, concurrency: int) -> dict:
+def summarize(results: list[RequestResult], duration: float, concurrency: int, long_len: int = 0) -> dict:
     ok = [r for r in results if r.ok]
+    rejected = [r for r in results if r.status == 503]
     ttft = [r.ttft for r in ok]
     tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     itl = [x for r in ok for x in r.itl]
     e2e = [r.e2e for r in ok]
     out_toks = sum(r.output_len for r in ok)
     in_toks = sum(r.prompt_len for r in ok)
-    row = {"concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok),
+    row = {"concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok) - len(rejected),
+           "rejected": len(rejected),
            "duration_s": duration, "request_throughput": len(ok) / duration,
            "output_throughput": out_toks / duration, "total_token_throughput": (in_toks + out_toks) / duration,
            "input_tokens": in_toks, "output_tokens": out_toks}
@@ -140,7 +149,14 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int) -
         row[f"mean_{name}_ms"] = float(np.mean(xs)) * 1000 if xs else float("nan")
         for q in (50, 90, 99):
             row[f"p{q}_{name}_ms"] = _pct(xs, q)
-    errors = sorted({r.error for r in results if not r.ok})
+    if long_len:   # mixed workload: the short requests' time between tokens
+        row["p99_short_itl_ms"] = _pct([x for r in ok if r.prompt_len < long_len for x in r.itl], 99)
+        row["p50_short_itl_ms"] = _pct([x for r in ok if r.prompt_len < long_len for x in r.itl], 50)
+    if rejected and ok:   # early rejection: admitted requests per 10 s window of sending
+        t0 = min(r.start for r in results)
+        bins = np.bincount([int((r.start - t0) // 10) for r in ok])
+        row["admitted_per_10s"] = bins.tolist()
+    errors = sorted({r.error for r in results if not r.ok and r.status != 503})
     if errors:
         row["errors"] = errors[:5]
     return row
@@ -185,6 +201,11 @@ def main(ns: argparse.Namespace) -> int:
 
     def bodies_for(seed):
         reqs = random_requests(tok, ns.num_prompts, span(ns.random_input_len), span(ns.random_output_len), seed)
+        if ns.long_every > 0:   # mixed: every K-th prompt long
+            longs = random_requests(tok, ns.num_prompts // ns.long_every + 1, span(ns.long_input_len),
+                                    span(ns.random_output_len), seed + 10_000)
+            for j in range(ns.long_every - 1, len(reqs), ns.long_every):
+                reqs[j] = longs[j // ns.long_every]
         return [{"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0,
                  "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for r in reqs]
 
@@ -196,9 +217,13 @@ def main(ns: argparse.Namespace) -> int:
         if warm:
             asyncio.run(_run(ns.base_url, headers, warm, c, math.inf, ns.seed))
         results, duration = asyncio.run(_run(ns.base_url, headers, bodies, c, ns.request_rate, ns.seed))
-        row = summarize(results, duration, c)
+        row = summarize(results, duration, c, ns.long_input_len if ns.long_every > 0 else 0)
         rows.append(row)
-        print(f"concurrency {c}: {row['completed']} done, {row['failed']} failed in {duration:.1f} s", flush=True)
+        print(f"concurrency {c}: {row['completed']} done, {row['failed']} failed, {row['rejected']} rejected (503) "
+              f"in {duration:.1f} s", flush=True)
+        for key in ("p50_short_itl_ms", "p99_short_itl_ms", "admitted_per_10s"):
+            if key in row:
+                print(f"  {key}: {row[key]}")
         for e in row.get("errors", []):
             print(f"  error: {e}")
 

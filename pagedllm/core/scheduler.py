@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
+from pagedllm.core.remote_kv import RemoteKV
 from pagedllm.core.scheduler_output import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagedllm.request import FinishReason, Request, RequestStatus
@@ -32,7 +33,8 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, connector=None) -> None:
+        """connector: the scheduler side of a KV connector (P/D disaggregation), or None."""
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
@@ -48,6 +50,10 @@ class Scheduler:
         self.pending_tokens: dict[str, list[int]] = {}
         # Ended because their grammar failed to compile: reported by the next update.
         self.grammar_failed: list[Request] = []
+        self.connector = connector
+        self.remote_kv = RemoteKV(connector, kv_cache_manager) if connector is not None else None
+        # Requests whose remote KV failed to load: ended, for the engine core to report.
+        self.kv_load_failures: list[tuple[str, str]] = []
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -79,23 +85,32 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:   # not when it was skipped out of the queue
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
             done.append(request)
         return done
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> Optional[dict]:
+        """-> the kv_transfer_params of a request whose blocks a KV connector keeps (P/D)."""
         self.pending_tokens.pop(request.request_id, None)
         self.unsent.discard(request.request_id)
-        self.kv_cache_manager.free(request)
+        held, params = self.remote_kv.on_finished(request) if self.remote_kv is not None else (False, None)
+        if not held:
+            self.kv_cache_manager.free(request)
         self.kv_cache_manager.drop_swapped(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return params
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_kv_transfers(self) -> bool:
+        """Finished requests whose blocks wait for a KV transfer to end (P/D): the engine core
+        keeps stepping for them."""
+        return self.remote_kv is not None and self.remote_kv.has_work()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -175,6 +190,13 @@ class Scheduler:
                 continue
             if head.is_finished():
                 continue
+            if self.remote_kv is not None:
+                loading = self.remote_kv.check_waiting(head)
+                if loading is None:
+                    return   # no blocks for its load
+                if loading:
+                    skipped.append(self.waiting.popleft())
+                    continue
             unit = _unit_at(self.waiting, 0)
             # A request counts as every sequence it will fork into (n siblings, beams).
             width = sum(r.get_max_num_running_seqs() for r in unit)
@@ -211,6 +233,8 @@ class Scheduler:
             blocks_to_copy=kv.take_pending_copies(),
         )
         out.blocks_to_swap_out, out.blocks_to_swap_in = kv.take_pending_swaps()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, self.requests, kv.get_block_ids)
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step schedules the rest.
         for req_id, n in step.num_scheduled.items():
@@ -260,7 +284,9 @@ class Scheduler:
         following its search's first admitted beam, which may get no tokens this step."""
         kv = self.kv_cache_manager
         swapped = kv.is_swapped(request)
-        hits, num_hit_tokens = ([], 0) if swapped else kv.get_computed_blocks(request)
+        # A request that holds blocks already (swapped out, or its KV loaded from a remote
+        # prefill) takes no prefix hits.
+        hits, num_hit_tokens = ([], 0) if swapped or request.num_computed_tokens else kv.get_computed_blocks(request)
         n = self._num_tokens_to_compute(request) - num_hit_tokens
         if n > step.budget and not self.config.chunked_prefill:
             if not with_unit:
@@ -379,6 +405,8 @@ class Scheduler:
             if request is not None:
                 request.add_prompt_logprobs(chunk)
         pooled = runner_output.pooler_output
+        if self.remote_kv is not None:
+            self._update_kv_transfers(runner_output.kv_connector_output)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if pooled is not None and pooled[row] is not None and request is not None and not request.is_finished():
@@ -410,8 +438,16 @@ class Scheduler:
             ))
             if finished:
                 self.running.remove(request)
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
         return outputs
+
+    def _update_kv_transfers(self, kv_connector_output) -> None:
+        """Blocks fetched from this instance go back; requests whose KV load failed end."""
+        failed = self.remote_kv.update(kv_connector_output)
+        if failed:
+            why = dict(failed)
+            for request in self.finish_requests(why, RequestStatus.FINISHED_ABORTED):
+                self.kv_load_failures.append((request.request_id, why[request.request_id]))
 
     def _finish_pooled(self, request: Request, vector: list[float]) -> EngineCoreOutput:
         """A pooling request ends with its prompt: its vector is its only output."""

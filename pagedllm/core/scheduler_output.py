@@ -43,6 +43,8 @@ class SchedulerOutput:
     # rows in that order (numpy int32 [len(ids), ceil(V / 32)], filled by the engine core).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Optional[Any] = None
+    # P/D disaggregation: what the worker side of the KV connector loads and saves this step.
+    kv_connector_metadata: Optional[Any] = None
 
 
 @dataclass
@@ -56,6 +58,8 @@ class ModelRunnerOutput:
     prompt_logprobs: Optional[dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]]] = None
     # --runner pooling: per row, the prompt's pooled vector once its last token is computed.
     pooler_output: Optional[list[Optional[list[float]]]] = None
+    # The KV connector's finished / failed transfers (distributed/kv_transfer/base.KVConnectorOutput).
+    kv_connector_output: Optional[Any] = None
 
 
 @dataclass
@@ -70,3 +74,5 @@ class EngineCoreOutput:
     # 1..P-1, each ([prompt token, top k...] ids, logprobs, rank of the prompt token).
     prompt_logprobs: Optional[list[tuple[list[int], list[float], int]]] = None
     pooled: Optional[list[float]] = None   # --runner pooling: the request's embedding (it ends with it)
+    # P/D: a finished prefill's KV location for the decode instance (vLLM's kv_transfer_params).
+    kv_transfer_params: Optional[dict] = None

@@ -33,6 +33,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False         # no CUDA graphs
     runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
+    # P/D disaggregation: vLLM's --kv-transfer-config (JSON text, a dict, or a KVTransferConfig).
+    kv_transfer_config: Optional[object] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -72,6 +74,10 @@ class EngineArgs:
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
         config = EngineConfig(mc, cc, sc, pc, dc)
+        if self.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer.config import KVTransferConfig
+            config.kv_transfer_config = KVTransferConfig.from_cli(self.kv_transfer_config)
+            config.kv_transfer_config.resolve_port()
         config.validate()
         return config
 

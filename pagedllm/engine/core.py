@@ -9,6 +9,7 @@ A step that raises is rolled back and only the request that caused it fails
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Iterable, Optional
 
@@ -16,6 +17,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.distributed.kv_transfer.base import KVConnectorRole
+from pagedllm.distributed.kv_transfer.factory import create_connector
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.engine.step_failures import StepFailures
 from pagedllm.executor.abstract import Executor
 from pagedllm.models.hf_config import kv_cache_sliding_window
@@ -56,7 +60,8 @@ class EngineCore:
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks,
                             sliding_window=kv_cache_sliding_window(config.model_config.hf_config))
-        self.scheduler = Scheduler(config.scheduler_config, kv)
+        self.scheduler = Scheduler(config.scheduler_config, kv, connector=create_connector(
+            config.kv_transfer_config, KVConnectorRole.SCHEDULER, cc.block_size))
         self.structured_output_manager = StructuredOutputManager(
             config.model_config.model, config.model_config.vocab_size, self.eos_ids)
         self.failures = StepFailures(self.scheduler, executor)
@@ -112,12 +117,21 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        sched = self.scheduler
+        return sched.has_unfinished_requests() or sched.has_kv_transfers() or bool(sched.kv_load_failures)
+
+    def _raise_kv_load_failures(self) -> None:
+        """Requests whose remote KV could not be loaded (distributed/kv_transfer) were ended by
+        the last update: their clients get the error."""
+        failures, self.scheduler.kv_load_failures = self.scheduler.kv_load_failures, []
+        if failures:
+            raise RequestFailedError([r for r, _ in failures], "; ".join(f"{r}: {why}" for r, why in failures))
 
     def step(self) -> list[EngineCoreOutput]:
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
-        if not self.scheduler.has_unfinished_requests():
+        self._raise_kv_load_failures()
+        if not self.has_unfinished_requests():
             return []
         PROFILER.begin_step()
         so = self._schedule()
@@ -130,6 +144,8 @@ class EngineCore:
         self.failures.step_done(so)
         outputs = self.scheduler.update_from_output(so, ro)
         PROFILER.mark("scheduler_update")
+        if so.total_num_scheduled_tokens == 0 and self.scheduler.connector is not None:
+            time.sleep(0.001)   # only KV transfers in flight: do not spin a core while they run
         return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:

@@ -96,7 +96,8 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
+        # Not the core's KV transfers (P/D): offline, a later call's steps end them.
+        return self.core.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
     def shutdown(self) -> None:
         """Stop the worker processes of a split model (tensor / pipeline parallelism)."""

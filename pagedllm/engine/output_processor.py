@@ -210,6 +210,8 @@ class OutputProcessor:
             if finished:
                 del self.states[out.req_id]
             ro = self._make_output(st, finished)
+            if ro is not None and out.kv_transfer_params is not None:
+                ro.kv_transfer_params = out.kv_transfer_params
             if ro is not None:
                 request_outputs.append(ro)
         return request_outputs, to_abort

@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
+    p.add_argument("--kv-transfer-config", default=None,
+                   help='P/D disaggregation (vLLM\'s flag), JSON: {"kv_connector": "ZmqConnector", "kv_role": '
+                        '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port", '
+                        '"kv_connector_extra_config": {"timeout_s", "use_shm"}}')
 
 
 def _runner(ns: argparse.Namespace) -> str:
@@ -72,7 +76,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, runner=_runner(ns))
+                      enforce_eager=ns.enforce_eager, runner=_runner(ns),
+                      kv_transfer_config=getattr(ns, "kv_transfer_config", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -177,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from pagedllm.entrypoints.disagg_proxy.cli import add_proxy_parser
+    add_proxy_parser(sub)
 
     from pagedllm.benchmarks.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)

@@ -32,6 +32,7 @@ class Worker:
         self.num_threads = num_threads
         self.parallel = None   # distributed.parallel_state.ParallelContext of a split model
         self.model_runner: Optional[ModelRunner] = None
+        self.kv_connector = None   # worker/kv_connector_worker.KVConnectorWorker, with --kv-transfer-config
 
     def get_pid(self) -> int:
         return os.getpid()
@@ -69,9 +70,14 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.model_runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        if self.config.kv_transfer_config is not None:   # P/D disaggregation (one-process engines)
+            from pagedllm.worker.kv_connector_worker import KVConnectorWorker
+            self.kv_connector = KVConnectorWorker(self.config, self.model_runner)
 
     # ------------------------------------------------------------ steps: rank 0
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is not None:
+            return self.kv_connector.execute_model(self.model_runner, so)
         return self.model_runner.execute_model(so)
 
     def submit_step(self, so: SchedulerOutput):
@@ -98,6 +104,9 @@ class Worker:
         return self.parallel.stats.as_dict() if self.parallel else {}
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
         if self.parallel is not None:
             self.parallel.close()
             self.parallel = None

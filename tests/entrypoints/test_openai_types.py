@@ -13,7 +13,8 @@ from server_utils import TINY
 from engine.test_logprobs import tiny_dir  # noqa: F401 (fixture)
 
 # Fields pagedllm adds, as vLLM does: not in OpenAI's types.
-VLLM_EXTRAS = {"stop_reason", "prompt_logprobs", "root", "parent", "max_model_len", "reasoning_content"}
+VLLM_EXTRAS = {"stop_reason", "prompt_logprobs", "root", "parent", "max_model_len", "reasoning_content",
+               "kv_transfer_params"}
 MESSAGES = [{"role": "user", "content": "w12 w400 w33"}]
 
 

@@ -126,6 +126,9 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: Optional[StrictStr] = None
     guided_choice: Optional[list[StrictStr]] = None
     guided_grammar: Optional[StrictStr] = None
+    # vLLM's P/D field: {"do_remote_decode": true} on a prefill; the prefill response's value on
+    # the decode request.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The constraint asked for, validated by the grammar compiler; ParamError naming the
@@ -194,6 +197,7 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
             structured_outputs=self.structured_outputs_params(),
+            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params},
         )
 
 
@@ -249,6 +253,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None   # vLLM's: a prefill's KV, for the decode instance
 
 
 # ------------------------------------------------------------------ chat
@@ -359,6 +364,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
     prompt_logprobs: PromptLogprobsJSON = None   # vLLM's extra (the request's prompt_logprobs)
+    kv_transfer_params: Optional[dict[str, Any]] = None   # vLLM's: a prefill's KV, for the decode instance
 
 
 # ------------------------------------------------------------------ tokenizer endpoints

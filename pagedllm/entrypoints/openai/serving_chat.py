@@ -223,7 +223,8 @@ class OpenAIServingChat(OpenAIServing):
                                                       total_tokens=num_prompt + num_gen,
                                                       prompt_tokens_details=PromptTokensDetails(
                                                           cached_tokens=final.num_cached_tokens)),
-                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
+                                      kv_transfer_params=final.kv_transfer_params)
 
     # ------------------------------------------------------------ beam search
     async def _beam_full(self, req, request_id, created, handles, num_prompt) -> ChatCompletionResponse:

@@ -121,7 +121,9 @@ class OpenAIServingCompletion(OpenAIServing):
                           total_tokens=num_prompt_tokens + num_gen,
                           prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
         return CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                  choices=choices, usage=usage)
+                                  choices=choices, usage=usage,
+                                  kv_transfer_params=next((f.kv_transfer_params for f in finals.values()
+                                                           if f.kv_transfer_params), None))
 
     # ------------------------------------------------------------ beam search
     async def _beam_full(self, req, request_id, created, handles, texts, num_prompt_tokens) -> CompletionResponse:

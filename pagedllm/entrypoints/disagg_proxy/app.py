@@ -1,0 +1,178 @@
+"""The proxy's OpenAI routes: each request is prefilled (max_tokens 1, kv_transfer_params
+{"do_remote_decode": true}) on the prefill instance of the lowest predicted TTFT, then sent with
+the prefill's kv_transfer_params to a decode instance, whose answer (streamed or not) is the
+client's. Refused at once with 503 when the predicted TTFT or TBT misses the SLO."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.entrypoints.disagg_proxy.predictor import (
+    DecodeInstance, PrefillInstance, chunk_hashes, now, pick_decode, pick_prefill)
+
+logger = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, type_: str, code: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,
+                                                               "param": None, "code": code}})
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pagedllm_proxy:requests", "Requests by outcome.", ["outcome"], registry=r)
+        self.predicted_ttft = Histogram("pagedllm_proxy:predicted_ttft_seconds", "Predicted TTFT of admitted requests.",
+                                        registry=r, buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30))
+        self.ttft = Histogram("pagedllm_proxy:ttft_seconds", "Observed TTFT (streamed requests).",
+                              registry=r, buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30))
+        self.kv_blocks = Counter("pagedllm_proxy:kv_blocks_moved", "KV blocks handed from prefill to decode.",
+                                registry=r)
+        self.queue = Gauge("pagedllm_proxy:prefill_queue_seconds", "Booked prefill work ahead.", ["instance"],
+                           registry=r)
+        self.streams = Gauge("pagedllm_proxy:decode_streams", "Requests decoding.", ["instance"], registry=r)
+
+
+def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optional[float] = None,
+              tbt_slo: Optional[float] = None, timeout: float = 600.0) -> FastAPI:
+    app = FastAPI()
+    prefills = [PrefillInstance(u.rstrip("/")) for u in prefill_urls]
+    decodes = [DecodeInstance(u.rstrip("/")) for u in decode_urls]
+    metrics = _Metrics()
+    # Idle connections expire before the instances' (uvicorn: 5 s), so that a request never goes
+    # out on a connection the instance is closing (a retry could not be safe: the KV is fetched once).
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                               limits=httpx.Limits(max_connections=None, keepalive_expiry=1.0))
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prom():
+        t = now()
+        for p in prefills:
+            metrics.queue.labels(p.url).set(max(p.busy_until - t, 0.0))
+        for d in decodes:
+            metrics.streams.labels(d.url).set(d.streams)
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        r = await client.get(decodes[0].url + "/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def handle(path: str, raw: Request):
+        try:
+            body = await raw.json()
+        except ValueError:
+            return _error(400, "the body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error")
+        text = json.dumps(body.get("messages")) if "messages" in body else str(body.get("prompt", ""))
+        hashes, t0 = chunk_hashes(text), now()
+        prefill, queue, seconds = pick_prefill(prefills, hashes, len(text), t0)
+        decode = pick_decode(decodes)
+        ttft_pred = queue + seconds + decode.transfer.value
+        tbt_pred = decode.tbt(decode.streams + 1)
+        if (ttft_slo is not None and ttft_pred > ttft_slo) or (tbt_slo is not None and tbt_pred > tbt_slo):
+            metrics.requests.labels("rejected").inc()
+            return _error(503, f"overloaded: predicted TTFT {ttft_pred:.3f} s (SLO {ttft_slo}), TBT "
+                               f"{tbt_pred:.4f} s (SLO {tbt_slo})", "service_unavailable", "server_overloaded")
+        metrics.predicted_ttft.observe(ttft_pred)
+        prefill.book(seconds, t0)
+        pre_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        pre_body.pop("stream_options", None)
+        if "max_completion_tokens" in pre_body:
+            pre_body["max_completion_tokens"] = 1
+        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        booked = True
+        try:
+            r = await client.post(prefill.url + path, json=pre_body, headers=headers)
+            took = now() - t0 - queue
+            pre = r.json() if r.headers.get("content-type", "").startswith("application/json") else None
+            if r.status_code != 200 or pre is None:
+                metrics.requests.labels("prefill_error").inc()
+                return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            usage = pre.get("usage") or {}
+            prompt_tokens = usage.get("prompt_tokens", 0)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+            prefill.done(hashes, seconds, took, prompt_tokens - cached, prompt_tokens, len(text))
+            booked = False
+            kvp = pre.get("kv_transfer_params")
+            if not kvp:
+                metrics.requests.labels("prefill_error").inc()
+                return _error(502, f"the prefill instance {prefill.url} returned no kv_transfer_params "
+                                   "(is it started with --kv-transfer-config kv_producer?)", "upstream_error")
+            metrics.kv_blocks.inc(len(kvp.get("remote_block_ids", ())))
+        except httpx.HTTPError as e:
+            metrics.requests.labels("prefill_error").inc()
+            return _error(502, f"the prefill instance {prefill.url} failed: {type(e).__name__}: {e}", "upstream_error")
+        finally:
+            if booked:
+                prefill.done([], seconds, 0.0, 0, 0, 0)
+        return await _decode(path, dict(body, kv_transfer_params=kvp), decode, headers, t0)
+
+    async def _decode(path, body, decode: DecodeInstance, headers, t0):
+        decode.streams += 1
+        t1 = now()
+        if not body.get("stream"):
+            try:
+                r = await client.post(decode.url + path, json=body, headers=headers)
+            except httpx.HTTPError as e:
+                metrics.requests.labels("decode_error").inc()
+                return _error(502, f"the decode instance {decode.url} failed: {type(e).__name__}: {e}", "upstream_error")
+            finally:
+                decode.streams -= 1
+            metrics.requests.labels("ok" if r.status_code == 200 else "decode_error").inc()
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        req = client.build_request("POST", decode.url + path, json=body, headers=headers)
+        try:
+            r = await client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            decode.streams -= 1
+            metrics.requests.labels("decode_error").inc()
+            return _error(502, f"the decode instance {decode.url} failed: {type(e).__name__}: {e}", "upstream_error")
+        if r.status_code != 200:
+            content = await r.aread()
+            await r.aclose()
+            decode.streams -= 1
+            metrics.requests.labels("decode_error").inc()
+            return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+        async def relay():
+            last, n = None, 0
+            try:
+                async for chunk in r.aiter_raw():
+                    t = now()
+                    if last is None:
+                        decode.transfer.update(t - t1)
+                        metrics.ttft.observe(t - t0)
+                    else:
+                        decode.obs.append((decode.streams, t - last))
+                    last, n = t, n + 1
+                    yield chunk
+                metrics.requests.labels("ok").inc()
+            except httpx.HTTPError:
+                metrics.requests.labels("decode_error").inc()
+            finally:
+                decode.streams -= 1
+                await r.aclose()
+        return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await handle("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await handle("/v1/chat/completions", raw)
+
+    app.state.prefills, app.state.decodes = prefills, decodes
+    return app

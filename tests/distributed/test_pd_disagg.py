@@ -1,0 +1,173 @@
+"""P/D disaggregation end to end: a prefill and a decode `pagedllm serve` (separate processes,
+the ZMQ connector) behind `pagedllm proxy` answer greedy requests exactly as one colocated
+offline engine does, token for token, streamed and not; the prefill side hits its prefix cache,
+the decode side (a cache too small for the batch) preempts and recomputes; a consumer that
+never fetches lets the producer's blocks go after the timeout; a producer killed while the
+decode instance is pulling turns into an error for that request, no hang, no leaked blocks.
+
+The tiny random model keeps it fast (prompts as token ids: its tokenizer is word level)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from server_utils import REPO, TINY, free_port, tiny_server, wait_metrics
+
+MAX_LEN, MAX_TOKENS, NUM_PROMPTS = 256, 24, 6
+USED = "pagedllm:kv_cache_used_blocks"
+
+
+def _kv_config(role: str, timeout_s: float) -> str:
+    return json.dumps({"kv_connector": "ZmqConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"timeout_s": timeout_s}})
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 512, (40,), generator=g).tolist()   # a common prefix: prefill cache hits
+    return [shared + torch.randint(3, 512, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(NUM_PROMPTS)]
+
+
+class Proxy:
+    def __init__(self, prefill: str, decode: str) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy", "--port", port,
+                                      "--prefill", prefill, "--decode", decode], cwd=REPO,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    # The decode instance's cache holds 15 blocks (16 KiB each), 2 of these requests: 6 concurrent
+    # ones preempt. Both instances start at once (each start mostly waits on imports and the model).
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_producer", 4.0)),
+                  pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0),
+                              "--kv-cache-memory", "0.00025")]
+        started = [f.result() for f in starts if f.exception() is None]
+    proxy = None
+    try:
+        if len(started) < 2:
+            raise next(f.exception() for f in starts if f.exception() is not None)
+        prefill, decode = started
+        proxy = Proxy(prefill.url, decode.url)
+        yield prefill, decode, proxy
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for srv in started:
+            srv.close()
+
+
+def _reference(prompts):
+    llm = LLM(TINY, max_model_len=MAX_LEN)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                       skip_special_tokens=False), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+async def _one(url: str, prompt: list[int], stream: bool) -> str:
+    body = {"model": TINY, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "skip_special_tokens": False}
+    async with httpx.AsyncClient(timeout=120) as c:
+        if not stream:
+            r = await c.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+
+@pytest.mark.timeout(600)
+def test_proxy_greedy_equals_colocated(servers):
+    prefill, decode, proxy = servers
+    prompts = _prompts()
+    want = _reference(prompts)
+
+    async def run():
+        return await asyncio.gather(*[_one(proxy.url, p, stream=i % 2 == 1) for i, p in enumerate(prompts)])
+    got = asyncio.run(run())
+    assert got == want
+    pm, dm = prefill.metrics(), decode.metrics()
+    assert pm["pagedllm:prefix_cache_hits_total"] > 0, pm          # the shared prefix, after the first
+    assert dm["pagedllm:num_preemptions_total"] > 0, dm            # the decode cache is too small for all
+    # Every transfer ended: both sides hold no block (the prefill's are fetched, not leaked).
+    wait_metrics(prefill, lambda m: m[USED] == 0, "prefill blocks freed after the fetches", timeout=30)
+    wait_metrics(decode, lambda m: m[USED] == 0, "decode blocks freed", timeout=30)
+    pm = httpx.get(proxy.url + "/metrics").text
+    assert 'pagedllm_proxy:requests_total{outcome="ok"} 6.0' in pm, pm
+
+
+def _prefill_only(prefill, prompt) -> dict:
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+        "model": TINY, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+@pytest.mark.timeout(120)
+def test_unfetched_blocks_are_freed_after_timeout(servers):
+    prefill = servers[0]
+    params = _prefill_only(prefill, _prompts()[0][:30])
+    assert params["do_remote_prefill"] and params["remote_block_ids"], params
+    assert prefill.metrics()[USED] >= len(params["remote_block_ids"])   # held for the consumer
+    wait_metrics(prefill, lambda m: m[USED] == 0, "blocks freed after timeout_s", timeout=30)
+
+
+@pytest.mark.stops_server
+@pytest.mark.timeout(120)
+def test_producer_killed_mid_transfer(servers):
+    prefill, decode, _ = servers
+    params = _prefill_only(prefill, _prompts()[1])
+    os.killpg(prefill.proc.pid, signal.SIGSTOP)   # the decode's pull gets no answer...
+    try:
+        async def run():
+            task = asyncio.ensure_future(httpx.AsyncClient(timeout=60).post(decode.url + "/v1/completions", json={
+                "model": TINY, "prompt": _prompts()[1], "max_tokens": 4, "kv_transfer_params": params}))
+            await asyncio.sleep(1.0)
+            os.killpg(prefill.proc.pid, signal.SIGKILL)   # ...and the producer dies meanwhile
+            return await task
+        t0 = time.monotonic()
+        r = asyncio.run(run())
+    finally:
+        os.killpg(prefill.proc.pid, signal.SIGCONT) if prefill.proc.poll() is None else None
+    assert r.status_code >= 500 and "KV transfer" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 30
+    wait_metrics(decode, lambda m: m[USED] == 0, "no decode block leaked", timeout=30)
+    # The decode instance goes on serving.
+    r = httpx.post(decode.url + "/v1/completions", timeout=60,
+                   json={"model": TINY, "prompt": [5, 6, 7], "max_tokens": 3})
+    assert r.status_code == 200, r.text
