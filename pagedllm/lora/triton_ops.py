@@ -21,17 +21,17 @@ def lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, h_ptr, K, R,
                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
-    live = slot >= 0
     s = tl.maximum(slot, 0).to(tl.int64)
+    R = tl.where(slot >= 0, R, 0)   # a base token: every mask false, nothing loaded or stored
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k, mask=live & (k < K), other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
         av = tl.load(a_ptr + s * stride_as + r[:, None] * stride_ar + k[None, :],
-                     mask=live & (r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
+                     mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(av * xv[None, :], axis=1)
-    tl.store(h_ptr + t.to(tl.int64) * stride_ht + r, acc, mask=live & (r < R))
+    tl.store(h_ptr + t.to(tl.int64) * stride_ht + r, acc, mask=r < R)
 
 
 @triton.jit
@@ -40,17 +40,18 @@ def lora_expand_kernel(h_ptr, b_ptr, slot_ptr, y_ptr, N, R,
                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
-    live = slot >= 0
     s = tl.maximum(slot, 0).to(tl.int64)
+    N = tl.where(slot >= 0, N, 0)   # a base token: y is neither read nor written
+    R = tl.where(slot >= 0, R, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
-    hv = tl.load(h_ptr + t.to(tl.int64) * stride_ht + r, mask=live & (r < R), other=0.0)
+    hv = tl.load(h_ptr + t.to(tl.int64) * stride_ht + r, mask=r < R, other=0.0)
     bv = tl.load(b_ptr + s * stride_bs + n[:, None] * stride_bn + r[None, :],
-                 mask=live & (n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
+                 mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
     delta = tl.sum(bv * hv[None, :], axis=1)
     y_at = y_ptr + t.to(tl.int64) * stride_yt + n
-    yv = tl.load(y_at, mask=live & (n < N), other=0.0)
-    tl.store(y_at, (yv.to(tl.float32) + delta).to(yv.dtype), mask=live & (n < N))
+    yv = tl.load(y_at, mask=n < N, other=0.0)
+    tl.store(y_at, (yv.to(tl.float32) + delta).to(yv.dtype), mask=n < N)
 
 
 def lora_launches(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
