@@ -8,8 +8,10 @@ ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 def make_adapter(model_dir: str, out: str, seed: int, r: int = 8, targets=ALL_PROJ,
-                 use_rslora: bool = False, lora_alpha: int = 16, scale: float = 0.05, **cfg) -> str:
-    """A PEFT LoRA adapter of the model at model_dir, every A and B drawn from N(0, scale^2)."""
+                 use_rslora: bool = False, lora_alpha: int = 16, scale: float = 0.05, merged: bool = False,
+                 **cfg):
+    """A PEFT LoRA adapter of the model at model_dir, every A and B drawn from N(0, scale^2),
+    saved in `out` -> out, or (out, the merged model) with `merged` (saves loading it again)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -21,7 +23,7 @@ def make_adapter(model_dir: str, out: str, seed: int, r: int = 8, targets=ALL_PR
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     peft_model.save_pretrained(out, safe_serialization=True)
-    return out
+    return (out, peft_model.merge_and_unload().eval()) if merged else out
 
 
 def merged_model(model_dir: str, adapter_dir: str):
