@@ -53,7 +53,9 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = self.config.scheduler_config.max_num_seqs
         self.max_model_len = self.config.model_config.max_model_len
-        self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix)
+        lc = self.config.lora_config
+        self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix,
+                                     max_lora=lc.max_loras if lc is not None else None)
         self.stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._log_level = log_level
         self.client: Optional[EngineCoreClient] = None

@@ -134,6 +134,9 @@ class SchedulerStats(msgspec.Struct):
     num_added: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # --enable-lora: adapter name -> its requests running / waiting (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     # Data parallel only (DPCoreClient's sum, never sent by a core): each replica's own, and
     # the router's requests in flight per replica.
     replicas: Optional[list[Optional["SchedulerStats"]]] = None

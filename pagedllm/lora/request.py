@@ -4,6 +4,15 @@ from __future__ import annotations
 import msgspec
 
 
+def count_adapters(requests) -> dict[str, int]:
+    """Adapter name -> how many of `requests` (pagedllm.request.Request) run with it."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts
+
+
 class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """lora_name: the name users pick it by (the server's `model`); lora_int_id: a unique id
     >= 1 (the prefix cache keys blocks by it, the worker its slot); lora_path: a PEFT adapter
