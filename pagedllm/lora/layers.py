@@ -4,10 +4,10 @@ before, and only rows of a request with an adapter get (x A^T) B^T added, so bas
 exactly the base model's.
 
 A layer of S fused matrices (QKV: 3, gate/up: 2, else 1) holds, per slot, its S adapters'
-A stacked along the rank ([S * max_rank, in]) and their B block-diagonally ([out, S * max_rank],
-shard i's rows reading only columns i * max_rank...): one shrink and one expand serve the
-fused layer, and an adapter that does not target a shard (or has a smaller rank) leaves zeros
-that add nothing.
+A stacked along the rank (lora_a [L, S * R, in], R = max_rank) and their B block-diagonally
+(lora_b [out, L * S * R]: slot s's columns s*S*R..., shard i's rows reading only its own R of
+them): one shrink and one expand serve the fused layer, and an adapter that does not target a
+shard (or has a smaller rank) leaves zeros that add nothing.
 """
 from __future__ import annotations
 
@@ -32,29 +32,30 @@ class LoRALinearMethod(LinearMethodBase):
         self.base_method.process_weights_after_loading(layer)
 
     def create_lora_weights(self, layer: nn.Module, max_loras: int, max_rank: int, dtype, device) -> None:
-        """The slots: layer.lora_a [max_loras, S * max_rank, in], layer.lora_b [max_loras, out, S * max_rank]."""
+        """The slots: layer.lora_a [max_loras, S * max_rank, in], layer.lora_b [out, max_loras * S * max_rank]."""
         slices = len(getattr(layer, "output_ranges", (None,)))
-        self.max_rank = max_rank
-        layer.register_buffer("lora_a", torch.zeros(max_loras, slices * max_rank, layer.input_size,
+        self.max_rank, self.cols = max_rank, slices * max_rank
+        layer.register_buffer("lora_a", torch.zeros(max_loras, self.cols, layer.input_size,
                                                      dtype=dtype, device=device), persistent=False)
-        layer.register_buffer("lora_b", torch.zeros(max_loras, layer.output_size, slices * max_rank,
+        layer.register_buffer("lora_b", torch.zeros(layer.output_size, max_loras * self.cols,
                                                      dtype=dtype, device=device), persistent=False)
 
     def set_lora(self, layer: nn.Module, slot: int,
                  shards: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Slot `slot` <- an adapter's {shard: (A [r, in], B [out_whole, r])} (None: no adapter
         on this layer), cut to this rank's features as the layer cuts its weight."""
+        slot_b = layer.lora_b[:, slot * self.cols:(slot + 1) * self.cols]          # [out, S * R]
         layer.lora_a[slot].zero_()
-        layer.lora_b[slot].zero_()
+        slot_b.zero_()
         for shard, (a, b) in (shards or {}).items():
             r, col = a.shape[0], shard * self.max_rank
             in_range = getattr(layer, "input_range", range(a.shape[1]))
             layer.lora_a[slot, col:col + r].copy_(a[:, in_range.start:in_range.stop])
             if hasattr(layer, "output_ranges"):
                 out, at = layer.output_ranges[shard], layer.offsets[shard]
-                layer.lora_b[slot, at:at + len(out), col:col + r].copy_(b[out.start:out.stop])
+                slot_b[at:at + len(out), col:col + r].copy_(b[out.start:out.stop])
             else:
-                layer.lora_b[slot, :, col:col + r].copy_(b)
+                slot_b[:, col:col + r].copy_(b)
 
     def apply(self, layer, x, bias=None):
         y = self.base_method.apply(layer, x, bias)
@@ -62,7 +63,9 @@ class LoRALinearMethod(LinearMethodBase):
         if m.active:
             if m.use_triton:
                 from pagedllm.lora.triton_ops import add_lora_triton
-                add_lora_triton(y, x, layer.lora_a, layer.lora_b, m.token_slots)
+                L = layer.lora_a.shape[0]   # B as [L, out, S * R] (strided view)
+                b = layer.lora_b.view(layer.output_size, L, self.cols).permute(1, 0, 2)
+                add_lora_triton(y, x, layer.lora_a, b, m.token_slots)
             else:
-                add_lora_torch(y, x, layer.lora_a, layer.lora_b, m.segments)
+                add_lora_torch(y, x, layer.lora_a, layer.lora_b, m)
         return y

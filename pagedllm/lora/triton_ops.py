@@ -16,40 +16,43 @@ from pagedllm.attention.triton_backend import KernelLaunch, _next_pow2, _options
 
 
 @triton.jit
+def _token_slot(slot_ptr, R):
+    """(this program's token, its slot, its rank): a base token (slot -1) gets rank 0, so that
+    every mask below is false and it loads and stores nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    return t.to(tl.int64), tl.maximum(slot, 0).to(tl.int64), tl.where(slot >= 0, R, 0)
+
+
+@triton.jit
 def lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, h_ptr, K, R,
                        stride_xt, stride_as, stride_ar, stride_ht,
                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    s = tl.maximum(slot, 0).to(tl.int64)
-    R = tl.where(slot >= 0, R, 0)   # a base token: every mask false, nothing loaded or stored
+    t, s, R = _token_slot(slot_ptr, R)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
         av = tl.load(a_ptr + s * stride_as + r[:, None] * stride_ar + k[None, :],
                      mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(av * xv[None, :], axis=1)
-    tl.store(h_ptr + t.to(tl.int64) * stride_ht + r, acc, mask=r < R)
+    tl.store(h_ptr + t * stride_ht + r, acc, mask=r < R)
 
 
 @triton.jit
 def lora_expand_kernel(h_ptr, b_ptr, slot_ptr, y_ptr, N, R,
                        stride_ht, stride_bs, stride_bn, stride_yt,
                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    s = tl.maximum(slot, 0).to(tl.int64)
-    N = tl.where(slot >= 0, N, 0)   # a base token: y is neither read nor written
-    R = tl.where(slot >= 0, R, 0)
+    t, s, R = _token_slot(slot_ptr, R)
+    N = tl.where(R > 0, N, 0)   # a base token: y is neither read nor written
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
-    hv = tl.load(h_ptr + t.to(tl.int64) * stride_ht + r, mask=r < R, other=0.0)
+    hv = tl.load(h_ptr + t * stride_ht + r, mask=r < R, other=0.0)
     bv = tl.load(b_ptr + s * stride_bs + n[:, None] * stride_bn + r[None, :],
                  mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
     delta = tl.sum(bv * hv[None, :], axis=1)
-    y_at = y_ptr + t.to(tl.int64) * stride_yt + n
+    y_at = y_ptr + t * stride_yt + n
     yv = tl.load(y_at, mask=n < N, other=0.0)
     tl.store(y_at, (yv.to(tl.float32) + delta).to(yv.dtype), mask=n < N)
 
@@ -57,8 +60,9 @@ def lora_expand_kernel(h_ptr, b_ptr, slot_ptr, y_ptr, N, R,
 def lora_launches(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                   token_slots: torch.Tensor) -> tuple[KernelLaunch, KernelLaunch, torch.Tensor]:
     """(shrink, expand, h): the two launches that add each token's adapter delta into y [T, N]
-    in place. x [T, K] (rows contiguous), lora_a [L, R, K], lora_b [L, N, R] contiguous,
-    token_slots [T] int32; h [T, R] float32 is the shrink's output."""
+    in place. x [T, K] and lora_a [L, R, K] contiguous, lora_b [L, N, R] with unit stride along R
+    (layers.py passes a permuted view), token_slots [T] int32; h [T, R] float32 is the shrink's
+    output."""
     T, K = x.shape
     _, R, _ = lora_a.shape
     N = lora_b.shape[1]

@@ -8,48 +8,56 @@ import torch
 from pagedllm.lora.layers import LoRALinearMethod
 from pagedllm.lora.punica import LoRAMapping, add_lora_torch
 
-# Tokens of 5 requests: slots 1, base, 0, 1, base (slot 1 non-contiguous), 12 tokens.
-ROW_SLOTS, ROW_TOKENS = [1, -1, 0, 1, -1], [3, 2, 4, 1, 2]
+# Tokens of 5 requests: slots 1, base, 0, 1, base (slot 1 non-contiguous).
+ROW_SLOTS = [1, -1, 0, 1, -1]
 
 
-def _case(dtype, T_slots, K=40, N=50, R=8, L=3, seed=0):
+def _case(dtype, T, K=40, N=50, R=8, L=3, seed=0):
+    """x [T, K], A [L, R, K], B [N, L * R] (the slot layout of layers.py), y [T, N]."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(T_slots), K, generator=g).to(dtype)
-    a = torch.randn(L, R, K, generator=g).to(dtype) * 0.3
-    b = torch.randn(L, N, R, generator=g).to(dtype) * 0.3
-    y = torch.randn(len(T_slots), N, generator=g).to(dtype)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    a = (torch.randn(L, R, K, generator=g) * 0.3).to(dtype)
+    b = (torch.randn(N, L * R, generator=g) * 0.3).to(dtype)
+    y = torch.randn(T, N, generator=g).to(dtype)
     return x, a, b, y
 
 
-def _mapping(use_triton=False):
+def _mapping(scale: int, use_triton=False):
+    """The five requests with 1 token each times `scale` (scale 1: the masked dense path; large:
+    the per-slot segments)."""
     m = LoRAMapping(use_triton)
-    m.set(np.repeat(np.array(ROW_SLOTS, dtype=np.int32), ROW_TOKENS), "cpu")
+    m.set(np.repeat(np.array(ROW_SLOTS, dtype=np.int32), np.array([3, 2, 4, 1, 2]) * scale), "cpu")
     return m
 
 
-def test_torch_path_equals_dense_per_row():
-    m = _mapping()
+@pytest.mark.parametrize("scale", [1, 40])
+def test_torch_path_equals_dense_per_row(scale):
+    m = _mapping(scale)
+    assert m.dense == (scale == 1)
+    assert scale == 1 or any(not isinstance(rows, slice) for _, rows in m.segments)   # a gather runs
     slots = m.token_slots.tolist()
-    x, a, b, y0 = _case(torch.float32, slots)
+    x, a, b, y0 = _case(torch.float32, len(slots))
     y = y0.clone()
-    add_lora_torch(y, x, a, b, m.segments)
-    assert any(not isinstance(rows, slice) for _, rows in m.segments)   # the gathered case runs
+    add_lora_torch(y, x, a, b, m)
+    R = a.shape[1]
     for t, s in enumerate(slots):
         if s < 0:
-            assert torch.equal(y[t], y0[t])                                 # base rows untouched
+            assert torch.equal(y[t], y0[t])                                 # base rows unchanged
         else:
-            torch.testing.assert_close(y[t], y0[t] + b[s] @ (a[s] @ x[t]), rtol=1e-5, atol=1e-5)
+            want = y0[t] + b[:, s * R:(s + 1) * R] @ (a[s] @ x[t])
+            torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernels_equal_torch_path(dtype):
     pytest.importorskip("triton")
     from pagedllm.lora.triton_ops import add_lora_triton
-    m = _mapping()
-    x, a, b, y0 = _case(dtype, m.token_slots.tolist(), K=300, N=70, R=24)   # K over several tiles, R padded
+    m = _mapping(1)
+    L, R, N = 3, 24, 70
+    x, a, b, y0 = _case(dtype, len(m.token_slots), K=300, N=N, R=R, L=L)   # K over several tiles, R padded
     want, got = y0.clone(), y0.clone()
-    add_lora_torch(want, x, a, b, m.segments)
-    add_lora_triton(got, x, a, b, m.token_slots)
+    add_lora_torch(want, x, a, b, m)
+    add_lora_triton(got, x, a, b.view(N, L, R).permute(1, 0, 2), m.token_slots)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     base = m.token_slots < 0
