@@ -4,43 +4,31 @@ descriptions lora_launches makes, specialised as Triton's launcher would, compil
 Triton's ptxas): shared memory within the architecture's limit and no register spills. Shapes
 of Llama-3.2-1B's fused QKV (rank 16, three slices: 48 rank columns) and down_proj. Runs in a
 subprocess without TRITON_INTERPRET (interpreted kernels do not compile)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from kernel_utils import run_uninterpreted
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
 SCRIPT = r"""
-import json, torch, triton
-from triton.compiler import ASTSource
-from pagedllm.attention.triton_aot import MAX_SHARED, _target, resource_usage, specialise
+import json, torch
+from pagedllm.attention.triton_aot import compile_launch
 from pagedllm.lora.triton_ops import lora_launches
 out = []
 for arch, dtype in ((80, torch.bfloat16), (90, torch.bfloat16)):
     for name, K, N, R in (("qkv", 2048, 3072, 48), ("down", 8192, 2048, 16)):
         T, L = 37, 4
         x, y = torch.zeros(T, K, dtype=dtype), torch.zeros(T, N, dtype=dtype)
-        a, b = torch.zeros(L, R, K, dtype=dtype), torch.zeros(L, N, R, dtype=dtype)
+        a = torch.zeros(L, R, K, dtype=dtype)
+        b = torch.zeros(N, L, R, dtype=dtype).permute(1, 0, 2)   # the slots' B as layers.py passes it
         shrink, expand, _ = lora_launches(y, x, a, b, torch.zeros(T, dtype=torch.int32))
         for kind, launch in (("shrink", shrink), ("expand", expand)):
-            options, signature, constexprs, attrs = specialise(launch, _target(arch))
-            ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                                target=_target(arch), options=options.__dict__)
-            regs, local = resource_usage(ck.asm["cubin"])
-            out.append(dict(arch=arch, dtype=str(dtype), layer=name, launch=kind, shared=int(ck.metadata.shared),
-                            fits=int(ck.metadata.shared) <= MAX_SHARED[arch], registers=regs, local=local))
+            out.append(dict(arch=arch, dtype=str(dtype), layer=name, launch=kind, **compile_launch(launch, arch)))
 print(json.dumps(out))
 """
 
 
 def test_lora_kernels_compile_for_sm80_and_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    variants = json.loads(res.stdout.strip().splitlines()[-1])
+    variants = run_uninterpreted(SCRIPT)
     assert len(variants) == 2 * 2 * 2
     print("\n".join(map(str, variants)))
     assert all(v["fits"] for v in variants), variants
