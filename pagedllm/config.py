@@ -122,6 +122,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     chunked_prefill: bool = True
     preemption_mode: str = "recompute"   # or "swap"
+    max_loras: int = 0   # --enable-lora: at most this many distinct adapters in a step (0: no LoRA)
 
 
 @dataclass
@@ -136,6 +137,25 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Processes of one engine replica (data parallelism multiplies replicas, not this)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class LoRAConfig:
+    """--enable-lora: adapter slots on the device, their rank, adapters kept in host memory."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None   # None: max_loras
+
+    def validate(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
 
 
 @dataclass
@@ -174,6 +194,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    lora_config: Optional[LoRAConfig] = None   # None: LoRA off
     # P/D disaggregation (distributed/kv_transfer/config.KVTransferConfig), or None.
     kv_transfer_config: Optional[object] = None
 
@@ -222,6 +243,9 @@ class EngineConfig:
         if d.device == "cuda" and p.world_size > 1:
             raise ValueError("tensor / pipeline parallelism runs on the CPU only for now; "
                              "use device 'cpu' or tensor_parallel_size = pipeline_parallel_size = 1")
+        if self.lora_config is not None:
+            from pagedllm.lora.config_check import validate_lora_config
+            validate_lora_config(self)
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")

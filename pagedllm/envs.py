@@ -35,6 +35,9 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_HOME": EnvVar(_text("~/.cache/pagedllm"),
                             "pagedllm's cache: the default model and random:<shape> models"),
     "PAGEDLLM_API_KEY": EnvVar(_text(None), "the server's API key when --api-key is not given"),
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(_switch(False),
+                                                   "1: as --allow-runtime-lora-updating (POST /v1/load_lora_adapter, "
+                                                   "/v1/unload_lora_adapter)"),
     "PAGEDLLM_NO_CPU_KERNELS": EnvVar(_switch(False),
                                       "1: never build or use the C++ CPU kernels (the torch code instead)"),
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),

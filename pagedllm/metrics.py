@@ -30,7 +30,7 @@ DEFAULT_METRICS_PREFIX = "pagedllm"
 
 class EngineMetrics:
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
-                 prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+                 prefix: str = DEFAULT_METRICS_PREFIX, max_lora: Optional[int] = None) -> None:
         """prefix: the series' namespace (`--metrics-prefix vllm`: the names vLLM's dashboards
         query, which these mirror; see examples/grafana/README.md)."""
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -76,6 +76,12 @@ class EngineMetrics:
                                    labels + ["replica"], registry=r)
         self.rejected = Counter(f"{prefix}:request_rejected", "Requests refused (overload, engine dead).",
                                 labels + ["reason"], registry=r)
+        # --enable-lora: vLLM's info gauge, the time of the last update labelled with the adapters
+        # running and waiting (comma-separated names) and max_lora.
+        self.lora_info = None if max_lora is None else Gauge(
+            f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.max_lora = max_lora
         self._last_preemptions = 0
         self.core_stats: dict = {"running": 0, "waiting": 0, "kv_usage": 0.0, "used_blocks": 0,
                                  "num_blocks": 0, "preemptions": 0, "num_added": 0}
@@ -101,6 +107,9 @@ class EngineMetrics:
                 counter.inc(total - getattr(self, last, 0))
             setattr(self, last, total)
         self.prefix_hit_rate.set(h / q if q else 0.0)
+        if self.lora_info is not None:
+            self.lora_info.labels(str(self.max_lora), ",".join(s.get("waiting_lora_adapters") or ()),
+                                  ",".join(s.get("running_lora_adapters") or ())).set_to_current_time()
         for i, rs in enumerate(s.get("replicas") or ()):
             if rs:
                 self.replica_added.labels(self.model_name, str(i)).set(rs.get("num_added", 0))

@@ -65,6 +65,7 @@ class Request:
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine when None
         self.extra_keys: tuple = ()     # keys that must never share cached blocks (e.g. a LoRA id)
+        self.lora_request = None        # pagedllm.lora.LoRARequest, or None: the base model
         self.num_cached_tokens = -1     # prompt tokens found in the prefix cache (-1: not yet looked up)
         # Beam search: the beams of one search share a group id; they are preempted and
         # re-admitted together (a beam that has reported waits for its siblings while holding
@@ -99,6 +100,10 @@ class Request:
         out, self.prompt_logprobs = self.prompt_logprobs, None
         return out
 
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this request will run as (seed 001): a parallel-sampling parent
         forks into its n / best_of siblings, a beam search's first beam into its beams."""
@@ -109,7 +114,7 @@ class Request:
         child = Request(child_request_id(self.request_id, index), self.prompt_token_ids,
                         self.sampling_params.child(index), self.eos_token_id, self.arrival_time)
         child.max_tokens = self.max_tokens
-        child.extra_keys = self.extra_keys
+        child.extra_keys, child.lora_request = self.extra_keys, self.lora_request
         if self.structured_output_request is not None:   # the same grammar, its own matcher
             child.structured_output_request = self.structured_output_request.fork()
         return child

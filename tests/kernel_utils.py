@@ -69,3 +69,16 @@ def require_built(ext):
         pytest.skip(f"no C++ compiler on this machine ({os.environ.get('CXX', 'c++')} is not on PATH)")
     why = "; ".join(f"{name}: {reason}" for name, reason in build.build_failures.items())
     pytest.fail(f"a C++ extension did not build though a compiler exists: {why or 'no reason recorded'}")
+
+
+def run_uninterpreted(script: str) -> list:
+    """Run `script` (it prints one JSON line last) in a subprocess without TRITON_INTERPRET, as
+    Triton's real compiler needs (ahead-of-time compile tests) -> that JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -96,6 +96,20 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
 
+def compile_launch(launch: KernelLaunch, arch: int) -> dict:
+    """One launch description compiled for sm_<arch>: its shared memory (and whether it fits the
+    architecture), registers and local bytes per thread (for kernels outside SCENARIOS)."""
+    import triton
+    from triton.compiler import ASTSource
+    target = _target(arch)
+    options, signature, constexprs, attrs = specialise(launch, target)
+    ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                        options=options.__dict__)
+    regs, local = resource_usage(ck.asm["cubin"])
+    shared = int(ck.metadata.shared)
+    return dict(shared=shared, fits=shared <= MAX_SHARED[arch], registers=regs, local=local)
+
+
 def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int, dtype: torch.dtype, max_model_len: int) -> list[KernelLaunch]:
     """One layer's launches for a step of requests (cached, new), with tensors laid out as

@@ -11,6 +11,7 @@ BENCHMARKS = [
     ("latency", "latency", "batch-1 / batch-N step latency, per-phase profile, llama.cpp baseline", True),
     ("perplexity", "perplexity", "perplexity on a fixed text per dtype (float32 / bfloat16) vs transformers", False),
     ("structured", "structured", "requests with a JSON schema vs the same requests unconstrained", True),
+    ("lora", "lora", "requests over N LoRA adapters vs the same requests on the base model", True),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
 ]

@@ -183,6 +183,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         max_seqs = self.config.max_num_seqs
         num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
+        loras = {r.lora_int_id for r in self.running} - {0}   # adapters that hold a slot
         while self.waiting and step.budget > 0:
             head = self.waiting[0]
             if self._grammar_pending(head):
@@ -197,6 +198,9 @@ class Scheduler:
                 if loading:
                     skipped.append(self.waiting.popleft())
                     continue
+            if not lora_fits(head.lora_int_id, loras, self.config.max_loras):
+                skipped.append(self.waiting.popleft())   # waits for a slot, keeps its place
+                continue
             unit = _unit_at(self.waiting, 0)
             # A request counts as every sequence it will fork into (n siblings, beams).
             width = sum(r.get_max_num_running_seqs() for r in unit)
@@ -209,6 +213,8 @@ class Scheduler:
                 return
             if self._admit(unit[0], step) is None:
                 return   # nothing changed
+            if head.lora_int_id:
+                loras.add(head.lora_int_id)
             for request in unit[1:]:
                 if self._admit(request, step, with_unit=True) is None:
                     raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
@@ -220,7 +226,8 @@ class Scheduler:
         out = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
-                               r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens)
+                               r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
+                               r.lora_request)
                 for r in step.new_reqs],
             scheduled_cached_reqs=[
                 CachedRequestData(r.request_id, step.new_block_ids[r.request_id], r.num_computed_tokens,
@@ -509,6 +516,12 @@ class Scheduler:
         finally:
             self.running = [r for r in running if not mine(r)] + self.running
             self.waiting = self.waiting + deque(r for r in waiting if not mine(r))
+
+def lora_fits(lora_int_id: int, loras: set[int], max_loras: int) -> bool:
+    """Whether a request of adapter lora_int_id (0: none) can run beside the adapters of
+    `loras` without more distinct adapters in a step than --max-loras."""
+    return not lora_int_id or lora_int_id in loras or len(loras) < max_loras
+
 
 def _unit_at(queue, i: int) -> list[Request]:
     """The request at index i with the other beams of its search next to it: what is preempted

@@ -17,6 +17,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Optional[Any] = None   # pagedllm.lora.LoRARequest, or None: the base model
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                              PoolerConfig, SchedulerConfig, cuda_graph_ladder, resolve_dtype)
 
 
@@ -33,6 +33,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False         # no CUDA graphs
     runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
+    enable_lora: bool = False           # serve LoRA adapters (pagedllm/lora)
+    max_loras: int = 1                  # distinct adapters in one step (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None   # adapters kept in host memory (None: max_loras)
     # P/D disaggregation: vLLM's --kv-transfer-config (JSON text, a dict, or a KVTransferConfig).
     kv_transfer_config: Optional[object] = None
 
@@ -73,7 +77,9 @@ class EngineArgs:
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
-        config = EngineConfig(mc, cc, sc, pc, dc)
+        lc = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+              if self.enable_lora else None)
+        config = EngineConfig(mc, cc, sc, pc, dc, lc)
         if self.kv_transfer_config is not None:
             from pagedllm.distributed.kv_transfer.config import KVTransferConfig
             config.kv_transfer_config = KVTransferConfig.from_cli(self.kv_transfer_config)

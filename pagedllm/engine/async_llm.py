@@ -53,7 +53,9 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = self.config.scheduler_config.max_num_seqs
         self.max_model_len = self.config.model_config.max_model_len
-        self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix)
+        lc = self.config.lora_config
+        self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix,
+                                     max_lora=lc.max_loras if lc is not None else None)
         self.stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._log_level = log_level
         self.client: Optional[EngineCoreClient] = None
@@ -116,13 +118,13 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                     kind: OutputKind = OutputKind.DELTA,
-                    arrival_time: Optional[float] = None) -> "RequestStream":
+                    arrival_time: Optional[float] = None, lora_request=None) -> "RequestStream":
         """Validate, tokenise and send one request to the core; returns its output stream
         (DELTA: only what is new each time; FINAL_ONLY: once, at the end). Raises ValueError
         (bad input), EngineOverloadedError or EngineDeadError before anything is queued."""
         self._check_admission(request_id, getattr(params, "num_samples", params.n))
         requests = make_requests(self.processor, self.output_processor, request_id, prompt, params,
-                                 kind, arrival_time)
+                                 kind, arrival_time, lora_request)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         stream = RequestStream(self, request_id, q)

@@ -28,6 +28,7 @@ from pagedllm.engine import messages as m
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput
 from pagedllm.engine.exceptions import RequestFailedError
+from pagedllm.lora.request import count_adapters
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedllm.engine.core_proc")
@@ -133,7 +134,8 @@ class EngineCoreProc:
             used_blocks=(pool.num_blocks - 1) - pool.get_num_free_blocks(),
             num_blocks=pool.num_blocks, preemptions=s.num_preemptions, num_added=self.num_added,
             prefix_cache_queries=s.kv_cache_manager.stats.queries,
-            prefix_cache_hits=s.kv_cache_manager.stats.hits)
+            prefix_cache_hits=s.kv_cache_manager.stats.hits,
+            running_lora_adapters=count_adapters(s.running), waiting_lora_adapters=count_adapters(s.waiting))
 
     def _send(self, msg: m.CoreOutput) -> None:
         self.out_sock.send(m.encode_output(msg))

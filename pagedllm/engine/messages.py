@@ -34,6 +34,7 @@ import msgspec
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.beam_search import BeamSearchOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     max_tokens: Optional[int]
     all_stop_token_ids: list[int] = []
     extra_keys: tuple = ()
+    lora_request: Optional[LoRARequest] = None
 
     def __post_init__(self) -> None:   # also run by the decoder
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
@@ -73,13 +75,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     def from_request(cls, r: Request) -> "EngineCoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.max_tokens, sorted(r.sampling_params.all_stop_token_ids),
-                   r.extra_keys)
+                   r.extra_keys, r.lora_request)
 
     def to_request(self) -> Request:
         r = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                     eos_token_id=self.eos_token_id, arrival_time=self.arrival_time)
         r.max_tokens = self.max_tokens
-        r.extra_keys = self.extra_keys
+        r.extra_keys, r.lora_request = self.extra_keys, self.lora_request
         return r
 
 
@@ -132,6 +134,9 @@ class SchedulerStats(msgspec.Struct):
     num_added: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # --enable-lora: adapter name -> its requests running / waiting (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     # Data parallel only (DPCoreClient's sum, never sent by a core): each replica's own, and
     # the router's requests in flight per replica.
     replicas: Optional[list[Optional["SchedulerStats"]]] = None

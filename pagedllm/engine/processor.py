@@ -35,6 +35,7 @@ class Processor:
         # than max_model_len such entries cannot fit: it is refused before the tokenizer runs.
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = config.model_config.max_model_len * self.max_token_chars
+        self.known_loras: dict = {}   # lora_int_id -> the LoRARequest whose directory was checked
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         """ParamError when a text of num_chars characters cannot fit in max_model_len tokens
@@ -87,9 +88,10 @@ class Processor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None,
-                beam_width: int = 1) -> tuple[Optional[str], Request]:
+                beam_width: int = 1, lora_request=None) -> tuple[Optional[str], Request]:
         """`beam_width`: the request is a beam search's first beam (all its beams must fit; the
-        scheduler enforces it too, this says so before anything is sent)."""
+        scheduler enforces it too, this says so before anything is sent). `lora_request`: the
+        adapter it runs with (pagedllm.lora.LoRARequest), checked against the model."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize(prompt)
@@ -108,6 +110,11 @@ class Processor:
             raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
         if params.structured_outputs is not None:
             self.check_structured_outputs(params, beam_width)
+        if lora_request is not None:
+            from pagedllm.lora.peft_helper import check_lora_request
+            if beam_width > 1:
+                raise ValueError("lora_request is not supported with beam search")
+            check_lora_request(lora_request, self.config, self.known_loras)
         if params.prompt_logprobs is not None and self.config.parallel_config.world_size > 1:
             raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with tensor or pipeline "
                                                 "parallelism yet; leave it None")
@@ -117,6 +124,9 @@ class Processor:
             params.all_stop_token_ids |= self.extra_eos_ids
         request = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
                           arrival_time=arrival_time)
+        if lora_request is not None:   # its own KV blocks: the adapter changes every K and V
+            request.lora_request = lora_request
+            request.extra_keys = request.extra_keys + (("lora", lora_request.lora_int_id),)
         # Never longer than the context, nor than the whole KV cache could ever hold: a beam
         # search's beams wait for each other, so all of them must fit at full length at once.
         room = max_len - len(ids)

@@ -44,6 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "/v1/embeddings (vLLM's flag)")
     p.add_argument("--task", default=None, choices=["generate", "embed"],
                    help="the older name of --runner: embed is --runner pooling")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="most distinct adapters in one step: the device slots (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory, LRU (default: --max-loras)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
@@ -76,7 +82,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, runner=_runner(ns),
+                      enforce_eager=ns.enforce_eager, runner=_runner(ns), enable_lora=ns.enable_lora,
+                      max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
                       kv_transfer_config=getattr(ns, "kv_transfer_config", None))
 
 

@@ -33,8 +33,10 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. Every prompt is validated before any runs."""
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """Outputs in the order of the prompts. Every prompt is validated before any runs.
+        lora_request: a pagedllm.lora.LoRARequest for every prompt, or a list of one (or None)
+        per prompt (needs LLM(..., enable_lora=True))."""
         self._check_runner("generate", "generate")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -46,7 +48,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
-        return self._submit(prompts, params, use_tqdm)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        return self._submit(prompts, params, use_tqdm, loras)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
@@ -61,16 +67,18 @@ class LLM:
         if have != runner:
             raise ValueError(f"LLM.{method}() needs runner={runner!r}; this LLM was made with runner={have!r}")
 
-    def _submit(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list:
+    def _submit(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+                loras: Optional[list] = None) -> list:
         engine = self.llm_engine
+        loras = loras or [None] * len(prompts)
         # Validate all before adding any, so a bad prompt leaves the engine untouched.
-        for p, sp in zip(prompts, params):
-            engine.processor.process("validate", p, sp)
+        for p, sp, lora in zip(prompts, params, loras):
+            engine.processor.process("validate", p, sp, lora_request=lora)
         ids = []
-        for p, sp in zip(prompts, params):
+        for p, sp, lora in zip(prompts, params, loras):
             rid = str(self._counter)
             self._counter += 1
-            engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY)
+            engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY, lora_request=lora)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

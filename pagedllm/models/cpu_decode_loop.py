@@ -58,10 +58,14 @@ class DecodeLoop:
         self.embed_tokens = model.embed_tokens
         self.attns = list(attention_layers(model).values())   # their caches are bound later
         self.ext = ext
+        self.lora_mapping = getattr(model, "lora_mapping", None)   # set by --enable-lora
 
     def applies(self, meta, num_tokens: int) -> bool:
         """A step the loop computes exactly as the eager layers: all decode, attention by pages,
-        few enough rows that the eager linears take linear_small too."""
+        few enough rows that the eager linears take linear_small too, and no LoRA adapter in the
+        step (the loop has no adapter deltas; base-only steps still take it)."""
+        if self.lora_mapping is not None and self.lora_mapping.active:
+            return False
         return meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -92,8 +96,9 @@ def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if model.rope.ops is None or layer.mlp.act_fn.ops is None or model.norm.ops is None:
         return None
-    if not all(isinstance(m.linear_method, CPUPackedLinearMethod) and m.linear_method.small_ops is not None
-               for m in linears):
+    # A LoRA method wraps the packed one (lora/layers.py): the base weights are the same.
+    methods = [getattr(m.linear_method, "base_method", m.linear_method) for m in linears]
+    if not all(isinstance(lm, CPUPackedLinearMethod) and lm.small_ops is not None for lm in methods):
         return None
     if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
         return None

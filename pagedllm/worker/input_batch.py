@@ -8,7 +8,7 @@ into the model's inputs with vectorised index arithmetic, no Python loop over to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: Optional[torch.Generator]
+    lora_request: Optional[Any] = None   # pagedllm.lora.LoRARequest, or None: the base model
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
+from pagedllm.lora.worker_manager import make_lora_manager
 from pagedllm.models.cpu_decode_loop import build_decode_loop
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
@@ -45,6 +46,8 @@ class ModelRunner:
         # Snapshots around the load: worker/memory.py counts as weights only what it added.
         self.memory_baseline = MemorySnapshot.take(self.device)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
+        # --enable-lora: the adapter slots, wrapped around the linears' methods (pagedllm/lora).
+        self.lora_manager = make_lora_manager(self.model, config, self.device)
         self.memory_after_load = MemorySnapshot.take(self.device)
         self.memory_profile = None   # worker/memory.MemoryProfile, once profiled
         self.dtype = next(self.model.parameters()).dtype
@@ -137,7 +140,8 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed)
                 self.generators[data.req_id] = gen
             state = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
-                                       params, list(data.block_ids), data.num_computed_tokens, gen)
+                                       params, list(data.block_ids), data.num_computed_tokens, gen,
+                                       data.lora_request)
             self.requests[data.req_id] = state
             batch.add_request(state)
 
@@ -218,7 +222,9 @@ class ModelRunner:
         if self.faults is not None:
             self.faults.check(batch.states[:batch.num_reqs])
         inputs = batch.prepare_inputs(so.num_scheduled_tokens)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        lora_active = self.lora_manager is not None and self.lora_manager.set_active_loras(
+            [s.lora_request for s in batch.states[:batch.num_reqs]], inputs.num_scheduled_tokens)
+        if self.graphs is not None and not lora_active and self.graphs.can_run(inputs):
             return inputs, None    # a captured decode step builds its own metadata
         meta = self.attn_backend.build_metadata(inputs.query_start_loc, inputs.seq_lens,
                                                 inputs.block_table, inputs.slot_mapping, self.block_size,

@@ -21,7 +21,7 @@ import os
 import signal
 import socket
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -36,6 +36,7 @@ from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, s
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedllm.server")
@@ -43,7 +44,9 @@ logger = logging.getLogger("pagedllm.server")
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
               chat_template: Optional[str] = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, **chat_options) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              lora_modules: Sequence[tuple[str, str]] = (), allow_runtime_lora_updating: bool = False,
+              **chat_options) -> FastAPI:
     """The FastAPI app: routes (routes.py) reading what they serve from `app.state`, error
     handlers (errors.py), and the body-size limit and API key as the outermost middleware."""
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None)
@@ -56,6 +59,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template, **chat_options)
     state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
+    # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.
+    state.models = OpenAIServingModels(engine, served_model_names, lora_modules, allow_runtime_lora_updating)
+    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_responses,
+                    state.openai_serving_embedding):
+        serving.models = state.models
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
     add_exception_handlers(app)
@@ -165,6 +173,8 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
                 and engine.tokenizer.chat_template is None:
             logger.warning("the model has no chat template: /v1/chat/completions needs --chat-template")
         app = build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes,
+                        lora_modules=parse_lora_modules(ns.lora_modules),
+                        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser)
         server = _make_server(app, ns, engine)

@@ -42,6 +42,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-prefix", type=_metrics_prefix, default="pagedllm",
                    help="the namespace of the /metrics series (default pagedllm); 'vllm' gives the names "
                         "vLLM's Grafana dashboards query (vllm:num_requests_running, ...)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under NAME, the request's `model` "
+                        "(needs --enable-lora)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(default: $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)")
     p.add_argument("--log-stats-interval", type=float, default=5.0,
                    help="seconds between stats lines while busy (default 5)")
 

@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM
@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
 
@@ -116,13 +117,6 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
     return await _respond(chat(raw_request).create_chat_completion, req, raw_request)
 
 
-def _model_card(state, name: str) -> dict:
-    """OpenAI's Model object (id, object, created, owned_by) with vLLM's extras."""
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
-            "root": state.engine.config.model_config.model, "parent": None,
-            "max_model_len": state.engine.max_model_len}
-
-
 @openai_router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, raw_request: Request):
     return await _respond(responses(raw_request).create_response, req, raw_request)
@@ -135,15 +129,28 @@ async def create_embedding(req: EmbeddingRequest, raw_request: Request):
 
 @openai_router.get("/v1/models")
 async def list_models(raw_request: Request):
+    """The base model's names, then each LoRA adapter with its `parent`."""
     state = raw_request.app.state
-    return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
+    return {"object": "list", "data": state.models.model_cards(state.created, state.engine.max_model_len)}
 
 
 @openai_router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, raw_request: Request):
     """The openai client's models.retrieve; 404 model_not_found for a name not served."""
-    completion(raw_request).check_model(model)
-    return _model_card(raw_request.app.state, model)
+    state = raw_request.app.state
+    state.models.check_model(model)
+    return next(c for c in state.models.model_cards(state.created, state.engine.max_model_len) if c["id"] == model)
+
+
+@openai_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw_request: Request):
+    """vLLM's: serve a PEFT adapter directory under lora_name (--allow-runtime-lora-updating)."""
+    return PlainTextResponse(raw_request.app.state.models.load_lora_adapter(req))
+
+
+@openai_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw_request: Request):
+    return PlainTextResponse(raw_request.app.state.models.unload_lora_adapter(req))
 
 
 # -------------------------------------------------------------------- tokenisation

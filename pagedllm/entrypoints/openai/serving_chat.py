@@ -178,7 +178,8 @@ class OpenAIServingChat(OpenAIServing):
                 return self._beam_stream(req, request_id, created, handles, len(ids))
             return await self._beam_full(req, request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind)
+        stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind,
+                                         lora_request=self.lora_request(req.model))
 
         reasoning_parser = self.reasoning_parser_class() if self.reasoning_parser_class else None
 

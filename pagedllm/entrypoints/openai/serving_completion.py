@@ -64,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             for i, (_text, ids, params) in enumerate(per_prompt):
                 streams.append(self.engine.add_request({"prompt_token_ids": ids}, params,
-                                                       f"{request_id}-{i}", kind))
+                                                       f"{request_id}-{i}", kind,
+                                                       lora_request=self.lora_request(req.model)))
         except BaseException:
             for s in streams:
                 s.close()

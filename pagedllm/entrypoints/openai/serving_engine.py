@@ -120,9 +120,16 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self._byte_decoder = None
         self._bytes_cache: dict[int, list[int]] = {}
+        self.models = None   # serving_models.OpenAIServingModels, set by build_app: adapters' names too
 
     # ------------------------------------------------------------ checks
+    def lora_request(self, model: Optional[str]):
+        """The LoRARequest of the adapter `model` names; None for the base model."""
+        return self.models.lora_request(model) if self.models is not None else None
+
     def check_model(self, model: Optional[str]) -> None:
+        if self.models is not None:
+            return self.models.check_model(model)
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404,
                               type="invalid_request_error", param="model", code="model_not_found")
@@ -200,6 +207,8 @@ class OpenAIServing:
 
     def start_beam_searches(self, req, prompts: list[tuple[list[int], int]], request_id: str) -> list[BeamSearchHandle]:
         """One search per (prompt ids, max_tokens), all validated and sent, or none."""
+        if self.lora_request(req.model) is not None:
+            raise OpenAIError("use_beam_search is not supported with a LoRA adapter", param="model")
         handles: list[BeamSearchHandle] = []
         try:
             for i, (ids, max_tokens) in enumerate(prompts):

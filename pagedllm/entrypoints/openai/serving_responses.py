@@ -93,7 +93,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         params = self.sampling_params(req, max_tokens)
         resp = _Response(req, _hex_id("resp"), self.model_name, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        stream = self.engine.add_request({"prompt_token_ids": ids}, params, resp.id, kind)
+        stream = self.engine.add_request({"prompt_token_ids": ids}, params, resp.id, kind,
+                                         lora_request=self.lora_request(req.model))
         if req.stream:
             return self._stream(resp, stream)
         async for _, out in self.merge([stream]):
