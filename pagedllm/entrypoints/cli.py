@@ -44,6 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "/v1/embeddings (vLLM's flag)")
     p.add_argument("--task", default=None, choices=["generate", "embed"],
                    help="the older name of --runner: embed is --runner pooling")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "gguf"],
+                   help="CPU weight-only quantization: int8 (per channel), int4 (groups), gguf (the "
+                        "default model's shipped Q4_1 file, or --model FILE.gguf, served as it is)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4: input features per scale and min, 32 (default), 64 or 128")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
@@ -72,7 +77,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, runner=_runner(ns))
+                      enforce_eager=ns.enforce_eager, runner=_runner(ns),
+                      quantization=ns.quantization, quantization_group_size=ns.quantization_group_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
