@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod, set_quantized
-from pagedllm.models.layers.quantization.int8 import Int8LinearMethod
+from pagedllm.models.layers.quantization.int8 import LM_HEAD_GROUP, Int8LinearMethod
 from pagedllm.models.layers.quantization.layouts import pack_int4
 
 MARKER = "gguf.json"
@@ -50,9 +50,10 @@ def is_gguf_dir(path) -> bool:
     return os.path.isfile(os.path.join(str(path), MARKER))
 
 
-def gguf_file_of(model_dir) -> str:
+def gguf_info(model_dir) -> dict:
+    """gguf.json: {"gguf_file": path, "tensor_types": {name: GGML type name}}."""
     with open(os.path.join(str(model_dir), MARKER)) as f:
-        return json.load(f)["gguf_file"]
+        return json.load(f)
 
 
 def hf_name(name: str) -> str:
@@ -92,7 +93,8 @@ def _write_model_dir(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from pagedllm.models.download import gguf_chat_template
-    arch = GGUFReader(str(gguf_path)).fields.get("general.architecture")
+    reader = GGUFReader(str(gguf_path))
+    arch = reader.fields.get("general.architecture")
     arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else None
     if arch != "llama":
         raise ValueError(f"GGUF file {gguf_path}: architecture {arch!r} is not served as it is "
@@ -109,7 +111,9 @@ def _write_model_dir(gguf_path: Path, out: Path) -> None:
     cfg.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(out)
-    (out / MARKER).write_text(json.dumps({"gguf_file": str(gguf_path)}) + "\n")
+    # The tensor types, read once here: GGUFReader parses every metadata field (the whole vocabulary).
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    (out / MARKER).write_text(json.dumps({"gguf_file": str(gguf_path), "tensor_types": types}) + "\n")
 
 
 # --- blocks -> (q, s, m) per row: q [R, K] integers (uint8 0..15 or int8), s, m [R, K/C] float32
@@ -246,15 +250,14 @@ class GGUFConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "GGUFConfig":
-        from gguf import GGUFReader
-        path = gguf_file_of(model_dir)
-        return cls(path, {t.name: t.tensor_type.name for t in GGUFReader(path).tensors})
+        info = gguf_info(model_dir)
+        return cls(info["gguf_file"], info["tensor_types"])
 
     def get_linear_method(self, lm_head: bool = False):
         if lm_head:
             # A tied head quantizes the (dequantised) embedding; an untied one's output.weight
             # is dequantised by iter_weights too (its type may differ from the layers').
-            return Int8LinearMethod(group_size=32)
+            return Int8LinearMethod(LM_HEAD_GROUP)
         return GGUFLinearMethod(self.layout)
 
     def iter_weights(self, model_dir: str):

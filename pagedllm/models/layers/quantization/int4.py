@@ -1,10 +1,10 @@
 """--quantization int4: groups of 32/64/128 input features with a scale and a min each (w = q s +
-m, q 0..15), made at load time from the float weights. The LM head is int8 per channel (as
+m, q 0..15), made at load time from the float weights. The LM head is int8 in groups of 32 (as
 llama.cpp keeps its output tensor at 6-8 bits: it decides every token)."""
 from __future__ import annotations
 
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
-from pagedllm.models.layers.quantization.int8 import Int8LinearMethod
+from pagedllm.models.layers.quantization.int8 import LM_HEAD_GROUP, Int8LinearMethod
 from pagedllm.models.layers.quantization.layouts import quantize_int4
 
 
@@ -30,4 +30,4 @@ class Int4Config:
         self.group_size = group_size
 
     def get_linear_method(self, lm_head: bool = False):
-        return Int8LinearMethod() if lm_head else Int4LinearMethod(self.group_size)
+        return Int8LinearMethod(LM_HEAD_GROUP) if lm_head else Int4LinearMethod(self.group_size)
