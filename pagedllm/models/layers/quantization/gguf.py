@@ -31,11 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.models.layers.quantization import GGUF_MARKER as MARKER
+from pagedllm.models.layers.quantization import is_gguf_dir
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod, set_quantized
 from pagedllm.models.layers.quantization.int8 import LM_HEAD_GROUP, Int8LinearMethod
 from pagedllm.models.layers.quantization.layouts import pack_int4
 
-MARKER = "gguf.json"
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0", "Q6_K")
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -44,10 +45,6 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "ffn_down": "mlp.down_proj"}
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
-
-
-def is_gguf_dir(path) -> bool:
-    return os.path.isfile(os.path.join(str(path), MARKER))
 
 
 def gguf_info(model_dir) -> dict:
