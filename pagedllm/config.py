@@ -55,6 +55,19 @@ class ModelConfig:
     # "generate" (sampling) or "pooling" (an embedding per prompt, no sampling: /v1/embeddings).
     runner: str = "generate"
     pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
+    quantization: Optional[str] = None             # "int8", "int4", "gguf" (CPU weights)
+    quantization_group_size: Optional[int] = None  # int4's group
+
+    def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
+        """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
+        is always served as "gguf"."""
+        from pagedllm.models.layers.quantization import is_gguf_dir, validate_quantization
+        if is_gguf_dir(self.model):
+            if method not in (None, "gguf"):
+                raise ValueError(f"quantization {method!r}: a GGUF model is served as it is (quantization gguf)")
+            method = "gguf"
+        validate_quantization(method, group_size, device, self.dtype)
+        self.quantization, self.quantization_group_size = method, group_size
 
     @classmethod
     def from_dir(cls, path: str, dtype: str = "float32", max_model_len: Optional[int] = None,

@@ -27,6 +27,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "weight precisions: f32 (the same weights as pagedllm's, dequantised), bf16 "
                         "(those rounded to bfloat16, as pagedllm's --dtype bfloat16 rounds them) "
                         "and/or q4_1 (the file as shipped)")
+    p.add_argument("--compare-quantization", nargs="+", default=None, metavar="QUANT",
+                   choices=["none", "int8", "int4", "gguf"],
+                   help="run the same batches again with these --quantization values (none: float "
+                        "weights), side by side with the first engine's")
     p.add_argument("--compare-enforce-eager", action="store_true",
                    help="GPU: run the same batches again with --enforce-eager (no CUDA graphs)")
     p.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
@@ -35,6 +39,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw pagedllm's TTFT / TPOT percentiles and output tok/s against the batch size")
+
+
+def _weight_mb(engine) -> float:
+    """MB of the model's weights as held (quantized or not), where it runs in this process."""
+    from pagedllm.models.layers.quantization.layouts import weight_bytes
+    worker = getattr(engine.core.model_executor, "driver_worker", None)
+    return weight_bytes(worker.model_runner.model) / 1e6 if worker is not None else float("nan")
 
 
 def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) -> dict:
@@ -68,7 +79,7 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
            "output_tokens": produced,
            "tpot_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1),
            "decode_tok_s": len(prompts) * len(decode_steps) / max(sum(decode_steps), 1e-9),
-           "output_tok_s": produced / total}
+           "output_tok_s": produced / total, "weight_mb": _weight_mb(engine)}
     # Percentiles over the requests (TTFT) and over the decode steps (TPOT), for --plot.
     for q in (50, 90, 99):
         row[f"p{q}_ttft_ms"] = 1e3 * float(np.percentile(list(ttfts.values()), q))
@@ -143,7 +154,8 @@ def run_llama_cpp(precision: str, prompt: list[int], output_len: int, threads: i
     """Greedy single stream: the prompt in one eval, then one eval per new token (EOS ignored)."""
     import llama_cpp
     import numpy as np
-    llm = llama_cpp.Llama(model_path=_gguf(precision), n_ctx=len(prompt) + output_len + 16, n_batch=512,
+    path = _gguf(precision)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + output_len + 16, n_batch=512,
                           n_threads=threads, n_threads_batch=threads, verbose=False)
     n_vocab = llm.n_vocab()
 
@@ -167,7 +179,7 @@ def run_llama_cpp(precision: str, prompt: list[int], output_len: int, threads: i
     return {"system": f"llama.cpp {precision}", "batch": 1, "ttft_s": ttft, "total_s": total,
             "output_tokens": len(tokens), "tpot_ms": 1e3 * decode / (output_len - 1),
             "decode_tok_s": (output_len - 1) / decode, "output_tok_s": len(tokens) / total,
-            "token_ids": tokens}
+            "token_ids": tokens, "weight_mb": os.path.getsize(path) / 1e6}
 
 
 def _print_profile(name: str, prof: dict) -> None:
@@ -197,6 +209,26 @@ def _eager_rows(eargs, batches: dict, ns) -> list[dict]:
     return rows
 
 
+def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
+    """The same batches through an engine per --compare-quantization value, one at a time."""
+    import dataclasses
+
+    from pagedllm.entrypoints.llm import LLM
+    rows = []
+    for quant in ns.compare_quantization:
+        q = None if quant == "none" else quant
+        llm = LLM(**vars(dataclasses.replace(eargs, quantization=q, quantization_group_size=(
+            eargs.quantization_group_size if q == "int4" else None))))
+        label = f"pagedllm {q}" if q else "pagedllm"
+        for b, prompts in batches.items():
+            print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
+            rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+    return rows
+
+
 def main(ns: argparse.Namespace) -> int:
     import torch
     from pagedllm.entrypoints.cli import engine_args_from
@@ -207,6 +239,8 @@ def main(ns: argparse.Namespace) -> int:
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     eargs = engine_args_from(ns)
+    if ns.compare_quantization and (ns.compare_enforce_eager or ns.torch_profile):
+        raise ValueError("--compare-quantization runs on the CPU: not with --compare-enforce-eager or --torch-profile")
     if max(ns.batch_size) > eargs.max_num_seqs:
         raise ValueError(f"batch_size {max(ns.batch_size)} exceeds --max-num-seqs {eargs.max_num_seqs}")
     llm = LLM(**vars(eargs))
@@ -225,9 +259,14 @@ def main(ns: argparse.Namespace) -> int:
         tok, b, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len), ns.dataset_seed + b)]
         for b in ns.batch_size}
     rows = []
+    label = f"pagedllm {eargs.quantization}" if eargs.quantization else "pagedllm"
     for b, prompts in batches.items():
-        print(f"running pagedllm at batch {b} ...", file=sys.stderr, flush=True)
-        rows.append(run_pagedllm(llm, prompts, ns.output_len, ns.profile))
+        print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
+        rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
+    if ns.compare_quantization:
+        del llm
+        rows += _quantization_rows(eargs, batches, ns)
+        llm = None
     profiled = None
     if ns.torch_profile:
         print("running torch.profiler at batch 1 ...", file=sys.stderr, flush=True)
@@ -248,11 +287,13 @@ def main(ns: argparse.Namespace) -> int:
     print()
     print_table(rows, [("system", "system", ""), ("batch", "batch", "d"), ("ttft_s", "TTFT s", ".3f"),
                        ("tpot_ms", "TPOT ms", ".2f"), ("decode_tok_s", "decode tok/s", ".1f"),
-                       ("output_tok_s", "output tok/s (incl. prefill)", ".1f"), ("total_s", "total s", ".2f")])
-    base = next((r for r in rows if r["system"] == "pagedllm" and r["batch"] == 1), None)
-    for r in rows:
-        if base and r["system"].startswith("llama.cpp"):
-            print(f"pagedllm / {r['system']} single-stream decode: {base['decode_tok_s'] / r['decode_tok_s']:.2f}x")
+                       ("output_tok_s", "output tok/s (incl. prefill)", ".1f"), ("total_s", "total s", ".2f"),
+                       ("weight_mb", "weights MB", ".0f")])
+    for base in (r for r in rows if r["system"].startswith("pagedllm") and r["batch"] == 1):
+        for r in rows:
+            if r["system"].startswith("llama.cpp"):
+                print(f"{base['system']} / {r['system']} single-stream decode: "
+                      f"{base['decode_tok_s'] / r['decode_tok_s']:.2f}x")
     for r in rows:
         if r["system"] == EAGER:
             graphs = next(g for g in rows if g["system"] == "pagedllm" and g["batch"] == r["batch"])

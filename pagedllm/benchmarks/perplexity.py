@@ -23,6 +23,7 @@ from pagedllm.benchmarks.common import command_line, machine_info, print_table, 
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8", "int4", "gguf")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="pagedllm's weight / activation dtypes to compare (default: float32 bfloat16)")
     p.add_argument("--hf-dtypes", nargs="*", default=["float32"], choices=DTYPES,
                    help="transformers' dtypes, the reference (default: float32; none to skip)")
+    p.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
+                   help="also pagedllm in float32 with these quantized weights: int8, int4, gguf (the "
+                        "default model's Q4_1 file as it is)")
+    p.add_argument("--quantization-group-size", type=int, default=None, help="int4's group (default 32)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="a UTF-8 text file (default: the one shipped)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (default 1024)")
@@ -67,11 +72,12 @@ def nll_sum(logits, targets) -> float:
     return total
 
 
-def load_pagedllm(model_dir: str, dtype: str, window: int):
-    """pagedllm's model, loaded as the engine loads it (packed linears, fused ops)."""
+def load_pagedllm(model_dir: str, dtype: str, window: int, quantization=None, group_size=None):
+    """pagedllm's model, loaded as the engine loads it (packed or quantized linears, fused ops)."""
     from pagedllm.config import ModelConfig
     from pagedllm.models.loader import load_model
     config = ModelConfig.from_dir(model_dir, dtype=dtype, max_model_len=window)
+    config.set_quantization(quantization, group_size, "cpu")
     return config, load_model(config)
 
 
@@ -125,8 +131,11 @@ def text_ids(tokenizer, path: str, max_tokens: int | None) -> list[int]:
     return ids
 
 
-def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, stride: int) -> tuple[list[dict], int]:
-    """-> (rows: system, dtype, tokens, nll, perplexity, seconds; the text's token count)."""
+def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, stride: int,
+        quantizations=(), group_size=None) -> tuple[list[dict], int]:
+    """-> (rows: system, dtype, tokens, nll, perplexity, seconds; the text's token count).
+    quantizations: pagedllm float32 rows with those weights ("gguf": the default model's file)."""
+    from pagedllm.models.download import resolve_model
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ids = text_ids(AutoTokenizer.from_pretrained(model_dir), text, max_tokens)
@@ -137,12 +146,19 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
         rows.append({"system": "pagedllm", "dtype": dtype,
                      **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
         del model
+    for quant in quantizations:
+        qdir = str(resolve_model(None, "gguf")) if quant == "gguf" else model_dir
+        config, model = load_pagedllm(qdir, "float32", window, quant, group_size if quant == "int4" else None)
+        rows.append({"system": f"pagedllm {quant}", "dtype": "float32",
+                     **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
+        del model
     for dtype in hf_dtypes:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         rows.append({"system": "transformers", "dtype": dtype,
                      **perplexity(lambda w, f: hf_window_logits(hf, w, f), ids, spans)})
         del hf
-    base = next((r for r in rows if r["dtype"] == "float32"), None)   # pagedllm's when it ran
+    base = next((r for r in rows if r["dtype"] == "float32" and r["system"] in ("pagedllm", "transformers")),
+                None)   # pagedllm's float32 when it ran
     for r in rows:
         r["ratio"] = r["perplexity"] / base["perplexity"] if base else float("nan")
     return rows, len(ids)
@@ -157,7 +173,8 @@ def main(ns: argparse.Namespace) -> int:
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
           f"with {machine['torch_threads']} threads")
-    rows, n = run(model_dir, ns.dtypes, ns.hf_dtypes or [], ns.text, ns.max_tokens, ns.window, ns.stride)
+    rows, n = run(model_dir, ns.dtypes, ns.hf_dtypes or [], ns.text, ns.max_tokens, ns.window, ns.stride,
+                  ns.quantization, ns.quantization_group_size)
     print(f"model: {model_dir}; text: {ns.text} ({n} tokens), window {ns.window}, stride {ns.stride}")
     print()
     print_table(rows, [("system", "system", ""), ("dtype", "dtype", ""), ("tokens", "tokens", "d"),

@@ -12,5 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("rotary_embedding_", torch::wrap_pybind_function(rotary_embedding_), "rotary_embedding_");
+  m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
+  m.def("quant_dequantize", torch::wrap_pybind_function(quant_dequantize), "quant_dequantize");
   m.def("decode_layers", torch::wrap_pybind_function(decode_layers), "decode_layers");
 }

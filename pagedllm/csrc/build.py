@@ -23,7 +23,7 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 # Why each extension that was tried is not built (name -> reason): the tests fail with it
@@ -90,5 +90,5 @@ def build_extension(prefix: str, src_dir: Path, sources, cflags=CFLAGS):
 @functools.cache
 def cpu_extension():
     """The one extension of pagedllm/csrc (paged_decode, rms_norm, silu_and_mul,
-    rotary_embedding_, linear_small, decode_layers), or None; built at most once a process."""
+    rotary_embedding_, linear_small, quant_linear, decode_layers), or None; built at most once a process."""
     return build_extension("pagedllm_cpu", SOURCE_DIR, SOURCES)

@@ -8,9 +8,20 @@ static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
+// One linear of the loop: a float weight (linear_small), or a quantized one with its scales and
+// mins (quant_linear, float32 activations).
+struct Linear {
+  const torch::Tensor *w, *b, *s, *m;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (s == nullptr) return linear_small(x, *w, opt(*b));
+    return quant_linear(x, *w, *s, *m, opt(*b));
+  }
+};
+
 // x [M, hidden] (the embedded tokens), positions [M] int64; per layer 10 tensors: input norm,
 // qkv weight, qkv bias, o weight, o bias, post-attention norm, gate_up weight, gate_up bias,
-// down weight, down bias (an empty tensor = no bias); caches [S, Hkv, D] per layer;
+// down weight, down bias (an empty tensor = no bias); or 18 with quantized linears, each linear
+// then weight, bias, scales, mins; caches [S, Hkv, D] per layer;
 // slot_mapping [M] int64, block_table [M, NB] int32, seq_lens [M] int32 -> hidden [M, hidden].
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
@@ -19,10 +30,20 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
                             double scale) {
   const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(weights.size() == 10 * k_caches.size() && k_caches.size() == v_caches.size());
+  TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty());
+  const size_t stride = weights.size() / k_caches.size();
+  TORCH_CHECK((stride == 10 || stride == 18) && weights.size() == stride * k_caches.size());
+  const int per = stride == 10 ? 2 : 4;  // tensors per linear
   for (size_t l = 0; l < k_caches.size(); ++l) {
-    const torch::Tensor* w = &weights[10 * l];
-    auto qkv = linear_small(rms_norm(x, w[0], eps), w[1], opt(w[2]));  // [M, q + 2 kv]
+    const torch::Tensor* w = &weights[stride * l];
+    auto lin = [&](int at) {
+      const torch::Tensor* p = w + at;
+      return per == 2 ? Linear{p, p + 1, nullptr, nullptr} : Linear{p, p + 1, p + 2, p + 3};
+    };
+    const Linear qkv_proj = lin(1), o_proj = lin(1 + per), gate_up_proj = lin(2 + 2 * per),
+                 down_proj = lin(2 + 3 * per);
+    const torch::Tensor &input_norm = w[0], &post_norm = w[1 + 2 * per];
+    auto qkv = qkv_proj(rms_norm(x, input_norm, eps));  // [M, q + 2 kv]
     auto q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
@@ -30,9 +51,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
     k_caches[l].index_copy_(0, slot_mapping, k);
     v_caches[l].index_copy_(0, slot_mapping, v);
     auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0);
-    x = x + linear_small(o.reshape({M, q_size}), w[3], opt(w[4]));
-    auto gate_up = linear_small(rms_norm(x, w[5], eps), w[6], opt(w[7]));
-    x = x + linear_small(silu_and_mul(gate_up), w[8], opt(w[9]));
+    x = x + o_proj(o.reshape({M, q_size}));
+    auto gate_up = gate_up_proj(rms_norm(x, post_norm, eps));
+    x = x + down_proj(silu_and_mul(gate_up));
   }
   return rms_norm(x, final_norm, eps);
 }

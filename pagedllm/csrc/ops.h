@@ -18,6 +18,11 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
                        torch::Tensor positions);
 
+// quant_ops.cpp
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins);
+
 // decode_loop.cpp
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,

@@ -39,6 +39,8 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None   # adapters kept in host memory (None: max_loras)
     # P/D disaggregation: vLLM's --kv-transfer-config (JSON text, a dict, or a KVTransferConfig).
     kv_transfer_config: Optional[object] = None
+    quantization: Optional[str] = None  # CPU weights: "int8", "int4", "gguf" (models/layers/quantization)
+    quantization_group_size: Optional[int] = None   # int4's group (32 by default)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -46,7 +48,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.models.download import resolve_model
-        path = str(resolve_model(self.model))
+        path = str(resolve_model(self.model, self.quantization))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -59,6 +61,7 @@ class EngineArgs:
         mc = ModelConfig.from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
         mc.dtype = resolve_dtype(mc.dtype, mc.hf_config, dc.device)
         mc.runner = self.runner
+        mc.set_quantization(self.quantization, self.quantization_group_size, dc.device)
         prefix_caching = self.enable_prefix_caching
         if self.runner == "pooling":
             mc.pooler_config = PoolerConfig.from_dir(path)

@@ -50,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, LRU (default: --max-loras)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "gguf"],
+                   help="CPU weight-only quantization: int8 (per channel), int4 (groups), gguf (the "
+                        "default model's shipped Q4_1 file, or --model FILE.gguf, served as it is)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4: input features per scale and min, 32 (default), 64 or 128")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
@@ -84,7 +89,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager, runner=_runner(ns), enable_lora=ns.enable_lora,
                       max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
-                      kv_transfer_config=getattr(ns, "kv_transfer_config", None))
+                      kv_transfer_config=getattr(ns, "kv_transfer_config", None),
+                      quantization=ns.quantization, quantization_group_size=ns.quantization_group_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

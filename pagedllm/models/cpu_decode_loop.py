@@ -8,8 +8,9 @@ in the same order on the same values, so its hidden states equal the eager path'
 (tests/test_cpu_decode_loop.py); only the Python between them is gone.
 
 Built once at load time (`build_decode_loop`) for a model whole on one rank, on the CPU, with
-the fused ops and packed linears with the row-streaming kernel (their methods, chosen when the
-layers were built) and the cpu attention backend; the ModelRunner calls it instead of the model
+the fused ops and packed linears with the row-streaming kernel, or quantized linears
+(quant_linear, csrc/quant_ops.cpp; float32) (their methods, chosen when the layers were built)
+and the cpu attention backend; the ModelRunner calls it instead of the model
 for steps that are all decode with at most SMALL_ROWS tokens (`DecodeLoop.applies`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
@@ -25,12 +26,18 @@ from pagedllm.attention.layer import attention_layers
 from pagedllm.csrc.build import cpu_extension
 from pagedllm.forward_context import get_forward_context
 from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
+from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
 
 
 def decode_loop_ext():
     """The extension holding the loop (csrc/decode_loop.cpp's decode_layers) beside the fused
     ops and the decode kernel it calls, or None."""
     return cpu_extension()
+
+
+def base_method(linear):
+    """The layer's own method: a LoRA method wraps it (lora/layers.py) over the same weights."""
+    return getattr(linear.linear_method, "base_method", linear.linear_method)
 
 
 class DecodeLoop:
@@ -41,14 +48,16 @@ class DecodeLoop:
     def __init__(self, model, ext) -> None:
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
 
-        def b(lin):
-            return lin.bias if lin.bias is not None else empty
+        def lin(m):   # a float linear: weight, bias; a quantized one: qweight, bias, scales, mins
+            b = m.bias if m.bias is not None else empty
+            if isinstance(base_method(m), QuantizedLinearMethod):
+                return [m.qweight, b, m.scales, m.mins]
+            return [m.weight, b]
         self.weights = []
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            self.weights += [layer.input_layernorm.weight, a.qkv_proj.weight, b(a.qkv_proj),
-                             a.o_proj.weight, b(a.o_proj), layer.post_attention_layernorm.weight,
-                             m.gate_up_proj.weight, b(m.gate_up_proj), m.down_proj.weight, b(m.down_proj)]
+            self.weights += [layer.input_layernorm.weight, *lin(a.qkv_proj), *lin(a.o_proj),
+                             layer.post_attention_layernorm.weight, *lin(m.gate_up_proj), *lin(m.down_proj)]
         a = model.layers[0].self_attn
         self.dims = (a.num_heads, a.num_kv_heads, a.head_dim)
         self.scale = a.scale
@@ -96,9 +105,12 @@ def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if model.rope.ops is None or layer.mlp.act_fn.ops is None or model.norm.ops is None:
         return None
-    # A LoRA method wraps the packed one (lora/layers.py): the base weights are the same.
-    methods = [getattr(m.linear_method, "base_method", m.linear_method) for m in linears]
-    if not all(isinstance(lm, CPUPackedLinearMethod) and lm.small_ops is not None for lm in methods):
+    methods = [base_method(m) for m in linears]
+    quantized = [isinstance(lm, QuantizedLinearMethod) and lm.ops is not None for lm in methods]
+    if all(quantized):   # quant_linear takes float32 activations (the only dtype quantization runs in)
+        if model.norm.weight.dtype != torch.float32:
+            return None
+    elif not all(isinstance(lm, CPUPackedLinearMethod) and lm.small_ops is not None for lm in methods):
         return None
     if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
         return None

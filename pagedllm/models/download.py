@@ -328,8 +328,18 @@ def _transformers_progress(enabled: bool):
 READY_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
 
 
-def resolve_model(model: str | None) -> Path:
-    """`--model` value → HF-format model directory (None = the default model)."""
+def resolve_model(model: str | None, quantization: str | None = None) -> Path:
+    """`--model` value → HF-format model directory (None = the default model). A .gguf file, or
+    the default model with quantization "gguf" (its shipped Q4_1 file), → the GGUF model
+    directory that serves the file as it is (models/layers/quantization/gguf.py)."""
+    from pagedllm.models.layers.quantization.gguf import gguf_model_dir
+    if quantization == "gguf" and (model is None or model in DEFAULT_MODEL_ALIASES):
+        return gguf_model_dir(find_gguf(), pagedllm_home())
+    if model is not None and model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise ValueError(f"model path '{model}' is not a GGUF file")
+        return gguf_model_dir(path, pagedllm_home())
     if model is None or model in DEFAULT_MODEL_ALIASES:
         return ensure_default_model()
     if model in GEMMA3_ALIASES:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
+from pagedllm.models.layers.quantization import get_quant_config, set_current_quant_config
 from pagedllm.models.registry import get_model_class
 
 
@@ -69,8 +70,11 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     cls = get_model_class(config.hf_config)
     dtype = _dtype(config)
     backend = get_attn_backend(device, dtype, attention_backend)
-    with torch.device(device), _default_dtype(dtype), set_current_attn_backend(backend):
+    quant = get_quant_config(config.quantization, config.quantization_group_size, config.model)
+    with (torch.device(device), _default_dtype(dtype), set_current_attn_backend(backend),
+          set_current_quant_config(quant)):
         model = cls(config.hf_config, config.max_model_len, parallel)
-    load_weights(model, iter_weights(config.model), config.model)
+    weights = quant.iter_weights(config.model) if hasattr(quant, "iter_weights") else iter_weights(config.model)
+    load_weights(model, weights, config.model)
     model = model.eval().requires_grad_(False)
     return model

@@ -28,6 +28,7 @@ from torch import nn
 from pagedllm.models.cpu_ops import cpu_ops
 from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
 from pagedllm.models.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from pagedllm.models.layers.quantization import current_quant_config
 from pagedllm.models.layers.weight_utils import copy_weight
 
 
@@ -37,9 +38,13 @@ def multi_rank(comm):
     return comm if comm is not None and comm.size > 1 else None
 
 
-def default_linear_method() -> LinearMethodBase:
-    """The method for a layer built now: on the CPU in float32 / bfloat16, oneDNN-packed
-    weights (unless PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
+def default_linear_method(lm_head: bool = False) -> LinearMethodBase:
+    """The method for a layer built now: the current quantization config's (set by the loader);
+    on the CPU in float32 / bfloat16, oneDNN-packed weights (unless
+    PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
+    quant = current_quant_config()
+    if quant is not None:
+        return quant.get_linear_method(lm_head)
     if torch.get_default_device().type == "cpu" and packed_linear_supported(torch.get_default_dtype()):
         return CPUPackedLinearMethod(cpu_ops())
     return UnquantizedLinearMethod()

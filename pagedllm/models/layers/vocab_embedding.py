@@ -51,7 +51,7 @@ class ParallelLMHead(nn.Module):
         self.vocab = vocab
         self.vocab_size = vocab_size
         self.comm = multi_rank(comm)
-        self.linear_method = linear_method or default_linear_method()
+        self.linear_method = linear_method or default_linear_method(lm_head=True)
         if tied is not None:
             self.weight = tied.weight
         else:

@@ -1,0 +1,201 @@
+// Weight-only int8 / int4 linears (models/layers/quantization/): y = x W^T + b with W held as
+// integers q, per-group float scales s and (optionally) mins m, w = q * s + m, in groups of G
+// consecutive input features of one output row. float32 activations.
+//
+// int8: q [N, K] int8.  int4: q [N, K/2] uint8, each run of 32 features in 16 bytes, byte i
+// holding feature i (low nibble) and feature i + 16 (high nibble), values 0..15: GGUF's Q4_0 /
+// Q4_1 block layout, so those files are copied, not converted. s, m [N, K/G] float32.
+//
+// 1-4 rows (decode: bound by reading the weights): each thread streams its run of output rows
+// once, widening 8 integers at a time to float32 in registers; a group's products with each
+// input row are summed in a vector, scaled once per group (sum_k x_k (q_k s + m) =
+// s sum_k x_k q_k + m sum_k x_k, the inputs' group sums computed once). More rows: each thread
+// dequantises a tile of output rows into a float32 buffer that stays in cache and multiplies
+// it with the inputs by torch's GEMM (single-threaded inside the parallel loop).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_types.h"
+#include "ops.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline __m256 widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Integer of feature k of an int4 row (the layout above).
+static inline int q4_at(const uint8_t* row, int64_t k) {
+  const uint8_t b = row[(k / 32) * 16 + (k % 32) % 16];
+  return (k % 32) < 16 ? (b & 15) : (b >> 4);
+}
+
+struct QuantWeight {
+  const void* q;
+  const float* s;
+  const float* m;  // nullptr: no mins
+  int64_t N, K, G;
+  bool int4;
+};
+
+// out[m][n] for rows n in [n0, n1) and M (<= 4) input rows x [M, K]; xsum [M, K/G] (with mins).
+template <int M>
+static void small_rows(const QuantWeight& w, const float* x, const float* xsum, const float* bias, float* out,
+                       int64_t n0, int64_t n1) {
+  const int64_t K = w.K, G = w.G, ng = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = w.s + n * ng;
+    float tot[M] = {};
+#ifdef __AVX2__
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+#endif
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t k0 = g * G;
+      int64_t k = k0;
+#ifdef __AVX2__
+      __m256 d[M];
+      for (int r = 0; r < M; ++r) d[r] = _mm256_setzero_ps();
+      if (w.int4) {
+        const uint8_t* row = (const uint8_t*)w.q + n * (K / 2);
+        const __m128i low = _mm_set1_epi8(15);
+        for (; k + 32 <= k0 + G; k += 32) {
+          const __m128i v = _mm_loadu_si128((const __m128i*)(row + k / 2));
+          const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+          const __m256 w0 = widen_u8(lo), w1 = widen_u8(_mm_srli_si128(lo, 8));
+          const __m256 w2 = widen_u8(hi), w3 = widen_u8(_mm_srli_si128(hi, 8));
+          for (int r = 0; r < M; ++r) {
+            const float* xr = x + r * K + k;
+            d[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, d[r]);
+            d[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, d[r]);
+            d[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, d[r]);
+            d[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, d[r]);
+          }
+        }
+      } else {
+        const int8_t* row = (const int8_t*)w.q + n * K;
+        for (; k + 8 <= k0 + G; k += 8) {
+          const __m256 wv = widen_i8(row + k);
+          for (int r = 0; r < M; ++r) d[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, d[r]);
+        }
+      }
+      const __m256 sv = _mm256_set1_ps(s[g]);
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_fmadd_ps(d[r], sv, acc[r]);
+#endif
+      // The group's tail (int8 groups not a multiple of 8; no AVX2: the whole group).
+      float t[M] = {};
+      for (; k < k0 + G; ++k) {
+        const float q = w.int4 ? (float)q4_at((const uint8_t*)w.q + n * (K / 2), k)
+                               : (float)((const int8_t*)w.q)[n * K + k];
+        for (int r = 0; r < M; ++r) t[r] += x[r * K + k] * q;
+      }
+      for (int r = 0; r < M; ++r) tot[r] += t[r] * s[g] + (w.m ? w.m[n * ng + g] * xsum[r * ng + g] : 0.f);
+    }
+    for (int r = 0; r < M; ++r) {
+#ifdef __AVX2__
+      tot[r] += hsum(acc[r]);
+#endif
+      out[r * w.N + n] = tot[r] + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+// Rows [n0, n1) of W as float32 into dst [n1 - n0, K].
+static void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
+  const int64_t K = w.K, G = w.G, ng = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* o = dst + (n - n0) * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float s = w.s[n * ng + g], m = w.m ? w.m[n * ng + g] : 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+        const float q = w.int4 ? (float)q4_at((const uint8_t*)w.q + n * (K / 2), k)
+                               : (float)((const int8_t*)w.q)[n * K + k];
+        o[k] = q * s + m;
+      }
+    }
+  }
+}
+
+static QuantWeight check_weight(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.dim() == 2 && s.is_contiguous() &&
+              s.scalar_type() == torch::kFloat && s.size(0) == q.size(0));
+  const bool int4 = q.scalar_type() == torch::kByte;
+  TORCH_CHECK(int4 || q.scalar_type() == torch::kChar, "quantized weight: int8 or packed int4 (uint8)");
+  const int64_t N = q.size(0), K = int4 ? 2 * q.size(1) : q.size(1), ng = s.size(1);
+  TORCH_CHECK(ng >= 1 && K % ng == 0, "scales: one per group of input features");
+  const int64_t G = K / ng;
+  TORCH_CHECK(!int4 || (K % 32 == 0 && G % 32 == 0), "int4: groups of a multiple of 32 features");
+  const bool has_m = m.numel() > 0;
+  TORCH_CHECK(!has_m || (m.sizes() == s.sizes() && m.is_contiguous() && m.scalar_type() == torch::kFloat));
+  return QuantWeight{q.data_ptr(), s.data_ptr<float>(), has_m ? m.data_ptr<float>() : nullptr, N, K, G, int4};
+}
+
+// x [T, K] float32; qweight int8 [N, K] or uint8 [N, K/2] (int4); scales, mins [N, K/G] float32
+// (mins may be empty) -> [T, N] float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                           c10::optional<torch::Tensor> bias) {
+  const QuantWeight w = check_weight(qweight, scales, mins);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == w.K);
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == torch::kFloat));
+  x = x.contiguous();
+  const int64_t T = x.size(0), N = w.N, K = w.K;
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (T <= 4) {
+    auto out = torch::empty({T, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    // Each input row's sum over each group, for the mins.
+    std::vector<float> xsum;
+    if (w.m) {
+      const int64_t ng = K / w.G;
+      xsum.assign(T * ng, 0.f);
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t k = 0; k < K; ++k) xsum[r * ng + k / w.G] += xp[r * K + k];
+    }
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      switch (T) {
+        case 1: small_rows<1>(w, xp, xsum.data(), b, op, n0, n1); break;
+        case 2: small_rows<2>(w, xp, xsum.data(), b, op, n0, n1); break;
+        case 3: small_rows<3>(w, xp, xsum.data(), b, op, n0, n1); break;
+        default: small_rows<4>(w, xp, xsum.data(), b, op, n0, n1); break;
+      }
+    });
+    return out;
+  }
+  constexpr int64_t TILE = 32;  // output rows dequantised at a time: 32 x K floats stay in L2
+  auto out_t = torch::empty({N, T}, x.options());  // [N, T], transposed at the end
+  const auto xt = x.t();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    auto tile = torch::empty({TILE, K}, x.options());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);
+      dequantize_rows(w, n0, n1, tile.data_ptr<float>());
+      auto dst = out_t.narrow(0, n0, n1 - n0);
+      at::mm_out(dst, tile.narrow(0, 0, n1 - n0), xt);
+    }
+  });
+  auto out = out_t.t().contiguous();
+  if (b) out.add_(*bias);
+  return out;
+}
+
+// The whole weight as float32 [N, K] (tests; the tied embedding of a GGUF file).
+torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins) {
+  const QuantWeight w = check_weight(qweight, scales, mins);
+  auto out = torch::empty({w.N, w.K}, scales.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w.N, 64, [&](int64_t n0, int64_t n1) { dequantize_rows(w, n0, n1, op + n0 * w.K); });
+  return out;
+}

@@ -1,0 +1,37 @@
+"""--quantization int8: per-output-channel symmetric int8 (one scale a row, no mins), made at load
+time from the float weights; the LM head of every quantized model uses it, in groups of 32."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
+from pagedllm.models.layers.quantization.layouts import quantize_int8
+
+
+# The LM head (every token's choice between near-equal logits) in groups of 32, as GGUF's Q8_0
+# output tensors: a Q8_0 embedding re-quantized this way is its own values again.
+LM_HEAD_GROUP = 32
+
+
+class Int8LinearMethod(QuantizedLinearMethod):
+    """group_size None: one group a row (per output channel)."""
+
+    def __init__(self, group_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.group_size = group_size
+
+    def quantize(self, w):
+        g = self.group_size or w.shape[1]
+        if w.shape[1] % g:
+            g = w.shape[1]   # a row that is not whole groups: one scale a row
+        q, s = quantize_int8(w, g)
+        return q, s, torch.empty(0)
+
+
+class Int8Config:
+    name = "int8"
+
+    def get_linear_method(self, lm_head: bool = False):
+        return Int8LinearMethod(LM_HEAD_GROUP if lm_head else None)
