@@ -77,6 +77,9 @@ class Request:
         # prompt_logprobs: the scored prompt tokens gathered so far (ids, logprobs, rank each),
         # sent with the first token and then None (a recompute after preemption adds nothing).
         self.prompt_logprobs: Optional[list] = [] if sampling_params.prompt_logprobs is not None else None
+        # Speculative decoding: the draft tokens proposed after the last step, verified in the next
+        # (never part of all_token_ids; dropped on preemption).
+        self.spec_token_ids: list[int] = []
 
     def add_prompt_logprobs(self, chunk) -> None:
         """One step's scored positions (worker/prompt_logprobs.py); positions already held (a

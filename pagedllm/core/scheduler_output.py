@@ -43,6 +43,9 @@ class SchedulerOutput:
     # rows in that order (numpy int32 [len(ids), ceil(V / 32)], filled by the engine core).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Optional[Any] = None
+    # Speculative decoding: req id -> the draft tokens scheduled after its last token (counted in
+    # num_scheduled_tokens; the runner verifies them and samples the bonus token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +59,8 @@ class ModelRunnerOutput:
     prompt_logprobs: Optional[dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]]] = None
     # --runner pooling: per row, the prompt's pooled vector once its last token is computed.
     pooler_output: Optional[list[Optional[list[float]]]] = None
+    # Speculative decoding: per row, the drafts proposed for the next step ([] for none).
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 @dataclass

@@ -5,7 +5,8 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             PoolerConfig, SchedulerConfig, cuda_graph_ladder, resolve_dtype)
+                             PoolerConfig, SchedulerConfig, SpeculativeConfig, cuda_graph_ladder,
+                             resolve_dtype)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False         # no CUDA graphs
     runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
+    speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -71,7 +73,8 @@ class EngineArgs:
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
-        config = EngineConfig(mc, cc, sc, pc, dc)
+        spec = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        config = EngineConfig(mc, cc, sc, pc, dc, spec)
         config.validate()
         return config
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -47,6 +48,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON (vLLM\'s): {"method": "ngram" | "draft_model", '
+                        '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+                        '"model": "self:N" | DIR, "length_policy": "fixed" | "adaptive"}')
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: checked at parse time, so a bad one is an argparse error naming the field."""
+    from pagedllm.config import SpeculativeConfig
+    try:
+        SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def _runner(ns: argparse.Namespace) -> str:
@@ -72,7 +87,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, runner=_runner(ns))
+                      enforce_eager=ns.enforce_eager, runner=_runner(ns),
+                      speculative_config=getattr(ns, "speculative_config", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
