@@ -133,7 +133,8 @@ class EngineCoreProc:
             used_blocks=(pool.num_blocks - 1) - pool.get_num_free_blocks(),
             num_blocks=pool.num_blocks, preemptions=s.num_preemptions, num_added=self.num_added,
             prefix_cache_queries=s.kv_cache_manager.stats.queries,
-            prefix_cache_hits=s.kv_cache_manager.stats.hits)
+            prefix_cache_hits=s.kv_cache_manager.stats.hits,
+            spec_decoding=s.spec_decoding_stats.as_dict() if s.spec_decoding_stats.num_drafts else None)
 
     def _send(self, msg: m.CoreOutput) -> None:
         self.out_sock.send(m.encode_output(msg))

@@ -132,6 +132,8 @@ class SchedulerStats(msgspec.Struct):
     num_added: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding's totals (spec_decode/metrics.SpecDecodingStats.as_dict); None without it.
+    spec_decoding: Optional[dict] = None
     # Data parallel only (DPCoreClient's sum, never sent by a core): each replica's own, and
     # the router's requests in flight per replica.
     replicas: Optional[list[Optional["SchedulerStats"]]] = None
