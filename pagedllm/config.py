@@ -122,6 +122,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     chunked_prefill: bool = True
     preemption_mode: str = "recompute"   # or "swap"
+    # Speculative decoding with a draft model: KV slots a running request gets beyond its step's
+    # tokens, where the draft writes the K/V of the tokens it proposes (vLLM's num_lookahead_tokens).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass

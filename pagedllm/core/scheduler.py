@@ -254,7 +254,7 @@ class Scheduler:
             return None
         allocated = []
         for request, n in plan:
-            blocks = kv.allocate_slots(request, n)
+            blocks = kv.allocate_slots(request, self._with_lookahead(request, n))
             if blocks is None:
                 if len(plan) > 1:   # counted above: allocate_slots takes no more than that
                     raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
@@ -276,7 +276,8 @@ class Scheduler:
                 return None
             n = 0
         n = min(n, step.budget)
-        blocks = kv.swap_in(request, n) if swapped else kv.allocate_slots(request, n, hits)
+        blocks = (kv.swap_in(request, n) if swapped
+                  else kv.allocate_slots(request, self._with_lookahead(request, n, num_hit_tokens), hits))
         if blocks is None:
             return None
         if request.num_cached_tokens < 0:
@@ -297,6 +298,14 @@ class Scheduler:
         step.num_scheduled[request.request_id] = n
         step.budget -= n
         return n
+
+    def _with_lookahead(self, request: Request, n: int, num_hit_tokens: int = 0) -> int:
+        """n and the draft model's lookahead slots (none past max_model_len; the draft
+        proposer stays inside the blocks a row has, so fewer slots only mean fewer drafts)."""
+        if not self.config.num_lookahead_tokens or n == 0:
+            return n
+        room = self.config.max_model_len - request.num_computed_tokens - num_hit_tokens
+        return max(min(n + self.config.num_lookahead_tokens, room), n)
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         """A parallel-sampling parent computes its prompt but the last token; the siblings it

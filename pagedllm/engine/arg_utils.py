@@ -74,6 +74,8 @@ class EngineArgs:
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
         spec = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            sc.num_lookahead_tokens = spec.num_speculative_tokens
         config = EngineConfig(mc, cc, sc, pc, dc, spec)
         config.validate()
         return config

@@ -23,6 +23,8 @@ class NgramProposer:
                 return tokens[start:start + k].tolist()
         return []
 
-    def propose(self, token_rows: list[np.ndarray], ks: list[int]) -> list[list[int]]:
-        """One request at a time (each a vectorised search over its tokens)."""
-        return [self.propose_one(t, k) if k > 0 else [] for t, k in zip(token_rows, ks)]
+    def propose(self, batch, rows: list[int], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] drafts for the persistent batch's row rows[i] (one request at a time, each
+        a vectorised search over its tokens)."""
+        return [self.propose_one(batch.token_ids_np[r, :batch.num_tokens[r]], k) if k > 0 else []
+                for r, k in zip(rows, ks)]

@@ -70,7 +70,8 @@ class ModelRunner:
         # so that a preempted request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
         # Speculative decoding (worker/spec_decode.py): verify drafts, propose the next ones.
-        self.spec_decoder = SpecDecoder(config.speculative_config) if config.speculative_config else None
+        self.spec_decoder = (SpecDecoder(config.speculative_config, self.model, self.attn_backend, cc.block_size,
+                                         mc.max_model_len) if config.speculative_config else None)
 
     # ------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.length_policy import SpecLengthPolicy
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.input_batch import InputBatch, ModelInputs
@@ -26,11 +27,15 @@ def speculates(params) -> bool:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, model, attn_backend, block_size: int, max_model_len: int) -> None:
         self.config = config
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} has no proposer yet")
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "draft_model" and config.model.startswith("self:"):
+            self.proposer = DraftModelProposer(model, int(config.model[5:]), attn_backend, block_size, max_model_len)
+        else:
+            raise ValueError(f"speculative_config: method {config.method!r} with model {config.model!r} "
+                             "has no proposer yet (built: 'ngram', 'draft_model' with 'self:N')")
         self.policy = SpecLengthPolicy(config.num_speculative_tokens, config.length_policy == "adaptive")
         self.rejection_sampler = RejectionSampler()
 
@@ -63,9 +68,8 @@ class SpecDecoder:
     def propose(self, batch: InputBatch, rows: list[int]) -> list[list[int]]:
         """Drafts for the next step of each sampled row (in `rows` order; [] where none)."""
         k = self.policy.num_spec_tokens(len(rows))
-        eligible = [k > 0 and speculates(batch.states[r].sampling_params) for r in rows]
-        tokens = [batch.token_ids_np[r, :batch.num_tokens[r]] for r in rows]
-        return self.proposer.propose(tokens, [k if e else 0 for e in eligible])
+        ks = [k if k > 0 and speculates(batch.states[r].sampling_params) else 0 for r in rows]
+        return self.proposer.propose(batch, rows, ks)
 
 
 def expanded_metadata(states, drafts: list[list[int]], eos_ids, vocab_size: int, device
