@@ -136,6 +136,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     preemption_mode: str = "recompute"   # or "swap"
     max_loras: int = 0   # --enable-lora: at most this many distinct adapters in a step (0: no LoRA)
+    # Speculative decoding with a draft model: KV slots a running request gets beyond its step's
+    # tokens, where the draft writes the K/V of the tokens it proposes (vLLM's num_lookahead_tokens).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -210,9 +213,13 @@ class EngineConfig:
     lora_config: Optional[LoRAConfig] = None   # None: LoRA off
     # P/D disaggregation (distributed/kv_transfer/config.KVTransferConfig), or None.
     kv_transfer_config: Optional[object] = None
+    speculative_config: Optional["SpeculativeConfig"] = None
 
     def validate(self) -> None:
         c, s = self.cache_config, self.scheduler_config
+        if self.speculative_config is not None:
+            from pagedllm.spec_decode.checks import check_speculative_config
+            check_speculative_config(self)
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
         if s.preemption_mode not in ("recompute", "swap"):
@@ -262,3 +269,71 @@ class EngineConfig:
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")
+
+
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` JSON / `speculative_config=`): a
+    proposer drafts up to `num_speculative_tokens` tokens a step, the target verifies them in
+    the same forward (spec_decode/, worker/rejection_sampler.py)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1        # n-gram: shortest suffix looked up in the tokens so far
+    prompt_lookup_max: int = 4        # n-gram: longest
+    model: Optional[str] = None       # draft_model: "self:N" (the target's first N layers) or an HF dir
+    # Speculation length: "fixed" (always num_speculative_tokens, as vLLM) or "adaptive" (from
+    # the measured acceptance and the batch size, up to num_speculative_tokens; 0 when it does not pay).
+    length_policy: str = "fixed"
+
+    @classmethod
+    def from_dict(cls, d) -> "SpeculativeConfig":
+        """From the JSON object (a str is parsed); ValueError naming the bad field."""
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if isinstance(d, SpeculativeConfig):
+            d = dict(d.__dict__)
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        config = cls(**d)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not is_int(lo) or lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1, got {lo!r}")
+        if not is_int(hi) or hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({lo}), got {hi!r}")
+        if self.length_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"speculative_config.length_policy must be 'fixed' or 'adaptive', "
+                             f"got {self.length_policy!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model is required with method 'draft_model' "
+                                 "('self:N' or an HF model directory)")
+            if self.model.startswith("self:"):
+                n = self.model[5:]
+                if not n.isdigit() or int(n) < 1:
+                    raise ValueError(f"speculative_config.model 'self:N' needs N >= 1 layers, got {self.model!r}")
+            elif not os.path.isdir(self.model):
+                raise ValueError(f"speculative_config.model {self.model!r} is not 'self:N' or a directory")
+        elif self.model is not None and self.method == "ngram":
+            raise ValueError("speculative_config.model is not used by method 'ngram'; leave it out")

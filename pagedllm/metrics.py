@@ -13,6 +13,8 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from pagedllm.spec_decode.metrics import SpecDecodingPrometheus
+
 disable_created_metrics()  # no *_created series: counters and histograms only
 
 logger = logging.getLogger("pagedllm.server")
@@ -82,6 +84,7 @@ class EngineMetrics:
             f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self.max_lora = max_lora
+        self.spec_decoding = SpecDecodingPrometheus(prefix, model_name, r)
         self._last_preemptions = 0
         self.core_stats: dict = {"running": 0, "waiting": 0, "kv_usage": 0.0, "used_blocks": 0,
                                  "num_blocks": 0, "preemptions": 0, "num_added": 0}
@@ -110,6 +113,8 @@ class EngineMetrics:
         if self.lora_info is not None:
             self.lora_info.labels(str(self.max_lora), ",".join(s.get("waiting_lora_adapters") or ()),
                                   ",".join(s.get("running_lora_adapters") or ())).set_to_current_time()
+        if s.get("spec_decoding"):
+            self.spec_decoding.update(s["spec_decoding"])
         for i, rs in enumerate(s.get("replicas") or ()):
             if rs:
                 self.replica_added.labels(self.model_name, str(i)).set(rs.get("num_added", 0))
@@ -155,6 +160,7 @@ class StatLogger:
             return None
         line = (f"Running: {s['running']} reqs, Waiting: {s['waiting']} reqs, "
                 f"KV cache usage: {100 * s['kv_usage']:.1f}%, "
-                f"Prompt throughput: {p / dt:.1f} tokens/s, Generation throughput: {g / dt:.1f} tokens/s")
+                f"Prompt throughput: {p / dt:.1f} tokens/s, Generation throughput: {g / dt:.1f} tokens/s"
+                + self.metrics.spec_decoding.log_line())
         logger.info(line)
         return line

@@ -83,6 +83,9 @@ class Request:
         # marks a remote prefill as consumed in it).
         params = (sampling_params.extra_args or {}).get("kv_transfer_params")
         self.kv_transfer_params: Optional[dict] = dict(params) if params else None
+        # Speculative decoding: the draft tokens proposed after the last step, verified in the next
+        # (never part of all_token_ids; dropped on preemption).
+        self.spec_token_ids: list[int] = []
 
     def add_prompt_logprobs(self, chunk) -> None:
         """One step's scored positions (worker/prompt_logprobs.py); positions already held (a

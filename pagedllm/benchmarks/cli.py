@@ -10,6 +10,7 @@ BENCHMARKS = [
     ("roofline", "roofline", "the throughput workload's FLOP/s vs the measured torch.mm rate", True),
     ("latency", "latency", "batch-1 / batch-N step latency, per-phase profile, llama.cpp baseline", True),
     ("perplexity", "perplexity", "perplexity on a fixed text per dtype (float32 / bfloat16) vs transformers", False),
+    ("spec-decode", "spec_decode", "batch-1 TPOT with and without speculative decoding (n-gram, adaptive, draft)", True),
     ("structured", "structured", "requests with a JSON schema vs the same requests unconstrained", True),
     ("lora", "lora", "requests over N LoRA adapters vs the same requests on the base model", True),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),

@@ -18,6 +18,8 @@ from pagedllm.core.remote_kv import RemoteKV
 from pagedllm.core.scheduler_output import (
     CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from pagedllm.request import FinishReason, Request, RequestStatus
+from pagedllm.spec_decode.metrics import SpecDecodingStats
+from pagedllm.spec_decode.scheduling import trim_spec_tokens
 
 
 @dataclass
@@ -30,6 +32,7 @@ class _Step:
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    spec: dict[str, list[int]] = field(default_factory=dict)   # draft tokens scheduled per request
 
 
 class Scheduler:
@@ -54,6 +57,8 @@ class Scheduler:
         self.remote_kv = RemoteKV(connector, kv_cache_manager) if connector is not None else None
         # Requests whose remote KV failed to load: ended, for the engine core to report.
         self.kv_load_failures: list[tuple[str, str]] = []
+        # Speculative decoding's acceptance counters (metrics, the stats log line).
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -129,6 +134,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             unit = _unit_at(self.running, i)
+            trim_spec_tokens(unit, step.budget, self._num_tokens_to_compute)
             plan = self._plan_tokens(unit, step.budget)
             # Room for the whole unit, or preempt the newest units; units are contiguous and
             # taken from the end, so a victim is never one scheduled earlier in this step.
@@ -151,6 +157,8 @@ class Scheduler:
                 step.num_scheduled[request.request_id] = n
                 step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
                 step.budget -= n
+                if request.spec_token_ids:   # trimmed to the budget: all of them are scheduled
+                    step.spec[request.request_id], request.spec_token_ids = request.spec_token_ids, []
             i += len(unit)
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -238,6 +246,7 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in step.preempted},
             finished_req_ids=self.finished_req_ids,
             blocks_to_copy=kv.take_pending_copies(),
+            scheduled_spec_decode_tokens=step.spec,
         )
         out.blocks_to_swap_out, out.blocks_to_swap_in = kv.take_pending_swaps()
         if self.connector is not None:
@@ -276,7 +285,7 @@ class Scheduler:
             return None
         allocated = []
         for request, n in plan:
-            blocks = kv.allocate_slots(request, n)
+            blocks = kv.allocate_slots(request, self._with_lookahead(request, n))
             if blocks is None:
                 if len(plan) > 1:   # counted above: allocate_slots takes no more than that
                     raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
@@ -300,7 +309,8 @@ class Scheduler:
                 return None
             n = 0
         n = min(n, step.budget)
-        blocks = kv.swap_in(request, n) if swapped else kv.allocate_slots(request, n, hits)
+        blocks = (kv.swap_in(request, n) if swapped
+                  else kv.allocate_slots(request, self._with_lookahead(request, n, num_hit_tokens), hits))
         if blocks is None:
             return None
         if request.num_cached_tokens < 0:
@@ -322,10 +332,18 @@ class Scheduler:
         step.budget -= n
         return n
 
+    def _with_lookahead(self, request: Request, n: int, num_hit_tokens: int = 0) -> int:
+        """n and the draft model's lookahead slots (none past max_model_len; the draft
+        proposer stays inside the blocks a row has, so fewer slots only mean fewer drafts)."""
+        if not self.config.num_lookahead_tokens or n == 0:
+            return n
+        room = self.config.max_model_len - request.num_computed_tokens - num_hit_tokens
+        return max(min(n + self.config.num_lookahead_tokens, room), n)
+
     def _num_tokens_to_compute(self, request: Request) -> int:
         """A parallel-sampling parent computes its prompt but the last token; the siblings it
         forks into compute that token each (sharing every block before it)."""
-        end = request.num_tokens
+        end = request.num_tokens + len(request.spec_token_ids)   # drafts follow the last token
         if request.sampling_params.num_samples > 1:
             end = request.num_prompt_tokens - 1
         return end - request.num_computed_tokens
@@ -394,6 +412,7 @@ class Scheduler:
         `recompute`: its blocks go back and its tokens are computed again."""
         self.unsent.discard(request.request_id)
         self.pending_tokens.pop(request.request_id, None)  # resumed requests carry all tokens
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         if recompute:
             self.kv_cache_manager.free(request)
@@ -426,15 +445,20 @@ class Scheduler:
                 # Beam search: report the logprobs; the caller appends the chosen token.
                 outputs.append(EngineCoreOutput(req_id, [], new_logprobs=[logprobs[row]]))
                 continue
-            request.append_output_token_ids(new_ids)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:   # the rejected drafts' slots are computed again (overwritten) later
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_ids)
+                self.spec_decoding_stats.observe(len(drafts), len(new_ids) - 1)
+            new_ids, finished = self._append_checked(request, new_ids)
             so = request.structured_output_request
             if so is not None and not so.grammar.accept_tokens(new_ids):   # never when the mask applied
                 request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, "grammar refused a token"
                 finished = True
-            else:
-                finished = self._check_stop(request)
-                if not finished and so is not None and so.grammar.is_terminated():   # e.g. with ignore_eos
-                    request.status, finished = RequestStatus.FINISHED_STOPPED, True
+            elif not finished and so is not None and so.grammar.is_terminated():   # e.g. with ignore_eos
+                request.status, finished = RequestStatus.FINISHED_STOPPED, True
+            spec = runner_output.spec_token_ids
+            if spec is not None and not finished:
+                request.spec_token_ids = self._bounded_drafts(request, spec[row])
             outputs.append(EngineCoreOutput(
                 req_id=req_id, new_token_ids=new_ids,
                 finish_reason=request.get_finished_reason().value if finished else None,
@@ -463,6 +487,23 @@ class Scheduler:
         self._free_request(request)
         return EngineCoreOutput(request.request_id, [], finish_reason="stop", pooled=vector,
                                 num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _append_checked(self, request: Request, new_ids: list[int]) -> tuple[list[int], bool]:
+        """Append the step's tokens one by one (several with speculation) until one ends the
+        request: the tokens after it are dropped -> (tokens kept, finished)."""
+        for i, token in enumerate(new_ids):
+            request.append_output_token_ids([token])
+            if self._check_stop(request):
+                return new_ids[:i + 1], True
+        return new_ids, False
+
+    def _bounded_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """Drafts that can still be used: the step adds at most len(drafts) + 1 tokens, within
+        max_tokens and max_model_len."""
+        room = self.config.max_model_len - request.num_tokens - 1   # the bonus token's slot too
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return list(drafts[:max(room, 0)])
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -46,6 +46,9 @@ class SchedulerOutput:
     grammar_bitmask: Optional[Any] = None
     # P/D disaggregation: what the worker side of the KV connector loads and saves this step.
     kv_connector_metadata: Optional[Any] = None
+    # Speculative decoding: req id -> the draft tokens scheduled after its last token (counted in
+    # num_scheduled_tokens; the runner verifies them and samples the bonus token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +64,8 @@ class ModelRunnerOutput:
     pooler_output: Optional[list[Optional[list[float]]]] = None
     # The KV connector's finished / failed transfers (distributed/kv_transfer/base.KVConnectorOutput).
     kv_connector_output: Optional[Any] = None
+    # Speculative decoding: per row, the drafts proposed for the next step ([] for none).
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 @dataclass

@@ -5,7 +5,8 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                             PoolerConfig, SchedulerConfig, cuda_graph_ladder, resolve_dtype)
+                             PoolerConfig, SchedulerConfig, SpeculativeConfig, cuda_graph_ladder,
+                             resolve_dtype)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class EngineArgs:
     kv_transfer_config: Optional[object] = None
     quantization: Optional[str] = None  # CPU weights: "int8", "int4", "gguf" (models/layers/quantization)
     quantization_group_size: Optional[int] = None   # int4's group (32 by default)
+    speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -80,9 +82,12 @@ class EngineArgs:
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
+        spec = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            sc.num_lookahead_tokens = spec.num_speculative_tokens
         lc = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
               if self.enable_lora else None)
-        config = EngineConfig(mc, cc, sc, pc, dc, lc)
+        config = EngineConfig(mc, cc, sc, pc, dc, lc, speculative_config=spec)
         if self.kv_transfer_config is not None:
             from pagedllm.distributed.kv_transfer.config import KVTransferConfig
             config.kv_transfer_config = KVTransferConfig.from_cli(self.kv_transfer_config)

@@ -137,6 +137,8 @@ class SchedulerStats(msgspec.Struct):
     # --enable-lora: adapter name -> its requests running / waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    # Speculative decoding's totals (spec_decode/metrics.SpecDecodingStats.as_dict); None without it.
+    spec_decoding: Optional[dict] = None
     # Data parallel only (DPCoreClient's sum, never sent by a core): each replica's own, and
     # the router's requests in flight per replica.
     replicas: Optional[list[Optional["SchedulerStats"]]] = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -62,6 +63,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='P/D disaggregation (vLLM\'s flag), JSON: {"kv_connector": "ZmqConnector", "kv_role": '
                         '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port", '
                         '"kv_connector_extra_config": {"timeout_s", "use_shm"}}')
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON (vLLM\'s): {"method": "ngram" | "draft_model", '
+                        '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+                        '"model": "self:N" | DIR, "length_policy": "fixed" | "adaptive"}')
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: checked at parse time, so a bad one is an argparse error naming the field."""
+    from pagedllm.config import SpeculativeConfig
+    try:
+        SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
 
 
 def _runner(ns: argparse.Namespace) -> str:
@@ -90,7 +105,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       enforce_eager=ns.enforce_eager, runner=_runner(ns), enable_lora=ns.enable_lora,
                       max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
                       kv_transfer_config=getattr(ns, "kv_transfer_config", None),
-                      quantization=ns.quantization, quantization_group_size=ns.quantization_group_size)
+                      quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
+                      speculative_config=getattr(ns, "speculative_config", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

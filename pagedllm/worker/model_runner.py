@@ -23,6 +23,7 @@ from pagedllm.worker.memory import MemorySnapshot
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
+from pagedllm.worker.spec_decode import SpecDecoder, expanded_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class ModelRunner:
         # Seeded requests' generators live until the request finishes, across preemption,
         # so that a preempted request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
+        # Speculative decoding (worker/spec_decode.py): verify drafts, propose the next ones.
+        self.spec_decoder = (SpecDecoder(config.speculative_config, self.model, self.attn_backend, cc.block_size,
+                                         mc.max_model_len) if config.speculative_config else None)
 
     # ------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -176,6 +180,9 @@ class ModelRunner:
         # Before the sampled tokens are appended: it reads the prompt's tokens of the batch.
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, inputs, batch)
         rows, out = inputs.sample_rows.tolist(), None
+        spec = so.scheduled_spec_decode_tokens
+        if rows and spec:   # drafts to verify: the rejection sampler takes every sampling row
+            return self._verify_drafts(so, inputs, hidden, prompt_logprobs)
         if rows:
             logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
@@ -191,8 +198,44 @@ class ModelRunner:
                                   lambda row, state, token: batch.append_token(row, token))
         result.prompt_logprobs = prompt_logprobs
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        if self.spec_decoder is not None:
+            self._propose(result, rows)
         PROFILER.mark("runner_update")
         return result
+
+    def _verify_drafts(self, so: SchedulerOutput, inputs, hidden: torch.Tensor, prompt_logprobs) -> ModelRunnerOutput:
+        """A step with drafts: the rejection sampler's tokens for each sampling row, the
+        rejected drafts' positions rolled back, and the next drafts."""
+        batch, spec = self.input_batch, so.scheduled_spec_decode_tokens
+        rows = inputs.sample_rows.tolist()
+
+        def grammar(logits, row_req_ids):
+            if so.grammar_bitmask is not None:
+                apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids, row_req_ids)
+
+        def metadata(states, drafts):
+            return expanded_metadata(states, drafts, self.eos_ids, self.vocab_size, self.device)
+        tokens = self.spec_decoder.sample(self.model.compute_logits, hidden, inputs, batch, spec, metadata, grammar)
+        PROFILER.mark("sample")
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        for row, new in zip(rows, tokens):
+            sampled[row] = new
+            for t in new:
+                batch.append_token(row, t)
+            k = len(spec.get(inputs.req_ids[row], ()))
+            batch.num_computed_tokens_cpu[row] -= k + 1 - len(new)   # the rejected drafts' slots
+            self.spec_decoder.policy.observe(k, len(new) - 1)
+        result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, prompt_logprobs=prompt_logprobs)
+        self._propose(result, rows)
+        PROFILER.mark("runner_update")
+        return result
+
+    def _propose(self, result: ModelRunnerOutput, rows: list[int]) -> None:
+        drafts = self.spec_decoder.propose(self.input_batch, rows)
+        result.spec_token_ids = [[] for _ in result.req_ids]
+        for row, d in zip(rows, drafts):
+            result.spec_token_ids[row] = d
 
     def _pool(self, so: SchedulerOutput, inputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         """A pooling step: each row whose prompt ends here gets its vector instead of a token."""
@@ -221,6 +264,8 @@ class ModelRunner:
             return None
         if self.faults is not None:
             self.faults.check(batch.states[:batch.num_reqs])
+        if so.scheduled_spec_decode_tokens:
+            SpecDecoder.write_drafts(batch, so.scheduled_spec_decode_tokens)
         inputs = batch.prepare_inputs(so.num_scheduled_tokens)
         lora_active = self.lora_manager is not None and self.lora_manager.set_active_loras(
             [s.lora_request for s in batch.states[:batch.num_reqs]], inputs.num_scheduled_tokens)

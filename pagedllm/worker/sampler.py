@@ -301,8 +301,9 @@ def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor], p: Option
     return logits.masked_fill(probs < thresh, float("-inf"))
 
 
-def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Samples the random rows (all rows, or md.random_rows); returns [R] int64."""
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution the random rows (all rows, or md.random_rows) sample from: / temperature,
+    min_p, top_k, top_p, softmax -> [R, V] float32 (the rejection sampler's target too)."""
     rows = md.random_rows
     temp, top_k, top_p, min_p = md.temperature, md.top_k, md.top_p, md.min_p
     if rows is not None:
@@ -312,7 +313,13 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = apply_min_p(logits, min_p)
     logits = apply_top_k_top_p(logits, None if md.no_top_k else top_k,
                                None if md.no_top_p else top_p, md.max_top_k)
-    probs = logits.softmax(dim=-1)                                   # [R, V]
+    return logits.softmax(dim=-1)                                    # [R, V]
+
+
+def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Samples the random rows (all rows, or md.random_rows); returns [R] int64."""
+    rows = md.random_rows
+    probs = random_probs(logits, md)                                 # [R, V]
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
     # E = -log(U), U ~ U[0, 1): several times faster than exponential_() on CPU, and never 0
     # (U = 0 gives E = inf, which only drops that token in a 2**-24 event).

@@ -1,0 +1,99 @@
+"""`pagedllm bench spec-decode`: batch-1 TPOT with and without speculative decoding in one run,
+on a workload whose output repeats its input (copying a given text and code: n-gram drafts) and
+on one whose output does not (free stories: the adaptive length policy should cost ~nothing).
+Greedy; each request runs alone; TPOT = (last token time - first token time) / (tokens - 1)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+
+from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
+
+COPY_TEXT = [
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n",
+    "The lighthouse keeper woke before dawn, as he had every day for thirty years, and climbed the spiral "
+    "stairs with a lantern in one hand and a mug of bitter coffee in the other. Outside, the sea was the "
+    "colour of wet slate. Gulls argued on the rocks below.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def __len__(self):\n        return len(self.items)\n",
+]
+FREE_TOPICS = ["a dragon who is afraid of the dark", "the first day at a new school on Mars",
+               "a detective cat in Venice"]
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-len", type=int, default=96, help="max_tokens of each request")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-model", default=None, metavar="self:N",
+                   help="also run the draft-model proposer ('self:N' or an HF directory)")
+    p.add_argument("--output-json", default=None, metavar="PATH")
+
+
+def _prompts(llm) -> dict[str, list[dict]]:
+    copy = [llm.apply_chat_template([{"role": "user", "content": "Copy the following exactly, changing nothing:\n\n" + t}])
+            for t in COPY_TEXT]
+    free = [llm.apply_chat_template([{"role": "user", "content": f"Write a short story about {t}."}])
+            for t in FREE_TOPICS]
+    return {"repeating": [{"prompt_token_ids": p} for p in copy],
+            "non-repeating": [{"prompt_token_ids": p} for p in free]}
+
+
+def _tpot(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    from pagedllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=output_len)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)   # warm-up
+    tpots, tokens = [], []
+    for p in prompts:   # batch 1
+        out = llm.generate([p], params, use_tqdm=False)[0]
+        n, m = len(out.outputs[0].token_ids), out.metrics
+        if n > 1:
+            tpots.append((m["last_token_time"] - m["first_token_time"]) / (n - 1))
+        tokens.append(out.outputs[0].token_ids)
+    return statistics.mean(tpots), tokens
+
+
+def main(ns) -> int:
+    from pagedllm import LLM
+    from pagedllm.entrypoints.cli import engine_args_from
+    base_args = engine_args_from(ns)
+    k = ns.num_speculative_tokens
+    systems = [("no speculation", None),
+               (f"ngram k={k} fixed", {"method": "ngram", "num_speculative_tokens": k}),
+               (f"ngram k<={k} adaptive", {"method": "ngram", "num_speculative_tokens": k, "length_policy": "adaptive"})]
+    if ns.draft_model:
+        systems.append((f"draft {ns.draft_model} k={k}", {"method": "draft_model", "model": ns.draft_model,
+                                                          "num_speculative_tokens": k}))
+    rows, baseline = [], {}
+    for name, spec in systems:
+        llm = LLM(**vars(dataclasses.replace(base_args, speculative_config=spec)))
+        for workload, prompts in _prompts(llm).items():
+            stats = llm.llm_engine.core.scheduler.spec_decoding_stats
+            before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts)
+            tpot, tokens = _tpot(llm, prompts, ns.output_len)
+            drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+            if spec is None:
+                baseline[workload] = (tpot, tokens)
+            base_tpot, base_tokens = baseline[workload]
+            rows.append({"system": name, "workload": workload, "tpot_ms": 1000 * tpot,
+                         "speedup": base_tpot / tpot, "drafted": drafted,
+                         "acceptance": accepted / drafted if drafted else 0.0,
+                         "same_tokens": tokens == base_tokens})
+        llm.shutdown()
+        del llm
+        gc.collect()
+    m = machine_info()
+    print(f"command: {command_line()}")
+    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
+    print(f"workload: batch 1, greedy, max_tokens {ns.output_len}; {len(COPY_TEXT)} copy prompts, "
+          f"{len(FREE_TOPICS)} story prompts\n")
+    print_table(rows, [("system", "system", ""), ("workload", "workload", ""), ("tpot_ms", "TPOT ms", ".1f"),
+                       ("speedup", "speedup", ".2f"), ("drafted", "drafted", "d"),
+                       ("acceptance", "acceptance", ".2f"), ("same_tokens", "same tokens", "")])
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "machine": m, "rows": rows})
+    return 0

@@ -1,0 +1,93 @@
+"""The model runner's part of speculative decoding: the scheduled drafts go into the token-id
+table after each row's last token (so prepare_inputs feeds them like any token), the target's
+logits at every draft position and the bonus position go through the RejectionSampler, and
+after the step the proposer drafts the next step's tokens (ModelRunnerOutput.spec_token_ids).
+
+Rows that never speculate: beam search (its tokens are chosen outside), logprobs and prompt
+logprobs (one logprob entry per step), structured output (the grammar's mask is per step)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
+from pagedllm.spec_decode.length_policy import SpecLengthPolicy
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.worker.input_batch import InputBatch, ModelInputs
+from pagedllm.worker.rejection_sampler import RejectionSampler
+from pagedllm.worker.sampler import SamplingMetadata
+
+
+def speculates(params) -> bool:
+    return not (params.external_tokens or params.logprobs is not None or params.prompt_logprobs is not None
+                or params.structured_outputs is not None)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, model, attn_backend, block_size: int, max_model_len: int) -> None:
+        self.config = config
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "draft_model" and config.model.startswith("self:"):
+            self.proposer = DraftModelProposer(model, int(config.model[5:]), attn_backend, block_size, max_model_len)
+        else:
+            raise ValueError(f"speculative_config: method {config.method!r} with model {config.model!r} "
+                             "has no proposer yet (built: 'ngram', 'draft_model' with 'self:N')")
+        self.policy = SpecLengthPolicy(config.num_speculative_tokens, config.length_policy == "adaptive")
+        self.rejection_sampler = RejectionSampler()
+
+    @staticmethod
+    def write_drafts(batch: InputBatch, spec: dict[str, list[int]]) -> None:
+        """Each scheduled draft into its row's token-id table after the last token (num_tokens is
+        not moved: the accepted ones are appended after the step, over them)."""
+        for req_id, drafts in spec.items():
+            row = batch.req_id_to_index[req_id]
+            n = batch.num_tokens[row]
+            batch.token_ids_np[row, n:n + len(drafts)] = drafts
+
+    def sample(self, compute_logits, hidden: torch.Tensor, inputs: ModelInputs, batch: InputBatch,
+               spec: dict[str, list[int]], metadata_fn, grammar_fn) -> list[list[int]]:
+        """The tokens of each sampling row (inputs.sample_rows): accepted drafts + one sampled."""
+        rows = inputs.sample_rows.tolist()
+        drafts = [spec.get(inputs.req_ids[r], []) for r in rows]
+        ks = np.array([len(d) for d in drafts], dtype=np.int64)                       # [R]
+        last = inputs.logits_indices.numpy()                                          # [R] last token of each row
+        # The k + 1 positions each row is scored at: its last real token and every draft.
+        group = ks + 1
+        offsets = np.arange(int(group.sum())) - np.repeat(np.cumsum(group) - group, group)   # 0..k per row
+        positions = np.repeat(last - ks, group) + offsets                                     # [N]
+        logits = compute_logits(hidden[torch.from_numpy(positions).to(hidden.device)])   # [N, V]
+        grammar_fn(logits, [inputs.req_ids[r] for r, k in zip(rows, ks.tolist()) for _ in range(k + 1)])
+        states = [batch.states[r] for r in rows]
+        md = metadata_fn(states, drafts)
+        return self.rejection_sampler(logits, drafts, md, [s.generator for s in states])
+
+    def propose(self, batch: InputBatch, rows: list[int]) -> list[list[int]]:
+        """Drafts for the next step of each sampled row (in `rows` order; [] where none)."""
+        k = self.policy.num_spec_tokens(len(rows))
+        ks = [k if k > 0 and speculates(batch.states[r].sampling_params) else 0 for r in rows]
+        return self.proposer.propose(batch, rows, ks)
+
+
+def expanded_metadata(states, drafts: list[list[int]], eos_ids, vocab_size: int, device
+                      ) -> Optional[SamplingMetadata]:
+    """SamplingMetadata of the k + 1 positions of each row: position j sees drafts 0..j-1 as
+    output (penalties, min_tokens); None when every row is plain greedy."""
+    if all(s.sampling_params.plain_greedy for s in states):
+        return None
+    params, prompts, outputs, stops = [], [], [], []
+    for s, d in zip(states, drafts):
+        p = s.sampling_params
+        stop = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        out = s.token_ids[s.num_prompt_tokens:]
+        for j in range(len(d) + 1):
+            params.append(p)
+            prompts.append(s.token_ids[:s.num_prompt_tokens])
+            outputs.append(out + list(d[:j]))
+            stops.append(stop)
+    return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                  generators=[None] * len(params), stop_ids_for_min_tokens=stops,
+                                  vocab_size=vocab_size, device=device)

@@ -1,0 +1,145 @@
+"""Speculative decoding in the one scheduler loop.
+
+- Default model: greedy with n-gram drafts (and with the self:16 draft model) equals transformers' greedy token for token (ties as
+  in the correctness rules), with chunked prefill (a small token budget) and preemption (a
+  small KV cache) forced, in both preemption modes; drafts were accepted (the test is not
+  vacuous) and no block is left in use.
+- random:tiny: stop strings, max_tokens, n > 1 and logprobs give what the engine without
+  speculation gives; a run of sampled requests (drafts mostly rejected) leaves no block in use.
+- The C++ decode loop is never used for a step with drafts (its metadata is not all-decode).
+"""
+import pytest
+from greedy_utils import assert_greedy_equal, hf_greedy
+
+from pagedllm import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+MAX_TOKENS = 32
+TEXT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+        "The keeper fed his cat and watched the tide turn. The keeper fed his cat and watched the "
+        "tide turn again, as he had every evening for thirty years.\n")
+
+
+def assert_no_block_in_use(llm) -> None:
+    sched = llm.llm_engine.core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    assert not sched.running and not sched.waiting
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1, "a KV block leaked"
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    ids = tokenizer(TEXT)["input_ids"]
+    return [ids, ids[20:], tokenizer("Write the same sentence twice: the cat sat on the mat.")["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    return hf_greedy(hf_model, prompts, MAX_TOKENS)
+
+
+SELF = {"method": "draft_model", "model": "self:16", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("spec, mode, min_accepted", [(NGRAM, "recompute", 10), (NGRAM, "swap", 10),
+                                                      (SELF, "recompute", 1)], ids=["ngram-recompute", "ngram-swap", "self16-recompute"])
+def test_greedy_equals_transformers(model_dir, prompts, reference, spec, mode, min_accepted):
+    llm = LLM(model_dir, speculative_config=spec, num_gpu_blocks=40, block_size=4,
+              max_num_batched_tokens=24, preemption_mode=mode, num_cpu_blocks=64)
+    n = 2 if spec is SELF else len(prompts)   # the draft's k one-token steps run eagerly: slower
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    stats = llm.llm_engine.core.scheduler.spec_decoding_stats
+    assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
+    assert stats.num_accepted_tokens >= min_accepted, stats
+    assert_greedy_equal(outs, reference[:n], f"{spec['method']}, {mode} x{llm.llm_engine.num_preemptions}, {stats}")
+    assert_no_block_in_use(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    plain = LLM("random:tiny", max_model_len=128, block_size=4, num_gpu_blocks=64)
+    spec = LLM("random:tiny", max_model_len=128, block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
+    return plain, spec
+
+
+TINY_PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 12, 13, 9, 10], [40] * 6]
+
+
+def test_stop_max_tokens_n_logprobs_as_without_speculation(tiny_pair):
+    plain, spec = tiny_pair
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    for params in cases:
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], params
+            assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
+            if params.logprobs:
+                assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+    # A stop string cut from the text of a greedy run: the same text ends there with speculation.
+    text = plain.generate(prompts[:1], cases[0], use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True)
+    w, g = (llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0] for llm in (plain, spec))
+    assert (g.text, g.finish_reason) == (w.text, w.finish_reason) and w.finish_reason == "stop"
+    assert spec.llm_engine.core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+    assert_no_block_in_use(spec)
+
+
+def test_mostly_rejected_drafts_leak_no_block(tiny_pair):
+    _, spec = tiny_pair
+    stats = spec.llm_engine.core.scheduler.spec_decoding_stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    params = SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=1)
+    spec.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS * 3], params, use_tqdm=False)
+    drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert drafted > 20 and accepted < drafted / 2, (drafted, accepted)
+    assert_no_block_in_use(spec)
+
+
+def test_decode_loop_skips_steps_with_drafts():
+    """A row verifying 4 drafts has query length 5: its metadata is not all-decode, so
+    `DecodeLoop.applies` is False for the step (the eager layers run it); a plain decode step
+    of the same row is taken by the loop."""
+    import numpy as np
+    import torch
+    from pagedllm.attention.metadata import build_attention_metadata
+    from pagedllm.models.cpu_decode_loop import DecodeLoop
+    loop = DecodeLoop.__new__(DecodeLoop)   # applies() reads only the metadata and max_rows
+    table = np.array([[1, 2, 3]], dtype=np.int32)
+    spec = build_attention_metadata(np.array([0, 5], dtype=np.int32), np.array([10], dtype=np.int32), table, 4,
+                                    torch.arange(5, 10), decode_by_pages=True)
+    plain = build_attention_metadata(np.array([0, 1], dtype=np.int32), np.array([6], dtype=np.int32), table, 4,
+                                     torch.arange(5, 6), decode_by_pages=True)
+    assert not loop.applies(spec, 5) and loop.applies(plain, 1)
+
+
+def test_self_draft_proposes_what_the_truncated_model_generates():
+    """'self:1' on random:tiny (2 layers): the drafts after the first step are transformers'
+    greedy continuation of the same model cut to its first layer (its LM head, its final norm)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.models.random_model import random_model_dir
+    engine = LLMEngine.from_engine_args(EngineArgs(model="random:tiny", max_model_len=128, block_size=4,
+                                                   num_gpu_blocks=64, speculative_config={
+                                                       "method": "draft_model", "model": "self:1",
+                                                       "num_speculative_tokens": 4}))
+    prompt = [7, 100, 33, 250, 9, 71]
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20))
+    engine.step()
+    request = engine.core.scheduler.requests["r"]
+    first, drafts = request.output_token_ids, request.spec_token_ids
+    hf = AutoModelForCausalLM.from_pretrained(random_model_dir("random:tiny"))
+    hf.model.layers = hf.model.layers[:1]
+    hf.config.num_hidden_layers = 1
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt + first]), do_sample=False, max_new_tokens=4)[0, len(prompt) + 1:]
+    assert len(first) == 1 and drafts == ref.tolist()
+    engine.shutdown()
