@@ -29,7 +29,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
     rotary_embedding_(q, k, cos, sin, positions);
     k_caches[l].index_copy_(0, slot_mapping, k);
     v_caches[l].index_copy_(0, slot_mapping, v);
-    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0);
+    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0,
+                          c10::nullopt, c10::nullopt);
     x = x + linear_small(o.reshape({M, q_size}), w[3], opt(w[4]));
     auto gate_up = linear_small(rms_norm(x, w[5], eps), w[6], opt(w[7]));
     x = x + linear_small(silu_and_mul(gate_up), w[8], opt(w[9]));

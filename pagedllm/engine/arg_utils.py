@@ -33,6 +33,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False         # no CUDA graphs
     runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
+    kv_cache_dtype: str = "auto"        # "auto", "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (vLLM's)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -63,10 +64,12 @@ class EngineArgs:
                              max_model_len=mc.max_model_len,
                              chunked_prefill=self.enable_chunked_prefill,
                              preemption_mode=self.preemption_mode)
+        from pagedllm.attention.kv_quant import check_kv_cache_dtype
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,
                          enable_prefix_caching=prefix_caching,
-                         swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks)
+                         swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks,
+                         cache_dtype=check_kv_cache_dtype(self.kv_cache_dtype))
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,

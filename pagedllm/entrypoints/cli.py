@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "/v1/embeddings (vLLM's flag)")
     p.add_argument("--task", default=None, choices=["generate", "embed"],
                    help="the older name of --runner: embed is --runner pooling")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache element: auto (the model's dtype), or int8 / fp8 with a float32 scale "
+                        "per token and KV head (fp8 = fp8_e4m3; vLLM's flag)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
@@ -72,7 +76,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, runner=_runner(ns))
+                      enforce_eager=ns.enforce_eager, runner=_runner(ns),
+                      kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

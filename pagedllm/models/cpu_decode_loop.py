@@ -61,8 +61,10 @@ class DecodeLoop:
 
     def applies(self, meta, num_tokens: int) -> bool:
         """A step the loop computes exactly as the eager layers: all decode, attention by pages,
-        few enough rows that the eager linears take linear_small too."""
-        return meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
+        few enough rows that the eager linears take linear_small too, and a float KV cache (the
+        loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""
+        return (meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
+                and len(self.attns[0].kv_cache) == 2)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [M] -> final hidden states [M, hidden], as the model's forward."""
