@@ -32,6 +32,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="pagedllm's weight / activation dtypes to compare (default: float32 bfloat16)")
     p.add_argument("--hf-dtypes", nargs="*", default=["float32"], choices=DTYPES,
                    help="transformers' dtypes, the reference (default: float32; none to skip)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                   choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="pagedllm's KV cache element(s) to compare (default auto: the model's dtype)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="a UTF-8 text file (default: the one shipped)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (default 1024)")
@@ -75,18 +78,20 @@ def load_pagedllm(model_dir: str, dtype: str, window: int):
     return config, load_model(config)
 
 
-def pagedllm_window_logits(config, model, ids: list[int], first: int):
-    """One window as a single prefill (no past) over a scratch paged KV cache -> float32 logits
+def pagedllm_window_logits(config, model, ids: list[int], first: int, kv_cache_dtype: str = "auto"):
+    """One window as a single prefill (no past) over a scratch paged KV cache of kv_cache_dtype
+    (an int8 / fp8 cache: attention reads every key and value back quantized) -> float32 logits
     [len(ids) - first, V] predicting ids[first:], from positions first-1 .. len(ids)-2."""
     import torch
-    from pagedllm.attention.layer import attention_layers, bind_kv_cache
+    from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
+    from pagedllm.attention.layer import attention_layers, bind_kv_cache, get_kv_cache_spec
     from pagedllm.forward_context import set_forward_context
     T, bs = len(ids), 16
     nb = -(-T // bs)
-    dtype = next(model.parameters()).dtype
-    shape = (nb * bs, config.num_kv_heads, config.head_dim)
-    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
-    bind_kv_cache(model, kv)
+    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+    specs = get_kv_cache_spec(model, bs, cache_dtype).values()
+    bind_kv_cache(model, [tuple(torch.zeros(shape, dtype=dt) for shape, dt in spec.kv_tensors(nb))
+                          for spec in specs])
     backend = next(iter(attention_layers(model).values())).backend
     meta = backend.build_metadata(torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
                                   torch.arange(nb, dtype=torch.int32)[None, :], torch.arange(T, dtype=torch.int64), bs)
@@ -125,8 +130,10 @@ def text_ids(tokenizer, path: str, max_tokens: int | None) -> list[int]:
     return ids
 
 
-def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, stride: int) -> tuple[list[dict], int]:
-    """-> (rows: system, dtype, tokens, nll, perplexity, seconds; the text's token count)."""
+def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, stride: int,
+        kv_cache_dtypes=("auto",)) -> tuple[list[dict], int]:
+    """-> (rows: system, dtype, kv_cache_dtype, tokens, nll, perplexity, seconds; the text's
+    token count)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ids = text_ids(AutoTokenizer.from_pretrained(model_dir), text, max_tokens)
@@ -134,15 +141,17 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
     rows = []
     for dtype in dtypes:
         config, model = load_pagedllm(model_dir, dtype, window)
-        rows.append({"system": "pagedllm", "dtype": dtype,
-                     **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
+        for kv in kv_cache_dtypes:
+            rows.append({"system": "pagedllm", "dtype": dtype, "kv_cache_dtype": kv,
+                         **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f, kv), ids, spans)})
         del model
     for dtype in hf_dtypes:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-        rows.append({"system": "transformers", "dtype": dtype,
+        rows.append({"system": "transformers", "dtype": dtype, "kv_cache_dtype": "auto",
                      **perplexity(lambda w, f: hf_window_logits(hf, w, f), ids, spans)})
         del hf
-    base = next((r for r in rows if r["dtype"] == "float32"), None)   # pagedllm's when it ran
+    # pagedllm's float32 with its float cache when it ran
+    base = next((r for r in rows if r["dtype"] == "float32" and r["kv_cache_dtype"] == "auto"), None)
     for r in rows:
         r["ratio"] = r["perplexity"] / base["perplexity"] if base else float("nan")
     return rows, len(ids)
@@ -157,13 +166,15 @@ def main(ns: argparse.Namespace) -> int:
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
           f"with {machine['torch_threads']} threads")
-    rows, n = run(model_dir, ns.dtypes, ns.hf_dtypes or [], ns.text, ns.max_tokens, ns.window, ns.stride)
+    rows, n = run(model_dir, ns.dtypes, ns.hf_dtypes or [], ns.text, ns.max_tokens, ns.window, ns.stride,
+                  ns.kv_cache_dtype)
     print(f"model: {model_dir}; text: {ns.text} ({n} tokens), window {ns.window}, stride {ns.stride}")
     print()
-    print_table(rows, [("system", "system", ""), ("dtype", "dtype", ""), ("tokens", "tokens", "d"),
+    print_table(rows, [("system", "system", ""), ("dtype", "dtype", ""), ("kv_cache_dtype", "KV cache", ""),
+                       ("tokens", "tokens", "d"),
                        ("nll", "mean NLL", ".5f"), ("perplexity", "perplexity", ".4f"),
                        ("ratio", "ratio to float32", ".4f"), ("seconds", "s", ".1f")])
-    ours = {r["dtype"]: r for r in rows if r["system"] == "pagedllm"}
+    ours = {r["dtype"]: r for r in rows if r["system"] == "pagedllm" and r["kv_cache_dtype"] == "auto"}
     for r in rows:
         if r["system"] == "transformers" and r["dtype"] in ours:
             rel = ours[r["dtype"]]["perplexity"] / r["perplexity"] - 1

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
+from pagedllm.models.fp8_weights import fp8_block_size, upcast_fp8_weights
 from pagedllm.models.registry import get_model_class
 
 
@@ -71,6 +72,10 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     backend = get_attn_backend(device, dtype, attention_backend)
     with torch.device(device), _default_dtype(dtype), set_current_attn_backend(backend):
         model = cls(config.hf_config, config.max_model_len, parallel)
-    load_weights(model, iter_weights(config.model), config.model)
+    weights = iter_weights(config.model)
+    fp8_block = fp8_block_size(config.hf_config)
+    if fp8_block is not None:   # DeepSeek-style FP8 blocks: upcast as they stream past
+        weights = upcast_fp8_weights(weights, fp8_block, dtype)
+    load_weights(model, weights, config.model)
     model = model.eval().requires_grad_(False)
     return model
