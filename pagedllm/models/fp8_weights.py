@@ -5,9 +5,10 @@ linear's `weight` is float8_e4m3fn [N, K] beside `weight_scale_inv` float32
 stored value times it is the weight). Other tensors (embeddings, norms, the LM head) are in
 the checkpoint's float dtype.
 
-Loading upcasts each such weight once, as it streams past, to the model's dtype (one log
-line says so), so every linear method and device takes the checkpoint; the FP8 GEMM that
-would keep the weights in FP8 on an sm_89+ GPU is not built yet.
+Loading upcasts each such weight once, as it streams past (one log line says so): on the
+CPU (or a GPU before compute capability 8.9) to the model's dtype, for every linear method;
+on an sm_89+ GPU to float32, for the projections that then quantize back to the same blocks
+and compute in FP8 (models/layers/fp8_linear.py, `use_fp8_gemm`).
 """
 from __future__ import annotations
 
@@ -74,3 +75,13 @@ def upcast_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], block: tuple
     if pending_w or pending_s:
         raise ValueError(f"FP8 weights without their {SCALE_SUFFIX} (or scales without weights): "
                          f"{sorted(pending_w)[:3] + sorted(pending_s)[:3]}")
+
+
+def use_fp8_gemm(model, block: tuple[int, int], device: torch.device) -> bool:
+    """On an sm_89+ GPU the FP8 projections keep FP8 weights (Fp8LinearMethod); else False."""
+    from pagedllm.models.layers.fp8_linear import fp8_supported, use_fp8_linears
+    if not fp8_supported(device):
+        return False
+    logger.info("FP8 checkpoint: %d linears compute with block-FP8 weights (Triton GEMM)",
+                use_fp8_linears(model, block))
+    return True

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
-from pagedllm.models.fp8_weights import fp8_block_size, upcast_fp8_weights
+from pagedllm.models.fp8_weights import fp8_block_size, upcast_fp8_weights, use_fp8_gemm
 from pagedllm.models.registry import get_model_class
 
 
@@ -75,7 +75,8 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     weights = iter_weights(config.model)
     fp8_block = fp8_block_size(config.hf_config)
     if fp8_block is not None:   # DeepSeek-style FP8 blocks: upcast as they stream past
-        weights = upcast_fp8_weights(weights, fp8_block, dtype)
+        fp8_gemm = use_fp8_gemm(model, fp8_block, torch.device(device))
+        weights = upcast_fp8_weights(weights, fp8_block, torch.float32 if fp8_gemm else dtype)
     load_weights(model, weights, config.model)
     model = model.eval().requires_grad_(False)
     return model

@@ -11,22 +11,10 @@ from greedy_utils import assert_greedy_equal, hf_greedy
 from safetensors.torch import load_file, save_file
 
 from pagedllm.models.fp8_weights import dequantize_block_fp8, fp8_block_size, upcast_fp8_weights
+from pagedllm.models.layers.fp8_linear import quantize_block_fp8
 
 BLOCK = (128, 128)
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def quantize_block_fp8(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]): each block's max |w| -> 448."""
-    N, K = w.shape
-    bn, bk = block
-    nb, kb = -(-N // bn), -(-K // bk)
-    padded = torch.zeros(nb * bn, kb * bk)
-    padded[:N, :K] = w.float()
-    blocks = padded.view(nb, bn, kb, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)                  # [nb, kb]
-    q = (blocks / scale[:, None, :, None]).view(nb * bn, kb * bk)[:N, :K].to(torch.float8_e4m3fn)
-    return q, scale
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +28,7 @@ def fp8_model(tmp_path_factory):
     quantized, dequantized = {}, {}
     for name, t in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            q, s = quantize_block_fp8(t)
+            q, s = quantize_block_fp8(t, BLOCK)
             quantized[name], quantized[name + "_scale_inv"] = q, s
             dequantized[name] = dequantize_block_fp8(q, s, BLOCK, torch.float32)
         else:
@@ -56,7 +44,7 @@ def fp8_model(tmp_path_factory):
 
 def test_dequantize_matches_the_blocks():
     w = torch.randn(200, 300)
-    q, s = quantize_block_fp8(w)
+    q, s = quantize_block_fp8(w, BLOCK)
     back = dequantize_block_fp8(q, s, BLOCK, torch.float32)
     assert back.shape == w.shape
     # e4m3 keeps 3 mantissa bits: within 2^-4 of each value (or of the block's smallest normal)
@@ -67,7 +55,7 @@ def test_dequantize_matches_the_blocks():
 
 
 def test_stream_joins_weights_and_scales_in_any_order():
-    q, s = quantize_block_fp8(torch.randn(64, 64))
+    q, s = quantize_block_fp8(torch.randn(64, 64), BLOCK)
     stream = [("a.weight_scale_inv", s), ("norm.weight", torch.ones(3)), ("a.weight", q)]
     out = dict(upcast_fp8_weights(iter(stream), BLOCK, torch.float32))
     assert set(out) == {"a.weight", "norm.weight"} and out["a.weight"].dtype == torch.float32
