@@ -249,7 +249,8 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
 template <typename Q>
 static torch::Tensor decode_by_cache(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                                     double scale, int64_t window, const c10::optional<torch::Tensor>& k_scale,
+                                     double scale, int64_t window,
+                                     const c10::optional<torch::Tensor>& k_scale,
                                      const c10::optional<torch::Tensor>& v_scale) {
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == dt);
@@ -287,8 +288,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
   if (q.scalar_type() == torch::kBFloat16)
-    return decode_by_cache<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale,
-                                     window, k_scale, v_scale);
+    return decode_by_cache<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size,
+                                     scale, window, k_scale, v_scale);
   TORCH_CHECK(q.scalar_type() == torch::kFloat);
   return decode_by_cache<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale,
                                 window, k_scale, v_scale);

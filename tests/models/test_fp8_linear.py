@@ -3,15 +3,13 @@ interpreter against float64 math on the dequantized weight (odd M / N / K, parti
 blocks of [128, 128] and [64, 32], float32 and float16 activations; bf16 dots are not run: the
 3.9 interpreter multiplies bf16's raw bits), the method on a layer (load float, quantize,
 apply), and the kernel compiled for sm_90 (no spills) in a subprocess without the interpreter."""
-import json
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported anywhere
 
 import pytest
 import torch
+from kernel_utils import run_aot_script
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
@@ -78,9 +76,5 @@ print(json.dumps(out))
 
 
 def test_block_fp8_matmul_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    variants = json.loads(res.stdout.strip().splitlines()[-1])
-    print(variants)
+    variants = run_aot_script(SCRIPT)
     assert len(variants) == 2 and all(v["fits"] and not v["local"] for v in variants), variants
