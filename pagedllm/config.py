@@ -126,6 +126,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 4.0            # GiB of CPU blocks for swap preemption
     num_cpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from swap_space
+    cache_dtype: str = "auto"          # KV cache: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2
 
 
 @dataclass

@@ -71,9 +71,10 @@ def require_built(ext):
     pytest.fail(f"a C++ extension did not build though a compiler exists: {why or 'no reason recorded'}")
 
 
-def run_uninterpreted(script: str) -> list:
-    """Run `script` (it prints one JSON line last) in a subprocess without TRITON_INTERPRET, as
-    Triton's real compiler needs (ahead-of-time compile tests) -> that JSON."""
+def run_aot_script(script: str) -> list:
+    """Run a script that compiles Triton kernels for a GPU that is not here (triton_aot's
+    mechanism) and prints one JSON list of variants on its last line, in a subprocess without
+    TRITON_INTERPRET (interpreted kernels do not compile) -> that list."""
     import json
     import os
     import subprocess
@@ -81,4 +82,6 @@ def run_uninterpreted(script: str) -> list:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    variants = json.loads(res.stdout.strip().splitlines()[-1])
+    print("\n".join(map(str, variants)))
+    return variants

@@ -3,9 +3,12 @@ runner sizes and allocates the cache from these, so a layer of another kind (sli
 latent/MLA) declares its own spec instead of the runner assuming full attention."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.attention.kv_quant import SCALE_DTYPE, is_quantized
 
 
 @dataclass(frozen=True)
@@ -21,22 +24,34 @@ class KVCacheSpec:
         """The shapes of this layer's cache tensors for num_blocks blocks."""
         raise NotImplementedError
 
+    def kv_tensors(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each of this layer's cache tensors for num_blocks blocks."""
+        return [(shape, self.dtype) for shape in self.kv_shapes(num_blocks)]
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     """K and V of every token: two tensors [num_blocks * block_size, num_kv_heads, head_size]
-    (a flat slot axis: slot = block_id * block_size + offset)."""
+    (a flat slot axis: slot = block_id * block_size + offset). A quantized dtype (int8, fp8:
+    attention/kv_quant.py) adds their scales, [num_blocks * block_size, num_kv_heads] float32
+    each: (K, V, K_scale, V_scale)."""
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
 
     @property
     def page_size_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * elem
+        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                   for shape, dt in self.kv_tensors(1))
 
     def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         return [(num_blocks * self.block_size, self.num_kv_heads, self.head_size)] * 2
+
+    def kv_tensors(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        tensors = super().kv_tensors(num_blocks)
+        if is_quantized(self.dtype):
+            tensors += [((num_blocks * self.block_size, self.num_kv_heads), SCALE_DTYPE)] * 2
+        return tensors
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
+from pagedllm.attention.kv_quant import is_quantized
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.mla_absorb import absorb_query, split_kv_b, unabsorb_output
@@ -44,6 +45,9 @@ class MLAAttention(Attention):
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if is_quantized(dtype):
+            raise ValueError(f"kv_cache_dtype {dtype} is not supported for MLA's latent cache "
+                             "(DeepSeek); use kv_cache_dtype 'auto'")
         return MLAAttentionSpec(block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,

@@ -6,10 +6,13 @@ slot_mapping first, then each request reads its past and present through its slo
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu_kernels import decode_kernel
+from pagedllm.attention.kv_quant import read_kv, write_kv_quantized
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -21,29 +24,37 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] (this step's), caches [S, Hkv, D] -> out [T, H, D]; meta
-    built for the layer's sliding window, if it has one (AttentionMetadata.windowed)."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    built for the layer's sliding window, if it has one (AttentionMetadata.windowed).
+    kv_scales: (K_scale, V_scale) [S, Hkv] of an int8 / fp8 cache (attention/kv_quant.py); every
+    key and value is then read back quantized, the step's own included."""
+    caches = (k_cache, v_cache) + (tuple(kv_scales) if kv_scales is not None else ())
+    if kv_scales is None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv_quantized(k, v, caches, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     if meta.decode_block_table is not None:   # the C++ kernel reads the pages directly
         out[meta.decode_token_idx] = decode_kernel()(q[meta.decode_token_idx], k_cache, v_cache,
                                                      meta.decode_block_table, meta.decode_seq_lens,
-                                                     meta.block_size, scale, meta.sliding_window or 0)
+                                                     meta.block_size, scale, meta.sliding_window or 0,
+                                                     *caches[2:])
     elif meta.decode_token_idx is not None:
         qd = q[meta.decode_token_idx].unsqueeze(2)                  # [Bd, H, 1, D]
-        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)          # [Bd, Hkv, L, D]
-        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                            scale=scale, enable_gqa=gqa)
+        kd, vd = read_kv(caches, meta.decode_kv_slots, q.dtype)     # [Bd, L, Hkv, D]
+        od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                            attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[meta.decode_token_idx] = od.squeeze(2)
     for p in meta.prefills:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)          # [1, H, q_len, D]
-        if p.kv_slots is None:   # no past: the chunk's own K/V, plain causal
+        if p.kv_slots is None and kv_scales is None:   # no past: the chunk's own K/V, plain causal
             kp, vp = k[p.start:p.end], v[p.start:p.end]
-        else:
-            kp, vp = k_cache[p.kv_slots], v_cache[p.kv_slots]       # [seq_len, Hkv, D]
+        else:   # [seq_len, Hkv, D]; a quantized chunk without past reads its own slots back
+            slots = p.kv_slots if p.kv_slots is not None else meta.slot_mapping[p.start:p.end]
+            kp, vp = read_kv(caches, slots, q.dtype)
         op = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa)

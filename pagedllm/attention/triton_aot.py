@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_quant import SCALE_DTYPE, is_quantized, resolve_kv_cache_dtype
 from pagedllm.attention.triton_backend import (KernelLaunch, build_triton_metadata,
                                                paged_attention_launches)
 
@@ -111,7 +112,8 @@ def compile_launch(launch: KernelLaunch, arch: int) -> dict:
 
 
 def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, head_dim: int,
-                      block_size: int, dtype: torch.dtype, max_model_len: int) -> list[KernelLaunch]:
+                      block_size: int, dtype: torch.dtype, max_model_len: int,
+                      kv_cache_dtype: str = "auto") -> list[KernelLaunch]:
     """One layer's launches for a step of requests (cached, new), with tensors laid out as
     the model runner makes them (q/k/v views of one fused projection, the cache
     [slots, Hkv, D], block-table columns up to the longest sequence, or all of them when
@@ -128,7 +130,10 @@ def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, h
     num_slots = (1 + len(reqs) * max_blocks) * block_size
     qkv = torch.zeros(T, (H + 2 * Hkv) * D, dtype=dtype)                 # [T, (H + 2 Hkv) D]
     q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
-    k_cache, v_cache = (torch.zeros(num_slots, Hkv, D, dtype=dtype) for _ in range(2))
+    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    k_cache, v_cache = (torch.zeros(num_slots, Hkv, D, dtype=cache_dtype) for _ in range(2))
+    kv_scales = (tuple(torch.zeros(num_slots, Hkv, dtype=SCALE_DTYPE) for _ in range(2))
+                 if is_quantized(cache_dtype) else None)
     slots = torch.zeros(T, dtype=torch.int64)
     if captured:
         meta = TritonAttentionBackend("cpu").build_graph_metadata(
@@ -137,20 +142,25 @@ def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, h
     else:
         meta = build_triton_metadata(qsl, seq_lens, block_table, block_size, slots,
                                      max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
-    return paged_attention_launches(q, k, v, k_cache, v_cache, meta, D ** -0.5, torch.empty_like(q))
+    return paged_attention_launches(q, k, v, k_cache, v_cache, meta, D ** -0.5, torch.empty_like(q),
+                                    kv_scales=kv_scales)
 
 
 def compile_engine_kernels(arch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                            block_size: int, dtype: torch.dtype,
-                           max_model_len: int = 4096) -> list[CompiledVariant]:
-    """Every distinct kernel variant of SCENARIOS, compiled for sm_<arch>."""
+                           max_model_len: int = 4096, kv_cache_dtype: str = "auto",
+                           only: str = "") -> list[CompiledVariant]:
+    """Every distinct kernel variant of SCENARIOS (those whose name contains `only`), compiled
+    for sm_<arch>."""
     import triton
     from triton.compiler import ASTSource
     target = _target(arch)
     variants: dict[str, CompiledVariant] = {}
     for name, reqs, captured in SCENARIOS:
+        if only not in name:
+            continue
         for launch in scenario_launches(reqs, captured, num_heads, num_kv_heads, head_dim,
-                                        block_size, dtype, max_model_len):
+                                        block_size, dtype, max_model_len, kv_cache_dtype):
             options, signature, constexprs, attrs = specialise(launch, target)
             key = repr((launch.kernel.__name__, signature, sorted(constexprs.items()),
                         sorted(attrs.items()), sorted(launch.options.items())))
@@ -179,16 +189,22 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", nargs="+", default=["bfloat16"],
                     choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                    choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                    help="the KV cache's element (int8 / fp8: with per-token scales; fp8 needs sm_89+)")
+    ap.add_argument("--scenario", default="", help="only the scenarios whose name contains this")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     report, ok = [], True
     for arch in a.arch:
         for dt in a.dtype:
-            for v in compile_engine_kernels(arch, a.heads[0], a.heads[1], a.head_dim, a.block_size,
-                                            getattr(torch, dt), a.max_model_len):
-                fits = v.shared <= MAX_SHARED[arch]
-                ok &= fits
-                report.append({"arch": arch, "dtype": dt, "fits_shared": fits, **asdict(v)})
+            for kv in a.kv_cache_dtype:
+                for v in compile_engine_kernels(arch, a.heads[0], a.heads[1], a.head_dim, a.block_size,
+                                                getattr(torch, dt), a.max_model_len, kv, a.scenario):
+                    fits = v.shared <= MAX_SHARED[arch]
+                    ok &= fits
+                    report.append({"arch": arch, "dtype": dt, "kv_cache_dtype": kv, "fits_shared": fits,
+                                   **asdict(v)})
     if a.json:
         print(json.dumps({"ok": ok, "max_shared": MAX_SHARED,
                           "scenarios": [name for name, _, _ in SCENARIOS], "variants": report}))

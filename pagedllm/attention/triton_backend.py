@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import triton
 
+from pagedllm.attention.kv_quant import QMAX, is_quantized
 from pagedllm.attention.triton_kernels import (reduce_splits_kernel, reshape_and_cache_kernel,
                                                unified_attention_kernel)
 
@@ -131,8 +132,21 @@ def _options(num_warps: int, num_stages: Optional[int] = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------- write K/V
+def _kv_quant(kc: torch.Tensor, kv_scales: Optional[tuple]) -> tuple[int, float, torch.Tensor, torch.Tensor]:
+    """(KV_QUANT, QMAX, K_scale, V_scale) of the kernels' arguments for a cache: 0 for a cache
+    of the model's dtype (the scale pointers then unused), 1 int8, 2 fp8 e4m3, 3 fp8 e5m2
+    (attention/kv_quant.py)."""
+    if kv_scales is None:
+        return 0, 1.0, kc, kc
+    ks, vs = kv_scales
+    assert is_quantized(kc.dtype), "kv_scales go with an int8 / fp8 cache"
+    assert ks.dtype == vs.dtype == torch.float32 and ks.is_contiguous() and vs.is_contiguous()
+    code = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}[kc.dtype]
+    return code, QMAX[kc.dtype], ks, vs
+
+
 def write_kv_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> Optional[KernelLaunch]:
+                    slot_mapping: torch.Tensor, kv_scales: Optional[tuple] = None) -> Optional[KernelLaunch]:
     """reshape_and_cache of k/v [num_tokens, num_kv_heads, head_dim]; None when there are no
     tokens."""
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -141,20 +155,22 @@ def write_kv_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     kc = k_cache.view(-1, num_kv_heads, head_dim)
     vc = v_cache.view(-1, num_kv_heads, head_dim)
     assert v.shape == k.shape and slot_mapping.shape[0] >= num_tokens
+    quant, qmax, ks, vs = _kv_quant(kc, kv_scales)
     return KernelLaunch(
         reshape_and_cache_kernel, (num_tokens,),
-        (k, v, kc, vc, slot_mapping, *k.stride(), *v.stride(), *kc.stride(), *vc.stride()),
+        (k, v, kc, vc, slot_mapping, ks, vs, *k.stride(), *v.stride(), *kc.stride(), *vc.stride()),
         dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-             BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim)),
+             BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim), KV_QUANT=quant, QMAX=qmax),
         _options(4 if num_kv_heads * head_dim >= 1024 else 1))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: Optional[tuple] = None) -> None:
     """reshape_and_cache: k/v [num_tokens, num_kv_heads, head_dim] into the caches
     [num_slots, num_kv_heads, head_dim] (or a [num_blocks, block_size, ...] view of them) at
-    slot_mapping [num_tokens]; tokens with a negative slot (padding) are skipped."""
-    launch = write_kv_launch(k, v, k_cache, v_cache, slot_mapping)
+    slot_mapping [num_tokens]; tokens with a negative slot (padding) are skipped. kv_scales:
+    (K_scale, V_scale) [num_slots, num_kv_heads] float32 of an int8 / fp8 cache."""
+    launch = write_kv_launch(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     if launch is not None:
         launch.launch()
 
@@ -212,15 +228,18 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        max_seq_len: Optional[int] = None, num_splits: Optional[int] = None,
                        block_m: Optional[int] = None, block_q: Optional[int] = None,
                        block_n: Optional[int] = None,
-                       fp32_precision: str = "ieee") -> list[KernelLaunch]:
+                       fp32_precision: str = "ieee",
+                       kv_scales: Optional[tuple] = None) -> list[KernelLaunch]:
     """The launches of ``unified_attention`` (its arguments; ``out`` given): the attention
-    kernel, then with split-K the reduction; split-K partials are allocated here."""
+    kernel, then with split-K the reduction; split-K partials are allocated here. kv_scales:
+    (K_scale, V_scale) [num_slots, num_kv_heads] float32 of an int8 / fp8 cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     kc = k_cache.view(-1, num_kv_heads, head_dim)
     vc = v_cache.view(-1, num_kv_heads, head_dim)
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert kc.dtype == q.dtype and vc.dtype == q.dtype, "q and the caches must share a dtype"
+    quant, _, k_scale, v_scale = _kv_quant(kc, kv_scales)
+    assert vc.dtype == kc.dtype and (quant or kc.dtype == q.dtype), "q and the caches must share a dtype"
     assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
     assert query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
     nq = num_heads // num_kv_heads
@@ -248,11 +267,11 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     launches = [KernelLaunch(
         unified_attention_kernel, (num_tokens // block_q + num_reqs, num_kv_heads, num_splits),
         (q, kc, vc, out, part_acc, part_m, part_l, block_table, query_start_loc, seq_lens,
-         float(scale), num_reqs, *q.stride(), *kc.stride(), *vc.stride(), *out.stride(),
+         k_scale, v_scale, float(scale), num_reqs, *q.stride(), *kc.stride(), *vc.stride(), *out.stride(),
          block_table.stride(0)),
         dict(NUM_QUERIES_PER_KV=nq, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
              BLOCK_SIZE=int(block_size), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-             NUM_SPLITS=num_splits, DOT_PRECISION=precision),
+             NUM_SPLITS=num_splits, DOT_PRECISION=precision, KV_QUANT=quant),
         _options(num_warps, num_stages=2))]
     if num_splits > 1:
         launches.append(KernelLaunch(
@@ -292,21 +311,23 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: TritonAttentionMetadata, scale: float,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, kv_scales: Optional[tuple] = None) -> torch.Tensor:
     """The torch backend's call: write this step's K/V at meta.slot_mapping, then attend.
-    q [T, H, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, H, D]."""
+    q [T, H, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, H, D]; kv_scales: (K_scale,
+    V_scale) [S, Hkv] float32 of an int8 / fp8 cache."""
     if out is None:
         out = torch.empty_like(q)
-    for launch in paged_attention_launches(q, k, v, k_cache, v_cache, meta, scale, out):
+    for launch in paged_attention_launches(q, k, v, k_cache, v_cache, meta, scale, out, kv_scales):
         launch.launch()
     return out
 
 
 def paged_attention_launches(q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata,
-                             scale: float, out: torch.Tensor) -> list[KernelLaunch]:
+                             scale: float, out: torch.Tensor,
+                             kv_scales: Optional[tuple] = None) -> list[KernelLaunch]:
     """The launches of one layer's ``paged_attention``, in order."""
-    write = write_kv_launch(k, v, k_cache, v_cache, meta.slot_mapping)
+    write = write_kv_launch(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
     return ([write] if write is not None else []) + attention_launches(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
         meta.block_size, scale, out, max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len, num_splits=meta.num_splits)
+        max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, kv_scales=kv_scales)

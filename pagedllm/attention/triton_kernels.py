@@ -8,6 +8,10 @@ the same memory works as well.
 Kernels
 - ``reshape_and_cache_kernel``: one program per new token writes its K and V
   [num_kv_heads, head_dim] at ``slot_mapping[token]``; a negative slot (padding) is skipped.
+  KV_QUANT (an int8 / fp8 cache, attention/kv_quant.py): each head's row is stored divided by
+  its scale max|row| / QMAX (int8 rounded half away from zero), the scale beside it
+  ([num_slots, num_kv_heads] float32); the attention kernel multiplies a key's scores by its
+  K scale and a value's softmax weights by its V scale.
 - ``unified_attention_kernel``: varlen paged attention for a batch that mixes prefill chunks
   (with or without cached past) and decodes. One program per (query block, KV head[, split]).
   A query block is BLOCK_Q consecutive new tokens of one request times the NUM_QUERIES_PER_KV
@@ -31,12 +35,14 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_scale_ptr, v_scale_ptr,   # [num_slots, num_kv_heads] float32 (unused without KV_QUANT)
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcs, stride_kch, stride_kcd,
     stride_vcs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0, QMAX: tl.constexpr = 1.0,   # 0: none, 1: int8, 2: fp8 e4m3, 3: e5m2
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -46,13 +52,43 @@ def reshape_and_cache_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
-                mask=mask)
+                mask=mask, other=0.0)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
-                mask=mask)
+                mask=mask, other=0.0)
+    if KV_QUANT:
+        k = _quantize_rows(k, k_scale_ptr + slot * NUM_KV_HEADS + offs_h, offs_h < NUM_KV_HEADS, KV_QUANT, QMAX)
+        v = _quantize_rows(v, v_scale_ptr + slot * NUM_KV_HEADS + offs_h, offs_h < NUM_KV_HEADS, KV_QUANT, QMAX)
     tl.store(k_cache_ptr + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_rows(x, scale_ptrs, row_mask, KV_QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """x [BLOCK_H, BLOCK_D] -> x / scale per row (int8: rounded half away from zero), its
+    scales max|row| / QMAX stored at scale_ptrs (kv_quant.quantize_kv's arithmetic)."""
+    xf = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(xf), axis=1) / QMAX, 1e-12)
+    tl.store(scale_ptrs, scale, mask=row_mask)
+    y = xf / scale[:, None]
+    if KV_QUANT == 1:
+        y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    else:
+        # Round to the fp8 mantissa (3 bits e4m3, 2 bits e5m2) to nearest even in float32 bits
+        # first, so the cast is exact: torch's rounding everywhere (the 3.9 interpreter's own
+        # cast gets the exponent wrong when rounding carries into it).
+        DROP: tl.constexpr = 20 if KV_QUANT == 2 else 21         # float32 mantissa bits dropped
+        KEEP: tl.constexpr = 0xFFF00000 if KV_QUANT == 2 else 0xFFE00000
+        u = y.to(tl.uint32, bitcast=True)
+        u = (u + ((1 << (DROP - 1)) - 1) + ((u >> DROP) & 1)) & KEEP
+        # Below the smallest normal (2^-6 e4m3, 2^-14 e5m2) the step is fixed (2^-9, 2^-16):
+        # adding and taking away 1.5 * 2^(23 - step bits) rounds to it, to nearest even.
+        MIN_NORMAL: tl.constexpr = 2.0 ** -6 if KV_QUANT == 2 else 2.0 ** -14
+        MAGIC: tl.constexpr = 1.5 * 2.0 ** 14 if KV_QUANT == 2 else 1.5 * 2.0 ** 7
+        y = tl.where(tl.abs(y) < MIN_NORMAL, (y + MAGIC) - MAGIC, u.to(tl.float32, bitcast=True))
+    return y
 
 
 @triton.jit
@@ -93,6 +129,7 @@ def unified_attention_kernel(
     # split-K partials (unused when NUM_SPLITS == 1)
     part_acc_ptr, part_m_ptr, part_l_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr,   # [num_slots, num_kv_heads] float32 (unused without KV_QUANT)
     scale, num_reqs,
     stride_qt, stride_qh, stride_qd,
     stride_kcs, stride_kch, stride_kcd,
@@ -106,6 +143,7 @@ def unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,7 +199,15 @@ def unified_attention_kernel(
                     + offs_d[None, :] * stride_vcd,
                     mask=key_valid[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_N, HEAD_PAD]
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                   # [BLOCK_M, BLOCK_N]
+        if KV_QUANT:   # int8 / fp8 -> q's dtype is exact; the scales fold into s and p
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            sc_off = slot * (NUM_HEADS // NUM_QUERIES_PER_KV) + kv_off   # scales [slots, num_kv_heads]
+            k_sc = tl.load(k_scale_ptr + sc_off, mask=key_valid, other=0.0)
+            v_sc = tl.load(v_scale_ptr + sc_off, mask=key_valid, other=0.0)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_sc * qk_scale)[None, :]
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale               # [BLOCK_M, BLOCK_N]
         attend = key_valid[None, :] & (key_pos[None, :] <= q_abs[:, None]) & row_valid[:, None]
         s = tl.where(attend, s, float("-inf"))
 
@@ -172,7 +218,10 @@ def unified_attention_kernel(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_QUANT:
+            acc += tl.dot((p * v_sc[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:

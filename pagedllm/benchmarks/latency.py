@@ -253,6 +253,9 @@ def main(ns: argparse.Namespace) -> int:
           f"with {machine['torch_threads']} threads")
     print(f"model: {llm.llm_engine.config.model_config.model} (dtype {ns.dtype}), "
           f"input {ns.input_len} tokens, output {ns.output_len} tokens, greedy, ignore_eos")
+    core = llm.llm_engine.core
+    print(f"KV cache: {eargs.kv_cache_dtype}, {core.model_executor.kv_bytes_per_block() // eargs.block_size} "
+          f"bytes per token, {core.num_blocks} blocks")
     warm = [[tok.eos_token_id or 0] * 8]
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     batches = {b: [r.prompt_token_ids for r in random_requests(

@@ -37,6 +37,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="also pagedllm in float32 with these quantized weights: int8, int4, gguf (the "
                         "default model's Q4_1 file as it is)")
     p.add_argument("--quantization-group-size", type=int, default=None, help="int4's group (default 32)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                   choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="pagedllm's KV cache element(s) to compare (default auto: the model's dtype)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="a UTF-8 text file (default: the one shipped)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (default 1024)")
@@ -81,18 +84,20 @@ def load_pagedllm(model_dir: str, dtype: str, window: int, quantization=None, gr
     return config, load_model(config)
 
 
-def pagedllm_window_logits(config, model, ids: list[int], first: int):
-    """One window as a single prefill (no past) over a scratch paged KV cache -> float32 logits
+def pagedllm_window_logits(config, model, ids: list[int], first: int, kv_cache_dtype: str = "auto"):
+    """One window as a single prefill (no past) over a scratch paged KV cache of kv_cache_dtype
+    (an int8 / fp8 cache: attention reads every key and value back quantized) -> float32 logits
     [len(ids) - first, V] predicting ids[first:], from positions first-1 .. len(ids)-2."""
     import torch
-    from pagedllm.attention.layer import attention_layers, bind_kv_cache
+    from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
+    from pagedllm.attention.layer import attention_layers, bind_kv_cache, get_kv_cache_spec
     from pagedllm.forward_context import set_forward_context
     T, bs = len(ids), 16
     nb = -(-T // bs)
-    dtype = next(model.parameters()).dtype
-    shape = (nb * bs, config.num_kv_heads, config.head_dim)
-    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
-    bind_kv_cache(model, kv)
+    cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+    specs = get_kv_cache_spec(model, bs, cache_dtype).values()
+    bind_kv_cache(model, [tuple(torch.zeros(shape, dtype=dt) for shape, dt in spec.kv_tensors(nb))
+                          for spec in specs])
     backend = next(iter(attention_layers(model).values())).backend
     meta = backend.build_metadata(torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
                                   torch.arange(nb, dtype=torch.int32)[None, :], torch.arange(T, dtype=torch.int64), bs)
@@ -132,9 +137,9 @@ def text_ids(tokenizer, path: str, max_tokens: int | None) -> list[int]:
 
 
 def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, stride: int,
-        quantizations=(), group_size=None) -> tuple[list[dict], int]:
-    """-> (rows: system, dtype, tokens, nll, perplexity, seconds; the text's token count).
-    quantizations: pagedllm float32 rows with those weights ("gguf": the default model's file)."""
+        quantizations=(), group_size=None, kv_cache_dtypes=("auto",)) -> tuple[list[dict], int]:
+    """-> (rows: system, dtype, kv_cache_dtype, tokens, nll, perplexity, seconds; the text's token
+    count). quantizations: pagedllm float32 rows with those weights ("gguf": the default model's file)."""
     from pagedllm.models.download import resolve_model
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,22 +148,24 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
     rows = []
     for dtype in dtypes:
         config, model = load_pagedllm(model_dir, dtype, window)
-        rows.append({"system": "pagedllm", "dtype": dtype,
-                     **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
+        for kv in kv_cache_dtypes:
+            rows.append({"system": "pagedllm", "dtype": dtype, "kv_cache_dtype": kv,
+                         **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f, kv), ids, spans)})
         del model
     for quant in quantizations:
         qdir = str(resolve_model(None, "gguf")) if quant == "gguf" else model_dir
         config, model = load_pagedllm(qdir, "float32", window, quant, group_size if quant == "int4" else None)
-        rows.append({"system": f"pagedllm {quant}", "dtype": "float32",
+        rows.append({"system": f"pagedllm {quant}", "dtype": "float32", "kv_cache_dtype": "auto",
                      **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
         del model
     for dtype in hf_dtypes:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-        rows.append({"system": "transformers", "dtype": dtype,
+        rows.append({"system": "transformers", "dtype": dtype, "kv_cache_dtype": "auto",
                      **perplexity(lambda w, f: hf_window_logits(hf, w, f), ids, spans)})
         del hf
-    base = next((r for r in rows if r["dtype"] == "float32" and r["system"] in ("pagedllm", "transformers")),
-                None)   # pagedllm's float32 when it ran
+    # pagedllm's float32 with its float cache when it ran
+    base = next((r for r in rows if r["dtype"] == "float32" and r["kv_cache_dtype"] == "auto"
+                 and r["system"] in ("pagedllm", "transformers")), None)
     for r in rows:
         r["ratio"] = r["perplexity"] / base["perplexity"] if base else float("nan")
     return rows, len(ids)
@@ -174,13 +181,14 @@ def main(ns: argparse.Namespace) -> int:
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
           f"with {machine['torch_threads']} threads")
     rows, n = run(model_dir, ns.dtypes, ns.hf_dtypes or [], ns.text, ns.max_tokens, ns.window, ns.stride,
-                  ns.quantization, ns.quantization_group_size)
+                  ns.quantization, ns.quantization_group_size, ns.kv_cache_dtype)
     print(f"model: {model_dir}; text: {ns.text} ({n} tokens), window {ns.window}, stride {ns.stride}")
     print()
-    print_table(rows, [("system", "system", ""), ("dtype", "dtype", ""), ("tokens", "tokens", "d"),
+    print_table(rows, [("system", "system", ""), ("dtype", "dtype", ""), ("kv_cache_dtype", "KV cache", ""),
+                       ("tokens", "tokens", "d"),
                        ("nll", "mean NLL", ".5f"), ("perplexity", "perplexity", ".4f"),
                        ("ratio", "ratio to float32", ".4f"), ("seconds", "s", ".1f")])
-    ours = {r["dtype"]: r for r in rows if r["system"] == "pagedllm"}
+    ours = {r["dtype"]: r for r in rows if r["system"] == "pagedllm" and r["kv_cache_dtype"] == "auto"}
     for r in rows:
         if r["system"] == "transformers" and r["dtype"] in ours:
             rel = ours[r["dtype"]]["perplexity"] / r["perplexity"] - 1

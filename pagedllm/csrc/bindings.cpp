@@ -7,7 +7,11 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
+  // k_scale / v_scale: only with an int8 / fp8 cache (None otherwise, the default)
+  m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("linear_small", torch::wrap_pybind_function(linear_small), "linear_small");
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");

@@ -50,7 +50,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
     rotary_embedding_(q, k, cos, sin, positions);
     k_caches[l].index_copy_(0, slot_mapping, k);
     v_caches[l].index_copy_(0, slot_mapping, v);
-    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0);
+    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0,
+                          c10::nullopt, c10::nullopt);
     x = x + o_proj(o.reshape({M, q_size}));
     auto gate_up = gate_up_proj(rms_norm(x, post_norm, eps));
     x = x + down_proj(silu_and_mul(gate_up));

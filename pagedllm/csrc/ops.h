@@ -9,7 +9,8 @@
 // attention.cpp
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                           double scale, int64_t window);
+                           double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale);
 
 // fused_ops.cpp
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

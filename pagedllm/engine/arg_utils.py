@@ -43,6 +43,7 @@ class EngineArgs:
     quantization: Optional[str] = None  # CPU weights: "int8", "int4", "gguf" (models/layers/quantization)
     quantization_group_size: Optional[int] = None   # int4's group (32 by default)
     speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
+    kv_cache_dtype: str = "auto"        # "auto", "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (vLLM's)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -74,10 +75,12 @@ class EngineArgs:
                              max_model_len=mc.max_model_len,
                              chunked_prefill=self.enable_chunked_prefill,
                              preemption_mode=self.preemption_mode)
+        from pagedllm.attention.kv_quant import check_kv_cache_dtype
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,
                          enable_prefix_caching=prefix_caching,
-                         swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks)
+                         swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks,
+                         cache_dtype=check_kv_cache_dtype(self.kv_cache_dtype))
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,

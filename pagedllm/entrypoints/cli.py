@@ -56,6 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default model's shipped Q4_1 file, or --model FILE.gguf, served as it is)")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: input features per scale and min, 32 (default), 64 or 128")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache element: auto (the model's dtype), or int8 / fp8 with a float32 scale "
+                        "per token and KV head (fp8 = fp8_e4m3; vLLM's flag)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="where the ranks run: local processes (mp, default) or a Ray cluster "
                         "(RAY_ADDRESS, else a local one)")
@@ -106,7 +110,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
                       kv_transfer_config=getattr(ns, "kv_transfer_config", None),
                       quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
-                      speculative_config=getattr(ns, "speculative_config", None))
+                      speculative_config=getattr(ns, "speculative_config", None,
+                      kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

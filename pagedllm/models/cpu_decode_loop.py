@@ -71,11 +71,13 @@ class DecodeLoop:
 
     def applies(self, meta, num_tokens: int) -> bool:
         """A step the loop computes exactly as the eager layers: all decode, attention by pages,
-        few enough rows that the eager linears take linear_small too, and no LoRA adapter in the
-        step (the loop has no adapter deltas; base-only steps still take it)."""
+        few enough rows that the eager linears take linear_small too, no LoRA adapter in the step
+        (the loop has no adapter deltas; base-only steps still take it), and a float KV cache (the
+        loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""
         if self.lora_mapping is not None and self.lora_mapping.active:
             return False
-        return meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
+        return (meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
+                and len(self.attns[0].kv_cache) == 2)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [M] -> final hidden states [M, hidden], as the model's forward."""

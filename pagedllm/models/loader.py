@@ -15,6 +15,7 @@ from safetensors import safe_open
 from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
 from pagedllm.models.layers.quantization import get_quant_config, set_current_quant_config
+from pagedllm.models.fp8_weights import fp8_block_size, upcast_fp8_weights, use_fp8_gemm
 from pagedllm.models.registry import get_model_class
 
 
@@ -75,6 +76,10 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
           set_current_quant_config(quant)):
         model = cls(config.hf_config, config.max_model_len, parallel)
     weights = quant.iter_weights(config.model) if hasattr(quant, "iter_weights") else iter_weights(config.model)
+    fp8_block = fp8_block_size(config.hf_config)
+    if fp8_block is not None:   # DeepSeek-style FP8 blocks: upcast as they stream past
+        fp8_gemm = use_fp8_gemm(model, fp8_block, torch.device(device))
+        weights = upcast_fp8_weights(weights, fp8_block, torch.float32 if fp8_gemm else dtype)
     load_weights(model, weights, config.model)
     model = model.eval().requires_grad_(False)
     return model

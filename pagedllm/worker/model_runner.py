@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
 from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
@@ -56,7 +57,9 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(self.device, self.dtype, dc.attention_backend)
         # This rank's KV cache, as its layers declare it: the layers of its pipeline stage, the
         # KV heads of its TP share.
-        self.kv_cache_spec = list(get_kv_cache_spec(self.model, cc.block_size, self.dtype).values())
+        # --kv-cache-dtype int8 / fp8: quantized K/V with per-token scales (attention/kv_quant.py).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cc.cache_dtype, self.dtype)
+        self.kv_cache_spec = list(get_kv_cache_spec(self.model, cc.block_size, self.kv_cache_dtype).values())
         self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
         # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
@@ -85,8 +88,8 @@ class ModelRunner:
         [num_blocks * block_size, num_kv_heads, head_dim]; MLA: (latent,), [num_blocks *
         block_size, kv_lora_rank + qk_rope_head_dim]). On the CPU torch.zeros maps pages
         lazily: unused blocks cost no memory until written."""
-        return [tuple(torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin)
-                      for shape in spec.kv_shapes(num_blocks)) for spec in self.kv_cache_spec]
+        return [tuple(torch.zeros(shape, dtype=dt, device=device, pin_memory=pin)
+                      for shape, dt in spec.kv_tensors(num_blocks)) for spec in self.kv_cache_spec]
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """The KV cache, the swap space (host memory, pinned when the cache is on a GPU), and

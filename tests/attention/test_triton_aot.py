@@ -55,3 +55,20 @@ def test_engine_kernels_compile_for_sm80_and_sm90(heads, head_dim, block_size):
     spills = [(v["arch"], v["dtype"], v["kernel"], v["constexprs"], v["num_warps"], v["local"])
               for v in variants if v["local"]]
     assert not spills, f"variants using local memory (register spills): {spills}"
+
+
+def test_quantized_kv_kernels_compile_for_sm90():
+    """An int8 / fp8 KV cache (attention/kv_quant.py): the write kernel's quantisation and the
+    attention kernel's scaled reads, for the default model's shape on a bf16 model. The mixed
+    step covers both kernels' quantized code (split-K and graphs change only tile constants)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "pagedllm.attention.triton_aot", "--json", "--arch", "90",
+           "--dtype", "bfloat16", "--heads", "9", "3", "--head-dim", "64", "--scenario", "mixed",
+           "--kv-cache-dtype", "int8", "fp8_e4m3", "fp8_e5m2"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    variants = json.loads(res.stdout)["variants"]
+    for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        mine = {v["kernel"] for v in variants if v["kv_cache_dtype"] == kv}
+        assert mine == {"reshape_and_cache_kernel", "unified_attention_kernel"}, (kv, mine)
+    assert not [v for v in variants if v["local"] or not v["fits_shared"]], variants

@@ -5,7 +5,7 @@ Triton's ptxas): shared memory within the architecture's limit and no register s
 of Llama-3.2-1B's fused QKV (rank 16, three slices: 48 rank columns) and down_proj. Runs in a
 subprocess without TRITON_INTERPRET (interpreted kernels do not compile)."""
 import pytest
-from kernel_utils import run_uninterpreted
+from kernel_utils import run_aot_script
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
@@ -28,7 +28,7 @@ print(json.dumps(out))
 
 
 def test_lora_kernels_compile_for_sm80_and_sm90():
-    variants = run_uninterpreted(SCRIPT)
+    variants = run_aot_script(SCRIPT)
     assert len(variants) == 2 * 2 * 2
     print("\n".join(map(str, variants)))
     assert all(v["fits"] for v in variants), variants

@@ -187,3 +187,9 @@ def test_bad_mla_config_is_a_value_error():
     for field, bad in (("kv_lora_rank", None), ("qk_rope_head_dim", 7), ("v_head_dim", 0)):
         with pytest.raises(ValueError, match=field):
             DeepseekV3ForCausalLM({**hf, field: bad}, 64)
+
+
+def test_quantized_kv_cache_is_refused_for_mla(tiny):
+    """--kv-cache-dtype int8 / fp8 is for K/V caches; MLA's latent cache refuses it clearly."""
+    with pytest.raises(ValueError, match="kv_cache_dtype .* MLA"):
+        LLM(str(tiny[0]), device="cpu", block_size=4, num_gpu_blocks=8, dtype="float32", kv_cache_dtype="int8")

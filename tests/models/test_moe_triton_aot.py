@@ -5,12 +5,8 @@ token, down with the routing weight), through attention/triton_aot.py's mechanis
 descriptions the layer makes, specialised as Triton's launcher would on a GPU, compiled to
 cubins with Triton's ptxas; shared memory within the architecture's limit and no register
 spills. Runs in a subprocess without TRITON_INTERPRET (interpreted kernels do not compile)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from kernel_utils import run_aot_script
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
@@ -40,11 +36,7 @@ print(json.dumps(out))
 
 
 def test_grouped_moe_kernel_compiles_for_sm80_and_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    variants = json.loads(res.stdout.strip().splitlines()[-1])
+    variants = run_aot_script(SCRIPT)
     assert len(variants) == 3 * 2
-    print("\n".join(map(str, variants)))
     assert all(v["fits"] for v in variants), variants
     assert not [v for v in variants if v["local"]], f"register spills: {variants}"

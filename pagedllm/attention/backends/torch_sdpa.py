@@ -25,4 +25,4 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta.windowed(layer.sliding_window),
-                               layer.scale)
+                               layer.scale, kv_scales=tuple(kv_cache[2:]) or None)

@@ -27,7 +27,8 @@ class TritonAttentionBackend(AttentionBackend):
                                      max_seq_len=max_seq_len)
 
     def forward(self, layer, q, k, v, kv_cache, meta: TritonAttentionMetadata) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale,
+                               kv_scales=tuple(kv_cache[2:]) or None)
 
     def build_graph_metadata(self, slot_mapping, query_start_loc, seq_lens, block_table,
                              num_kv_heads: int, block_size: int,

@@ -1,0 +1,77 @@
+"""A quantized KV cache (`--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2`, vLLM's flag).
+
+Each token's K (and V) row of each KV head is stored as int8 / fp8 with its own float32 scale
+(per token per head): scale = max|row| / QMAX, stored = row / scale (int8: rounded half away
+from zero, so every writer rounds alike). A token's scale depends on that row alone, so a
+write never touches another token's entries (no block-wide requantisation) and the readers
+fold the scale into what they already compute: score = (q . k_q) * k_scale and the softmax
+weight p * v_scale. Cache tensors of a layer: (K, V, K_scale, V_scale), K/V [S, Hkv, D] of the
+quantized dtype and the scales [S, Hkv] float32 (S = num_blocks * block_size slots).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# The flag's values -> the cache's element type (None: the model's dtype). "fp8" is e4m3, as vLLM.
+KV_CACHE_DTYPES: dict[str, Optional[torch.dtype]] = {
+    "auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+# The largest magnitude each quantized type holds (fp8 e4m3: 448; e5m2: 57344).
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+SCALE_DTYPE = torch.float32
+_TINY = 1e-12   # the scale of an all-zero row: any positive value decodes it back to zeros
+
+
+def check_kv_cache_dtype(name) -> str:
+    """The flag's value, or a ValueError naming the field."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return name
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for the flag's value (auto: the model's dtype)."""
+    return KV_CACHE_DTYPES[check_kv_cache_dtype(name)] or model_dtype
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QMAX
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, Hkv, D] -> (x_q [T, Hkv, D] of dtype, scale [T, Hkv] float32), x ~ x_q * scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / QMAX[dtype]).clamp_min(_TINY)          # [T, Hkv]
+    y = xf / scale[..., None]
+    if dtype == torch.int8:   # half away from zero: Triton's writer computes the same
+        y = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y)).clamp(-127, 127)
+    return y.to(dtype), scale
+
+
+def dequantize_kv(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x_q [..., Hkv, D] with scale [..., Hkv] -> x [..., Hkv, D] of dtype."""
+    return (x_q.float() * scale[..., None]).to(dtype)
+
+
+def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, caches: tuple[torch.Tensor, ...],
+                       slot_mapping: torch.Tensor) -> None:
+    """reshape_and_cache into a quantized cache (K, V, K_scale, V_scale) at slot_mapping [T]."""
+    k_cache, v_cache, k_scale, v_scale = caches
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x_q, s = quantize_kv(x, cache.dtype)
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+        cache.view(torch.uint8).index_copy_(0, slot_mapping, x_q.view(torch.uint8))
+        scales.index_copy_(0, slot_mapping, s)
+
+
+def read_kv(caches: tuple[torch.Tensor, ...], slots: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at slots (any shape) -> [*slots.shape, Hkv, D] of dtype, dequantized if need be."""
+    if len(caches) == 2:
+        return caches[0][slots], caches[1][slots]
+    k_cache, v_cache, k_scale, v_scale = caches
+    return (dequantize_kv(k_cache[slots], k_scale[slots], dtype),
+            dequantize_kv(v_cache[slots], v_scale[slots], dtype))

@@ -1,0 +1,57 @@
+"""--kv-cache-dtype end to end: the engine with an int8 / fp8 KV cache against transformers on
+the same weights, whose attention sees the same quantized K/V (an attention function
+registered with transformers' AttentionInterface rounds each token's rotated key and value
+rows per head exactly as attention/kv_quant.py stores them, then runs its SDPA). Greedy must
+be equal token for token up to numerical ties; the memory planner must give more blocks."""
+import pytest
+import torch
+from greedy_utils import assert_greedy_equal, hf_greedy
+
+from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, dequantize_kv, quantize_kv
+
+MAX_TOKENS = 12
+
+
+def _register_fake_quant(dtype: torch.dtype) -> str:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fake_quant_sdpa(module, query, key, value, attention_mask, **kwargs):
+        # key / value [B, Hkv, T, D]: quantize per (token, head) row, as the cache stores them
+        def rt(x):
+            xt = x.transpose(1, 2)                                   # [B, T, Hkv, D]
+            q, s = quantize_kv(xt.reshape(-1, *xt.shape[2:]), dtype)
+            return dequantize_kv(q, s, x.dtype).view(xt.shape).transpose(1, 2)
+        return sdpa_attention_forward(module, query, rt(key), rt(value), attention_mask, **kwargs)
+
+    name = f"kvq_{str(dtype).split('.')[-1]}"
+    AttentionInterface.register(name, fake_quant_sdpa)
+    return name
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.models.random_model import random_model_dir
+    path = str(random_model_dir("random:tiny"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 23, 70)]
+    # block 16, a budget of 32 tokens: chunked prefills with cached past, decodes beside them
+    llm = LLM(path, kv_cache_dtype=kv, max_num_batched_tokens=32, max_model_len=256, kv_cache_memory=2**20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    blocks_quant = llm.llm_engine.core.num_blocks
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=_register_fake_quant(KV_CACHE_DTYPES[kv]))
+    assert_greedy_equal(outs, hf_greedy(hf.eval(), prompts, MAX_TOKENS), f"kv {kv}")
+    # the same memory holds (4 D) / (D + 4) times the float32 blocks (D = 32 here)
+    blocks_auto = LLM(path, max_model_len=256, kv_cache_memory=2**20).llm_engine.core.num_blocks
+    assert blocks_quant / blocks_auto == pytest.approx(4 * 32 / (32 + 4), rel=0.02)
+
+
+def test_bad_kv_cache_dtype_is_a_value_error():
+    from pagedllm import LLM
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM("random:tiny", kv_cache_dtype="int4")
