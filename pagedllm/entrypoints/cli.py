@@ -110,7 +110,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
                       kv_transfer_config=getattr(ns, "kv_transfer_config", None),
                       quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
-                      speculative_config=getattr(ns, "speculative_config", None,
+                      speculative_config=getattr(ns, "speculative_config", None),
                       kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"))
 
 
