@@ -14,11 +14,11 @@ from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_utils import kv_cache_config_of
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.step_failures import StepFailures
 from pagedllm.executor.abstract import Executor
-from pagedllm.models.hf_config import kv_cache_sliding_window
 from pagedllm.profiler import PROFILER
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -55,7 +55,8 @@ class EngineCore:
         executor.init_kv_cache(self.num_blocks, self.num_cpu_blocks)
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks,
-                            sliding_window=kv_cache_sliding_window(config.model_config.hf_config))
+                            kv_cache_config=kv_cache_config_of(config.model_config.hf_config,
+                                                               config.parallel_config.pipeline_parallel_size))
         self.scheduler = Scheduler(config.scheduler_config, kv)
         self.structured_output_manager = StructuredOutputManager(
             config.model_config.model, config.model_config.vocab_size, self.eos_ids)

@@ -2,7 +2,8 @@
 weights (small configs made with transformers' own classes), token for token, under chunked
 prefill with tiny blocks, a tight token budget and a cache small enough to preempt, with
 prompts longer than the window. A Mistral with a window frees its blocks behind the window
-while it runs; a Gemma 3 (global and local layers) keeps them."""
+while it runs; a Gemma 3 (global and local layers) frees them in its local layers' KV cache
+groups (core/kv_cache_utils.py)."""
 import numpy as np
 import pytest
 import torch
@@ -123,10 +124,13 @@ def test_gemma3_equals_transformers(gemma_dir, gemma_reference, tp, monkeypatch)
     soft-capped logits; chunked prefill with tiny blocks and preemption; tensor parallel 2
     (2 query heads a rank, the one KV head replicated)."""
     monkeypatch.setenv("PAGEDLLM_WORKER_THREADS", "1")
-    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=40,
+    # KV cache groups: a block is one layer's page (one global, two local groups of one layer),
+    # so 120 blocks are the memory 40 blocks of all three layers were.
+    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=120,
               tensor_parallel_size=tp)
     try:
-        assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window is None   # global layers
+        kv = llm.llm_engine.core.scheduler.kv_cache_manager
+        assert kv.sliding_window is None and [m.sliding_window for m in kv.managers] == [None, WINDOW, WINDOW]
         _assert_equal(_generate(llm, _prompts(1)), gemma_reference, f"gemma3 tp={tp}")
         assert llm.llm_engine.num_preemptions > 0
     finally:
