@@ -13,6 +13,7 @@ BENCHMARKS = [
     ("structured", "structured", "requests with a JSON schema vs the same requests unconstrained", True),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
+    ("kv-memory", "kv_memory", "KV cache held by one long request, sliding groups freeing vs one table", True),
 ]
 
 

@@ -89,8 +89,12 @@ class EngineCore:
                              f"{self.model_executor.kv_bytes_per_block()} bytes")
         if on_gpu:     # all of it: blocks beyond the running requests' keep the prefix cache
             return int(by_memory)
-        # On the CPU: enough for every sequence at full length, capped by the memory budget.
-        useful = sc.max_num_seqs * -(sc.max_model_len // -cc.block_size) + 1
+        # On the CPU: enough for every sequence at full length (a sliding group's: its window),
+        # capped by the memory budget.
+        groups = kv_cache_config_of(self.config.model_config.hf_config,
+                                    self.config.parallel_config.pipeline_parallel_size)
+        useful = sc.max_num_seqs * groups.max_num_blocks(sc.max_model_len, cc.block_size,
+                                                         sc.max_num_batched_tokens) + 1
         return int(min(useful, by_memory))
 
     def shutdown(self) -> None:
