@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                 report.append({"arch": arch, "dtype": dt, "fits_shared": fits, **asdict(v)})
     if a.json:
         print(json.dumps({"ok": ok, "max_shared": MAX_SHARED,
-                          "scenarios": [name for name, _, _ in SCENARIOS], "variants": report}))
+                          "scenarios": [name for name, *_ in SCENARIOS], "variants": report}))
     else:
         print(f"{'arch':>4} {'dtype':>8} {'kernel':<26} {'warps':>5} {'shared':>7} {'regs':>4} "
               f"{'local':>5} {'s':>5}  scenarios")
