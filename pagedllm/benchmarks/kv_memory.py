@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     engine.add_request("kv", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True))
     rows, peak = [], (0, 0)
-    marks = {args.input_len + n for n in (0, 256, 512, 1024, 2048, 4096, args.output_len - 1)}
+    marks = {args.input_len + n for n in range(0, args.output_len, 128)} | {args.input_len + args.output_len - 1}
     while engine.has_unfinished_requests():
         engine.step()
         request = engine.core.scheduler.get_request("kv")
@@ -54,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
             rows.append({"tokens": request.num_computed_tokens, "blocks": " ".join(map(str, held)),
                          "groups_mib": with_groups / 2**20, "one_table_mib": without / 2**20,
                          "saving": without / with_groups})
+            print(f"{request.num_computed_tokens} tokens: blocks per group {held}", flush=True)
     print(f"{len(cfg.kv_cache_groups)} KV cache groups (windows "
           f"{[g.sliding_window for g in cfg.kv_cache_groups]}), {cfg.num_tensors} shared tensors, "
           f"block {bs} tokens = {block_bytes} bytes (every layer's: {all_layers_block_bytes})")

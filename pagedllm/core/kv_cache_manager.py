@@ -183,7 +183,9 @@ class KVCacheManager:
         counts = [m.count(req_id, num_computed, num_new_tokens, h) for m, h in zip(self.managers, hits)]
         if sum(c[2] for c in counts) > self.block_pool.get_num_free_blocks():
             return None
-        new = [m.allocate(req_id, num_computed, h, c) for m, h, c in zip(self.managers, hits, counts)]
+        for m, h in zip(self.managers, hits):   # all hits first, then any new block
+            m.take_hits(req_id, h)
+        new = [m.allocate(req_id, num_computed, c) for m, c in zip(self.managers, counts)]
         if self.enable_caching:
             # Blocks this step fills become findable at once: they are written in this step's
             # forward, before any later request could read them.

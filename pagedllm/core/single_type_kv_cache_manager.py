@@ -67,14 +67,18 @@ class SingleTypeKVCacheManager:
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
         return num_new_blocks, cow, max(num_new_blocks, 0) + cow + num_evictable_hits
 
-    def allocate(self, request_id: str, num_computed: int, new_computed_blocks: list[KVCacheBlock],
-                 counted: tuple[int, bool, int]) -> list[KVCacheBlock]:
-        """Take the hits and the new blocks `count` gave (the caller checked there is room)
-        -> the blocks new to the request's table (a copy-on-write target first)."""
+    def take_hits(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
+        """The request takes its prefix-cache hits (out of the free queue if free). Every group
+        takes its hits before any group takes new blocks: a new block is popped from the free
+        queue, which may hold another group's hit."""
+        self.block_pool.touch(new_computed_blocks)
+        self.req_to_blocks[request_id].extend(new_computed_blocks)
+
+    def allocate(self, request_id: str, num_computed: int, counted: tuple[int, bool, int]) -> list[KVCacheBlock]:
+        """After take_hits: the new blocks `count` gave (the caller checked there is room) ->
+        the blocks new to the request's table (a copy-on-write target first)."""
         num_new_blocks, cow, _ = counted
         blocks = self.req_to_blocks[request_id]
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
         self.remove_skipped_blocks(request_id, num_computed)   # hits before the window
         dst = None
         if cow:

@@ -156,3 +156,23 @@ def test_admission_counts_the_window_only():
         check_fits_kv_cache(150, 50, 1, BS, 64, 1000, cfg, 16)
     with pytest.raises(ValueError, match="needs 50 KV-cache blocks"):   # one group: every block
         check_fits_kv_cache(150, 50, 1, BS, 50, 1000)
+
+
+def test_every_group_takes_its_hits_before_any_new_block():
+    """A group's new block comes from the free queue's head, which may be another group's
+    prefix-cache hit: all hits are taken first (else two groups would share a block)."""
+    kv = KVCacheManager(7, BS, enable_caching=True, kv_cache_config=make_kv_cache_config(LAYERS))
+    prompt = list(range(8))
+    a = req("a", prompt)
+    step(kv, a, 8)
+    assert kv.num_free_blocks() == 0
+    group1 = kv.managers[1].req_to_blocks.pop("a")
+    kv.block_pool.free_blocks(group1)   # group 1's first block at the head of the free queue
+    kv.free(a)
+    b = req("b", prompt)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 4 and hits.groups[1][0] is group1[0]
+    step(kv, b, 4, hits)
+    held = [blk for g in kv.get_block_ids_by_group("b") for blk in g]
+    assert len(held) == len(set(held)) == 6
+    assert all(kv.block_pool.blocks[i].ref_cnt == 1 for i in held)
