@@ -36,6 +36,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         # (K, V), each [num_blocks * block_size, num_kv_heads, head_dim]: views of the runner's cache
         self.kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # Several KV cache groups (worker/kv_cache_groups.py): this layer's group (whose
+        # metadata it reads) and the shared cache tensor it uses; None: its own tensor.
+        self.kv_cache_group_id = 0
+        self.kv_cache_tensor_id: Optional[int] = None
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if self.sliding_window is not None:
@@ -48,7 +52,10 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("this Attention layer has no KV cache: the runner binds it "
                                "(attention.layer.bind_kv_cache) once the cache is allocated")
-        return self.backend.forward(self, q, k, v, self.kv_cache, get_forward_context().attn_metadata)
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):   # one per KV cache group
+            meta = meta[self.kv_cache_group_id]
+        return self.backend.forward(self, q, k, v, self.kv_cache, meta)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -67,9 +74,13 @@ def get_kv_cache_spec(model: nn.Module, block_size: int, dtype: torch.dtype) -> 
 
 def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
     """Give each attention layer its cache: kv_caches[i] is the i-th layer's (K, V), in layer
-    order. An empty list unbinds them (so that a temporary cache can be freed)."""
+    order, or with KV cache groups the i-th shared tensor pair (a layer's kv_cache_tensor_id).
+    An empty list unbinds them (so that a temporary cache can be freed)."""
     layers = list(attention_layers(model).values())
-    if kv_caches and len(kv_caches) != len(layers):
+    tensor_ids = [getattr(layer, "kv_cache_tensor_id", None) for layer in layers]
+    if tensor_ids and tensor_ids[0] is None:
+        tensor_ids = list(range(len(layers)))
+    if kv_caches and len(kv_caches) != max(tensor_ids, default=-1) + 1:
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
-    for i, layer in enumerate(layers):
-        layer.kv_cache = tuple(kv_caches[i]) if kv_caches else None
+    for layer, t in zip(layers, tensor_ids):
+        layer.kv_cache = tuple(kv_caches[t]) if kv_caches else None

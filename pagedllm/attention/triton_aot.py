@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,6 +48,10 @@ SCENARIOS = [
     ("mixed, 5 requests", [(0, 37), (50, 1), (300, 1), (17, 20), (1000, 1)], False),
     ("captured decode, 1 request", [(200, 1)], True),
     ("captured decode, 8 requests", [(200, 1)] * 8, True),
+    # A sliding-window layer (Gemma 3's local layers, Mistral): window 512 (the decode variant
+    # is the captured one too: a graph's metadata only changes the split count).
+    ("decode, sliding window", [(1000 + 37 * i, 1) for i in range(4)], False, 512),
+    ("mixed, sliding window", [(0, 37), (700, 1), (600, 64)], False, 512),
 ]
 
 
@@ -113,7 +118,7 @@ def compile_launch(launch: KernelLaunch, arch: int) -> dict:
 
 def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int, dtype: torch.dtype, max_model_len: int,
-                      kv_cache_dtype: str = "auto") -> list[KernelLaunch]:
+                      kv_cache_dtype: str = "auto", sliding_window: Optional[int] = None) -> list[KernelLaunch]:
     """One layer's launches for a step of requests (cached, new), with tensors laid out as
     the model runner makes them (q/k/v views of one fused projection, the cache
     [slots, Hkv, D], block-table columns up to the longest sequence, or all of them when
@@ -143,7 +148,7 @@ def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, h
         meta = build_triton_metadata(qsl, seq_lens, block_table, block_size, slots,
                                      max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
     return paged_attention_launches(q, k, v, k_cache, v_cache, meta, D ** -0.5, torch.empty_like(q),
-                                    kv_scales=kv_scales)
+                                    kv_scales=kv_scales, sliding_window=sliding_window)
 
 
 def compile_engine_kernels(arch: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -156,11 +161,11 @@ def compile_engine_kernels(arch: int, num_heads: int, num_kv_heads: int, head_di
     from triton.compiler import ASTSource
     target = _target(arch)
     variants: dict[str, CompiledVariant] = {}
-    for name, reqs, captured in SCENARIOS:
+    for name, reqs, captured, *window in SCENARIOS:
         if only not in name:
             continue
         for launch in scenario_launches(reqs, captured, num_heads, num_kv_heads, head_dim,
-                                        block_size, dtype, max_model_len, kv_cache_dtype):
+                                        block_size, dtype, max_model_len, kv_cache_dtype, *window):
             options, signature, constexprs, attrs = specialise(launch, target)
             key = repr((launch.kernel.__name__, signature, sorted(constexprs.items()),
                         sorted(attrs.items()), sorted(launch.options.items())))
@@ -207,7 +212,7 @@ def main(argv=None) -> int:
                                    **asdict(v)})
     if a.json:
         print(json.dumps({"ok": ok, "max_shared": MAX_SHARED,
-                          "scenarios": [name for name, _, _ in SCENARIOS], "variants": report}))
+                          "scenarios": [name for name, *_ in SCENARIOS], "variants": report}))
     else:
         print(f"{'arch':>4} {'dtype':>8} {'kernel':<26} {'warps':>5} {'shared':>7} {'regs':>4} "
               f"{'local':>5} {'s':>5}  scenarios")

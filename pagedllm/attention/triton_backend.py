@@ -228,11 +228,12 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        max_seq_len: Optional[int] = None, num_splits: Optional[int] = None,
                        block_m: Optional[int] = None, block_q: Optional[int] = None,
                        block_n: Optional[int] = None,
-                       fp32_precision: str = "ieee",
-                       kv_scales: Optional[tuple] = None) -> list[KernelLaunch]:
+                       fp32_precision: str = "ieee", kv_scales: Optional[tuple] = None,
+                       sliding_window: Optional[int] = None) -> list[KernelLaunch]:
     """The launches of ``unified_attention`` (its arguments; ``out`` given): the attention
     kernel, then with split-K the reduction; split-K partials are allocated here. kv_scales:
-    (K_scale, V_scale) [num_slots, num_kv_heads] float32 of an int8 / fp8 cache."""
+    (K_scale, V_scale) [num_slots, num_kv_heads] float32 of an int8 / fp8 cache.
+    sliding_window W: each query attends to its last W keys only (None: all)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     kc = k_cache.view(-1, num_kv_heads, head_dim)
@@ -271,7 +272,8 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
          block_table.stride(0)),
         dict(NUM_QUERIES_PER_KV=nq, NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
              BLOCK_SIZE=int(block_size), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-             NUM_SPLITS=num_splits, DOT_PRECISION=precision, KV_QUANT=quant),
+             NUM_SPLITS=num_splits, DOT_PRECISION=precision, KV_QUANT=quant,
+             SLIDING_WINDOW=int(sliding_window or 0)),
         _options(num_warps, num_stages=2))]
     if num_splits > 1:
         launches.append(KernelLaunch(
@@ -298,7 +300,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     max_seq_len (host ints; computed with a device sync when missing), num_splits (None
     chooses: split-K only for all-decode batches with long contexts; 1 forces the one-pass
     kernel, n > 1 forces n splits), block_m / block_q / block_n (tile shapes), fp32_precision
-    (tl.dot precision for float32 inputs: "ieee" exact, "tf32" faster on a GPU).
+    (tl.dot precision for float32 inputs: "ieee" exact, "tf32" faster on a GPU), sliding_window
+    (each query attends to its last W keys only; keys before the window are never read).
     """
     if out is None:
         out = torch.empty_like(q)
@@ -311,23 +314,28 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: TritonAttentionMetadata, scale: float,
-                    out: Optional[torch.Tensor] = None, kv_scales: Optional[tuple] = None) -> torch.Tensor:
-    """The torch backend's call: write this step's K/V at meta.slot_mapping, then attend.
+                    out: Optional[torch.Tensor] = None, kv_scales: Optional[tuple] = None,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+    """The torch backend's call: write this step's K/V at meta.slot_mapping, then attend (to the
+    last sliding_window keys only, when given).
     q [T, H, D], k/v [T, Hkv, D], caches [S, Hkv, D] -> out [T, H, D]; kv_scales: (K_scale,
     V_scale) [S, Hkv] float32 of an int8 / fp8 cache."""
     if out is None:
         out = torch.empty_like(q)
-    for launch in paged_attention_launches(q, k, v, k_cache, v_cache, meta, scale, out, kv_scales):
+    for launch in paged_attention_launches(q, k, v, k_cache, v_cache, meta, scale, out, kv_scales,
+                                           sliding_window):
         launch.launch()
     return out
 
 
 def paged_attention_launches(q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata,
                              scale: float, out: torch.Tensor,
-                             kv_scales: Optional[tuple] = None) -> list[KernelLaunch]:
+                             kv_scales: Optional[tuple] = None,
+                             sliding_window: Optional[int] = None) -> list[KernelLaunch]:
     """The launches of one layer's ``paged_attention``, in order."""
     write = write_kv_launch(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
     return ([write] if write is not None else []) + attention_launches(
         q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
         meta.block_size, scale, out, max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, kv_scales=kv_scales)
+        max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, kv_scales=kv_scales,
+        sliding_window=sliding_window)

@@ -20,6 +20,9 @@ Kernels
   head of its group (GQA) and both matmuls are ``tl.dot``s. KV tiles of BLOCK_N keys are read
   straight from the paged cache through the block table (one block-table lookup per key, so
   BLOCK_N is independent of block_size); online softmax in float32, base 2.
+  With SLIDING_WINDOW = W > 0 a query at p attends keys (p - W, p] only: the tiles wholly before
+  the first query's window are skipped, and keys before it are never read (a sliding-window
+  KV cache group may have freed their blocks: attention/metadata.py).
   With NUM_SPLITS > 1 (split-K / flash-decoding) the third grid axis cuts each program's KV
   range into NUM_SPLITS pieces of whole tiles; each writes its unnormalised partial
   (max, sum, acc), and ``reduce_splits_kernel`` combines them.
@@ -144,6 +147,7 @@ def unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr = 0,
+    SLIDING_WINDOW: tl.constexpr = 0,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,12 +175,16 @@ def unified_attention_kernel(
     # Keys this query block needs at all, as whole tiles, then this split's share of them.
     kv_len = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    first_key = 0   # the first key any row of the block attends (its first query's window)
+    if SLIDING_WINDOW > 0:
+        first_key = tl.maximum(context_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    first_tile = first_key // BLOCK_N
     if NUM_SPLITS == 1:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
     else:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     qk_scale = scale * 1.4426950408889634   # exp(x) = exp2(x * log2(e))
@@ -189,7 +197,7 @@ def unified_attention_kernel(
 
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * BLOCK_N + offs_n
-        key_valid = key_pos < kv_len
+        key_valid = (key_pos < kv_len) & (key_pos >= first_key)
         phys = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = phys * BLOCK_SIZE + key_pos % BLOCK_SIZE
         kv_mask = key_valid[None, :] & d_mask[:, None]
@@ -209,6 +217,8 @@ def unified_attention_kernel(
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale               # [BLOCK_M, BLOCK_N]
         attend = key_valid[None, :] & (key_pos[None, :] <= q_abs[:, None]) & row_valid[:, None]
+        if SLIDING_WINDOW > 0:
+            attend = attend & (key_pos[None, :] > q_abs[:, None] - SLIDING_WINDOW)
         s = tl.where(attend, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

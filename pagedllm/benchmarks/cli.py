@@ -15,6 +15,7 @@ BENCHMARKS = [
     ("lora", "lora", "requests over N LoRA adapters vs the same requests on the base model", True),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
+    ("kv-memory", "kv_memory", "KV cache held by one long request, sliding groups freeing vs one table", True),
 ]
 
 

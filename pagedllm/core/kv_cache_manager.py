@@ -7,9 +7,13 @@ Sharing happens three ways, all through block ref counts:
 - copy-on-write: before a request writes into a partly filled block that another request
   also holds, it gets a private copy (the copy itself is done by the model runner).
 
-With a sliding window W on every layer (Mistral), a request's blocks that lie wholly before
-the window of every query it has left to compute are freed while it runs (vLLM's
-SlidingWindowManager): its block table keeps the null block in their place.
+The blocks themselves are kept per KV cache group (core/kv_cache_utils.py), one manager a
+group (core/single_type_kv_cache_manager.py) over one shared BlockPool. With a sliding window
+W, a group's blocks that lie wholly before the window of every query the request has left to
+compute are freed while it runs (vLLM's SlidingWindowManager): its block table keeps the null
+block in their place. A model of one kind of layer (Llama; Mistral, whose every layer slides)
+has one group and behaves as before groups; Gemma 3 has full and sliding groups, and a
+prefix-cache hit needs every group to hit (a sliding group only inside the window).
 """
 from __future__ import annotations
 
@@ -18,11 +22,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_utils import KVCacheConfig, cdiv
+from pagedllm.core.single_type_kv_cache_manager import (FullAttentionManager, SingleTypeKVCacheManager,
+                                                         SlidingWindowManager)
 from pagedllm.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
 
 
 def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
@@ -45,10 +48,17 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 
 
 def check_fits_kv_cache(num_prompt_tokens: int, max_tokens: int, width: int, block_size: int,
-                        num_blocks: int, max_model_len: int) -> None:
+                        num_blocks: int, max_model_len: int, kv_cache_config: Optional[KVCacheConfig] = None,
+                        max_chunk: Optional[int] = None) -> None:
     """ValueError unless `width` sequences of the request at full length fit the cache at once
-    (block 0 is the null block). A beam search needs this: its beams wait for each other."""
-    need = width * cdiv(min(num_prompt_tokens + max_tokens, max_model_len), block_size)
+    (block 0 is the null block). A beam search needs this: its beams wait for each other.
+    kv_cache_config with several groups (and max_chunk, the scheduler's token budget): a
+    sliding group counts only the blocks of its window (KVCacheConfig.max_num_blocks)."""
+    num_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
+    if kv_cache_config is not None and kv_cache_config.is_hybrid:
+        need = width * kv_cache_config.max_num_blocks(num_tokens, block_size, max_chunk or num_tokens)
+    else:
+        need = width * cdiv(num_tokens, block_size)
     if need > num_blocks - 1:
         what = f"{width} beams of " if width > 1 else ""
         raise ValueError(f"{what}prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
@@ -66,20 +76,44 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class KVCacheBlocks(list):
+    """get_computed_blocks' / allocate_slots' answer when the cache has several groups: a list
+    of group 0's blocks (what a caller that knows one group reads), every group's in `groups`."""
+
+    def __init__(self, groups: Sequence[list[KVCacheBlock]]) -> None:
+        super().__init__(groups[0])
+        self.groups = tuple(groups)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 num_cpu_blocks: int = 0, sliding_window: Optional[int] = None) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: Optional[int] = None,
+                 kv_cache_config: Optional[KVCacheConfig] = None) -> None:
         """sliding_window: every layer attends to the last `sliding_window` tokens only
-        (models/hf_config.kv_cache_sliding_window); None: keep every block."""
+        (models/hf_config.kv_cache_sliding_window); None: keep every block. kv_cache_config
+        (core/kv_cache_utils.py): the model's KV cache groups, each with its own block table;
+        with one group its window is used."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
+        self.kv_cache_config = kv_cache_config
+        if kv_cache_config is not None:
+            windows = [g.sliding_window for g in kv_cache_config.kv_cache_groups]
+        else:
+            windows = [sliding_window]
+        # The window every layer has (one group); None with several groups.
+        self.sliding_window = windows[0] if len(windows) == 1 else None
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
-        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
-        # Hashes of each request's full blocks, computed as its tokens arrive.
-        self.req_to_block_hashes: defaultdict[str, list[int]] = defaultdict(list)
         # (src, dst) block copies owed to copy-on-write, drained by the scheduler each step.
         self.pending_copies: list[tuple[int, int]] = []
+        self.managers: list[SingleTypeKVCacheManager] = [
+            FullAttentionManager(self.block_pool, block_size, g, self.pending_copies) if w is None else
+            SlidingWindowManager(self.block_pool, block_size, w, g, self.pending_copies)
+            for g, w in enumerate(windows)]
+        self.num_groups = len(self.managers)
+        # Group 0's blocks of each request (with one group: all of them).
+        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = self.managers[0].req_to_blocks
+        # Hashes of each request's full blocks, computed as its tokens arrive.
+        self.req_to_block_hashes: defaultdict[str, list[int]] = defaultdict(list)
         self.stats = PrefixCacheStats()
         # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
@@ -104,18 +138,30 @@ class KVCacheManager:
         """The longest run of cached blocks at the start of the request, and the number of
         tokens they hold. The last token is always left to compute, so there are logits. A
         request that asks for prompt logprobs takes none: it needs every prompt position's
-        logits (as vLLM, it recomputes rather than return gaps)."""
+        logits (as vLLM, it recomputes rather than return gaps). Several groups: a
+        KVCacheBlocks, as long a hit in every group (vLLM's hybrid coordinator)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        if self.num_groups == 1:   # the plain longest cached prefix, as before groups
+            blocks = SingleTypeKVCacheManager.find_longest_cache_hit(self.managers[0], hashes, max_blocks)
+            return blocks, len(blocks) * self.block_size
+        # Shorten the hit until every group hits that far (a sliding group's hit at n blocks
+        # need not hold at fewer: look again at the new length).
+        while True:
+            hits = [m.find_longest_cache_hit(hashes, max_blocks) for m in self.managers]
+            shortest = min(len(h) for h in hits)
+            if shortest == max_blocks:
+                return KVCacheBlocks(hits), max_blocks * self.block_size
+            max_blocks = shortest
+
+    def _hits_by_group(self, new_computed_blocks) -> Sequence[list[KVCacheBlock]]:
+        if isinstance(new_computed_blocks, KVCacheBlocks):
+            return new_computed_blocks.groups
+        if self.num_groups > 1 and new_computed_blocks:
+            raise ValueError("a cache of several groups takes the KVCacheBlocks of get_computed_blocks")
+        return (new_computed_blocks or [],) * self.num_groups
 
     # ------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -124,88 +170,57 @@ class KVCacheManager:
         """Make room for `num_new_tokens` after the request's computed ones (and after
         `new_computed_blocks`, prefix-cache hits not yet counted in num_computed_tokens).
 
-        Returns the newly allocated blocks (possibly none), or None when there are not enough
-        free blocks — then nothing changed (all or nothing) and the caller preempts.
+        Returns the newly allocated blocks (possibly none; several groups: a KVCacheBlocks),
+        or None when there are not enough free blocks — then nothing changed (all or nothing)
+        and the caller preempts.
         """
-        new_computed_blocks = new_computed_blocks or []
-        self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-        num_new_blocks, cow, num_taken = self._count(request, num_new_tokens, new_computed_blocks)
-        if num_taken > self.block_pool.get_num_free_blocks():
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hits = self._hits_by_group(new_computed_blocks)
+        req_id = request.request_id
+        self.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        num_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
+        counts = [m.count(req_id, num_computed, num_new_tokens, h) for m, h in zip(self.managers, hits)]
+        if sum(c[2] for c in counts) > self.block_pool.get_num_free_blocks():
             return None
-        blocks = self.req_to_blocks[request.request_id]
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        self.remove_skipped_blocks(request.request_id, num_computed)   # hits before the window
-        if cow:
-            src = blocks[-1]
-            dst = self.block_pool.get_new_blocks(1)[0]
-            self.block_pool.free_blocks([src])
-            blocks[-1] = dst
-            self.pending_copies.append((src.block_id, dst.block_id))
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        blocks.extend(new_blocks)
+        for m, h in zip(self.managers, hits):   # all hits first, then any new block
+            m.take_hits(req_id, h)
+        new = [m.allocate(req_id, num_computed, c) for m, c in zip(self.managers, counts)]
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        return ([dst] if cow else []) + new_blocks
+            # Blocks this step fills become findable at once: they are written in this step's
+            # forward, before any later request could read them.
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            hashes = self._block_hashes(request)
+            for m in self.managers:
+                m.cache_full_blocks(m.req_to_blocks[req_id], hashes, num_full)
+        return new[0] if self.num_groups == 1 else KVCacheBlocks(new)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Sliding window: free the request's blocks that no query from position
-        num_computed_tokens on can see (a query at p attends to (p - W, p]), so tokens
-        [0, num_computed_tokens - W] are skipped; the table keeps the null block in their place."""
-        if self.sliding_window is None:
-            return
-        blocks = self.req_to_blocks.get(request_id)
-        num_skipped_blocks = (num_computed_tokens - self.sliding_window + 1) // self.block_size
-        if not blocks or num_skipped_blocks <= 0:
-            return
-        null, freed = self.block_pool.null_block, []
-        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):   # tail first
-            if blocks[i] is null:
-                break   # the blocks before it were freed earlier
-            freed.append(blocks[i])
-            blocks[i] = null
-        self.block_pool.free_blocks(freed)
+        """Sliding windows: free the request's blocks that no query from position
+        num_computed_tokens on can see (SlidingWindowManager.remove_skipped_blocks)."""
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
         """Free blocks that allocate_slots(request, num_new_tokens) would take."""
-        return self._count(request, num_new_tokens, [])[2]
-
-    def _count(self, request: Request, num_new_tokens: int,
-               new_computed_blocks: list[KVCacheBlock]) -> tuple[int, bool, int]:
-        """(new blocks, whether the first write copies a shared last block, free blocks taken:
-        the new ones, the copy, and cached hits taken out of the free queue)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        bs = self.block_size
-        blocks = self.req_to_blocks.get(request.request_id, ())
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
-        num_new_blocks = cdiv(num_computed + num_new_tokens, bs) - len(blocks) - len(new_computed_blocks)
-        # Copy-on-write: the first write lands in a shared, partly filled last block.
-        cow = bool(num_computed % bs and blocks and blocks[-1].ref_cnt > 1 and len(blocks) == cdiv(num_computed, bs))
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
-        return num_new_blocks, cow, max(num_new_blocks, 0) + cow + num_evictable_hits
-
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        """Blocks that this step fills become findable at once: they are written in this
-        step's forward, before any later request could read them."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        hashes = self._block_hashes(request)
-        for i in range(num_full):
-            if blocks[i].block_hash is None and blocks[i] is not self.block_pool.null_block:
-                self.block_pool.cache_block(blocks[i], hashes[i])
+        return sum(m.count(request.request_id, request.num_computed_tokens, num_new_tokens, [])[2]
+                   for m in self.managers)
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts with the parent's blocks, shared (ref counts)."""
-        blocks = self.req_to_blocks[parent.request_id]
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
+        for m in self.managers:
+            m.fork(parent.request_id, child.request_id)
         self.req_to_block_hashes[child.request_id] = list(self.req_to_block_hashes.get(parent.request_id, ()))
 
     # ------------------------------------------------------------ swap
     def swap_out(self, request: Request) -> bool:
         """Move a request's KV to CPU blocks and free its device blocks; False (nothing done)
-        when the swap space is too full."""
+        when the swap space is too full, or the cache has several groups (not swapped: the
+        request is recomputed)."""
+        if self.num_groups > 1:
+            return False
         blocks = self.req_to_blocks.get(request.request_id, [])
         if len(blocks) > len(self.free_cpu_blocks):
             return False
@@ -243,14 +258,33 @@ class KVCacheManager:
         return out, inn
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
+        copies = list(self.pending_copies)
+        self.pending_copies.clear()   # the same list object: the group managers append to it
         return copies
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (tails are the first to be evicted)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        for m in self.managers:
+            m.free(request.request_id)
         self.req_to_block_hashes.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """Group 0's block table of the request (with one group: its whole table)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # ------------------------------------------------------------ groups
+    def get_block_ids_by_group(self, request_id: str) -> tuple[list[int], ...]:
+        """Every group's block table of the request; () with one group (get_block_ids says all)."""
+        if self.num_groups == 1:
+            return ()
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+
+    def new_block_ids_by_group(self, blocks: list[KVCacheBlock]) -> tuple[list[int], ...]:
+        """allocate_slots' answer as block ids per group; () with one group."""
+        if not isinstance(blocks, KVCacheBlocks):
+            return ()
+        return tuple([b.block_id for b in g] for g in blocks.groups)
+
+    def get_num_blocks_by_group(self, request_id: str) -> list[int]:
+        """Blocks the request holds in each group (its freed sliding blocks not counted)."""
+        return [m.num_held_blocks(request_id) for m in self.managers]

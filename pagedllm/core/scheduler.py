@@ -29,6 +29,7 @@ class _Step:
     budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids_by_group: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -72,7 +73,8 @@ class Scheduler:
             kv, max_len = self.kv_cache_manager, self.config.max_model_len
             max_tokens = max_len - request.num_tokens if request.max_tokens is None else request.max_tokens
             check_fits_kv_cache(request.num_prompt_tokens, max_tokens, request.fork_width, kv.block_size,
-                                kv.block_pool.num_blocks, max_len)
+                                kv.block_pool.num_blocks, max_len, kv.kv_cache_config,
+                                self.config.max_num_batched_tokens)
         if request.sampling_params.num_samples > 1 and request.num_prompt_tokens == 1:
             # Nothing to share before the last prompt token: the siblings start on their own.
             for i in range(request.sampling_params.num_samples):
@@ -156,6 +158,7 @@ class Scheduler:
                     step.cached_reqs.append(request)
                 step.num_scheduled[request.request_id] = n
                 step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
+                step.new_block_ids_by_group[request.request_id] = self.kv_cache_manager.new_block_ids_by_group(blocks)
                 step.budget -= n
                 if request.spec_token_ids:   # trimmed to the budget: all of them are scheduled
                     step.spec[request.request_id], request.spec_token_ids = request.spec_token_ids, []
@@ -235,11 +238,12 @@ class Scheduler:
             scheduled_new_reqs=[
                 NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
                                r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
-                               r.lora_request)
+                               r.lora_request, block_ids_by_group=kv.get_block_ids_by_group(r.request_id))
                 for r in step.new_reqs],
             scheduled_cached_reqs=[
                 CachedRequestData(r.request_id, step.new_block_ids[r.request_id], r.num_computed_tokens,
-                                  self.pending_tokens.pop(r.request_id, []))
+                                  self.pending_tokens.pop(r.request_id, []),
+                                  step.new_block_ids_by_group[r.request_id])
                 for r in step.cached_reqs],
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=sum(step.num_scheduled.values()),

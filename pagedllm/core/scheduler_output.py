@@ -18,6 +18,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: Optional[Any] = None   # pagedllm.lora.LoRARequest, or None: the base model
+    # Several KV cache groups (core/kv_cache_utils.py): every group's table (block_ids is
+    # group 0's); () with one group.
+    block_ids_by_group: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -27,6 +30,7 @@ class CachedRequestData:
     new_block_ids: list[int]
     num_computed_tokens: int
     new_token_ids: list[int] = field(default_factory=list)  # appended from outside (beam search)
+    new_block_ids_by_group: tuple[list[int], ...] = ()     # several KV cache groups: each one's
 
 
 @dataclass

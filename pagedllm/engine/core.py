@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_utils import kv_cache_config_of
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.distributed.kv_transfer.base import KVConnectorRole
@@ -22,7 +23,6 @@ from pagedllm.distributed.kv_transfer.factory import create_connector
 from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.engine.step_failures import StepFailures
 from pagedllm.executor.abstract import Executor
-from pagedllm.models.hf_config import kv_cache_sliding_window
 from pagedllm.profiler import PROFILER
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -59,7 +59,8 @@ class EngineCore:
         executor.init_kv_cache(self.num_blocks, self.num_cpu_blocks)
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
                             num_cpu_blocks=self.num_cpu_blocks,
-                            sliding_window=kv_cache_sliding_window(config.model_config.hf_config))
+                            kv_cache_config=kv_cache_config_of(config.model_config.hf_config,
+                                                               config.parallel_config.pipeline_parallel_size))
         self.scheduler = Scheduler(config.scheduler_config, kv, connector=create_connector(
             config.kv_transfer_config, KVConnectorRole.SCHEDULER, cc.block_size))
         self.structured_output_manager = StructuredOutputManager(
@@ -93,8 +94,12 @@ class EngineCore:
                              f"{self.model_executor.kv_bytes_per_block()} bytes")
         if on_gpu:     # all of it: blocks beyond the running requests' keep the prefix cache
             return int(by_memory)
-        # On the CPU: enough for every sequence at full length, capped by the memory budget.
-        useful = sc.max_num_seqs * -(sc.max_model_len // -cc.block_size) + 1
+        # On the CPU: enough for every sequence at full length (a sliding group's: its window),
+        # capped by the memory budget.
+        groups = kv_cache_config_of(self.config.model_config.hf_config,
+                                    self.config.parallel_config.pipeline_parallel_size)
+        useful = sc.max_num_seqs * groups.max_num_blocks(sc.max_model_len, cc.block_size,
+                                                         sc.max_num_batched_tokens) + 1
         return int(min(useful, by_memory))
 
     def shutdown(self) -> None:

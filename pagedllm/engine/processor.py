@@ -6,6 +6,7 @@ from typing import Optional, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import check_fits_kv_cache
+from pagedllm.core.kv_cache_utils import kv_cache_config_of
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -25,6 +26,9 @@ class Processor:
     def __init__(self, config: EngineConfig, tokenizer, eos_token_id: Optional[int],
                  extra_eos_ids: set[int], num_blocks: int) -> None:
         self.config = config
+        # The KV cache groups, for the admission check (a sliding group holds its window only).
+        self.kv_cache_config = kv_cache_config_of(config.model_config.hf_config,
+                                                  config.parallel_config.pipeline_parallel_size)
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.extra_eos_ids = extra_eos_ids
@@ -132,5 +136,6 @@ class Processor:
         room = max_len - len(ids)
         request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         check_fits_kv_cache(len(ids), request.max_tokens, beam_width, self.config.cache_config.block_size,
-                            self.num_blocks, max_len)
+                            self.num_blocks, max_len, self.kv_cache_config,
+                            self.config.scheduler_config.max_num_batched_tokens)
         return text, request

@@ -7,7 +7,7 @@ into the model's inputs with vectorised index arithmetic, no Python loop over to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -27,6 +27,8 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator]
     lora_request: Optional[Any] = None   # pagedllm.lora.LoRARequest, or None: the base model
+    # Several KV cache groups: the block tables of groups 1.. (block_ids is group 0's).
+    extra_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,10 +52,14 @@ class ModelInputs:
     max_seq_len: int
     sample_rows: np.ndarray            # rows whose last scheduled token is their last token
     logits_indices: torch.Tensor       # [len(sample_rows)] token index of each sampled row
+    # Several KV cache groups: groups 1..'s block tables [num_reqs, max_blocks] and slot mappings [num_tokens].
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_cache_groups: int = 1) -> None:
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -65,6 +71,10 @@ class InputBatch:
         self.block_table = torch.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=torch.int32)
         self.block_table_np = self.block_table.numpy()
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+        # Groups 1..'s block tables (core/kv_cache_utils.py), the same shape; none with one group.
+        self.group_block_tables = [torch.zeros_like(self.block_table) for _ in range(num_kv_cache_groups - 1)]
+        self.group_block_tables_np = [t.numpy() for t in self.group_block_tables]
+        self.group_num_blocks = [np.zeros(max_num_reqs, dtype=np.int32) for _ in range(num_kv_cache_groups - 1)]
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
@@ -85,6 +95,9 @@ class InputBatch:
         self.num_computed_tokens_cpu[row] = state.num_computed_tokens
         self.num_blocks_per_row[row] = 0
         self.append_block_ids(row, state.block_ids)
+        for counts in self.group_num_blocks:
+            counts[row] = 0
+        self.append_extra_block_ids(row, state.extra_block_ids)
         self.req_ids[row] = state.req_id
         self.req_id_to_index[state.req_id] = row
         self.states[row] = state
@@ -95,6 +108,13 @@ class InputBatch:
         start = self.num_blocks_per_row[row]
         self.block_table_np[row, start:start + len(block_ids)] = block_ids
         self.num_blocks_per_row[row] = start + len(block_ids)
+
+    def append_extra_block_ids(self, row: int, extra_block_ids) -> None:
+        """Groups 1..'s new block ids of the row (several KV cache groups)."""
+        for table, counts, ids in zip(self.group_block_tables_np, self.group_num_blocks, extra_block_ids):
+            start = counts[row]
+            table[row, start:start + len(ids)] = ids
+            counts[row] = start + len(ids)
 
     def remove_requests(self, req_ids) -> None:
         """Remove rows, then condense: the last live rows move into the holes."""
@@ -118,6 +138,9 @@ class InputBatch:
         self.token_ids_np[dst, :n] = self.token_ids_np[src, :n]
         nb = self.num_blocks_per_row[src]
         self.block_table_np[dst, :nb] = self.block_table_np[src, :nb]
+        for table, counts in zip(self.group_block_tables_np, self.group_num_blocks):
+            table[dst, :counts[src]] = table[src, :counts[src]]
+            counts[dst] = counts[src]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
                     self.num_blocks_per_row):
             arr[dst] = arr[src]
@@ -149,6 +172,9 @@ class InputBatch:
         block_numbers = self.block_table_np.reshape(-1)[block_table_indices].astype(np.int64)
         block_offsets = positions % self.block_size
         slot_mapping = block_numbers * self.block_size + block_offsets
+        group_slot_mappings = [  # the same positions through each other group's table
+            torch.from_numpy(t.reshape(-1)[block_table_indices].astype(np.int64) * self.block_size + block_offsets)
+            for t in self.group_block_tables_np]
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         query_start_loc[1:] = cu
         seq_lens = computed + counts
@@ -173,4 +199,6 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
             sample_rows=sample_rows,
             logits_indices=torch.from_numpy(cu[sample_rows] - 1),
+            group_block_tables=[t[:num_reqs] for t in self.group_block_tables],
+            group_slot_mappings=group_slot_mappings,
         )

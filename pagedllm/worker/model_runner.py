@@ -12,6 +12,7 @@ from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
 from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import kv_cache_config_of
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.lora.worker_manager import make_lora_manager
@@ -20,6 +21,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_group_metadata
 from pagedllm.worker.memory import MemorySnapshot
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
@@ -60,11 +62,17 @@ class ModelRunner:
         # --kv-cache-dtype int8 / fp8: quantized K/V with per-token scales (attention/kv_quant.py).
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.cache_dtype, self.dtype)
         self.kv_cache_spec = list(get_kv_cache_spec(self.model, cc.block_size, self.kv_cache_dtype).values())
+        # KV cache groups (core/kv_cache_utils.py): with several, kv_cache_spec is one spec per
+        # shared tensor, and every attention layer knows its tensor and group.
+        self.kv_cache_config = kv_cache_config_of(mc.hf_config, config.parallel_config.pipeline_parallel_size)
+        if self.kv_cache_config.is_hybrid:
+            self.kv_cache_spec = assign_kv_cache_groups(self.model, self.kv_cache_config, self.kv_cache_spec)
+        self.num_kv_cache_groups = len(self.kv_cache_config.kv_cache_groups)
         self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
         # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
         self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
-        self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size)
+        self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size, self.num_kv_cache_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.faults = FaultInjector.from_env()   # tests only (PAGEDLLM_FAULT_INJECTION)
         self.sampler = Sampler()
@@ -99,7 +107,8 @@ class ModelRunner:
         self.cpu_caches = (self.alloc_kv_caches(num_cpu_blocks, "cpu", pin=self.device.type == "cuda")
                            if num_cpu_blocks else [])
         dc = self.config.device_config
-        if self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes:
+        if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
+                and self.num_kv_cache_groups == 1):   # a captured step has one block table
             from pagedllm.worker.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self, dc.cuda_graph_sizes, capture=True)
 
@@ -114,7 +123,7 @@ class ModelRunner:
         scheduler sends each live request again, whole, as new. Seeded requests keep their
         generators (they go on with the same random stream, as after a preemption)."""
         b = self.input_batch
-        self.input_batch = InputBatch(b.max_num_reqs, b.max_model_len, b.block_size)
+        self.input_batch = InputBatch(b.max_num_reqs, b.max_model_len, b.block_size, b.num_kv_cache_groups)
         self.requests.clear()
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -131,6 +140,8 @@ class ModelRunner:
             state = self.requests[data.req_id]
             state.num_computed_tokens = data.num_computed_tokens
             state.block_ids.extend(data.new_block_ids)
+            for ids, new in zip(state.extra_block_ids, data.new_block_ids_by_group[1:]):
+                ids.extend(new)
             row = batch.req_id_to_index.get(data.req_id)
             if row is None:
                 state.token_ids.extend(data.new_token_ids)
@@ -138,6 +149,7 @@ class ModelRunner:
             else:
                 batch.num_computed_tokens_cpu[row] = data.num_computed_tokens
                 batch.append_block_ids(row, data.new_block_ids)
+                batch.append_extra_block_ids(row, data.new_block_ids_by_group[1:])
                 for t in data.new_token_ids:
                     batch.append_token(row, t)
         for data in so.scheduled_new_reqs:
@@ -148,7 +160,8 @@ class ModelRunner:
                 self.generators[data.req_id] = gen
             state = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
                                        params, list(data.block_ids), data.num_computed_tokens, gen,
-                                       data.lora_request)
+                                       data.lora_request,
+                                       extra_block_ids=[list(ids) for ids in data.block_ids_by_group[1:]])
             self.requests[data.req_id] = state
             batch.add_request(state)
 
@@ -277,6 +290,8 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(inputs.query_start_loc, inputs.seq_lens,
                                                 inputs.block_table, inputs.slot_mapping, self.block_size,
                                                 inputs.max_query_len, inputs.max_seq_len)
+        if inputs.group_block_tables:   # several KV cache groups: a list, one per group
+            meta = build_group_metadata(self.attn_backend, inputs, meta, self.block_size)
         return inputs, meta
 
     def _forward(self, inputs, meta) -> torch.Tensor:

@@ -284,3 +284,29 @@ def test_float16(num_splits):
     assert out.dtype == torch.float16
     ref = b.loop_reference()                 # float64 math on the same float16 inputs
     torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=3e-3)
+
+
+# ------------------------------------------------------------------------------ sliding window
+def test_sliding_window_matches_torch_backend():
+    """A window of 10 keys over prefill chunks, chunks with past and long decodes, one pass and
+    split-K: the same as the torch backend's windowed metadata; the blocks wholly before each
+    request's first window (a sliding KV cache group frees them) point at a NaN block that
+    must never be read."""
+    bs, H, Hkv, D, W = 8, 4, 2, 32, 10
+    reqs = [(0, 2 * bs + 1), (5 * bs + 3, 1), (3 * bs + 2, bs + 5), (bs + 5, 1), (2 * bs, 2)]
+    b = Batch(reqs, bs, H, Hkv, D, seed=21)
+    spare = sorted(set(range(1, b.num_blocks)) - set(b.block_table.reshape(-1).tolist()))[0]
+    for r, (c, _) in enumerate(reqs):   # the blocks freed behind the window (tokens <= c - W)
+        b.block_table[r, :max((c - W + 1) // bs, 0)] = spare
+    assert (b.block_table == spare).sum() >= 4 and torch.isnan(b.k_cache[spare * bs]).all()
+    kc, vc = b.caches()
+    meta = build_attention_metadata(b.query_start_loc, b.seq_lens, b.block_table, bs, b.slot_mapping,
+                                    sliding_window=W)
+    ref = torch_backend.paged_attention(b.q, b.k, b.v, kc, vc, meta, b.scale)
+    for num_splits in (1, 3):
+        kc, vc = b.caches()
+        out = tb.paged_attention(b.q, b.k, b.v, kc, vc, b.triton_meta(num_splits=num_splits), b.scale,
+                                 sliding_window=W)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+    full = tb.paged_attention(b.q, b.k, b.v, *b.caches(), b.triton_meta(), b.scale)
+    assert torch.isnan(full).any()   # without the window the freed blocks are read

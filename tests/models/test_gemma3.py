@@ -45,9 +45,11 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_small_window):
     hf = AutoModelForCausalLM.from_pretrained(gemma3_small_window, dtype=torch.float32).eval()
     refs = hf_greedy(hf, prompts, MAX_TOKENS)
     del hf
-    # Blocks of 8, 24 tokens a step, a cache of 15 blocks: the longest request (97 + 16 tokens)
-    # alone fills it.
-    llm = LLM(str(gemma3_small_window), block_size=8, max_num_batched_tokens=24, num_gpu_blocks=16)
+    # Blocks of 8, 24 tokens a step. KV cache groups: 6 groups (1 global, 5 local) of 3 layers,
+    # a block is 3 layers' pages; 55 blocks hold the longest request's worst case (97 + 16
+    # tokens: 15 global blocks + 5 x 8 local ones), not the three requests together: preemption.
+    llm = LLM(str(gemma3_small_window), block_size=8, max_num_batched_tokens=24, num_gpu_blocks=56)
+    assert len(llm.llm_engine.core.scheduler.kv_cache_manager.managers) == 6
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert_greedy_equal(outs, refs, "gemma3-270m, window 32", max_ties=1)

@@ -2,7 +2,8 @@
 weights (small configs made with transformers' own classes), token for token, under chunked
 prefill with tiny blocks, a tight token budget and a cache small enough to preempt, with
 prompts longer than the window. A Mistral with a window frees its blocks behind the window
-while it runs; a Gemma 3 (global and local layers) keeps them."""
+while it runs; a Gemma 3 (global and local layers) frees them in its local layers' KV cache
+groups (core/kv_cache_utils.py)."""
 import numpy as np
 import pytest
 import torch
@@ -42,13 +43,11 @@ def mistral_dir(tmp_path_factory):
     return _save(_init(MistralForCausalLM(cfg)), tmp_path_factory.mktemp("mistral-sw"))
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
+def _gemma(out, window, layer_types):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                           num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
-                           sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
-                                                               "sliding_attention"],
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=VOCAB,
+                           max_position_embeddings=256, sliding_window=window, layer_types=layer_types,
                            query_pre_attn_scalar=24, final_logit_softcapping=30.0,
                            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                "rope_theta": 50000.0},
@@ -59,7 +58,13 @@ def gemma_dir(tmp_path_factory):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0, 0.3)
-    return _save(model, tmp_path_factory.mktemp("gemma3"))
+    return _save(model, out)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    return _gemma(tmp_path_factory.mktemp("gemma3"), WINDOW,
+                  ["sliding_attention", "full_attention", "sliding_attention"])
 
 
 def _prompts(seed=0):
@@ -123,11 +128,68 @@ def test_gemma3_equals_transformers(gemma_dir, gemma_reference, tp, monkeypatch)
     soft-capped logits; chunked prefill with tiny blocks and preemption; tensor parallel 2
     (2 query heads a rank, the one KV head replicated)."""
     monkeypatch.setenv("PAGEDLLM_WORKER_THREADS", "1")
-    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=40,
+    # KV cache groups: a block is one layer's page (one global, two local groups of one layer),
+    # so 120 blocks are the memory 40 blocks of all three layers were.
+    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=120,
               tensor_parallel_size=tp)
     try:
-        assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window is None   # global layers
+        kv = llm.llm_engine.core.scheduler.kv_cache_manager
+        assert kv.sliding_window is None and [m.sliding_window for m in kv.managers] == [None, WINDOW, WINDOW]
         _assert_equal(_generate(llm, _prompts(1)), gemma_reference, f"gemma3 tp={tp}")
         assert llm.llm_engine.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+# ---------------------------------------------------------------- KV cache groups
+GROUPS_WINDOW = 8
+LONG_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def gemma_groups_dir(tmp_path_factory):
+    """Gemma 3's pattern over 6 layers: groups of 2 layers (one global, two local) over 2 tensors."""
+    local, full = "sliding_attention", "full_attention"
+    return _gemma(tmp_path_factory.mktemp("gemma3-groups"), GROUPS_WINDOW, [local, local, full] * 2)
+
+
+def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir):
+    """Prompts up to 7 windows long and a long generation, blocks of 4, a 16-token budget, a
+    cache that preempts: greedy equals transformers, and every local group of a decoding
+    request holds at most the 3 blocks its window spans (its global group: all of them);
+    a second pass hits the prefix cache (the local groups only inside the window) and
+    gives the same tokens."""
+    from transformers import AutoModelForCausalLM
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 40, 61, 20)]
+    lengths = [MAX_TOKENS] * 4 + [LONG_TOKENS]
+    hf = AutoModelForCausalLM.from_pretrained(gemma_groups_dir, dtype=torch.float32).eval()
+    refs = [hf_greedy(hf, [p], n, min_new_tokens=n)[0] for p, n in zip(prompts, lengths)]
+    llm = LLM(str(gemma_groups_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60)
+    engine = llm.llm_engine
+    kv = engine.core.scheduler.kv_cache_manager
+    assert [m.sliding_window for m in kv.managers] == [None, GROUPS_WINDOW, GROUPS_WINDOW]
+    runner = engine.core.model_executor.driver_worker.model_runner
+    assert len(runner.kv_caches) == 2   # tensors shared by one layer of each group
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                            min_tokens=n))
+    outs, most_full = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        for r in engine.core.scheduler.running:
+            full, *local = kv.get_num_blocks_by_group(r.request_id)
+            if r.num_computed_tokens > r.num_prompt_tokens:   # decoding
+                assert max(local) <= 3, (r.request_id, r.num_computed_tokens, local)
+                assert full == -(r.num_computed_tokens // -4)
+                most_full = max(most_full, full)
+    assert most_full == -((20 + LONG_TOKENS - 1) // -4)   # the long request reached its end in full
+    assert engine.num_preemptions > 0
+    _assert_equal([outs[str(i)] for i in range(5)], refs, "gemma3 kv cache groups")
+    for _ in range(2):   # the first pass caches the prompt (the long generation evicted it)
+        again = llm.generate([{"prompt_token_ids": prompts[3]}], GREEDY, use_tqdm=False)
+    assert again[0].num_cached_tokens == 60   # the last prompt token is always computed
+    _assert_equal(again, refs[3:4], "gemma3 kv cache groups, prefix cache")
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks - 1

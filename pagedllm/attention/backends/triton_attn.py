@@ -15,6 +15,7 @@ from pagedllm.attention.triton_backend import (TritonAttentionMetadata, _num_sms
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_sliding_window = True   # the window is the kernel's SLIDING_WINDOW
 
     def build_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
@@ -28,7 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, kv_cache, meta: TritonAttentionMetadata) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, layer.scale,
-                               kv_scales=tuple(kv_cache[2:]) or None)
+                               kv_scales=tuple(kv_cache[2:]) or None, sliding_window=layer.sliding_window)
 
     def build_graph_metadata(self, slot_mapping, query_start_loc, seq_lens, block_table,
                              num_kv_heads: int, block_size: int,

@@ -1,0 +1,47 @@
+"""The runner's side of KV cache groups (core/kv_cache_utils.py): which cache tensor and which
+group's block table each attention layer uses, and one attention metadata per group.
+
+With one group nothing here runs: every layer has its own tensors and the step has one
+metadata, as before groups. With several (Gemma 3), layer i reads and writes cache tensor
+`tensor_of_layer[i]` (shared with the same slot of every other group: a block id is one
+group's at a time) through its group's block table, so the forward context carries a list
+of metadata, one per group, and `Attention.forward` picks its own.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.attention.kv_cache_spec import KVCacheSpec
+from pagedllm.attention.layer import attention_layers
+from pagedllm.core.kv_cache_utils import KVCacheConfig
+
+
+def assign_kv_cache_groups(model: nn.Module, config: KVCacheConfig, specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
+    """Tell each attention layer its group and tensor -> the spec of each shared tensor (what
+    the runner allocates and sizes blocks by). specs: each layer's, in layer order."""
+    layers = list(attention_layers(model).values())
+    windows = [getattr(layer, "sliding_window", None) for layer in layers]
+    expected = [None] * len(config.tensor_of_layer)
+    for group in config.kv_cache_groups:
+        for i in group.layer_ids:
+            expected[i] = group.sliding_window
+    if windows != expected:
+        raise RuntimeError(f"the model's attention layers (windows {windows}) do not match the KV cache "
+                           f"groups read from its config ({expected})")
+    pages = {spec.page_size_bytes for spec in specs}
+    if len(pages) != 1:
+        raise RuntimeError(f"KV cache groups need one page size for every layer, got {sorted(pages)}")
+    tensor_specs: list = [None] * config.num_tensors
+    for i, (layer, group) in enumerate(zip(layers, config.group_of_layer())):
+        layer.kv_cache_group_id = group
+        layer.kv_cache_tensor_id = config.tensor_of_layer[i]
+        tensor_specs[layer.kv_cache_tensor_id] = tensor_specs[layer.kv_cache_tensor_id] or specs[i]
+    return tensor_specs
+
+
+def build_group_metadata(backend, inputs, meta, block_size: int) -> list:
+    """The step's metadata of every group: group 0's (`meta`, already built), then each other
+    group's from its own block table and slot mapping."""
+    return [meta] + [backend.build_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, block_size,
+                                            inputs.max_query_len, inputs.max_seq_len)
+                     for table, slots in zip(inputs.group_block_tables, inputs.group_slot_mappings)]
