@@ -61,7 +61,8 @@ class ModelConfig:
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
         is always served as "gguf"."""
-        from pagedllm.models.layers.quantization import is_gguf_dir, validate_quantization
+        from pagedllm.models.layers.quantization import validate_quantization
+        from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
         if is_gguf_dir(self.model):
             if method not in (None, "gguf"):
                 raise ValueError(f"quantization {method!r}: a GGUF model is served as it is (quantization gguf)")

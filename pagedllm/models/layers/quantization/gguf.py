@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.models.layers.quantization import GGUF_MARKER as MARKER
-from pagedllm.models.layers.quantization import is_gguf_dir
+from pagedllm.models.layers.quantization.gguf_dir import GGUF_MARKER as MARKER
+from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod, set_quantized
 from pagedllm.models.layers.quantization.int8 import LM_HEAD_GROUP, Int8LinearMethod
 from pagedllm.models.layers.quantization.layouts import pack_int4
@@ -89,7 +89,7 @@ def _write_model_dir(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
-    from pagedllm.models.download import gguf_chat_template
+    from pagedllm.models.gguf_metadata import gguf_chat_template
     reader = GGUFReader(str(gguf_path))
     arch = reader.fields.get("general.architecture")
     arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else None
