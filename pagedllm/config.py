@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedllm.json_config import fields_from_json
 from pagedllm.models.hf_config import head_dim_of
 from pagedllm.models.registry import resolve_architecture
 
@@ -293,19 +294,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d) -> "SpeculativeConfig":
         """From the JSON object (a str is parsed); ValueError naming the bad field."""
-        if isinstance(d, str):
-            try:
-                d = json.loads(d)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if isinstance(d, SpeculativeConfig):
-            d = dict(d.__dict__)
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        d = fields_from_json(d, cls, "speculative_config")
         config = cls(**d)
         config.validate()
         return config

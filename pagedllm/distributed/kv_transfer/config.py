@@ -2,10 +2,11 @@
 kv_connector_extra_config), validated here so that a bad value is a ValueError naming the field."""
 from __future__ import annotations
 
-import json
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from pagedllm.json_config import fields_from_json
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("ZmqConnector",)
@@ -25,16 +26,7 @@ class KVTransferConfig:
     def from_cli(cls, value: "str | dict | KVTransferConfig | None") -> Optional["KVTransferConfig"]:
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        unknown = set(value) - {f for f in cls.__dataclass_fields__}
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown field(s) {sorted(unknown)}")
+        value = fields_from_json(value, cls, "kv_transfer_config")
         cfg = cls(**value)
         cfg.validate()
         return cfg
