@@ -198,15 +198,18 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
 
 
 def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_pad: int, exact_fp32: bool,
-                 block_m: Optional[int], block_q: Optional[int], block_n: Optional[int]):
+                 block_m: Optional[int], block_q: Optional[int], block_n: Optional[int],
+                 sliding: bool = False):
     """(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps). exact_fp32: float32 dots in "ieee" precision
     run as FMAs on CUDA cores with every operand in registers, so they take narrower KV tiles
     and more warps; without that, sm_80 / sm_90 builds spill (python -m
-    pagedllm.attention.triton_aot shows registers and spills per variant)."""
+    pagedllm.attention.triton_aot shows registers and spills per variant). A sliding window's
+    second mask spills float32 tiles too: 32 rows for prefill, 8 warps."""
     rows_min = max(16, _next_pow2(num_queries_per_kv))
     if block_m is None:
         # decode: one query token per program, its query heads as rows; prefill: bigger tiles
-        block_m = rows_min if max_query_len * num_queries_per_kv <= rows_min else max(64, rows_min)
+        big = 32 if exact_fp32 and sliding else 64
+        block_m = rows_min if max_query_len * num_queries_per_kv <= rows_min else max(big, rows_min)
     if block_q is None:
         block_q = 1 if max_query_len <= 1 else block_m // num_queries_per_kv
     assert block_m >= 16 and block_m & (block_m - 1) == 0, "BLOCK_M: a power of two >= 16"
@@ -215,7 +218,7 @@ def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_pad: int, exa
         block_n = 16 if exact_fp32 or head_pad > 128 else 32
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "BLOCK_N: a power of two >= 16"
     if exact_fp32:
-        num_warps = 8 if block_m >= 64 else 4
+        num_warps = 8 if block_m >= 64 or sliding else 4
     else:
         num_warps = 4 if block_m * head_pad >= 64 * 64 else 2
     return block_m, block_q, block_n, num_warps
@@ -254,7 +257,7 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     precision = fp32_precision if q.dtype == torch.float32 else None   # None: the target's default
     head_pad = _next_pow2(max(16, head_dim))
     block_m, block_q, block_n, num_warps = _tile_shapes(nq, max_query_len, head_pad, precision == "ieee",
-                                                        block_m, block_q, block_n)
+                                                        block_m, block_q, block_n, bool(sliding_window))
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len,
                                        _num_sms(q.device))
