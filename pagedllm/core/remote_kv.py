@@ -72,6 +72,7 @@ class RemoteKV:
 
     def on_finished(self, request: Request) -> tuple[bool, Optional[dict]]:
         """(the blocks are held: do not free them, the kv_transfer_params for the output)."""
+        self.loaded.discard(request.request_id)   # aborted after its load, before admission
         if request.request_id in self.loading:
             self.aborted_loading[request.request_id] = request
             return True, None
