@@ -254,6 +254,14 @@ class EngineConfig:
         if self.kv_transfer_config is not None and (p.world_size > 1 or p.data_parallel_size > 1 or m.runner != "generate"):
             raise ValueError("kv_transfer_config needs one unsplit generating replica: tensor_parallel_size, "
                              "pipeline_parallel_size and data_parallel_size 1, runner 'generate'")
+        if self.kv_transfer_config is not None or (self.speculative_config is not None
+                                                    and self.speculative_config.method == "draft_model"):
+            from pagedllm.core.kv_cache_utils import kv_cache_config_of
+            if kv_cache_config_of(m.hf_config, p.pipeline_parallel_size).is_hybrid:
+                # Both move or reuse one block table's K/V; a hybrid model (Gemma 3) has one per group.
+                what = "kv_transfer_config" if self.kv_transfer_config is not None else "speculative_config 'draft_model'"
+                raise ValueError(f"{what} is not supported for a model with several KV cache groups "
+                                 "(sliding and full attention layers, e.g. Gemma 3) yet")
         d = self.device_config
         if d.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")

@@ -193,3 +193,15 @@ def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir):
     assert again[0].num_cached_tokens == 60   # the last prompt token is always computed
     _assert_equal(again, refs[3:4], "gemma3 kv cache groups, prefix cache")
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks - 1
+
+
+def test_several_groups_refuse_what_reads_one_block_table(gemma_groups_dir):
+    """P/D transfer and a self-draft move / reuse one block table's K/V: refused for a hybrid
+    model rather than run on group 0's table only."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    with pytest.raises(ValueError, match="several KV cache groups"):
+        EngineArgs(model=str(gemma_groups_dir), speculative_config={"method": "draft_model", "model": "self:1",
+                                                               "num_speculative_tokens": 2}).create_engine_config()
+    with pytest.raises(ValueError, match="several KV cache groups"):
+        EngineArgs(model=str(gemma_groups_dir), kv_transfer_config={"kv_connector": "ZmqConnector",
+                                                               "kv_role": "kv_producer"}).create_engine_config()
