@@ -110,7 +110,9 @@ def test_decode_loop_skips_steps_with_drafts():
     import torch
     from pagedllm.attention.metadata import build_attention_metadata
     from pagedllm.models.cpu_decode_loop import DecodeLoop
-    loop = DecodeLoop.__new__(DecodeLoop)   # applies() reads only the metadata and max_rows
+    from types import SimpleNamespace
+    loop = DecodeLoop.__new__(DecodeLoop)   # applies() reads the metadata, max_rows, LoRA and the cache's arity
+    loop.lora_mapping, loop.attns = None, [SimpleNamespace(kv_cache=(torch.empty(0), torch.empty(0)))]
     table = np.array([[1, 2, 3]], dtype=np.int32)
     spec = build_attention_metadata(np.array([0, 5], dtype=np.int32), np.array([10], dtype=np.int32), table, 4,
                                     torch.arange(5, 10), decode_by_pages=True)

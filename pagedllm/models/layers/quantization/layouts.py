@@ -62,7 +62,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers (its weights as held)."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        try:
+            key = t.data_ptr()
+        except RuntimeError:   # an opaque oneDNN-packed weight (cpu_packed_linear): no pointer, same bytes
+            key = id(t)
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total
