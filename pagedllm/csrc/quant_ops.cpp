@@ -177,7 +177,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   constexpr int64_t TILE = 32;  // output rows dequantised at a time: 32 x K floats stay in L2
   auto out_t = torch::empty({N, T}, x.options());  // [N, T], transposed at the end
   const auto xt = x.t();
+  // InferenceMode is thread-local: the pool's threads must see the caller's, or writing into
+  // out_t (an inference tensor when the runner made x under inference_mode) is refused.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);
     auto tile = torch::empty({TILE, K}, x.options());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);

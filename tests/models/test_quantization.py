@@ -45,6 +45,23 @@ def test_quant_linear_matches_float_reference(kind, n, k, g):
     torch.testing.assert_close(ops.quant_dequantize(q, s, m), w.float(), rtol=2**-23, atol=2.5e-7)
 
 
+def test_tile_path_under_inference_mode_in_threads():
+    """The runner calls the kernel under inference_mode; the dequantised-tile path writes from the
+    thread pool, whose threads must see that mode (they refused the write: a crash at prefill)."""
+    ops = require_built(cpu_ops())
+    gen = torch.Generator().manual_seed(3)
+    q, s, m = _quantized("int4", 96, 64, 32, gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(37, 64, generator=gen)
+            out = ops.quant_linear(x, q, s, m, torch.randn(96, generator=gen))
+    finally:
+        torch.set_num_threads(threads)
+    assert out.shape == (37, 96) and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_integer_sums_exact(kind):
     """Integer inputs, unit scales, zero mins: every sum is an exact float32 integer."""
