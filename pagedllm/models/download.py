@@ -319,11 +319,15 @@ def _transformers_progress(enabled: bool):
 READY_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
 
 
-def resolve_model(model: str | None, quantization: str | None = None) -> Path:
+def resolve_model(model: str | os.PathLike | None, quantization: str | None = None) -> Path:
     """`--model` value → HF-format model directory (None = the default model). A .gguf file, or
     the default model with quantization "gguf" (its shipped Q4_1 file), → the GGUF model
     directory that serves the file as it is (models/layers/quantization/gguf.py)."""
     from pagedllm.models.layers.quantization.gguf import gguf_model_dir
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a name or a path, not {type(model).__name__}")
     if quantization == "gguf" and (model is None or model in DEFAULT_MODEL_ALIASES):
         return gguf_model_dir(find_gguf(), pagedllm_home())
     if model is not None and model.endswith(".gguf"):

@@ -54,6 +54,10 @@ def test_bad_prompts_rejected_before_running(llm):
 def test_bad_engine_args(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(tmp_path / "nope")   # a PathLike is a path like a str
+    with pytest.raises(ValueError, match="model must be a name or a path, not int"):
+        LLM(123)
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
