@@ -47,6 +47,9 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self._last_output_text_offset = 0
         self._stopped = False  # a stop string ended the text: nothing may be appended
+        # New tokens that came after the one completing the stop string (several tokens in one
+        # step: a verified speculative run); the output ends at that token, as without drafts.
+        self.tokens_after_stop = 0
         if not self.detokenize:
             return
         # all_special_ids is a property recomputed on each access: look it up once.
@@ -102,16 +105,18 @@ class IncrementalDetokenizer:
         id that already ended the request; as in vLLM its text is left out of the output
         unless include_stop_str_in_output (a skipped special token is left out anyway).
         """
-        num_before = self.num_output_tokens
-        self.num_output_tokens += len(new_token_ids)
+        num_before, num_new = self.num_output_tokens, len(new_token_ids)
+        self.num_output_tokens += num_new
         if not self.detokenize or not new_token_ids or self._stopped:
             return None
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
 
         stop_check_offset = len(self.output_text)
+        text_ends = []   # len(output_text) after each new token
         for i, tid in enumerate(new_token_ids):
             self.output_text += self._decode_next(tid)
+            text_ends.append(len(self.output_text))
             # Stop strings count only in the text of output tokens after the first
             # min_tokens (vLLM semantics).
             if num_before + i + 1 <= self.min_tokens:
@@ -119,9 +124,15 @@ class IncrementalDetokenizer:
 
         if not self.stop or self.num_output_tokens <= self.min_tokens:
             return None
-        return self._check_stop(len(self.output_text) - stop_check_offset)
+        match = self._check_stop(len(self.output_text) - stop_check_offset)
+        if match is None:
+            return None
+        completing = next((i for i, end in enumerate(text_ends) if end >= match[1]), len(text_ends) - 1)
+        self.tokens_after_stop = num_new - 1 - completing
+        return match[0]
 
-    def _check_stop(self, new_char_count: int) -> Optional[str]:
+    def _check_stop(self, new_char_count: int) -> Optional[tuple[str, int]]:
+        """(the stop string matched, where its match ends in the text before the cut), else None."""
         if new_char_count <= 0:
             return None
         # Only the new text, plus len(stop)-1 chars before it for a stop string that spans
@@ -137,7 +148,7 @@ class IncrementalDetokenizer:
         idx, s = best
         self.output_text = self.output_text[: idx + len(s) if self.include_stop_str_in_output else idx]
         self._stopped = True
-        return s
+        return s, idx + len(s)
 
     # ------------------------------------------------------------------ output
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

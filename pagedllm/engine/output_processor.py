@@ -193,13 +193,14 @@ class OutputProcessor:
                 request_outputs.append(PoolingRequestOutput(st.request_id, PoolingOutput(out.pooled),
                                                             st.prompt_token_ids, True, st.num_cached_tokens))
                 continue
-            st.output_token_ids.extend(out.new_token_ids)
-            if st.logprobs is not None and out.new_logprobs:
-                st.add_logprobs(out.new_logprobs)
-            if out.prompt_logprobs is not None:
-                st.set_prompt_logprobs(out.prompt_logprobs)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             stop_str = st.detokenizer.update(out.new_token_ids, finish_reason == "stop")
+            keep = len(out.new_token_ids) - st.detokenizer.tokens_after_stop   # a stop string's token ends it
+            st.output_token_ids.extend(out.new_token_ids[:keep])
+            if st.logprobs is not None and out.new_logprobs:
+                st.add_logprobs(out.new_logprobs[:keep])
+            if out.prompt_logprobs is not None:
+                st.set_prompt_logprobs(out.prompt_logprobs)
             if stop_str is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop_str
                 to_abort.append(out.req_id)

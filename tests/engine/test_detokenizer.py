@@ -132,6 +132,21 @@ def test_earliest_stop_string_wins(tok):
     assert stop == "beta" and d.output_text == "alpha "
 
 
+def test_stop_inside_several_tokens_ends_at_the_completing_token(tok):
+    """Several tokens in one update (a verified speculative run): the tokens after the one that
+    completes the stop string are counted, for the output processor to drop, as one at a time."""
+    ids = enc(tok, "alpha beta gamma delta epsilon")
+    upto = len(enc(tok, "alpha beta gamma"))   # "gamma" completes with this many tokens
+    for kw in ({}, {"include_stop_str_in_output": True}):
+        d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gam"], **kw))
+        assert d.update(ids, False) == "gam" and d.tokens_after_stop == len(ids) - upto
+        one = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gam"], **kw))
+        used = next(i + 1 for i in range(len(ids)) if one.update(ids[i:i + 1], False))
+        assert used == upto and one.output_text == d.output_text and one.tokens_after_stop == 0
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gam"]))   # the last token a stop id too
+    assert d.update(ids, True) == "gam" and d.tokens_after_stop == len(ids) - upto
+
+
 def test_stop_string_respects_min_tokens(tok):
     ids = enc(tok, "stop here, then stop again")
     n_first = len(enc(tok, "stop here,"))
@@ -191,3 +206,22 @@ def test_ids_past_the_vocabulary_add_no_text(tok):
     deltas, d, stop = stream(tok, ids[:3] + [past] + ids[3:], prompt_ids=[past, *enc(tok, PROMPT)], chunk=1)
     assert stop is None
     assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_output_processor_drops_tokens_after_a_stop_string(tok):
+    """Several tokens in one core output, a stop string completed in their middle: the request's
+    token ids and logprobs end at the completing token (the text at the stop string), as when
+    the tokens come one a step."""
+    from pagedllm.core.scheduler_output import EngineCoreOutput
+    from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+    from pagedllm.request import Request
+    ids = enc(tok, "alpha beta gamma delta epsilon")
+    upto = len(enc(tok, "alpha beta gamma"))
+    proc = OutputProcessor(tok)
+    proc.add_request(Request("r", [1, 2], SamplingParams(stop=["gam"], logprobs=0)), None, OutputKind.FINAL_ONLY)
+    entries = [([t], [-0.5], 1) for t in ids]
+    outs, to_abort = proc.process_outputs([EngineCoreOutput("r", ids, new_logprobs=entries)])
+    done = outs[0].outputs[0]
+    assert to_abort == ["r"] and done.finish_reason == "stop" and done.text == "alpha beta "
+    assert done.token_ids == ids[:upto] and [list(lp) for lp in done.logprobs] == [[t] for t in ids[:upto]]
+    assert done.cumulative_logprob == -0.5 * upto

@@ -86,7 +86,8 @@ def test_stop_max_tokens_n_logprobs_as_without_speculation(tiny_pair):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     params = SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True)
     w, g = (llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0] for llm in (plain, spec))
-    assert (g.text, g.finish_reason) == (w.text, w.finish_reason) and w.finish_reason == "stop"
+    assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
+    assert w.finish_reason == "stop"
     assert spec.llm_engine.core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
     assert_no_block_in_use(spec)
 
