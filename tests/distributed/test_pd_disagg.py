@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from server_utils import REPO, TINY, free_port, tiny_server, wait_metrics
+from server_utils import REPO, TINY, free_port, session_pids, tiny_server, wait_metrics
 
 MAX_LEN, MAX_TOKENS, NUM_PROMPTS = 256, 24, 6
 USED = "pagedllm:kv_cache_used_blocks"
@@ -171,3 +171,69 @@ def test_producer_killed_mid_transfer(servers):
     r = httpx.post(decode.url + "/v1/completions", timeout=60,
                    json={"model": TINY, "prompt": [5, 6, 7], "max_tokens": 3})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.timeout(240)
+def test_proxy_launches_instances_as_ray_actors():
+    """`pagedllm proxy --launch-ray` on a Ray cluster (a local one this test starts, joined through
+    RAY_ADDRESS as a multi-host cluster would be): the prefill and decode instances run as Ray
+    actors with the TCP transport (no shared memory); greedy output through the proxy equals one
+    colocated engine's, streamed and not; stopping the proxy leaves no actor and no process."""
+    ray = pytest.importorskip("ray")
+    from pagedllm.entrypoints.disagg_proxy.ray_launcher import RAY_NAMESPACE
+    prompts = _prompts()[:4]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=128 << 20, log_to_driver=False)
+    proxy = None
+    try:
+        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+        port = free_port()
+        launch = {"prefill": 1, "decode": 1, "start_timeout_s": 120,
+                  "kv_connector_extra_config": {"use_shm": False, "timeout_s": 10}}
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy", "--port", str(port),
+             "--launch-ray", json.dumps(launch),
+             "--serve-args", f"--model {TINY} --max-model-len {MAX_LEN} --kv-cache-memory 0.01"],
+            cwd=REPO, env=env, start_new_session=True)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 150
+        while True:
+            assert proxy.poll() is None, "the proxy exited during start-up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the proxy was not ready in 150 s"
+            time.sleep(0.3)
+        names = [f"pagedllm-proxy-{port}-{role}-0" for role in ("prefill", "decode")]
+        infos = [ray.get(ray.get_actor(n, namespace=RAY_NAMESPACE).wait_ready.remote(), timeout=30) for n in names]
+        assert all(i["actor_pid"] != i["pid"] for i in infos)   # a server process inside each actor
+
+        async def run():
+            return await asyncio.gather(*[_one(url, p, stream=i % 2 == 1) for i, p in enumerate(prompts)])
+        got = asyncio.run(run())
+        assert got == _reference(prompts)
+        assert 'pagedllm_proxy:requests_total{outcome="ok"} 4.0' in httpx.get(url + "/metrics").text
+        pids = [p for i in infos for p in (i["actor_pid"], *session_pids(i["pid"]))]
+
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(60) == 0
+        for n in names:
+            with pytest.raises(ValueError):
+                ray.get_actor(n, namespace=RAY_NAMESPACE)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], pids
+    finally:
+        if proxy is not None and proxy.poll() is None:
+            os.killpg(proxy.pid, signal.SIGKILL)
+            proxy.wait(10)
+        ray.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
