@@ -237,3 +237,17 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--launch-ray", '{"prefill": 0}'], "prefill"),
+    (["--launch-ray", '{"decode": 1, "gpus": 2}'], "gpus"),
+    (["--launch-ray", '{"num_cpus": -1}'], "num_cpus"),
+    (["--launch-ray", "{}", "--serve-args", "--port 9000"], "--port"),
+    (["--launch-ray", "{}", "--prefill", "http://127.0.0.1:1"], "--prefill"),
+    (["--prefill", "http://127.0.0.1:1"], "--decode"),
+])
+def test_proxy_bad_launch_args(args, field, capsys):
+    from pagedllm.entrypoints.cli import main
+    assert main(["proxy", *args]) == 2        # a clear error naming the field, before Ray starts
+    assert field in capsys.readouterr().err
