@@ -178,7 +178,8 @@ def test_proxy_launches_instances_as_ray_actors():
     """`pagedllm proxy --launch-ray` on a Ray cluster (a local one this test starts, joined through
     RAY_ADDRESS as a multi-host cluster would be): the prefill and decode instances run as Ray
     actors with the TCP transport (no shared memory); greedy output through the proxy equals one
-    colocated engine's, streamed and not; stopping the proxy leaves no actor and no process."""
+    colocated engine's, streamed and not; a decode instance killed mid-stream ends that stream
+    with an error event; stopping the proxy leaves no actor and no process."""
     ray = pytest.importorskip("ray")
     from pagedllm.entrypoints.disagg_proxy.ray_launcher import RAY_NAMESPACE
     prompts = _prompts()[:4]
@@ -214,6 +215,24 @@ def test_proxy_launches_instances_as_ray_actors():
         assert got == _reference(prompts)
         assert 'pagedllm_proxy:requests_total{outcome="ok"} 4.0' in httpx.get(url + "/metrics").text
         pids = [p for i in infos for p in (i["actor_pid"], *session_pids(i["pid"]))]
+
+        # The decode instance dies mid-stream: the client's stream ends with an error event.
+        dec = infos[1]["pid"]
+        for p in session_pids(dec):
+            if p != dec:
+                os.kill(p, signal.SIGSTOP)   # its engine core: the answer starts, no token comes
+
+        async def cut():
+            body = {"model": TINY, "prompt": prompts[0], "max_tokens": 8, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as c:
+                async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    await asyncio.sleep(1.0)
+                    os.killpg(dec, signal.SIGKILL)
+                    return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        lines = asyncio.run(cut())
+        assert lines[-1] == "data: [DONE]" and "decode instance" in json.loads(lines[-2][6:])["error"]["message"], lines
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
 
         proxy.send_signal(signal.SIGTERM)
         assert proxy.wait(60) == 0

@@ -19,9 +19,12 @@ from pagedllm.entrypoints.disagg_proxy.predictor import (
 logger = logging.getLogger(__name__)
 
 
+def _error_body(message: str, type_: str, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
 def _error(status: int, message: str, type_: str, code: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,
-                                                               "param": None, "code": code}})
+    return JSONResponse(status_code=status, content=_error_body(message, type_, code))
 
 
 class _Metrics:
@@ -157,8 +160,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                     last, n = t, n + 1
                     yield chunk
                 metrics.requests.labels("ok").inc()
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
+                # The decode instance died mid-stream: say so in the stream (as the server does
+                # for an error after the stream began) rather than just cutting it.
                 metrics.requests.labels("decode_error").inc()
+                yield ("data: " + json.dumps(_error_body(
+                    f"the decode instance {decode.url} failed mid-stream: {type(e).__name__}: {e}",
+                    "upstream_error")) + "\n\ndata: [DONE]\n\n").encode()
             finally:
                 decode.streams -= 1
                 await r.aclose()
