@@ -3,9 +3,14 @@ cluster), else an already initialised Ray, else a private local one on 127.0.0.1
 from __future__ import annotations
 
 import os
+import sys
 
 
 def import_ray():
+    if "ray" not in sys.modules and not os.environ.get("RAY_ADDRESS"):
+        # A private local cluster stays on the loopback interface: without this (read when ray is
+        # imported) Ray binds every service, 127.0.0.1 or not, to the default route's address.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
     except ImportError as e:  # pragma: no cover - depends on the install

@@ -208,6 +208,7 @@ def test_proxy_launches_instances_as_ray_actors():
         names = [f"pagedllm-proxy-{port}-{role}-0" for role in ("prefill", "decode")]
         infos = [ray.get(ray.get_actor(n, namespace=RAY_NAMESPACE).wait_ready.remote(), timeout=30) for n in names]
         assert all(i["actor_pid"] != i["pid"] for i in infos)   # a server process inside each actor
+        assert all(i["url"].startswith("http://127.0.0.1:") for i in infos), infos   # the cluster's loopback
 
         async def run():
             return await asyncio.gather(*[_one(url, p, stream=i % 2 == 1) for i, p in enumerate(prompts)])

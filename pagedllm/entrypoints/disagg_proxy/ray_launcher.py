@@ -61,12 +61,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _node_address(ray) -> str:
+    """This node's address as the cluster knows it: 127.0.0.1 on a loopback cluster, the host's
+    address on a multi-host one (get_node_ip_address takes the default route's, even then)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    known = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]
+    return known[0] if known else ray.util.get_node_ip_address()
+
+
 class InstanceActor:
     """One `pagedllm serve` on this actor's node (made a Ray actor class by `RayInstances`)."""
 
     def __init__(self, role: str, serve_args: list[str], extra: dict, start_timeout_s: float) -> None:
         import ray
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = _node_address(ray)
         with socket.socket() as s:
             s.bind((self.ip, 0))
             self.port = s.getsockname()[1]
