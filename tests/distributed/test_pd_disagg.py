@@ -64,12 +64,12 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def servers():
-    # The decode instance's cache holds 15 blocks (16 KiB each), 2 of these requests: 6 concurrent
-    # ones preempt. Both instances start at once (each start mostly waits on imports and the model).
+    # The decode instance's cache holds 9 blocks (16 KiB each), the longest of these requests (8)
+    # but no two of them: any two running at once preempt, however the arrivals are spread. Both instances start at once (each start mostly waits on imports and the model).
     with ThreadPoolExecutor(2) as pool:
         starts = [pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_producer", 4.0)),
                   pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0),
-                              "--kv-cache-memory", "0.00025")]
+                              "--kv-cache-memory", "0.00015")]
         started = [f.result() for f in starts if f.exception() is None]
     proxy = None
     try:
