@@ -13,6 +13,10 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests' Ray clusters listen on loopback only (Ray reads this at import; otherwise it binds to
+# the default route's address even when asked for 127.0.0.1); the servers the tests start inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 # CI (`.ci/run` sets CI=true) draws the same examples every run: a red build replays, and a
 # green one is not the luck of the draw. Locally each run keeps exploring new examples. (Recent

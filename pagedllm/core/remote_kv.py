@@ -70,6 +70,21 @@ class RemoteKV:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         return True
 
+    def release_loaded(self, waiting, head: Request) -> int:
+        """Nothing runs and `head` finds no blocks: the requests behind it whose load is done give
+        their blocks back and will compute their prompt here (a load is used once), or blocks held
+        by requests that cannot start would wait for each other for ever. Returns how many."""
+        released = 0
+        for request in waiting:
+            if request is not head and request.request_id in self.loaded:
+                self.loaded.discard(request.request_id)
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.PREEMPTED
+                request.num_preemptions += 1
+                released += 1
+        return released
+
     def on_finished(self, request: Request) -> tuple[bool, Optional[dict]]:
         """(the blocks are held: do not free them, the kv_transfer_params for the output)."""
         self.loaded.discard(request.request_id)   # aborted after its load, before admission

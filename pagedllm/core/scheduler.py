@@ -205,6 +205,8 @@ class Scheduler:
             if self.remote_kv is not None:
                 loading = self.remote_kv.check_waiting(head)
                 if loading is None:
+                    if self._release_remote_holders(head):
+                        continue
                     return   # no blocks for its load
                 if loading:
                     skipped.append(self.waiting.popleft())
@@ -223,6 +225,8 @@ class Scheduler:
                                      for r in unit) > kv.num_free_blocks():
                 return
             if self._admit(unit[0], step) is None:
+                if self._release_remote_holders(head):
+                    continue
                 return   # nothing changed
             if head.lora_int_id:
                 loras.add(head.lora_int_id)
@@ -230,6 +234,15 @@ class Scheduler:
                 if self._admit(request, step, with_unit=True) is None:
                     raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
             num_seqs += width
+
+    def _release_remote_holders(self, head: Request) -> bool:
+        """The head cannot start and nothing runs to free blocks: loaded requests waiting behind it
+        give theirs back (RemoteKV.release_loaded). True when some did: try the head again."""
+        if self.remote_kv is None or self.running:
+            return False
+        released = self.remote_kv.release_loaded(self.waiting, head)
+        self.num_preemptions += released
+        return released > 0
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         """The step as the runner reads it; the scheduled tokens count as computed from here."""

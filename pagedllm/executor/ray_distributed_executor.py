@@ -17,6 +17,7 @@ from typing import Optional
 from pagedllm import envs
 from pagedllm.executor.abstract import ExecutorError
 from pagedllm.executor.distributed_executor import DistributedExecutor
+from pagedllm.executor.ray_utils import import_ray, init_ray
 from pagedllm.executor.worker_main import STEP_CALLS
 
 logger = logging.getLogger(__name__)
@@ -24,10 +25,9 @@ logger = logging.getLogger(__name__)
 
 def _ray():
     try:
-        import ray
-    except ImportError as e:  # pragma: no cover - depends on the install
+        return import_ray()
+    except ValueError as e:  # pragma: no cover - depends on the install
         raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'pagedllm[ray]'") from e
-    return ray
 
 
 class RayDistributedExecutor(DistributedExecutor):
@@ -35,17 +35,7 @@ class RayDistributedExecutor(DistributedExecutor):
 
     def _driver_host(self) -> str:
         ray = _ray()
-        self._owns_ray = False
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            if address:
-                ray.init(address=address, log_to_driver=True)
-            else:
-                # A private local cluster on the loopback interface, for this engine only.
-                ray.init(num_cpus=max(self.world_size, os.cpu_count() or 1), include_dashboard=False,
-                         _node_ip_address="127.0.0.1", object_store_memory=128 << 20,
-                         log_to_driver=True)
-                self._owns_ray = True
+        self._owns_ray = init_ray(max(self.world_size, os.cpu_count() or 1))
         return ray.util.get_node_ip_address()
 
     def _start_workers(self) -> None:

@@ -79,3 +79,30 @@ def test_bad_kv_transfer_params():
     with pytest.raises(ValueError, match="remote_port"):
         SamplingParams(extra_args={"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "h",
                                                           "remote_request_id": "x", "remote_block_ids": [1]}})
+
+
+@pytest.mark.timeout(180)
+def test_consumer_cache_too_small_for_all_loads_recomputes(engines):
+    """A consumer cache of 10 blocks and 6 loaded requests of 3-7 blocks each: loads, preemption
+    and recompute here of requests whose load was used give one colocated engine's greedy output.
+    (The server test with its 9-block decode cache is the one where loaded requests behind a
+    blocked head once held every block for ever: Scheduler._release_remote_holders.)"""
+    ref, prod = engines
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 512, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 60, (6,), generator=g)]
+    greedy = dict(temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, **greedy), use_tqdm=False)]
+    pre = prod.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}, **greedy), use_tqdm=False)
+    cons = LLM("random:tiny", max_model_len=MAX_LEN, num_gpu_blocks=10, kv_transfer_config={
+        "kv_role": "kv_consumer", "kv_connector_extra_config": {"use_shm": False}})
+    outs = cons.generate([{"prompt_token_ids": p} for p in prompts],
+                         [SamplingParams(max_tokens=24, extra_args={"kv_transfer_params": o.kv_transfer_params},
+                                         **greedy) for o in pre], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    sched = cons.llm_engine.core.scheduler
+    assert sched.num_preemptions > 0 and sched.remote_kv.bytes_recved > 0
+    cons.llm_engine.core.shutdown()

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from server_utils import REPO, TINY, free_port, tiny_server, wait_metrics
+from server_utils import REPO, TINY, free_port, session_pids, tiny_server, wait_metrics
 
 MAX_LEN, MAX_TOKENS, NUM_PROMPTS = 256, 24, 6
 USED = "pagedllm:kv_cache_used_blocks"
@@ -64,12 +64,12 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def servers():
-    # The decode instance's cache holds 15 blocks (16 KiB each), 2 of these requests: 6 concurrent
-    # ones preempt. Both instances start at once (each start mostly waits on imports and the model).
+    # The decode instance's cache holds 9 blocks (16 KiB each), the longest of these requests (8)
+    # but no two of them: any two running at once preempt, however the arrivals are spread. Both instances start at once (each start mostly waits on imports and the model).
     with ThreadPoolExecutor(2) as pool:
         starts = [pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_producer", 4.0)),
                   pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0),
-                              "--kv-cache-memory", "0.00025")]
+                              "--kv-cache-memory", "0.00015")]
         started = [f.result() for f in starts if f.exception() is None]
     proxy = None
     try:
@@ -171,3 +171,103 @@ def test_producer_killed_mid_transfer(servers):
     r = httpx.post(decode.url + "/v1/completions", timeout=60,
                    json={"model": TINY, "prompt": [5, 6, 7], "max_tokens": 3})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.timeout(240)
+def test_proxy_launches_instances_as_ray_actors():
+    """`pagedllm proxy --launch-ray` on a Ray cluster (a local one this test starts, joined through
+    RAY_ADDRESS as a multi-host cluster would be): the prefill and decode instances run as Ray
+    actors with the TCP transport (no shared memory); greedy output through the proxy equals one
+    colocated engine's, streamed and not; a decode instance killed mid-stream ends that stream
+    with an error event; stopping the proxy leaves no actor and no process."""
+    ray = pytest.importorskip("ray")
+    from pagedllm.entrypoints.disagg_proxy.ray_launcher import RAY_NAMESPACE
+    prompts = _prompts()[:4]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=128 << 20, log_to_driver=False)
+    proxy = None
+    try:
+        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+        port = free_port()
+        launch = {"prefill": 1, "decode": 1, "start_timeout_s": 120,
+                  "kv_connector_extra_config": {"use_shm": False, "timeout_s": 10}}
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy", "--port", str(port),
+             "--launch-ray", json.dumps(launch),
+             "--serve-args", f"--model {TINY} --max-model-len {MAX_LEN} --kv-cache-memory 0.01"],
+            cwd=REPO, env=env, start_new_session=True)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 150
+        while True:
+            assert proxy.poll() is None, "the proxy exited during start-up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the proxy was not ready in 150 s"
+            time.sleep(0.3)
+        names = [f"pagedllm-proxy-{port}-{role}-0" for role in ("prefill", "decode")]
+        infos = [ray.get(ray.get_actor(n, namespace=RAY_NAMESPACE).wait_ready.remote(), timeout=30) for n in names]
+        assert all(i["actor_pid"] != i["pid"] for i in infos)   # a server process inside each actor
+        assert all(i["url"].startswith("http://127.0.0.1:") for i in infos), infos   # the cluster's loopback
+
+        async def run():
+            return await asyncio.gather(*[_one(url, p, stream=i % 2 == 1) for i, p in enumerate(prompts)])
+        got = asyncio.run(run())
+        assert got == _reference(prompts)
+        assert 'pagedllm_proxy:requests_total{outcome="ok"} 4.0' in httpx.get(url + "/metrics").text
+        pids = [p for i in infos for p in (i["actor_pid"], *session_pids(i["pid"]))]
+
+        # The decode instance dies mid-stream: the client's stream ends with an error event.
+        dec = infos[1]["pid"]
+        for p in session_pids(dec):
+            if p != dec:
+                os.kill(p, signal.SIGSTOP)   # its engine core: the answer starts, no token comes
+
+        async def cut():
+            body = {"model": TINY, "prompt": prompts[0], "max_tokens": 8, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as c:
+                async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    await asyncio.sleep(1.0)
+                    os.killpg(dec, signal.SIGKILL)
+                    return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        lines = asyncio.run(cut())
+        assert lines[-1] == "data: [DONE]" and "decode instance" in json.loads(lines[-2][6:])["error"]["message"], lines
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(60) == 0
+        for n in names:
+            with pytest.raises(ValueError):
+                ray.get_actor(n, namespace=RAY_NAMESPACE)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], pids
+    finally:
+        if proxy is not None and proxy.poll() is None:
+            os.killpg(proxy.pid, signal.SIGKILL)
+            proxy.wait(10)
+        ray.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--launch-ray", '{"prefill": 0}'], "prefill"),
+    (["--launch-ray", '{"decode": 1, "gpus": 2}'], "gpus"),
+    (["--launch-ray", '{"num_cpus": -1}'], "num_cpus"),
+    (["--launch-ray", "{}", "--serve-args", "--port 9000"], "--port"),
+    (["--launch-ray", "{}", "--prefill", "http://127.0.0.1:1"], "--prefill"),
+    (["--prefill", "http://127.0.0.1:1"], "--decode"),
+])
+def test_proxy_bad_launch_args(args, field, capsys):
+    from pagedllm.entrypoints.cli import main
+    assert main(["proxy", *args]) == 2        # a clear error naming the field, before Ray starts
+    assert field in capsys.readouterr().err

@@ -14,14 +14,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.entrypoints.disagg_proxy.predictor import (
-    DecodeInstance, PrefillInstance, chunk_hashes, now, pick_decode, pick_prefill)
+    DecodeInstance, PrefillInstance, chunk_hashes, now, plan)
 
 logger = logging.getLogger(__name__)
 
 
+def _error_body(message: str, type_: str, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
 def _error(status: int, message: str, type_: str, code: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_,
-                                                               "param": None, "code": code}})
+    return JSONResponse(status_code=status, content=_error_body(message, type_, code))
 
 
 class _Metrics:
@@ -77,15 +80,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             return _error(400, "the body must be a JSON object", "invalid_request_error")
         text = json.dumps(body.get("messages")) if "messages" in body else str(body.get("prompt", ""))
         hashes, t0 = chunk_hashes(text), now()
-        prefill, queue, seconds = pick_prefill(prefills, hashes, len(text), t0)
-        decode = pick_decode(decodes)
-        ttft_pred = queue + seconds + decode.transfer.value
-        tbt_pred = decode.tbt(decode.streams + 1)
-        if (ttft_slo is not None and ttft_pred > ttft_slo) or (tbt_slo is not None and tbt_pred > tbt_slo):
+        a = plan(prefills, decodes, hashes, len(text), t0)
+        prefill, decode, seconds = a.prefill, a.decode, a.seconds
+        if a.misses(ttft_slo, tbt_slo):
             metrics.requests.labels("rejected").inc()
-            return _error(503, f"overloaded: predicted TTFT {ttft_pred:.3f} s (SLO {ttft_slo}), TBT "
-                               f"{tbt_pred:.4f} s (SLO {tbt_slo})", "service_unavailable", "server_overloaded")
-        metrics.predicted_ttft.observe(ttft_pred)
+            return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s (SLO {ttft_slo}), TBT "
+                               f"{a.tbt:.4f} s (SLO {tbt_slo})", "service_unavailable", "server_overloaded")
+        metrics.predicted_ttft.observe(a.ttft)
         prefill.book(seconds, t0)
         pre_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         pre_body.pop("stream_options", None)
@@ -95,7 +96,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         booked = True
         try:
             r = await client.post(prefill.url + path, json=pre_body, headers=headers)
-            took = now() - t0 - queue
+            finish = now()
             pre = r.json() if r.headers.get("content-type", "").startswith("application/json") else None
             if r.status_code != 200 or pre is None:
                 metrics.requests.labels("prefill_error").inc()
@@ -103,7 +104,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             usage = pre.get("usage") or {}
             prompt_tokens = usage.get("prompt_tokens", 0)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-            prefill.done(hashes, seconds, took, prompt_tokens - cached, prompt_tokens, len(text))
+            prefill.done(hashes, seconds, t0, finish, prompt_tokens - cached, prompt_tokens, len(text))
             booked = False
             kvp = pre.get("kv_transfer_params")
             if not kvp:
@@ -116,7 +117,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             return _error(502, f"the prefill instance {prefill.url} failed: {type(e).__name__}: {e}", "upstream_error")
         finally:
             if booked:
-                prefill.done([], seconds, 0.0, 0, 0, 0)
+                prefill.done([], seconds, t0, None)
         return await _decode(path, dict(body, kv_transfer_params=kvp), decode, headers, t0)
 
     async def _decode(path, body, decode: DecodeInstance, headers, t0):
@@ -159,8 +160,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                     last, n = t, n + 1
                     yield chunk
                 metrics.requests.labels("ok").inc()
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
+                # The decode instance died mid-stream: say so in the stream (as the server does
+                # for an error after the stream began) rather than just cutting it.
                 metrics.requests.labels("decode_error").inc()
+                yield ("data: " + json.dumps(_error_body(
+                    f"the decode instance {decode.url} failed mid-stream: {type(e).__name__}: {e}",
+                    "upstream_error")) + "\n\ndata: [DONE]\n\n").encode()
             finally:
                 decode.streams -= 1
                 await r.aclose()

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 CHUNK_CHARS = 64          # text per prefix hash (about a KV block of English text)
 MAX_PREFIXES = 100_000    # hashes remembered per prefill instance (LRU)
+RATE_DECAY = 0.8          # weight of the past in the measured prefill rate, per answer
 
 
 def chunk_hashes(text: str) -> list[int]:
@@ -41,10 +43,18 @@ class PrefillInstance:
     def __init__(self, url: str) -> None:
         self.url = url
         self.busy_until = 0.0
-        self.rate = Ewma(2000.0)           # uncached prompt tokens per second (measured)
+        # Decayed sums of uncached prompt tokens and of the busy seconds they took: the rate is
+        # their ratio (robust to a batch of prefills answering at once), 2000 tokens/s until measured.
+        self._tokens, self._busy = 2000.0 * 0.05, 0.05
+        self.last_finish = 0.0
         self.chars_per_token = Ewma(4.0)
         self.prefixes: OrderedDict[int, None] = OrderedDict()
         self.in_flight = 0
+
+    @property
+    def rate(self) -> float:
+        """Uncached prompt tokens per second."""
+        return self._tokens / self._busy
 
     def uncached_chars(self, hashes: list[int], text_len: int) -> int:
         hit = 0
@@ -57,19 +67,29 @@ class PrefillInstance:
     def predict(self, hashes: list[int], text_len: int, now: float) -> tuple[float, float]:
         """(seconds of queue ahead, seconds of this prefill)."""
         tokens = self.uncached_chars(hashes, text_len) / max(self.chars_per_token.value, 0.5)
-        return max(self.busy_until - now, 0.0), tokens / max(self.rate.value, 1.0)
+        return max(self.busy_until - now, 0.0), tokens / max(self.rate, 1.0)
 
     def book(self, seconds: float, now: float) -> None:
         self.busy_until = max(self.busy_until, now) + seconds
         self.in_flight += 1
 
-    def done(self, hashes: list[int], booked: float, took: float, uncached_tokens: int,
-             prompt_tokens: int, text_len: int) -> None:
-        """A prefill answered: learn the rate, give back booked time it did not use."""
+    def done(self, hashes: list[int], booked: float, start: float, finish: Optional[float],
+             uncached_tokens: int = 0, prompt_tokens: int = 0, text_len: int = 0) -> None:
+        """A prefill booked at `start` answered at `finish` (None: it failed). Its busy time is
+        from when the instance was last seen free (its previous answer) or `start`, whichever
+        is later, so that waiting in the queue is not counted as work; the booked queue is
+        corrected by what it really took, both ways (a rate believed too high must not leave the
+        queue underestimated, nor one believed too low refuse everything)."""
         self.in_flight -= 1
-        self.busy_until -= max(booked - took, 0.0)
-        if took > 0 and uncached_tokens > 0:
-            self.rate.update(uncached_tokens / took)
+        if finish is None:
+            self.busy_until -= booked
+            return
+        busy = max(finish - max(start, self.last_finish), 0.0)
+        self.last_finish = max(self.last_finish, finish)
+        self.busy_until = finish if self.in_flight == 0 else max(finish, self.busy_until + busy - booked)
+        if uncached_tokens > 0:
+            self._tokens = RATE_DECAY * self._tokens + uncached_tokens
+            self._busy = RATE_DECAY * self._busy + busy
         if prompt_tokens > 0:
             self.chars_per_token.update(text_len / prompt_tokens)
         for h in hashes:
@@ -115,3 +135,27 @@ def pick_prefill(instances: list[PrefillInstance], hashes: list[int], text_len: 
         if best is None or queue + prefill < best[1] + best[2]:
             best = (inst, queue, prefill)
     return best
+
+
+@dataclass
+class Admission:
+    """Where a request would go and what it is predicted to see there."""
+    prefill: PrefillInstance
+    decode: DecodeInstance
+    queue: float        # seconds of prefill work booked ahead of it
+    seconds: float      # seconds of its own prefill
+    ttft: float
+    tbt: float
+
+    def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
+        return (ttft_slo is not None and self.ttft > ttft_slo) or (tbt_slo is not None and self.tbt > tbt_slo)
+
+
+def plan(prefills: list[PrefillInstance], decodes: list[DecodeInstance], hashes: list[int], text_len: int,
+         t: float) -> Admission:
+    """The prefill instance of the lowest predicted TTFT and the decode instance of the lowest
+    predicted TBT; TTFT = queue + prefill + the decode side's measured first-token delay."""
+    prefill, queue, seconds = pick_prefill(prefills, hashes, text_len, t)
+    decode = pick_decode(decodes)
+    return Admission(prefill, decode, queue, seconds, queue + seconds + decode.transfer.value,
+                     decode.tbt(decode.streams + 1))
