@@ -7,7 +7,9 @@ A layer of S fused matrices (QKV: 3, gate/up: 2, else 1) holds, per slot, its S 
 A stacked along the rank (lora_a [L, S * R, in], R = max_rank) and their B block-diagonally
 (lora_b [out, L * S * R]: slot s's columns s*S*R..., shard i's rows reading only its own R of
 them): one shrink and one expand serve the fused layer, and an adapter that does not target a
-shard (or has a smaller rank) leaves zeros that add nothing.
+shard (or has a smaller rank) leaves zeros that add nothing. On the CPU each slot is also
+copied, when set, into the compute layout of punica.py (lora_a_t, lora_b_t) that the
+decode-sized steps' masked form reads.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.lora.punica import LoRAMapping, add_lora_torch
+from pagedllm.lora.punica import LoRAMapping, add_lora_dense, add_lora_torch, write_compute_slot
 from pagedllm.models.layers.linear_method import LinearMethodBase
 
 
@@ -39,6 +41,14 @@ class LoRALinearMethod(LinearMethodBase):
                                                      dtype=dtype, device=device), persistent=False)
         layer.register_buffer("lora_b", torch.zeros(layer.output_size, max_loras * self.cols,
                                                      dtype=dtype, device=device), persistent=False)
+        # (first out column, count) of each shard: where its expand writes
+        self.shard_cols = ([(at, len(r)) for at, r in zip(layer.offsets, layer.output_ranges)]
+                           if hasattr(layer, "output_ranges") else [(0, layer.output_size)])
+        if torch.device(device).type == "cpu":   # the compute layout: A^T [in, S * L * R], B^T [L * R, out]
+            layer.register_buffer("lora_a_t", torch.zeros(layer.input_size, max_loras * self.cols,
+                                                          dtype=dtype, device=device), persistent=False)
+            layer.register_buffer("lora_b_t", torch.zeros(max_loras * max_rank, layer.output_size,
+                                                          dtype=dtype, device=device), persistent=False)
 
     def set_lora(self, layer: nn.Module, slot: int,
                  shards: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
@@ -56,6 +66,8 @@ class LoRALinearMethod(LinearMethodBase):
                 slot_b[at:at + len(out), col:col + r].copy_(b[out.start:out.stop])
             else:
                 slot_b[:, col:col + r].copy_(b)
+        if hasattr(layer, "lora_a_t"):
+            write_compute_slot(layer.lora_a_t, layer.lora_b_t, layer.lora_a, layer.lora_b, slot, self.shard_cols)
 
     def apply(self, layer, x, bias=None):
         y = self.base_method.apply(layer, x, bias)
@@ -66,6 +78,8 @@ class LoRALinearMethod(LinearMethodBase):
                 L = layer.lora_a.shape[0]   # B as [L, out, S * R] (strided view)
                 b = layer.lora_b.view(layer.output_size, L, self.cols).permute(1, 0, 2)
                 add_lora_triton(y, x, layer.lora_a, b, m.token_slots)
+            elif m.dense:
+                add_lora_dense(y, x, layer.lora_a_t, layer.lora_b_t, self.shard_cols, self.max_rank, m)
             else:
                 add_lora_torch(y, x, layer.lora_a, layer.lora_b, m)
         return y

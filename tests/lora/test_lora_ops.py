@@ -1,12 +1,12 @@
-"""Batched LoRA arithmetic: the torch shrink / expand (punica.py) against a per-row dense
-reference, the Triton kernels under TRITON_INTERPRET=1 against the torch path, and a fused layer
+"""Batched LoRA arithmetic: the torch shrink / expand (punica.py: per-slot segments and the
+masked all-slot form over the compute layout) against a per-row dense reference, the Triton kernels under TRITON_INTERPRET=1 against the torch path, and a fused layer
 wrapped by LoRALinearMethod against its merged weight, base rows exactly the base method's."""
 import numpy as np
 import pytest
 import torch
 
 from pagedllm.lora.layers import LoRALinearMethod
-from pagedllm.lora.punica import LoRAMapping, add_lora_torch
+from pagedllm.lora.punica import LoRAMapping, add_lora_dense, add_lora_torch, write_compute_slot
 
 # Tokens of 5 requests: slots 1, base, 0, 1, base (slot 1 non-contiguous).
 ROW_SLOTS = [1, -1, 0, 1, -1]
@@ -30,15 +30,22 @@ def _mapping(scale: int, use_triton=False):
     return m
 
 
-@pytest.mark.parametrize("scale", [1, 40])
-def test_torch_path_equals_dense_per_row(scale):
+@pytest.mark.parametrize("scale,dense", [(1, True), (1, False), (40, False)])
+def test_torch_path_equals_dense_per_row(scale, dense):
     m = _mapping(scale)
     assert m.dense == (scale == 1)
-    assert scale == 1 or any(not isinstance(rows, slice) for _, rows in m.segments)   # a gather runs
+    assert any(not isinstance(rows, slice) for _, rows in m.segments)   # a gather runs
     slots = m.token_slots.tolist()
     x, a, b, y0 = _case(torch.float32, len(slots))
     y = y0.clone()
-    add_lora_torch(y, x, a, b, m)
+    if dense:   # the compute layout, written slot by slot as set_lora does
+        L, R, K = a.shape
+        a_t, b_t = torch.full((K, L * R), float("nan")), torch.full((L * R, b.shape[0]), float("nan"))
+        for s in range(L):
+            write_compute_slot(a_t, b_t, a, b, s, [(0, b.shape[0])])
+        add_lora_dense(y, x, a_t, b_t, [(0, b.shape[0])], R, m)
+    else:
+        add_lora_torch(y, x, a, b, m)
     R = a.shape[1]
     for t, s in enumerate(slots):
         if s < 0:
