@@ -1,5 +1,6 @@
-"""--quantization int8: per-output-channel symmetric int8 (one scale a row, no mins), made at load
-time from the float weights; the LM head of every quantized model uses it, in groups of 32."""
+"""--quantization int8: symmetric int8 (no mins) in groups of 32 input features by default (as
+GGUF's Q8_0), 64, 128, or one scale a row (per output channel, group size -1), made at load time
+from the float weights; the LM head of every quantized model uses it, in groups of 32."""
 from __future__ import annotations
 
 from typing import Optional
@@ -33,5 +34,8 @@ class Int8LinearMethod(QuantizedLinearMethod):
 class Int8Config:
     name = "int8"
 
+    def __init__(self, group_size: int) -> None:
+        self.group_size = None if group_size == -1 else group_size   # -1: per output channel
+
     def get_linear_method(self, lm_head: bool = False):
-        return Int8LinearMethod(LM_HEAD_GROUP if lm_head else None)
+        return Int8LinearMethod(LM_HEAD_GROUP if lm_head else self.group_size)
