@@ -215,7 +215,8 @@ static void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float*
         }
       } else {
         const int8_t* row = (const int8_t*)w.q + n * K;
-        for (; k + 8 <= (g + 1) * G; k += 8) _mm256_storeu_ps(o + k, _mm256_fmadd_ps(widen_i8(row + k), sv, mv));
+        for (; k + 8 <= (g + 1) * G; k += 8)
+          _mm256_storeu_ps(o + k, _mm256_fmadd_ps(widen_i8(row + k), sv, mv));
       }
 #endif
       for (; k < (g + 1) * G; ++k) {
