@@ -57,7 +57,7 @@ class ModelConfig:
     runner: str = "generate"
     pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
     quantization: Optional[str] = None             # "int8", "int4", "gguf" (CPU weights)
-    quantization_group_size: Optional[int] = None  # int4's group
+    quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
 
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)

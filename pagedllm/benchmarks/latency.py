@@ -218,7 +218,7 @@ def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
     for quant in ns.compare_quantization:
         q = None if quant == "none" else quant
         llm = LLM(**vars(dataclasses.replace(eargs, quantization=q, quantization_group_size=(
-            eargs.quantization_group_size if q == "int4" else None))))
+            eargs.quantization_group_size if q in ("int4", "int8") else None))))
         label = f"pagedllm {q}" if q else "pagedllm"
         for b, prompts in batches.items():
             print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)

@@ -36,7 +36,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", nargs="*", default=[], choices=QUANTIZATIONS,
                    help="also pagedllm in float32 with these quantized weights: int8, int4, gguf (the "
                         "default model's Q4_1 file as it is)")
-    p.add_argument("--quantization-group-size", type=int, default=None, help="int4's group (default 32)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4's and int8's group (default 32; int8 -1: per channel)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
                    choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="pagedllm's KV cache element(s) to compare (default auto: the model's dtype)")
@@ -154,7 +155,7 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
         del model
     for quant in quantizations:
         qdir = str(resolve_model(None, "gguf")) if quant == "gguf" else model_dir
-        config, model = load_pagedllm(qdir, "float32", window, quant, group_size if quant == "int4" else None)
+        config, model = load_pagedllm(qdir, "float32", window, quant, group_size if quant in ("int4", "int8") else None)
         rows.append({"system": f"pagedllm {quant}", "dtype": "float32", "kv_cache_dtype": "auto",
                      **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
         del model

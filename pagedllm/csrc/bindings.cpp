@@ -18,5 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding_", torch::wrap_pybind_function(rotary_embedding_), "rotary_embedding_");
   m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
   m.def("quant_dequantize", torch::wrap_pybind_function(quant_dequantize), "quant_dequantize");
+  m.def("quant_activations", torch::wrap_pybind_function(quant_activations), "quant_activations");
   m.def("decode_layers", torch::wrap_pybind_function(decode_layers), "decode_layers");
 }

@@ -4,6 +4,7 @@
 
 #include <torch/types.h>
 
+#include <tuple>
 #include <vector>
 
 // attention.cpp
@@ -23,6 +24,7 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                            c10::optional<torch::Tensor> bias);
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins);
+std::tuple<torch::Tensor, torch::Tensor> quant_activations(torch::Tensor x);
 
 // decode_loop.cpp
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,

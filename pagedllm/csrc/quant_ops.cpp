@@ -6,15 +6,19 @@
 // holding feature i (low nibble) and feature i + 16 (high nibble), values 0..15: GGUF's Q4_0 /
 // Q4_1 block layout, so those files are copied, not converted. s, m [N, K/G] float32.
 //
-// 1-4 rows (decode: bound by reading the weights): each thread streams its run of output rows
-// once, widening 8 integers at a time to float32 in registers; a group's products with each
-// input row are summed in a vector, scaled once per group (sum_k x_k (q_k s + m) =
-// s sum_k x_k q_k + m sum_k x_k, the inputs' group sums computed once). More rows: each thread
+// 1-4 rows (decode: bound by reading the weights), groups of a multiple of 32 (AVX2): llama.cpp's
+// scheme. Each input row is quantized to int8 in blocks of 32 features (quant_activations: one
+// scale d = amax / 127 a block), and each block's dot product is an exact integer sum
+// (maddubs + madd; vpdpbusd where AVX-VNNI / AVX512-VNNI exist: the same sums), scaled by s d in
+// float. sum_k x_k (q_k s + m) = s sum_k x_k q_k + m sum_k x_k: the mins term takes the float
+// inputs' group sums. Other group sizes, or no AVX2: the float kernel, which widens 8 integers
+// to float32 in registers and sums a group's products in a vector. More rows: each thread
 // dequantises a tile of output rows into a float32 buffer that stays in cache and multiplies
 // it with the inputs by torch's GEMM (single-threaded inside the parallel loop).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -28,6 +32,17 @@ static inline __m256 widen_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 static inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+// Eight int32 sums of 4 products of unsigned bytes u with signed bytes v each (exact: the
+// callers keep |u v| pair sums below 2^15, so maddubs does not saturate).
+static inline __m256i dot_u8_s8(__m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -112,6 +127,71 @@ static void small_rows(const QuantWeight& w, const float* x, const float* xsum, 
   }
 }
 
+constexpr int64_t QBLOCK = 32;  // features per activation scale
+
+// x [M, K] -> xq [M, K] int8, xd [M, K/32]: q = round(x / d), d = amax / 127 of each block (0: all 0).
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd) {
+  for (int64_t b = 0; b < M * K / QBLOCK; ++b) {
+    const float* xb = x + b * QBLOCK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    xd[b] = d;
+    for (int64_t i = 0; i < QBLOCK; ++i) xq[b * QBLOCK + i] = d > 0.f ? (int8_t)std::nearbyint(xb[i] / d) : 0;
+  }
+}
+
+#ifdef __AVX2__
+// The integer kernel: out[m][n] for rows n in [n0, n1); xq, xd from quantize_rows, xsum [M, K/G].
+template <int M, bool INT4>
+static void small_rows_int(const QuantWeight& w, const int8_t* xq, const float* xd, const float* xsum,
+                           const float* bias, float* out, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, G = w.G, ng = K / G, nb = K / QBLOCK, bpg = G / QBLOCK;
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = w.s + n * ng;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0, b = 0; g < ng; ++g) {
+      const float sg = s[g];
+      for (int64_t e = b + bpg; b < e; ++b) {
+        __m256i wq;
+        if (INT4) {  // q 0..15 (unsigned) times x -127..127: pair sums <= 3810
+          const __m128i v = _mm_loadu_si128((const __m128i*)((const uint8_t*)w.q + n * (K / 2) + b * 16));
+          wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        } else {  // |q| (unsigned, <= 128) times x with q's sign: pair sums <= 32512
+          wq = _mm256_loadu_si256((const __m256i*)((const int8_t*)w.q + n * K + b * QBLOCK));
+        }
+        const __m256i wu = INT4 ? wq : _mm256_abs_epi8(wq);
+        for (int r = 0; r < M; ++r) {
+          __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * QBLOCK));
+          if (!INT4) xv = _mm256_sign_epi8(xv, wq);
+          const __m256 sd = _mm256_set1_ps(sg * xd[r * nb + b]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(wu, xv)), sd, acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      float mt = 0.f;
+      if (w.m)
+        for (int64_t g = 0; g < ng; ++g) mt += w.m[n * ng + g] * xsum[r * ng + g];
+      out[r * w.N + n] = hsum(acc[r]) + mt + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+template <bool INT4>
+static void small_rows_int_any(int64_t T, const QuantWeight& w, const int8_t* xq, const float* xd,
+                               const float* xsum, const float* bias, float* out, int64_t n0, int64_t n1) {
+  switch (T) {
+    case 1: small_rows_int<1, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    case 2: small_rows_int<2, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    case 3: small_rows_int<3, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    default: small_rows_int<4, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+  }
+}
+#endif
+
 // Rows [n0, n1) of W as float32 into dst [n1 - n0, K].
 static void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
   const int64_t K = w.K, G = w.G, ng = K / G;
@@ -119,7 +199,27 @@ static void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float*
     float* o = dst + (n - n0) * K;
     for (int64_t g = 0; g < ng; ++g) {
       const float s = w.s[n * ng + g], m = w.m ? w.m[n * ng + g] : 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+      int64_t k = g * G;
+#ifdef __AVX2__
+      const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
+      if (w.int4) {  // whole blocks of 32 (G is a multiple of 32)
+        const uint8_t* row = (const uint8_t*)w.q + n * (K / 2);
+        const __m128i low = _mm_set1_epi8(15);
+        for (; k + 32 <= (g + 1) * G; k += 32) {
+          const __m128i v = _mm_loadu_si128((const __m128i*)(row + k / 2));
+          const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+          _mm256_storeu_ps(o + k, _mm256_fmadd_ps(widen_u8(lo), sv, mv));
+          _mm256_storeu_ps(o + k + 8, _mm256_fmadd_ps(widen_u8(_mm_srli_si128(lo, 8)), sv, mv));
+          _mm256_storeu_ps(o + k + 16, _mm256_fmadd_ps(widen_u8(hi), sv, mv));
+          _mm256_storeu_ps(o + k + 24, _mm256_fmadd_ps(widen_u8(_mm_srli_si128(hi, 8)), sv, mv));
+        }
+      } else {
+        const int8_t* row = (const int8_t*)w.q + n * K;
+        for (; k + 8 <= (g + 1) * G; k += 8)
+          _mm256_storeu_ps(o + k, _mm256_fmadd_ps(widen_i8(row + k), sv, mv));
+      }
+#endif
+      for (; k < (g + 1) * G; ++k) {
         const float q = w.int4 ? (float)q4_at((const uint8_t*)w.q + n * (K / 2), k)
                                : (float)((const int8_t*)w.q)[n * K + k];
         o[k] = q * s + m;
@@ -164,6 +264,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
         for (int64_t k = 0; k < K; ++k) xsum[r * ng + k / w.G] += xp[r * K + k];
     }
     float* op = out.data_ptr<float>();
+#ifdef __AVX2__
+    if (w.G % QBLOCK == 0) {
+      std::vector<int8_t> xq(T * K);
+      std::vector<float> xd(T * K / QBLOCK);
+      quantize_rows(xp, T, K, xq.data(), xd.data());
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        if (w.int4)
+          small_rows_int_any<true>(T, w, xq.data(), xd.data(), xsum.data(), b, op, n0, n1);
+        else
+          small_rows_int_any<false>(T, w, xq.data(), xd.data(), xsum.data(), b, op, n0, n1);
+      });
+      return out;
+    }
+#endif
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       switch (T) {
         case 1: small_rows<1>(w, xp, xsum.data(), b, op, n0, n1); break;
@@ -202,4 +316,15 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
   float* op = out.data_ptr<float>();
   at::parallel_for(0, w.N, 64, [&](int64_t n0, int64_t n1) { dequantize_rows(w, n0, n1, op + n0 * w.K); });
   return out;
+}
+
+// x [T, K] float32 (K a multiple of 32) -> (q int8 [T, K], d float32 [T, K/32]): the activations
+// as the 1-4-row integer kernel sees them (tests build their exact reference from these).
+std::tuple<torch::Tensor, torch::Tensor> quant_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % QBLOCK == 0);
+  x = x.contiguous();
+  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kChar));
+  auto d = torch::empty({x.size(0), x.size(1) / QBLOCK}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), d.data_ptr<float>());
+  return {q, d};
 }

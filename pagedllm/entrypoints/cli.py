@@ -52,10 +52,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, LRU (default: --max-loras)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "gguf"],
-                   help="CPU weight-only quantization: int8 (per channel), int4 (groups), gguf (the "
+                   help="CPU weight-only quantization: int8, int4 (groups), gguf (the "
                         "default model's shipped Q4_1 file, or --model FILE.gguf, served as it is)")
     p.add_argument("--quantization-group-size", type=int, default=None,
-                   help="int4: input features per scale and min, 32 (default), 64 or 128")
+                   help="int4 / int8: input features per scale (and min: int4), 32 (default), 64 or 128; "
+                        "int8 -1: one scale per output channel")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache element: auto (the model's dtype), or int8 / fp8 with a float32 scale "

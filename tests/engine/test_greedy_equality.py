@@ -39,12 +39,17 @@ The keeper, who knew nothing of the committee, fed his cat and watched the tide 
 """
 
 
-@pytest.fixture(scope="session")
-def prompts(tokenizer):
+def greedy_equality_prompts(tokenizer) -> list[list[int]]:
+    """Windows of different lengths from different places in the text (token ids); also the
+    quantized weights' agreement prompts (tests/models/test_quantization.py)."""
     ids = tokenizer(TEXT)["input_ids"]
     assert len(ids) >= 340
-    # Windows of different lengths from different places in the text.
     return [ids[(7 * i) % (len(ids) - n):][:n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer):
+    return greedy_equality_prompts(tokenizer)
 
 
 @pytest.fixture(scope="session")

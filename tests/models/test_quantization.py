@@ -1,29 +1,43 @@
 """Weight-only quantization (models/layers/quantization/, csrc/quant_ops.cpp): the kernel against
 a float64 reference on the dequantised weight (odd shapes, every group size, 1-4 rows and the
-tile path); integer sums exact; GGUF blocks repacked exactly into the engine's layouts (equal to
-the gguf package's own dequantisation); the default model's GGUF file and int8 weights against
-float32 greedy output; bad flags are ValueErrors."""
+tile path; the 1-4-row integer kernel against a reference on the same int8 activations, exact
+integer sums, and against the float one within the activations' rounding bound); integer sums
+exact; GGUF blocks repacked exactly into the engine's layouts (equal to the gguf package's own
+dequantisation); the default model's GGUF file and int8 weights against float32 greedy output
+on the greedy-equality prompts; bad flags are ValueErrors."""
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from engine.test_greedy_equality import greedy_equality_prompts
 from kernel_utils import require_built
 
 from pagedllm.models.cpu_ops import cpu_ops
 from pagedllm.models.layers.quantization import validate_quantization
 from pagedllm.models.layers.quantization.gguf import INT4_TYPES, GGUFLayout, gguf_tensor_quantized
 from pagedllm.models.layers.quantization.layouts import (dequantize_reference, pack_int4, quantize_int4,
-                                                         quantize_int8, unpack_int4)
+                                                         quantize_int8, quantize_int8_offset, unpack_int4)
 
-ROWS = (1, 2, 3, 4, 5, 19)   # 1-4: the register kernel; more: dequantised tiles and GEMM
+ROWS = (1, 2, 3, 4, 5, 19)   # 1-4: the register kernels; more: dequantised tiles and GEMM
 CASES = [("int4", 37, 96, 32), ("int4", 35, 256, 64), ("int4", 33, 384, 128),
-         ("int8", 29, 77, 77), ("int8", 31, 64, 16), ("int8", 41, 160, 32)]
+         ("int8", 29, 77, 77), ("int8", 31, 64, 16), ("int8", 41, 160, 32), ("int8", 43, 192, 192),
+         ("int8+offset", 39, 160, 32), ("int8+offset", 27, 77, 77)]
+MAX_TOKENS = 32   # greedy tokens per agreement prompt
+QBLOCK = 32   # input features per activation scale of the integer kernel
+HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")   # the extension: -march=native
+
+
+def _integer_kernel(rows, g):
+    """1-4 rows with groups of a multiple of 32 take the integer kernel (int8 activations)."""
+    return HAS_AVX2 and rows <= 4 and g % QBLOCK == 0
 
 
 def _quantized(kind, n, k, g, gen):
     w = torch.randn(n, k, generator=gen)
     if kind == "int4":
         return quantize_int4(w, g)
+    if kind == "int8+offset":
+        return quantize_int8_offset(w, g)
     q, s = quantize_int8(w, g)
     return q, s, torch.empty(0)
 
@@ -39,10 +53,32 @@ def test_quant_linear_matches_float_reference(kind, n, k, g):
         x = torch.randn(rows, k, generator=gen)
         ref = F.linear(x.double(), w, bias.double())
         out = ops.quant_linear(x, q, s, m, bias)
+        if _integer_kernel(rows, g):
+            _check_integer_kernel(ops, x, q, s, m, bias, out, ref, f"{kind} g{g} rows {rows}")
+            continue
         # float32 sums of k products of O(1) terms, in another order: ~k * 2^-24 relative
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5, msg=f"{kind} g{g} rows {rows}")
     # q * s + m in one rounding (an FMA) vs two: one float32 ulp of the O(1) terms apart
     torch.testing.assert_close(ops.quant_dequantize(q, s, m), w.float(), rtol=2**-23, atol=2.5e-7)
+
+
+def _check_integer_kernel(ops, x, q, s, m, bias, out, ref, msg):
+    """out against (1) the exact reference on the kernel's own int8 activations (integer sums in
+    float64, the mins term on the float inputs' group sums) and (2) the float reference within
+    the activations' rounding: |x - q d| <= d / 2 per feature, so |dy_n| <= sum_k |w_nk| d_k / 2."""
+    rows, k = x.shape
+    xq, xd = ops.quant_activations(x)
+    step = xd.double().repeat_interleave(QBLOCK, dim=1)                      # [rows, k]
+    # d = amax / 127 (one ulp: the compiler may multiply by 1/127)
+    torch.testing.assert_close(xd, x.view(rows, -1, QBLOCK).abs().amax(2) / 127, rtol=2**-23, atol=0)
+    assert ((x.double() / step - xq.double()).abs() <= 0.5 + 1e-5).all(), msg
+    w_q = dequantize_reference(q, s, torch.empty(0)).double()                  # q s (no mins)
+    exact = F.linear(xq.double() * step, w_q, bias.double())
+    if m.numel():
+        exact += x.double().view(rows, m.shape[1], -1).sum(2) @ m.double().T
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=2e-5, msg=msg)
+    bound = (step / 2) @ w_q.abs().T
+    assert ((out.double() - ref).abs() <= bound + 2e-5 + 1e-5 * ref.abs()).all(), msg
 
 
 def test_tile_path_under_inference_mode_in_threads():
@@ -73,7 +109,8 @@ def test_integer_sums_exact(kind):
     q = pack_int4(qi) if kind == "int4" else qi.to(torch.int8)
     s = torch.ones(n, k // g)
     for rows in (1, 3, 8):
-        x = torch.randint(-50, 51, (rows, k), generator=gen).float()
+        x = torch.randint(-127, 128, (rows, k), generator=gen).float()
+        x[:, ::QBLOCK] = 127   # each block's step d = 127 / 127: the integer kernel's int8 x is x
         exact = x.long() @ qi.T
         assert torch.equal(ops.quant_linear(x, q, s, torch.zeros_like(s), None).long(), exact)
         assert torch.equal(ops.quant_linear(x, q, s, torch.empty(0), None).long(), exact)
@@ -89,6 +126,11 @@ def test_int4_pack_roundtrip_and_quantize_error():
     assert (err <= s.repeat_interleave(32, dim=1) / 2 + 1e-6).all()   # within half a step
     q8, s8 = quantize_int8(w, 96)
     assert ((dequantize_reference(q8, s8, torch.empty(0)) - w).abs() <= s8 / 2 + 1e-6).all()
+    shifted = w + 3   # off zero: the offset keeps the steps over the group's own range
+    q8, s8, m8 = quantize_int8_offset(shifted, 32)
+    err = (dequantize_reference(q8, s8, m8) - shifted).abs()
+    assert (err <= s8.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+    assert err.max() < (quantize_int8(shifted, 32)[1] / 2).max() / 2
 
 
 def _random_blocks(type_name, rows, k, rng):
@@ -133,7 +175,11 @@ def test_bad_flags_are_value_errors():
     with pytest.raises(ValueError, match="quantization_group_size"):
         validate_quantization("int4", 48, "cpu", "float32")
     with pytest.raises(ValueError, match="quantization_group_size"):
-        validate_quantization("int8", 32, "cpu", "float32")
+        validate_quantization("int8", 48, "cpu", "float32")
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        validate_quantization("int4", -1, "cpu", "float32")   # per channel: int8 only
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        validate_quantization("gguf", 32, "cpu", "float32")
     with pytest.raises(ValueError, match="runs on the CPU in float32"):
         validate_quantization("int8", None, "cpu", "bfloat16")
     with pytest.raises(ValueError, match="is not a GGUF file"):
@@ -141,13 +187,11 @@ def test_bad_flags_are_value_errors():
         resolve_model("/nonexistent/model.gguf")
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
-
-
-def _greedy(llm):
+def _greedy(llm, prompts):
     from pagedllm import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def _agreement(ours, ref) -> float:
@@ -157,30 +201,38 @@ def _agreement(ours, ref) -> float:
 
 
 @pytest.fixture(scope="module")
-def float32_greedy(model_dir):
+def agreement_prompts(tokenizer):
+    return greedy_equality_prompts(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def float32_greedy(model_dir, agreement_prompts):
     from pagedllm import LLM
-    return _greedy(LLM(model_dir, enable_prefix_caching=False, kv_cache_memory=2**28))
+    return _greedy(LLM(model_dir, enable_prefix_caching=False, kv_cache_memory=2**28), agreement_prompts)
 
 
-def _quantized_agreement(model, quant, ref) -> float:
+def _quantized_agreement(model, quant, prompts, ref) -> float:
     from pagedllm import LLM
     require_built(cpu_ops())
     llm = LLM(model, quantization=quant, enable_prefix_caching=False, kv_cache_memory=2**28)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.decode_loop is not None, "the C++ decode loop runs quantized linears"
-    agree = _agreement(_greedy(llm), ref)
+    agree = _agreement(_greedy(llm, prompts), ref)
     print(f"{quant}: {agree:.1%} of float32's greedy tokens before the first divergence")
     return agree
 
 
 @pytest.mark.model
-def test_gguf_greedy_agrees_with_float32(float32_greedy):
+def test_gguf_greedy_agrees_with_float32(agreement_prompts, float32_greedy):
     """The default model's float32 directory was dequantised from this very Q4_1 file."""
-    assert _quantized_agreement(None, "gguf", float32_greedy) >= 0.95
+    assert _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy) >= 0.95
 
 
 @pytest.mark.model
-@pytest.mark.xfail(strict=True, reason="per-output-channel int8 of the default model (itself Q4_1 values): "
-                                       "66.7% measured on these prompts, the 95% goal is not met yet")
-def test_int8_greedy_agrees_with_float32(model_dir, float32_greedy):
-    assert _quantized_agreement(model_dir, "int8", float32_greedy) >= 0.95
+@pytest.mark.xfail(strict=True, reason="int8 with offsets in groups of 32 (the default): 80.1% measured on "
+                                       "the greedy-equality prompts (symmetric per channel 57.4%, symmetric "
+                                       "groups of 32 72.3%); the 95% goal is not met yet")
+def test_int8_greedy_agrees_with_float32(model_dir, agreement_prompts, float32_greedy):
+    """int8 in groups of 32 with an offset (the default): the default model's weights are Q4_1
+    values, 16 levels above each block's min, which symmetric scales over [-amax, amax] blur."""
+    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy) >= 0.95

@@ -1,7 +1,8 @@
 """Weight-only quantization on the CPU: one LinearMethod per format (vLLM's
 model_executor/layers/quantization/).
 
-- int8 (int8.py): per-output-channel symmetric int8, made at load time from the float weights.
+- int8 (int8.py): int8 with a scale and an offset (the midpoint, held as mins) in groups of 32
+  (default) / 64 / 128 input features, or per output channel (group size -1), made at load time.
 - int4 (int4.py): groups of 32/64/128 input features, each with a scale and a min (w = q s + m,
   q in 0..15), made at load time.
 - gguf (gguf.py): a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K tensors repacked, without loss,
@@ -19,6 +20,10 @@ from typing import Optional
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 32
+PER_CHANNEL = -1   # int8's group size for one scale a row (GPTQ's -1)
+INT8_GROUP_SIZES = INT4_GROUP_SIZES + (PER_CHANNEL,)
+# Groups of 32 (docs/design.md: symmetric per-channel scales agreed with float32 greedy on 57 %).
+DEFAULT_INT8_GROUP_SIZE = 32
 
 _current = None
 
@@ -46,9 +51,11 @@ def validate_quantization(method: Optional[str], group_size: Optional[int], devi
         return
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
-    if group_size is not None and (method != "int4" or group_size not in INT4_GROUP_SIZES):
-        raise ValueError(f"quantization_group_size applies to int4 and is one of {INT4_GROUP_SIZES}, "
-                         f"got {group_size!r} with quantization {method!r}")
+    sizes = {"int4": INT4_GROUP_SIZES, "int8": INT8_GROUP_SIZES}.get(method, ())
+    if group_size is not None and group_size not in sizes:
+        raise ValueError(f"quantization_group_size applies to int4 (one of {INT4_GROUP_SIZES}) and int8 "
+                         f"(one of {INT8_GROUP_SIZES}, -1: per output channel), got {group_size!r} "
+                         f"with quantization {method!r}")
     if device != "cpu" or dtype != "float32":
         raise ValueError(f"quantization {method!r} runs on the CPU in float32 (device cpu, dtype float32 "
                          f"or auto), got device {device!r}, dtype {dtype!r}")
@@ -60,7 +67,7 @@ def get_quant_config(method: Optional[str], group_size: Optional[int] = None, mo
         return None
     if method == "int8":
         from pagedllm.models.layers.quantization.int8 import Int8Config
-        return Int8Config()
+        return Int8Config(group_size or DEFAULT_INT8_GROUP_SIZE)
     if method == "int4":
         from pagedllm.models.layers.quantization.int4 import Int4Config
         return Int4Config(group_size or DEFAULT_INT4_GROUP_SIZE)

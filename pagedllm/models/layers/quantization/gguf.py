@@ -254,7 +254,7 @@ class GGUFConfig:
         if lm_head:
             # A tied head quantizes the (dequantised) embedding; an untied one's output.weight
             # is dequantised by iter_weights too (its type may differ from the layers').
-            return Int8LinearMethod(LM_HEAD_GROUP)
+            return Int8LinearMethod(LM_HEAD_GROUP, offset=False)
         return GGUFLinearMethod(self.layout)
 
     def iter_weights(self, model_dir: str):

@@ -30,4 +30,4 @@ class Int4Config:
         self.group_size = group_size
 
     def get_linear_method(self, lm_head: bool = False):
-        return Int8LinearMethod(LM_HEAD_GROUP) if lm_head else Int4LinearMethod(self.group_size)
+        return Int8LinearMethod(LM_HEAD_GROUP, offset=False) if lm_head else Int4LinearMethod(self.group_size)

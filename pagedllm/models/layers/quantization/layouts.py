@@ -46,6 +46,19 @@ def quantize_int8(w: torch.Tensor, group_size: int):
     return q.view(n, k), scales.contiguous()
 
 
+def quantize_int8_offset(w: torch.Tensor, group_size: int):
+    """float w [N, K] -> q int8 [N, K] (-127..127), scales = (max - min) / 254, mins = the
+    group's midpoint [N, K/G] (w = q s + m): a group whose values sit off zero (a Q4_1 block's
+    16 levels above its min) keeps 254 steps over its own range, not over [-amax, amax]."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    mid, scales = (hi + lo) / 2, (hi - lo) / 254
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((g - mid[:, :, None]) / scales[:, :, None]).clamp(-127, 127).to(torch.int8)
+    return q.view(n, k), scales.contiguous(), mid.contiguous()
+
+
 def quantize_int4(w: torch.Tensor, group_size: int):
     """Asymmetric: float w [N, K] -> packed q [N, K/2], scales = (max - min) / 15, mins = min
     [N, K/G] (the zero point as a float: w = q s + m)."""
