@@ -72,7 +72,8 @@ class DecodeLoop:
         self.lora_mapping = getattr(model, "lora_mapping", None)   # set by --enable-lora
 
     def applies(self, meta, num_tokens: int) -> bool:
-        """A step the loop computes exactly as the eager layers: all decode, attention by pages,
+        """A step the loop computes exactly as the eager layers: all decode (a verification's
+        k + 1 tokens of a request are k + 1 decode queries in the cpu backend's metadata), attention by pages,
         few enough rows that the eager linears take linear_small too, no LoRA adapter in the step
         (the loop has no adapter deltas; base-only steps still take it), and a float KV cache (the
         loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""
