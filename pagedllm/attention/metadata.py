@@ -33,6 +33,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     all_decode: bool
     sliding_window: Optional[int] = None        # the window the slots and masks are cut to
+    max_decode_query_len: int = 1               # build_attention_metadata's
     # What it was built from, to build the same step for another window (once each).
     inputs: tuple = field(default=(), repr=False)
     by_window: dict = field(default_factory=dict, repr=False)
@@ -42,22 +43,36 @@ class AttentionMetadata:
         if sliding_window is None or sliding_window == self.sliding_window:
             return self
         if sliding_window not in self.by_window:
-            self.by_window[sliding_window] = build_attention_metadata(*self.inputs, sliding_window=sliding_window)
+            self.by_window[sliding_window] = build_attention_metadata(
+                *self.inputs, sliding_window=sliding_window, max_decode_query_len=self.max_decode_query_len)
         return self.by_window[sliding_window]
 
 
 def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                              block_table: np.ndarray, block_size: int,
                              slot_mapping: torch.Tensor, decode_by_pages: bool = False,
-                             sliding_window: Optional[int] = None) -> AttentionMetadata:
+                             sliding_window: Optional[int] = None,
+                             max_decode_query_len: int = 1) -> AttentionMetadata:
     """query_start_loc [num_reqs+1], seq_lens [num_reqs], block_table [num_reqs, max_blocks].
     decode_by_pages: the decode kernel reads pages itself (no slot matrix needed).
+    max_decode_query_len Q: a request with 2..Q new tokens over a past (a speculative
+    verification step's k + 1) attends as that many decode queries, query j over the request's
+    first computed + j + 1 keys (causal: its own K/V are written before any query reads); each
+    is the very call a one-token decode of that token makes.
     sliding_window W: a query at position p attends to keys (p - W, p] only (transformers'
     sliding-window mask); keys before the window are never gathered, so their blocks may have
     been freed (the block table may name a block another request now holds)."""
     q_lens = np.diff(query_start_loc)
     computed = seq_lens - q_lens
-    decode_rows = np.nonzero(q_lens == 1)[0]
+    as_decode = (q_lens == 1) | ((q_lens <= max_decode_query_len) & (computed > 0))
+    # One decode query per new token of those requests, in token order: its request row, its
+    # token index and its number of keys; [Bd] each.
+    rows = np.nonzero(as_decode)[0]
+    per_row = q_lens[rows]
+    decode_rows = np.repeat(rows, per_row)
+    within = np.arange(int(per_row.sum())) - np.repeat(np.cumsum(per_row) - per_row, per_row)   # j in its request
+    decode_tok = query_start_loc[decode_rows] + within
+    decode_lens = computed[decode_rows] + within + 1
 
     def first_key(query_pos):
         """The first key a query at query_pos attends to."""
@@ -69,23 +84,23 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
 
     decode_token_idx = decode_kv_slots = decode_mask = decode_bt = decode_sl = None
     if len(decode_rows) and decode_by_pages:   # the kernel cuts the window itself
-        L = int(seq_lens[decode_rows].max())
-        decode_token_idx = torch.from_numpy(query_start_loc[decode_rows].astype(np.int64))
+        L = int(decode_lens.max())
+        decode_token_idx = torch.from_numpy(decode_tok.astype(np.int64))
         decode_bt = torch.from_numpy(np.ascontiguousarray(block_table[decode_rows, :-(L // -block_size)]))
-        decode_sl = torch.from_numpy(seq_lens[decode_rows].astype(np.int32))
+        decode_sl = torch.from_numpy(decode_lens.astype(np.int32))
     elif len(decode_rows):
-        lens = seq_lens[decode_rows].astype(np.int64)
+        lens = decode_lens.astype(np.int64)
         start = first_key(lens - 1)                                             # [Bd]
         n = lens - start
         L = int(n.max())
         valid = np.arange(L)[None, :] < n[:, None]                              # [Bd, L]
         pos = np.where(valid, start[:, None] + np.arange(L), 0)
-        decode_token_idx = torch.from_numpy(query_start_loc[decode_rows].astype(np.int64))
+        decode_token_idx = torch.from_numpy(decode_tok.astype(np.int64))
         decode_kv_slots = torch.from_numpy(np.where(valid, slots_at(decode_rows, pos), 0))
         decode_mask = torch.from_numpy(valid)[:, None, None, :]
 
     prefills = []
-    for row in np.nonzero(q_lens > 1)[0]:
+    for row in np.nonzero(~as_decode)[0]:
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         c, s = int(computed[row]), int(seq_lens[row])
         if c == 0 and (not sliding_window or s <= sliding_window):
@@ -102,4 +117,5 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     inputs = (query_start_loc, seq_lens, block_table, block_size, slot_mapping, decode_by_pages)
     return AttentionMetadata(slot_mapping, decode_token_idx, decode_kv_slots, decode_mask,
                              decode_bt, decode_sl, block_size, prefills, all_decode=not prefills,
-                             sliding_window=sliding_window, inputs=inputs)
+                             sliding_window=sliding_window, max_decode_query_len=max_decode_query_len,
+                             inputs=inputs)

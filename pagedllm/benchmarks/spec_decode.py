@@ -10,6 +10,7 @@ import gc
 import statistics
 
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
+from pagedllm.profiler import PROFILER
 
 COPY_TEXT = [
     "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
@@ -32,6 +33,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="self:N",
                    help="also run the draft-model proposer ('self:N' or an HF directory)")
     p.add_argument("--output-json", default=None, metavar="PATH")
+    p.add_argument("--profile", action="store_true",
+                   help="also print the median time of a step by its number of tokens (a plain step: 1; "
+                        "a verification of k drafts: k + 1), from the engine's step profiler")
 
 
 def _prompts(llm) -> dict[str, list[dict]]:
@@ -57,6 +61,16 @@ def _tpot(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
     return statistics.mean(tpots), tokens
 
 
+def _step_rows(name: str, workload: str, steps: list[dict]) -> list[dict]:
+    """Median wall time of the profiled steps by their number of tokens (all phases)."""
+    by_tokens: dict[int, list[float]] = {}
+    for st in steps:
+        by_tokens.setdefault(int(st["num_tokens"]), []).append(
+            sum(v for k, v in st.items() if k not in ("num_tokens", "num_reqs")))
+    return [{"system": name, "workload": workload, "tokens": n, "steps": len(ts),
+             "median_ms": 1000 * statistics.median(ts)} for n, ts in sorted(by_tokens.items()) if n <= 17]
+
+
 def main(ns) -> int:
     from pagedllm import LLM
     from pagedllm.entrypoints.cli import engine_args_from
@@ -68,13 +82,17 @@ def main(ns) -> int:
     if ns.draft_model:
         systems.append((f"draft {ns.draft_model} k={k}", {"method": "draft_model", "model": ns.draft_model,
                                                           "num_speculative_tokens": k}))
-    rows, baseline = [], {}
+    rows, baseline, step_rows = [], {}, []
     for name, spec in systems:
         llm = LLM(**vars(dataclasses.replace(base_args, speculative_config=spec)))
         for workload, prompts in _prompts(llm).items():
             stats = llm.llm_engine.core.scheduler.spec_decoding_stats
             before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts)
+            if ns.profile:
+                PROFILER.start()
             tpot, tokens = _tpot(llm, prompts, ns.output_len)
+            if ns.profile:
+                step_rows += _step_rows(name, workload, PROFILER.stop())
             drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
             if spec is None:
                 baseline[workload] = (tpot, tokens)
@@ -94,6 +112,10 @@ def main(ns) -> int:
     print_table(rows, [("system", "system", ""), ("workload", "workload", ""), ("tpot_ms", "TPOT ms", ".1f"),
                        ("speedup", "speedup", ".2f"), ("drafted", "drafted", "d"),
                        ("acceptance", "acceptance", ".2f"), ("same_tokens", "same tokens", "")])
+    if step_rows:
+        print("\nstep time by tokens in the step (batch 1: 1 = a plain step, k + 1 = a verification):")
+        print_table(step_rows, [("system", "system", ""), ("workload", "workload", ""), ("tokens", "tokens", "d"),
+                                ("steps", "steps", "d"), ("median_ms", "median ms", ".1f")])
     if ns.output_json:
-        write_json(ns.output_json, {"command": command_line(), "machine": m, "rows": rows})
+        write_json(ns.output_json, {"command": command_line(), "machine": m, "rows": rows, "steps": step_rows})
     return 0

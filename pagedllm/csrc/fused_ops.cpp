@@ -1,5 +1,5 @@
 // Fused element-wise ops (RMSNorm, SiLU-and-multiply, RoPE) and the row-streaming product for
-// 1-4 rows (linear_small); float32 and bfloat16 (see models/cpu_ops.py).
+// 1-8 rows (linear_small); float32 and bfloat16 (see models/cpu_ops.py).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -9,9 +9,19 @@
 #include "cpu_types.h"
 #include "ops.h"
 
-// x [M, K] (M <= 4 rows, contiguous), w [N, K] contiguous -> x w^T (+ bias) [M, N]. A decode
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// x [M, K] (M <= 8 rows, contiguous), w [N, K] contiguous -> x w^T (+ bias) [M, N]. A decode
 // step at batch 1 is bound by reading the weights: each thread streams its own run of rows
-// once, front to back, and dots each with the M inputs held in L1.
+// once, front to back, and dots each with the M inputs held in L1. Each output row's sum runs
+// in the same order whatever M is, so a row's result does not depend on the rows beside it (a
+// verification step's k + 1 rows equal k + 1 one-row decode steps, bit for bit).
 template <int M>
 static void small_rows(const float* x, const float* w, const float* bias, float* out, int64_t K, int64_t N) {
   at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
@@ -27,6 +37,14 @@ static void small_rows(const float* x, const float* w, const float* bias, float*
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), wv, acc[m]);
       }
       for (int m = 0; m < M; ++m) tail[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) {
+        const __m256 wv = _mm256_loadu_ps(wr + k);
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m]);
+      }
+      for (int m = 0; m < M; ++m) tail[m] = hsum256(acc[m]);
 #endif
       for (; k < K; ++k)
         for (int m = 0; m < M; ++m) tail[m] += x[m * K + k] * wr[k];
@@ -106,7 +124,7 @@ static void small_rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t
   });
 }
 
-// f(std::integral_constant<int, R>) with R = M for 1-3 rows, 4 for the rest: one ladder of
+// f(std::integral_constant<int, R>) with R = M for 1-7 rows, 8 for the rest: one ladder of
 // row-count instantiations for the float32 and bfloat16 kernels.
 template <typename F>
 static void by_rows(int64_t M, F&& f) {
@@ -114,7 +132,11 @@ static void by_rows(int64_t M, F&& f) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -133,7 +155,7 @@ static torch::Tensor linear_small_bf16(torch::Tensor x, torch::Tensor w, c10::op
 }
 
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8);
   TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1));
   if (x.scalar_type() == torch::kBFloat16) return linear_small_bf16(x, w, bias);
   TORCH_CHECK(x.scalar_type() == torch::kFloat);

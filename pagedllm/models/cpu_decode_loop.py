@@ -1,9 +1,9 @@
-"""The decoder layers of a small decode step (1-3 tokens) in one C++ call, on the CPU.
+"""The decoder layers of a small decode step (1-8 tokens) in one C++ call, on the CPU.
 
 At batch 1 the layers' arithmetic is ~11 ms of weight streaming, and eager Python adds ~20 ops
 a layer (module calls, views, index ops, residual adds), each a trip through Python and the
 dispatcher: ~3 ms a step for a 30-layer model. This loop runs the same C++ kernels the eager
-path calls at 1-3 rows (linear_small, rms_norm, rotary_embedding_, paged_decode, silu_and_mul)
+path calls at 1-8 rows (linear_small, rms_norm, rotary_embedding_, paged_decode, silu_and_mul)
 in the same order on the same values, so its hidden states equal the eager path's bit for bit
 (tests/test_cpu_decode_loop.py); only the Python between them is gone.
 
@@ -11,7 +11,9 @@ Built once at load time (`build_decode_loop`) for a model whole on one rank, on 
 the fused ops and packed linears with the row-streaming kernel, or quantized linears
 (quant_linear, csrc/quant_ops.cpp; float32) (their methods, chosen when the layers were built)
 and the cpu attention backend; the ModelRunner calls it instead of the model
-for steps that are all decode with at most SMALL_ROWS tokens (`DecodeLoop.applies`). It reads
+for steps that are all decode with at most SMALL_ROWS tokens (`DecodeLoop.applies`), a speculative
+verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
+a decode query over its own prefix (attention/metadata.py `max_decode_query_len`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
 from __future__ import annotations
@@ -70,7 +72,8 @@ class DecodeLoop:
         self.lora_mapping = getattr(model, "lora_mapping", None)   # set by --enable-lora
 
     def applies(self, meta, num_tokens: int) -> bool:
-        """A step the loop computes exactly as the eager layers: all decode, attention by pages,
+        """A step the loop computes exactly as the eager layers: all decode (a verification's
+        k + 1 tokens of a request are k + 1 decode queries in the cpu backend's metadata), attention by pages,
         few enough rows that the eager linears take linear_small too, no LoRA adapter in the step
         (the loop has no adapter deltas; base-only steps still take it), and a float KV cache (the
         loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""

@@ -1,5 +1,5 @@
 """Fused CPU ops for the layers' element-wise work: RMSNorm, SiLU-and-multiply, RoPE; and the
-row-streaming matrix-vector product for 1-3 rows (`linear_small`). float32 and bfloat16.
+row-streaming matrix-vector product for 1-8 rows (`linear_small`). float32 and bfloat16.
 
 In eager torch each of these is 5-10 passes over the activations (pow, mean, add, rsqrt,
 mul, mul; silu, mul; index, mul, neg, cat, ...), each a kernel launch from Python; here each is

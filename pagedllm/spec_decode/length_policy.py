@@ -2,13 +2,15 @@
 
 Adaptive (after SmartSpec's goodput rule): with an acceptance rate a (an EMA of the measured
 one, drafts assumed independent), k drafts yield E(k) = (1 - a^(k+1)) / (1 - a) tokens a step;
-verifying them costs a step (1 + c * B * k) times a plain one at batch B (c: a draft token's
-share of a plain step, which a step of mostly weight reads makes small). Take the k in
+verifying them (and proposing them) costs `StepCost.relative(B, k)` plain steps at batch B, as
+measured on this machine by the runner (spec_decode/step_cost.py; a prior until then). Take the k in
 [0, num_speculative_tokens] that maximises E(k) / cost(k); 0 when no k beats a plain step by a
 margin. A policy at 0 still proposes one draft every `probe_every` steps so that a workload
 that starts to repeat is noticed.
 """
 from __future__ import annotations
+
+from pagedllm.spec_decode.step_cost import StepCost
 
 
 class SpecLengthPolicy:
@@ -16,7 +18,8 @@ class SpecLengthPolicy:
                  margin: float = 1.1, ema: float = 0.1, probe_every: int = 16) -> None:
         self.k_max = num_speculative_tokens
         self.adaptive = adaptive
-        self.cost, self.margin, self.ema, self.probe_every = draft_token_cost, margin, ema, probe_every
+        self.cost = StepCost(prior=draft_token_cost)
+        self.margin, self.ema, self.probe_every = margin, ema, probe_every
         self.acceptance = 0.5      # prior before any draft was verified
         self.steps_at_zero = 0
 
@@ -34,7 +37,7 @@ class SpecLengthPolicy:
             return self.k_max
         best_k, best = 0, self.margin
         for k in range(1, self.k_max + 1):
-            gain = self.expected_tokens(k) / (1 + self.cost * batch_size * k)
+            gain = self.expected_tokens(k) / self.cost.relative(batch_size, k)
             if gain > best:
                 best_k, best = k, gain
         if best_k == 0:

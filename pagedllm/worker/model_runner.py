@@ -190,6 +190,8 @@ class ModelRunner:
         PROFILER.note_batch(len(inputs.input_ids), len(inputs.req_ids))
         PROFILER.mark("prepare_inputs")
         batch = self.input_batch
+        if self.spec_decoder is not None:
+            self.spec_decoder.begin_step()
         hidden = self._forward(inputs, meta)
         if self.pooler is not None:
             return self._pool(so, inputs, hidden)
@@ -215,7 +217,7 @@ class ModelRunner:
         result.prompt_logprobs = prompt_logprobs
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         if self.spec_decoder is not None:
-            self._propose(result, rows)
+            self._propose(result, rows, inputs)
         PROFILER.mark("runner_update")
         return result
 
@@ -243,12 +245,12 @@ class ModelRunner:
             batch.num_computed_tokens_cpu[row] -= k + 1 - len(new)   # the rejected drafts' slots
             self.spec_decoder.policy.observe(k, len(new) - 1)
         result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, prompt_logprobs=prompt_logprobs)
-        self._propose(result, rows)
+        self._propose(result, rows, inputs)
         PROFILER.mark("runner_update")
         return result
 
-    def _propose(self, result: ModelRunnerOutput, rows: list[int]) -> None:
-        drafts = self.spec_decoder.propose(self.input_batch, rows)
+    def _propose(self, result: ModelRunnerOutput, rows: list[int], inputs) -> None:
+        drafts = self.spec_decoder.propose(self.input_batch, rows, inputs)
         result.spec_token_ids = [[] for _ in result.req_ids]
         for row, d in zip(rows, drafts):
             result.spec_token_ids[row] = d

@@ -7,6 +7,7 @@ Rows that never speculate: beam search (its tokens are chosen outside), logprobs
 logprobs (one logprob entry per step), structured output (the grammar's mask is per step)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
@@ -38,6 +39,11 @@ class SpecDecoder:
                              "has no proposer yet (built: 'ngram', 'draft_model' with 'self:N')")
         self.policy = SpecLengthPolicy(config.num_speculative_tokens, config.length_policy == "adaptive")
         self.rejection_sampler = RejectionSampler()
+        self.step_start = 0.0
+
+    def begin_step(self) -> None:
+        """The model is about to run: the step's cost is timed from here to the next proposal."""
+        self.step_start = time.perf_counter()
 
     @staticmethod
     def write_drafts(batch: InputBatch, spec: dict[str, list[int]]) -> None:
@@ -65,11 +71,19 @@ class SpecDecoder:
         md = metadata_fn(states, drafts)
         return self.rejection_sampler(logits, drafts, md, [s.generator for s in states])
 
-    def propose(self, batch: InputBatch, rows: list[int]) -> list[list[int]]:
-        """Drafts for the next step of each sampled row (in `rows` order; [] where none)."""
+    def propose(self, batch: InputBatch, rows: list[int], inputs: ModelInputs) -> list[list[int]]:
+        """Drafts for the next step of each sampled row (in `rows` order; [] where none). A step
+        of only decodes and verifications (every request sampled, none with more new tokens than
+        a verification) is timed into the policy's cost model first, then the proposal."""
+        n = inputs.num_scheduled_tokens
+        if rows and len(rows) == len(inputs.req_ids) and int(n.max()) <= 1 + self.config.num_speculative_tokens:
+            self.policy.cost.observe_step(int(n.sum()), time.perf_counter() - self.step_start)
         k = self.policy.num_spec_tokens(len(rows))
         ks = [k if k > 0 and speculates(batch.states[r].sampling_params) else 0 for r in rows]
-        return self.proposer.propose(batch, rows, ks)
+        start = time.perf_counter()
+        drafts = self.proposer.propose(batch, rows, ks)
+        self.policy.cost.observe_proposal(sum(map(len, drafts)), time.perf_counter() - start)
+        return drafts
 
 
 def expanded_metadata(states, drafts: list[list[int]], eos_ids, vocab_size: int, device

@@ -29,10 +29,14 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
     T = int(q_lens.sum())
     q, k, v = (torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D))
     outs = []
-    for by_pages in (False, True):
+    # The reference's prefill chunk, the cpu backend's, and the chunk as 5 decode queries (a
+    # verification step's metadata, max_decode_query_len).
+    for by_pages, max_q in ((False, 1), (True, 1), (True, 5)):
         kc, vc = torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(0)), \
             torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(1))
-        meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages)
+        meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages,
+                                        max_decode_query_len=max_q)
+        assert meta.all_decode == (max_q == 5)
         if window:
             meta = meta.windowed(window)
             for row, (s, ql) in enumerate(zip(seq_lens, q_lens)):   # tokens no query of it sees
@@ -41,6 +45,7 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
         outs.append(paged_attention(q, k, v, kc, vc, meta, D ** -0.5))
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(outs[2], outs[0], atol=2e-5, rtol=2e-5)
     if window:   # against a dense reference: each query over its last `window` keys
         kc, vc = torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(0)), \
             torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(1))
@@ -54,6 +59,7 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
                 w = torch.softmax(torch.einsum("hd,nhd->hn", q[t], kr) * D ** -0.5, dim=-1)
                 ref = torch.einsum("hn,nhd->hd", w, vc[ks].repeat_interleave(H // Hkv, dim=1))
                 torch.testing.assert_close(outs[1][t], ref, atol=2e-5, rtol=2e-5)
+                torch.testing.assert_close(outs[2][t], ref, atol=2e-5, rtol=2e-5)
                 t += 1
 
 
@@ -87,7 +93,7 @@ def test_fused_cpu_ops_match_the_torch_layers():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 128, 600])
 def test_packed_linear_matches_f_linear(rows):
-    """oneDNN on the packed weight, and (1-3 rows) the row-streaming kernel, equal F.linear;
+    """oneDNN on the packed weight, and (1-8 rows) the row-streaming kernel, equal F.linear;
     an in_features that is not a multiple of 16 exercises the kernel's scalar tail."""
     from kernel_utils import packed_linear
     from pagedllm.models.cpu_ops import cpu_ops
@@ -101,6 +107,20 @@ def test_packed_linear_matches_f_linear(rows):
         with torch.inference_mode():
             for small_ops in (None, require_built(cpu_ops())):
                 torch.testing.assert_close(packed_linear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_small_rows_do_not_depend_on_each_other():
+    """Each of 1-8 rows comes out bit for bit as that row alone (its sum in the same order): a
+    verification of k + 1 tokens equals k + 1 one-token steps. Float32 and bfloat16."""
+    from pagedllm.models.cpu_ops import cpu_ops
+    ops = require_built(cpu_ops())
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b, x = torch.randn(300, 100, dtype=dtype), torch.randn(300, dtype=dtype), torch.randn(8, 100, dtype=dtype)
+        alone = torch.cat([ops.linear_small(x[i:i + 1], w, b) for i in range(8)])
+        for m in range(1, 9):
+            assert torch.equal(ops.linear_small(x[:m], w, b), alone[:m]), (dtype, m)
+        torch.testing.assert_close(alone.float(), (x.float() @ w.float().T + b.float()), rtol=2e-2, atol=2e-2)
 
 
 def test_an_interrupted_build_does_not_hang_the_next(tmp_path):

@@ -6,7 +6,8 @@
   vacuous) and no block is left in use.
 - random:tiny: stop strings, max_tokens, n > 1 and logprobs give what the engine without
   speculation gives; a run of sampled requests (drafts mostly rejected) leaves no block in use.
-- The C++ decode loop is never used for a step with drafts (its metadata is not all-decode).
+- The C++ decode loop takes verification steps (the cpu backend's metadata makes each draft a
+  decode query) and computes there what the eager layers compute, bit for bit.
 """
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy
@@ -103,23 +104,67 @@ def test_mostly_rejected_drafts_leak_no_block(tiny_pair):
     assert_no_block_in_use(spec)
 
 
-def test_decode_loop_skips_steps_with_drafts():
-    """A row verifying 4 drafts has query length 5: its metadata is not all-decode, so
-    `DecodeLoop.applies` is False for the step (the eager layers run it); a plain decode step
-    of the same row is taken by the loop."""
+def test_decode_loop_takes_steps_with_drafts():
+    """A row verifying 4 drafts has query length 5: the cpu backend's metadata makes its tokens 5
+    decode queries over their own prefixes (all-decode, lengths 6..10), so `DecodeLoop.applies`
+    takes the step; the reference backend's (max_decode_query_len 1) keeps it a prefill chunk, and
+    a step of more rows than the loop's linears take goes to the eager layers."""
     import numpy as np
     import torch
+    from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
     from pagedllm.attention.metadata import build_attention_metadata
     from pagedllm.models.cpu_decode_loop import DecodeLoop
     from types import SimpleNamespace
     loop = DecodeLoop.__new__(DecodeLoop)   # applies() reads the metadata, max_rows, LoRA and the cache's arity
     loop.lora_mapping, loop.attns = None, [SimpleNamespace(kv_cache=(torch.empty(0), torch.empty(0)))]
-    table = np.array([[1, 2, 3]], dtype=np.int32)
-    spec = build_attention_metadata(np.array([0, 5], dtype=np.int32), np.array([10], dtype=np.int32), table, 4,
-                                    torch.arange(5, 10), decode_by_pages=True)
-    plain = build_attention_metadata(np.array([0, 1], dtype=np.int32), np.array([6], dtype=np.int32), table, 4,
-                                     torch.arange(5, 6), decode_by_pages=True)
-    assert not loop.applies(spec, 5) and loop.applies(plain, 1)
+    table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
+    q = CPUAttentionBackend.max_decode_query_len
+
+    def meta(starts, lens, **kw):
+        starts = np.array(starts, dtype=np.int32)
+        return build_attention_metadata(starts, np.array(lens, dtype=np.int32), table[:len(lens)], 4,
+                                        torch.arange(int(starts[-1])), decode_by_pages=True, **kw)
+    spec = meta([0, 5], [10], max_decode_query_len=q)
+    assert spec.all_decode and spec.decode_token_idx.tolist() == [0, 1, 2, 3, 4]
+    assert spec.decode_seq_lens.tolist() == [6, 7, 8, 9, 10] and loop.applies(spec, 5)
+    assert not loop.applies(meta([0, 5], [10]), 5)                            # a prefill chunk
+    assert not loop.applies(meta([0, 5, 10], [10, 12], max_decode_query_len=q), 10)   # 10 rows
+    assert not meta([0, 5], [5], max_decode_query_len=q).all_decode            # no past: a prompt
+
+
+def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair):
+    """random:tiny with n-gram drafts, with the loop: every loop call of the run is checked
+    against the eager layers on the same inputs (same hidden states, bit for bit; the eager
+    path rewrites the same K/V), and verification steps (one request, 2-5 rows) were among
+    them; the greedy tokens are those of the engine without speculation."""
+    import torch
+    from kernel_utils import require_built
+    from pagedllm.models.cpu_decode_loop import decode_loop_ext
+    plain, spec = tiny_pair
+    runner = spec.llm_engine.core.model_executor.driver_worker.model_runner
+    require_built(decode_loop_ext())
+    if runner.decode_loop is None:
+        pytest.skip("no C++ decode loop for random:tiny here (PAGEDLLM_CPU_DECODE_LOOP=0 or no oneDNN)")
+    loop, verified = runner.decode_loop, []
+
+    class Checked:
+        applies = loop.applies
+
+        def __call__(self, input_ids, positions):
+            out = loop(input_ids, positions)
+            assert torch.equal(out, runner.model(input_ids, positions)), positions
+            if len(positions) > 1 and bool((positions.diff() == 1).all()):   # one request's k + 1 tokens
+                verified.append(len(positions))
+            return out
+    runner.decode_loop = Checked()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS[:1]]
+        got = spec.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        runner.decode_loop = loop
+    assert verified and max(verified) == 1 + NGRAM["num_speculative_tokens"], verified
+    assert got == plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_self_draft_proposes_what_the_truncated_model_generates():

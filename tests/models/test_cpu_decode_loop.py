@@ -1,5 +1,6 @@
 """The C++ decode loop (models/cpu_decode_loop.py) equals the eager layers bit for bit: the same
-greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests;
+greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests
+(and at 1-8 rows of verification steps, tests/engine/test_spec_decode.py);
 a step of more requests, or with a prefill, takes the eager path."""
 import pytest
 from kernel_utils import require_built
@@ -70,5 +71,5 @@ def test_decode_loop_only_for_small_decode_steps(model_dir):
     runner = _decode_loop(llm)
     calls, loop = [], runner.decode_loop
     runner.decode_loop = _Counting(loop, calls)
-    llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert calls == [], "6 requests in a step: the eager path"
+    llm.generate(PROMPTS * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert calls == [], "9 requests in a step: the eager path"

@@ -74,6 +74,24 @@ def test_adaptive_policy_speculates_less_as_acceptance_falls_and_the_batch_grows
     assert picks.count(0) >= 30 and max(picks) == 1   # off, but probing now and then
 
 
+def test_adaptive_policy_follows_the_measured_step_cost():
+    """With steps timed as flat in the tokens (weight reads dominate) the policy drafts the most
+    at a good acceptance; timed as linear in the tokens (arithmetic dominates: k + 1 tokens cost
+    k + 1 steps) it drafts nothing even at acceptance 0.8, which the prior alone would take."""
+    flat, linear = SpecLengthPolicy(4, adaptive=True), SpecLengthPolicy(4, adaptive=True)
+    for p in (flat, linear):
+        for _ in range(40):
+            p.observe(4, 3)                                   # acceptance -> 0.75
+    assert linear.num_spec_tokens(1) == 4                     # the prior: every draft pays
+    for n in range(1, 6):
+        flat.cost.observe_step(n, 0.040 + 0.001 * n)
+        linear.cost.observe_step(n, 0.040 * n)
+    flat.cost.observe_proposal(4, 0.0004)
+    assert flat.num_spec_tokens(1) == 4
+    assert flat.cost.relative(1, 4) == pytest.approx((0.045 + 4 * 0.0001) / 0.041)
+    assert [linear.num_spec_tokens(1) for _ in range(15)] == [0] * 15
+
+
 # ------------------------------------------------------------ the scheduler's part
 EOS = 2
 

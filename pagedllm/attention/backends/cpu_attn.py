@@ -9,3 +9,7 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 class CPUAttentionBackend(TorchSDPABackend):
     name = "cpu"
     decode_by_pages = True   # metadata carries the decodes' block table and lengths, no slot matrix
+    # A request with up to 1 + 16 (the most drafts) new tokens over a past, a speculative
+    # verification above all, attends as one decode query per token (attention/metadata.py):
+    # the calls its tokens' one-token decodes make, and the C++ decode loop can take the step.
+    max_decode_query_len = 17

@@ -4,7 +4,7 @@ F.linear on the CPU hands the plain [out, in] weight to MKL's sgemm at every cal
 linear over a weight reordered once, after loading, into its own blocked layout is 1.5-2x
 faster at every batch an engine sees, from one decode token to a 2048-token prefill chunk
 (BENCHMARKS.md), with the same float32 arithmetic: only the order of the sums differs
-(~1e-6 relative). At 1-3 rows (a decode step of 1-3 requests) the step is bound by reading the
+(~1e-6 relative). At 1-8 rows (a decode step of a few requests, a verification step) the step is bound by reading the
 weights, and a plain row-streaming kernel (models/cpu_ops.py `linear_small`) reads them faster
 than oneDNN does (23 vs 17 GB/s at one row); so the plain weight is kept beside the packed copy
 (twice the weight memory, except a tied LM head, which shares the embedding's).
@@ -32,9 +32,12 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
 
 class CPUPackedLinearMethod(UnquantizedLinearMethod):
     """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and the plain W
-    for 1-3 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built."""
+    for 1-8 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built."""
 
-    SMALL_ROWS = 3   # up to this many rows, the row-streaming kernel on the plain weight
+    # Up to this many rows, the row-streaming kernel on the plain weight: a decode step of a few
+    # requests, or a speculative verification of k + 1 tokens (at k = 4, batch 1), which then
+    # reads the weights once, as a one-token step does.
+    SMALL_ROWS = 8
 
     def __init__(self, small_ops=None) -> None:
         self.small_ops = small_ops
