@@ -6,7 +6,7 @@
 // holding feature i (low nibble) and feature i + 16 (high nibble), values 0..15: GGUF's Q4_0 /
 // Q4_1 block layout, so those files are copied, not converted. s, m [N, K/G] float32.
 //
-// 1-4 rows (decode: bound by reading the weights), groups of a multiple of 32 (AVX2): llama.cpp's
+// 1-8 rows (decode: bound by reading the weights), groups of a multiple of 32 (AVX2): llama.cpp's
 // scheme. Each input row is quantized to int8 in blocks of 32 features (quant_activations: one
 // scale d = amax / 127 a block), and each block's dot product is an exact integer sum
 // (maddubs + madd; vpdpbusd where AVX-VNNI / AVX512-VNNI exist: the same sums), scaled by s d in
@@ -65,7 +65,7 @@ struct QuantWeight {
   bool int4;
 };
 
-// out[m][n] for rows n in [n0, n1) and M (<= 4) input rows x [M, K]; xsum [M, K/G] (with mins).
+// out[m][n] for rows n in [n0, n1) and M (<= 8) input rows x [M, K]; xsum [M, K/G] (with mins).
 template <int M>
 static void small_rows(const QuantWeight& w, const float* x, const float* xsum, const float* bias, float* out,
                        int64_t n0, int64_t n1) {
@@ -187,7 +187,11 @@ static void small_rows_int_any(int64_t T, const QuantWeight& w, const int8_t* xq
     case 1: small_rows_int<1, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
     case 2: small_rows_int<2, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
     case 3: small_rows_int<3, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
-    default: small_rows_int<4, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    case 4: small_rows_int<4, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    case 5: small_rows_int<5, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    case 6: small_rows_int<6, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    case 7: small_rows_int<7, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
+    default: small_rows_int<8, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
   }
 }
 #endif
@@ -252,7 +256,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   x = x.contiguous();
   const int64_t T = x.size(0), N = w.N, K = w.K;
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (T <= 4) {
+  // Up to 8 rows (the decode loop's, a verification step's): register kernels whose rows do not
+  // depend on each other, so k + 1 verified tokens get the bits of k + 1 one-token steps.
+  if (T <= 8) {
     auto out = torch::empty({T, N}, x.options());
     const float* xp = x.data_ptr<float>();
     // Each input row's sum over each group, for the mins.
@@ -283,7 +289,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
         case 1: small_rows<1>(w, xp, xsum.data(), b, op, n0, n1); break;
         case 2: small_rows<2>(w, xp, xsum.data(), b, op, n0, n1); break;
         case 3: small_rows<3>(w, xp, xsum.data(), b, op, n0, n1); break;
-        default: small_rows<4>(w, xp, xsum.data(), b, op, n0, n1); break;
+        case 4: small_rows<4>(w, xp, xsum.data(), b, op, n0, n1); break;
+        case 5: small_rows<5>(w, xp, xsum.data(), b, op, n0, n1); break;
+        case 6: small_rows<6>(w, xp, xsum.data(), b, op, n0, n1); break;
+        case 7: small_rows<7>(w, xp, xsum.data(), b, op, n0, n1); break;
+        default: small_rows<8>(w, xp, xsum.data(), b, op, n0, n1); break;
       }
     });
     return out;
@@ -319,7 +329,7 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
 }
 
 // x [T, K] float32 (K a multiple of 32) -> (q int8 [T, K], d float32 [T, K/32]): the activations
-// as the 1-4-row integer kernel sees them (tests build their exact reference from these).
+// as the 1-8-row integer kernel sees them (tests build their exact reference from these).
 std::tuple<torch::Tensor, torch::Tensor> quant_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % QBLOCK == 0);
   x = x.contiguous();
