@@ -6,15 +6,15 @@
 // holding feature i (low nibble) and feature i + 16 (high nibble), values 0..15: GGUF's Q4_0 /
 // Q4_1 block layout, so those files are copied, not converted. s, m [N, K/G] float32.
 //
-// 1-8 rows (decode: bound by reading the weights), groups of a multiple of 32 (AVX2): llama.cpp's
-// scheme. Each input row is quantized to int8 in blocks of 32 features (quant_activations: one
-// scale d = amax / 127 a block), and each block's dot product is an exact integer sum
-// (maddubs + madd; vpdpbusd where AVX-VNNI / AVX512-VNNI exist: the same sums), scaled by s d in
-// float. sum_k x_k (q_k s + m) = s sum_k x_k q_k + m sum_k x_k: the mins term takes the float
-// inputs' group sums. Other group sizes, or no AVX2: the float kernel, which widens 8 integers
-// to float32 in registers and sums a group's products in a vector. More rows: each thread
-// dequantises a tile of output rows into a float32 buffer that stays in cache and multiplies
-// it with the inputs by torch's GEMM (single-threaded inside the parallel loop).
+// 1-8 rows (decode, verification), groups of a multiple of 32 (AVX2): llama.cpp's scheme. Each
+// input row is quantized to int8 in blocks of 32 features (quant_activations: one scale
+// d = amax / 127 a block), and each block's dot product is an exact integer sum (maddubs + madd;
+// vpdpbusd where AVX-VNNI / AVX512-VNNI exist: the same sums), scaled by s d in float.
+// sum_k x_k (q_k s + m) = s sum_k x_k q_k + m sum_k x_k: the mins term takes the float inputs'
+// group sums. Other group sizes, or no AVX2: the float kernel (8 integers widened to float32 in
+// registers). 9 rows up to GEMM_ROWS: cache-sized dequantised tiles, each times the inputs by
+// torch's GEMM. More (prefill): a chunk of output rows dequantised into a float32 scratch, then
+// one torch GEMM over it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -127,7 +127,8 @@ static void small_rows(const QuantWeight& w, const float* x, const float* xsum, 
   }
 }
 
-constexpr int64_t QBLOCK = 32;  // features per activation scale
+constexpr int64_t QBLOCK = 32;      // features per activation scale
+constexpr int64_t GEMM_ROWS = 256;  // from this many rows on: dequantise, then one float GEMM
 
 // x [M, K] -> xq [M, K] int8, xd [M, K/32]: q = round(x / d), d = amax / 127 of each block (0: all 0).
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd) {
@@ -256,11 +257,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   x = x.contiguous();
   const int64_t T = x.size(0), N = w.N, K = w.K;
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  // Up to 8 rows (the decode loop's, a verification step's): register kernels whose rows do not
-  // depend on each other, so k + 1 verified tokens get the bits of k + 1 one-token steps.
+  auto out = torch::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   if (T <= 8) {
-    auto out = torch::empty({T, N}, x.options());
-    const float* xp = x.data_ptr<float>();
     // Each input row's sum over each group, for the mins.
     std::vector<float> xsum;
     if (w.m) {
@@ -269,9 +269,13 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
       for (int64_t r = 0; r < T; ++r)
         for (int64_t k = 0; k < K; ++k) xsum[r * ng + k / w.G] += xp[r * K + k];
     }
-    float* op = out.data_ptr<float>();
 #ifdef __AVX2__
     if (w.G % QBLOCK == 0) {
+      // Up to 8 rows (the decode loop's, a verification step's): every row's result is
+      // independent of the others, so k + 1 verified tokens get the bits of k + 1 one-token
+      // steps. (Over blocks of 8 rows for batches of 64 it was 40 % slower than the tiles below
+      // on AVX2: maddubs + madd + convert + FMA per 32 products is no fewer instructions than
+      // float FMAs; VNNI's vpdpbusd would change that.)
       std::vector<int8_t> xq(T * K);
       std::vector<float> xd(T * K / QBLOCK);
       quantize_rows(xp, T, K, xq.data(), xd.data());
@@ -298,23 +302,41 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
     });
     return out;
   }
-  constexpr int64_t TILE = 32;  // output rows dequantised at a time: 32 x K floats stay in L2
-  auto out_t = torch::empty({N, T}, x.options());  // [N, T], transposed at the end
-  const auto xt = x.t();
-  // InferenceMode is thread-local: the pool's threads must see the caller's, or writing into
-  // out_t (an inference tensor when the runner made x under inference_mode) is refused.
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
-    c10::InferenceMode guard(inference);
-    auto tile = torch::empty({TILE, K}, x.options());
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);
-      dequantize_rows(w, n0, n1, tile.data_ptr<float>());
-      auto dst = out_t.narrow(0, n0, n1 - n0);
-      at::mm_out(dst, tile.narrow(0, 0, n1 - n0), xt);
-    }
-  });
-  auto out = out_t.t().contiguous();
+  if (T < GEMM_ROWS) {
+    // 9+ rows: each thread dequantises a tile of 32 output rows into a float32
+    // buffer that stays in cache and multiplies it by torch's GEMM (single-threaded inside).
+    constexpr int64_t TILE = 32;
+    auto out_t = torch::empty({N, T}, x.options());  // [N, T], transposed at the end
+    const auto xt = x.t();
+    // InferenceMode is thread-local: the pool's threads must see the caller's, or writing into
+    // out_t (an inference tensor when the runner made x under inference_mode) is refused.
+    const bool inference = c10::InferenceMode::is_enabled();
+    at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+      c10::InferenceMode guard(inference);
+      auto tile = torch::empty({TILE, K}, x.options());
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);
+        dequantize_rows(w, n0, n1, tile.data_ptr<float>());
+        auto dst = out_t.narrow(0, n0, n1 - n0);
+        at::mm_out(dst, tile.narrow(0, 0, n1 - n0), xt);
+      }
+    });
+    out = out_t.t().contiguous();
+    if (b) out.add_(*bias);
+    return out;
+  }
+  // Prefill-sized steps: a chunk of output rows dequantised to float32 (rows in parallel, raw
+  // stores only), then one GEMM over it with every thread: the dequantisation is amortised over
+  // the rows. The chunk (<= 8 MiB) bounds the scratch for the LM head's 49k rows.
+  const int64_t chunk = std::max<int64_t>(64, std::min<int64_t>(N, (int64_t{1} << 21) / K));
+  auto tile = torch::empty({std::min(chunk, N), K}, x.options());
+  float* tp = tile.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t n1 = std::min(N, n0 + chunk);
+    at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) { dequantize_rows(w, a, e, tp + (a - n0) * K); });
+    auto dst = out.narrow(1, n0, n1 - n0);  // [T, n1 - n0], row stride N
+    at::mm_out(dst, x, tile.narrow(0, 0, n1 - n0).t());
+  }
   if (b) out.add_(*bias);
   return out;
 }

@@ -18,7 +18,7 @@ from pagedllm.models.layers.quantization.gguf import INT4_TYPES, GGUFLayout, ggu
 from pagedllm.models.layers.quantization.layouts import (dequantize_reference, pack_int4, quantize_int4,
                                                          quantize_int8, quantize_int8_offset, unpack_int4)
 
-ROWS = (1, 2, 3, 4, 5, 8, 9, 19)   # 1-8: the register kernels; more: dequantised tiles and GEMM
+ROWS = (1, 2, 3, 4, 5, 8, 9, 19, 300)   # 1-8: the register kernels; then dequantised tiles; 256+: one GEMM
 CASES = [("int4", 37, 96, 32), ("int4", 35, 256, 64), ("int4", 33, 384, 128),
          ("int8", 29, 77, 77), ("int8", 31, 64, 16), ("int8", 41, 160, 32), ("int8", 43, 192, 192),
          ("int8+offset", 39, 160, 32), ("int8+offset", 27, 77, 77)]
@@ -28,7 +28,7 @@ HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")   # the
 
 
 def _integer_kernel(rows, g):
-    """1-8 rows with groups of a multiple of 32 take the integer kernel (int8 activations)."""
+    """1-8 rows with groups of a multiple of 32: the integer kernel (int8 activations)."""
     return HAS_AVX2 and rows <= 8 and g % QBLOCK == 0
 
 
