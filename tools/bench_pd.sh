@@ -10,6 +10,8 @@
 #   bash tools/bench_pd.sh                 # SCALE=full
 #   SCALE=small bash tools/bench_pd.sh     # a smoke run (a minute or two)
 #   MODEL=/path/to/hf-dir bash tools/bench_pd.sh   # another model (default random:tiny)
+#   MODEL=SmolLM2-135M-Instruct KV_CACHE_MEMORY=0.5 MAX_MODEL_LEN=2048 MIXED_PROMPTS=32 MIXED_RATE=2.0 \
+#       MIXED_ONLY=1 bash tools/bench_pd.sh      # the default model, the mixed workload only
 # Logs and JSON go to $OUT (default /tmp/pagedllm-bench-pd).
 set -euo pipefail
 OUT=${OUT:-/tmp/pagedllm-bench-pd}
@@ -21,7 +23,7 @@ BASE_PORT=${BASE_PORT:-8310}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CLI="$PY -m pagedllm.entrypoints.cli"
-SERVE_ARGS=(--model "$MODEL" --max-model-len 1024 --kv-cache-memory 0.05)
+SERVE_ARGS=(--model "$MODEL" --max-model-len "${MAX_MODEL_LEN:-1024}" --kv-cache-memory "${KV_CACHE_MEMORY:-0.05}")
 if [[ $SCALE == small ]]; then
   MIXED=(--num-prompts 16 --random-input-len 24 --random-output-len 16 --long-every 8 --long-input-len 480
          --concurrency 8 --request-rate 4.0)
@@ -31,6 +33,7 @@ else
          --concurrency 16 --request-rate 4.0)
   CAP_PROMPTS=64 OVERLOAD_S=90
 fi
+MIXED[1]=${MIXED_PROMPTS:-${MIXED[1]}}; MIXED[-1]=${MIXED_RATE:-${MIXED[-1]}}
 BENCH=($CLI bench serve --tokenizer "$MODEL" --warmup 2)
 
 PIDS=()
@@ -88,6 +91,20 @@ start proxy 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D
 wait_health $X proxy
 bench mixed_pd $X "${MIXED[@]}"
 curl -s $X/metrics | grep -E '^pagedllm_proxy:(kv_blocks_moved_total|requests_total)' | tee "$OUT/mixed_pd_proxy_metrics.txt"
+
+if [[ -n ${MIXED_ONLY:-} ]]; then   # the mixed workload only: the table of (a) vs (b)
+  stop_all
+  $PY - "$OUT" <<'EOF'
+import json, sys
+row = lambda name: json.load(open(f"{sys.argv[1]}/{name}.json"))["runs"][0]
+a, b = row("mixed_colocated"), row("mixed_pd")
+for name, r in (("(a) colocated", a), ("(b) 1P+1D", b)):
+    print(f"| {name} | {r['p50_short_itl_ms']:.0f} ms | {r['p99_short_itl_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
+          f"{r['p99_ttft_ms']:.0f} ms | {r['output_throughput']:.1f} | {r['failed']} |")
+print(f"short-chat ITL p99 (b)/(a): {b['p99_short_itl_ms'] / a['p99_short_itl_ms']:.2f}x (goal <= 0.5x)")
+EOF
+  exit 0
+fi
 
 # (b)'s capacity on the mix: as fast as it goes (no request rate)
 CAP=("${MIXED[@]}")
