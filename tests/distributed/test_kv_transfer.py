@@ -85,8 +85,8 @@ def test_bad_kv_transfer_params():
 def test_consumer_cache_too_small_for_all_loads_recomputes(engines):
     """A consumer cache of 10 blocks and 6 loaded requests of 3-7 blocks each: loads, preemption
     and recompute here of requests whose load was used give one colocated engine's greedy output.
-    (The server test with its 9-block decode cache is the one where loaded requests behind a
-    blocked head once held every block for ever: Scheduler._release_remote_holders.)"""
+    (Loaded requests behind a blocked head holding every block for ever, the hang this once had:
+    tests/core/test_remote_kv_core.py.)"""
     ref, prod = engines
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 512, (40,), generator=g).tolist()
