@@ -62,8 +62,8 @@ def _die_with_parent() -> None:
 
 
 def _node_address(ray) -> str:
-    """This node's address as the cluster knows it: 127.0.0.1 on a loopback cluster, the host's
-    address on a multi-host one (get_node_ip_address takes the default route's, even then)."""
+    """This node's address as the cluster registered it (NodeManagerAddress): 127.0.0.1 on a
+    loopback cluster, the host's address on a multi-host one; the one the other nodes reach."""
     node_id = ray.get_runtime_context().get_node_id()
     known = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]
     return known[0] if known else ray.util.get_node_ip_address()
