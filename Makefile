@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run serve test test-fast download bench bench-deps gpu-wheels clean
+.PHONY: install kernels run serve test test-fast download bench bench-deps gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,16 +19,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The C++ CPU kernels, compiled ahead (a no-op when the build for these sources is cached).
+kernels: $(STAMP)
+	$(BIN)/python -m pagedllm.csrc.build
+
 download: $(STAMP)
 	$(BIN)/pagedllm download
 
-run: $(STAMP)
+run: $(STAMP) kernels
 	$(BIN)/pagedllm generate --chat-template "What is the capital of France?" "Write a haiku about the sea." --max-tokens 64
 
-serve: $(STAMP)
+serve: $(STAMP) kernels
 	$(BIN)/pagedllm serve
 
-test: $(STAMP)
+test: $(STAMP) kernels
 	$(BIN)/pagedllm download
 	$(BIN)/pagedllm download gemma3-270m
 	$(BIN)/python -m pytest -q --durations=25 tests

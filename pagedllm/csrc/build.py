@@ -92,3 +92,11 @@ def cpu_extension():
     """The one extension of pagedllm/csrc (paged_decode, rms_norm, silu_and_mul,
     rotary_embedding_, linear_small, quant_linear, decode_layers), or None; built at most once a process."""
     return build_extension("pagedllm_cpu", SOURCE_DIR, SOURCES)
+
+
+if __name__ == "__main__":
+    # `make test` / `make serve` build the kernels ahead, so the first engine (or test) does not
+    # wait for the compiler; a failed build is reported, not fatal (the engine has its torch path).
+    logging.basicConfig(level=logging.INFO)
+    ext = cpu_extension()
+    print(f"C++ kernels: {ext.__name__ if ext is not None else 'not built: ' + '; '.join(build_failures.values())}")
