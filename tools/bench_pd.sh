@@ -70,17 +70,29 @@ bench() {   # NAME URL ARGS...
   "${BENCH[@]}" --base-url "$url" --output-json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt"
 }
 
+poll_queues() {   # FILE URL...: each instance's running / waiting requests once a second (where the TTFT goes)
+  local file=$1; shift
+  while :; do
+    for u in "$@"; do
+      echo "$(date +%s.%N) $u $(curl -s "$u/metrics" | awk '/^pagedllm:num_requests_(running|waiting)/ {printf "%s=%s ", $1, $2}')"
+    done >>"$file"
+    sleep 1
+  done
+}
+
 kv_config() { echo "{\"kv_connector\": \"ZmqConnector\", \"kv_role\": \"$1\"}"; }
 
 echo "== uptime before: $(uptime)" | tee "$OUT/uptime.txt"
 A=http://127.0.0.1:$BASE_PORT P=http://127.0.0.1:$((BASE_PORT + 1)) D=http://127.0.0.1:$((BASE_PORT + 2))
 X=http://127.0.0.1:$((BASE_PORT + 3))
 
+if [[ -z ${OVERLOAD_ONLY:-} ]]; then
 # (a) colocated, chunked prefill, 2 threads
 start colocated 2 serve --port $BASE_PORT "${SERVE_ARGS[@]}"
 wait_health $A colocated
 bench mixed_colocated $A "${MIXED[@]}"
 stop_all
+fi
 
 # (b) 1P + 1D, 1 thread each, behind the proxy
 start prefill 1 serve --port $((BASE_PORT + 1)) "${SERVE_ARGS[@]}" --kv-transfer-config "$(kv_config kv_producer)"
@@ -89,8 +101,10 @@ start decode 1 serve --port $((BASE_PORT + 2)) "${SERVE_ARGS[@]}" --kv-transfer-
 wait_health $D decode
 start proxy 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D
 wait_health $X proxy
-bench mixed_pd $X "${MIXED[@]}"
-curl -s $X/metrics | grep -E '^pagedllm_proxy:(kv_blocks_moved_total|requests_total)' | tee "$OUT/mixed_pd_proxy_metrics.txt"
+if [[ -z ${OVERLOAD_ONLY:-} ]]; then
+  bench mixed_pd $X "${MIXED[@]}"
+  curl -s $X/metrics | grep -E '^pagedllm_proxy:(kv_blocks_moved_total|requests_total)' | tee "$OUT/mixed_pd_proxy_metrics.txt"
+fi
 
 if [[ -n ${MIXED_ONLY:-} ]]; then   # the mixed workload only: the table of (a) vs (b)
   stop_all
@@ -107,20 +121,28 @@ EOF
 fi
 
 # (b)'s capacity on the mix: as fast as it goes (no request rate)
-CAP=("${MIXED[@]}")
-CAP[1]=$CAP_PROMPTS; CAP[-1]=inf
-bench capacity_pd $X "${CAP[@]}"
-RATE=$($PY -c "import json; r = json.load(open('$OUT/capacity_pd.json'))['runs'][0]; print(round(2 * r['request_throughput'], 2))")
+if [[ -n ${OVERLOAD_RATE:-} ]]; then   # given: no capacity run
+  RATE=$OVERLOAD_RATE
+else
+  CAP=("${MIXED[@]}")
+  CAP[1]=$CAP_PROMPTS; CAP[-1]=inf
+  bench capacity_pd $X "${CAP[@]}"
+  RATE=$($PY -c "import json; r = json.load(open('$OUT/capacity_pd.json'))['runs'][0]; print(round(2 * r['request_throughput'], 2))")
+fi
 N=$($PY -c "print(max(16, int($RATE * $OVERLOAD_S)))")
 echo "== overload at $RATE req/s (2x the capacity just measured), $N requests" | tee -a "$OUT/commands.txt"
 
 # Overload at 2x through a proxy with the TTFT SLO (a fresh one: no bookings from the runs above)
 kill -TERM -- "-${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
-start proxy_slo 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D --ttft-slo "$TTFT_SLO"
+start proxy_slo 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D --ttft-slo "$TTFT_SLO" \
+  --trace "$OUT/overload_trace.jsonl"
 wait_health $X proxy_slo
 OVER=("${MIXED[@]}")
 OVER[1]=$N; OVER[-1]=$RATE; OVER[-3]=512   # concurrency high enough that the client never caps arrivals
+poll_queues "$OUT/overload_queues.txt" $P $D &
+POLL=$!
 bench overload_pd $X "${OVER[@]}"
+kill $POLL 2>/dev/null || true
 curl -s $X/metrics | grep -E '^pagedllm_proxy:requests_total' | tee "$OUT/overload_pd_proxy_metrics.txt"
 stop_all
 echo "== uptime after: $(uptime)" | tee -a "$OUT/uptime.txt"
@@ -129,13 +151,18 @@ $PY - "$OUT" "$TTFT_SLO" <<'EOF'
 import json, sys
 out, slo = sys.argv[1], float(sys.argv[2])
 row = lambda name: json.load(open(f"{out}/{name}.json"))["runs"][0]
-a, b, o = row("mixed_colocated"), row("mixed_pd"), row("overload_pd")
-print("\n| | short-chat ITL p50 | short-chat ITL p99 | TTFT p50 | TTFT p99 | out tok/s | failed |")
-print("|---|---|---|---|---|---|---|")
-for name, r in (("(a) colocated", a), ("(b) 1P+1D", b)):
-    print(f"| {name} | {r['p50_short_itl_ms']:.0f} ms | {r['p99_short_itl_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
-          f"{r['p99_ttft_ms']:.0f} ms | {r['output_throughput']:.1f} | {r['failed']} |")
-print(f"\nshort-chat ITL p99 (b)/(a): {b['p99_short_itl_ms'] / a['p99_short_itl_ms']:.2f}x (goal <= 0.5x)")
+o = row("overload_pd")
+try:
+    a, b = row("mixed_colocated"), row("mixed_pd")
+except FileNotFoundError:   # OVERLOAD_ONLY
+    a = b = None
+if a is not None:
+    print("\n| | short-chat ITL p50 | short-chat ITL p99 | TTFT p50 | TTFT p99 | out tok/s | failed |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in (("(a) colocated", a), ("(b) 1P+1D", b)):
+        print(f"| {name} | {r['p50_short_itl_ms']:.0f} ms | {r['p99_short_itl_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
+              f"{r['p99_ttft_ms']:.0f} ms | {r['output_throughput']:.1f} | {r['failed']} |")
+    print(f"\nshort-chat ITL p99 (b)/(a): {b['p99_short_itl_ms'] / a['p99_short_itl_ms']:.2f}x (goal <= 0.5x)")
 n = o["completed"] + o["failed"] + o["rejected"]
 w = o.get("admitted_per_10s", [])
 loaded = w[1:-1]   # the first window fills the pipe, the last is partial
