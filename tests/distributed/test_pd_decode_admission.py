@@ -46,7 +46,8 @@ def _capacity(max_num_seqs: int) -> float:
     return max_num_seqs / (K * (A + B * max_num_seqs))
 
 
-def _simulate(max_num_seqs: int, rate: float, seed: int = 0):
+def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0):
+    """jitter: each decode step takes its time times a log-normal factor of this sigma (a busy machine)."""
     rng = random.Random(seed)
     prefill, decode, margin = PrefillInstance("p"), DecodeInstance("d", max_num_seqs), TailMargin()
     events, seq = [], itertools.count()       # (time, seq, kind, request)
@@ -92,22 +93,25 @@ def _simulate(max_num_seqs: int, rate: float, seed: int = 0):
             while waiting and len(running) < max_num_seqs:
                 running.append(waiting.pop(0))
             stepping = True
-            push(t + A + B * len(running), "step_end")
+            push(t + (A + B * len(running)) * (rng.lognormvariate(0, jitter) if jitter else 1.0), "step_end")
     return admitted, refused
 
 
-@pytest.mark.parametrize("max_num_seqs", [64, 8], ids=["per-stream-cost", "slots"])
-def test_decode_bottleneck_2x_overload(max_num_seqs):
-    """64: the batch never fills, the per-stream step cost limits; 8: streams wait for a slot."""
+@pytest.mark.parametrize("max_num_seqs, jitter, p99_bound", [(64, 0.0, 1.0), (8, 0.0, 1.0), (64, 0.3, 1.1)],
+                         ids=["per-stream-cost", "slots", "noisy"])
+def test_decode_bottleneck_2x_overload(max_num_seqs, jitter, p99_bound):
+    """64: the batch never fills, the per-stream step cost limits; 8: streams wait for a slot;
+    noisy: step times vary (log-normal, sigma 0.3) and the margin counts for at most half the SLO,
+    so the p99 may pass the SLO by a little."""
     cap = _capacity(max_num_seqs)
-    admitted, refused = _simulate(max_num_seqs, 2 * cap)
+    admitted, refused = _simulate(max_num_seqs, 2 * cap, jitter=jitter)
     loaded = [(t, ttft) for t, ttft in admitted if WARMUP <= t < DURATION]
     counts = [sum(1 for t, _ in loaded if w <= t < w + WINDOW) for w in np.arange(WARMUP, DURATION, WINDOW)]
     mean = sum(counts) / len(counts)
     assert all(abs(c - mean) <= 0.2 * mean for c in counts), counts
     assert 0.7 * cap * WINDOW <= mean <= 1.05 * cap * WINDOW, (counts, cap)   # near the capacity
     assert refused / (refused + len(admitted)) > 0.35
-    assert np.percentile([ttft for _, ttft in loaded], 99) <= SLO
+    assert np.percentile([ttft for _, ttft in loaded], 99) <= SLO * p99_bound
 
 
 @pytest.mark.parametrize("max_num_seqs", [64, 8])
