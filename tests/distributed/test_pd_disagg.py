@@ -3,7 +3,8 @@ the ZMQ connector) behind `pagedllm proxy` answer greedy requests exactly as one
 offline engine does, token for token, streamed and not; the prefill side hits its prefix cache,
 the decode side (a cache too small for the batch) preempts and recomputes; a consumer that
 never fetches lets the producer's blocks go after the timeout; a producer killed while the
-decode instance is pulling turns into an error for that request, no hang, no leaked blocks.
+decode instance is pulling turns into an error for that request, no hang, no leaked blocks; a
+decode instance killed while pulling leaves no block held on the producer.
 
 The tiny random model keeps it fast (prompts as token ids: its tokenizer is word level)."""
 from __future__ import annotations
@@ -145,6 +146,37 @@ def test_unfetched_blocks_are_freed_after_timeout(servers):
     assert params["do_remote_prefill"] and params["remote_block_ids"], params
     assert prefill.metrics()[USED] >= len(params["remote_block_ids"])   # held for the consumer
     wait_metrics(prefill, lambda m: m[USED] == 0, "blocks freed after timeout_s", timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_consumer_killed_mid_transfer(servers):
+    """The other side of the test below: a decode instance killed while it pulls. Its client's
+    request fails (no hang), the producer's held blocks go back (at the latest after its
+    timeout_s) and it goes on serving. A decode instance of its own: the shared one serves on."""
+    prefill = servers[0]
+    decode = tiny_server(MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0))
+    try:
+        params = _prefill_only(prefill, _prompts()[2])
+        os.killpg(prefill.proc.pid, signal.SIGSTOP)   # the consumer's pull waits unanswered...
+        try:
+            async def run():
+                task = asyncio.ensure_future(httpx.AsyncClient(timeout=60).post(decode.url + "/v1/completions", json={
+                    "model": TINY, "prompt": _prompts()[2], "max_tokens": 4, "kv_transfer_params": params}))
+                await asyncio.sleep(1.0)
+                os.killpg(decode.proc.pid, signal.SIGKILL)   # ...and the consumer dies meanwhile
+                return (await asyncio.gather(task, return_exceptions=True))[0]
+            t0 = time.monotonic()
+            r = asyncio.run(run())
+        finally:
+            os.killpg(prefill.proc.pid, signal.SIGCONT)
+        assert isinstance(r, httpx.HTTPError), r       # the connection died with the instance
+        assert time.monotonic() - t0 < 30
+    finally:
+        decode.close()
+    wait_metrics(prefill, lambda m: m[USED] == 0, "no producer block leaked", timeout=30)
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60,
+                   json={"model": TINY, "prompt": [5, 6, 7], "max_tokens": 3})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.stops_server

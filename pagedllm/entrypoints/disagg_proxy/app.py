@@ -143,7 +143,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         finally:
             if booked:
                 prefill.done([], seconds, t0, None)
-            if kvp is None:
+            if not kvp:   # no decode request will go out
                 decode.cancel()
         return await _decode(path, dict(body, kv_transfer_params=kvp), a, headers, t0, finish)
 
