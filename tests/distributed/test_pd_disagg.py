@@ -299,3 +299,11 @@ def test_proxy_bad_launch_args(args, field, capsys):
     from pagedllm.entrypoints.cli import main
     assert main(["proxy", *args]) == 2        # a clear error naming the field, before Ray starts
     assert field in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--decode-max-num-seqs", "0"), ("--ttft-slo", "-1")])
+def test_proxy_bad_flag_values(flag, value, capsys):
+    from pagedllm.entrypoints.cli import main
+    with pytest.raises(SystemExit) as e:   # argparse's usage error, naming the flag
+        main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
