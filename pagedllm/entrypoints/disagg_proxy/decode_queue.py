@@ -53,8 +53,7 @@ class DecodeInstance:
         max_num_seqs."""
         self.first.expire(t)
         batch = min(position, self.max_num_seqs)
-        a, b = self.first.coef()
-        transfer = max(a, 0.0)
+        transfer = max(self.first.coef()[0], 0.0)
         step = max(self.first(batch) - transfer, 0.0)
         slot_wait = max(position - self.max_num_seqs, 0) * self.duration.value / self.max_num_seqs
         return FirstTokenForecast(transfer, slot_wait, step)

@@ -132,7 +132,7 @@ class Admission:
     first: FirstTokenForecast   # the decode side's part of the TTFT
     ttft: float
     tbt: float
-    margin: float = 0.0   # what recent predictions missed by (TailMargin.value)
+    margin: float = 0.0   # what recent predictions missed by (TailMargin.at)
 
     def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
         """The margin counts for at most half the SLO: where the noise alone is larger, holding
