@@ -12,6 +12,11 @@
 #   MODEL=/path/to/hf-dir bash tools/bench_pd.sh   # another model (default random:tiny)
 #   MODEL=SmolLM2-135M-Instruct KV_CACHE_MEMORY=0.5 MAX_MODEL_LEN=2048 MIXED_PROMPTS=32 MIXED_RATE=2.0 \
 #       MIXED_ONLY=1 bash tools/bench_pd.sh      # the default model, the mixed workload only
+#   OVERLOAD_ONLY=1 bash tools/bench_pd.sh   # only (b)'s capacity and the overload run (about 3 min)
+#   OVERLOAD_ONLY=1 OVERLOAD_RATE=50 ...     # the overload at this rate, no capacity run
+# The overload run's proxy writes --trace $OUT/overload_trace.jsonl (predicted vs measured TTFT by
+# part, summarised at the end) and the instances' running / waiting requests go to
+# $OUT/overload_queues.txt once a second.
 # Logs and JSON go to $OUT (default /tmp/pagedllm-bench-pd).
 set -euo pipefail
 OUT=${OUT:-/tmp/pagedllm-bench-pd}
@@ -70,17 +75,29 @@ bench() {   # NAME URL ARGS...
   "${BENCH[@]}" --base-url "$url" --output-json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt"
 }
 
+poll_queues() {   # FILE URL...: each instance's running / waiting requests once a second (where the TTFT goes)
+  local file=$1; shift
+  while :; do
+    for u in "$@"; do
+      echo "$(date +%s.%N) $u $(curl -s "$u/metrics" | awk '/^pagedllm:num_requests_(running|waiting)/ {printf "%s=%s ", $1, $2}')"
+    done >>"$file"
+    sleep 1
+  done
+}
+
 kv_config() { echo "{\"kv_connector\": \"ZmqConnector\", \"kv_role\": \"$1\"}"; }
 
 echo "== uptime before: $(uptime)" | tee "$OUT/uptime.txt"
 A=http://127.0.0.1:$BASE_PORT P=http://127.0.0.1:$((BASE_PORT + 1)) D=http://127.0.0.1:$((BASE_PORT + 2))
 X=http://127.0.0.1:$((BASE_PORT + 3))
 
+if [[ -z ${OVERLOAD_ONLY:-} ]]; then
 # (a) colocated, chunked prefill, 2 threads
 start colocated 2 serve --port $BASE_PORT "${SERVE_ARGS[@]}"
 wait_health $A colocated
 bench mixed_colocated $A "${MIXED[@]}"
 stop_all
+fi
 
 # (b) 1P + 1D, 1 thread each, behind the proxy
 start prefill 1 serve --port $((BASE_PORT + 1)) "${SERVE_ARGS[@]}" --kv-transfer-config "$(kv_config kv_producer)"
@@ -89,8 +106,10 @@ start decode 1 serve --port $((BASE_PORT + 2)) "${SERVE_ARGS[@]}" --kv-transfer-
 wait_health $D decode
 start proxy 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D
 wait_health $X proxy
-bench mixed_pd $X "${MIXED[@]}"
-curl -s $X/metrics | grep -E '^pagedllm_proxy:(kv_blocks_moved_total|requests_total)' | tee "$OUT/mixed_pd_proxy_metrics.txt"
+if [[ -z ${OVERLOAD_ONLY:-} ]]; then
+  bench mixed_pd $X "${MIXED[@]}"
+  curl -s $X/metrics | grep -E '^pagedllm_proxy:(kv_blocks_moved_total|requests_total)' | tee "$OUT/mixed_pd_proxy_metrics.txt"
+fi
 
 if [[ -n ${MIXED_ONLY:-} ]]; then   # the mixed workload only: the table of (a) vs (b)
   stop_all
@@ -107,20 +126,28 @@ EOF
 fi
 
 # (b)'s capacity on the mix: as fast as it goes (no request rate)
-CAP=("${MIXED[@]}")
-CAP[1]=$CAP_PROMPTS; CAP[-1]=inf
-bench capacity_pd $X "${CAP[@]}"
-RATE=$($PY -c "import json; r = json.load(open('$OUT/capacity_pd.json'))['runs'][0]; print(round(2 * r['request_throughput'], 2))")
+if [[ -n ${OVERLOAD_RATE:-} ]]; then   # given: no capacity run
+  RATE=$OVERLOAD_RATE
+else
+  CAP=("${MIXED[@]}")
+  CAP[1]=$CAP_PROMPTS; CAP[-1]=inf
+  bench capacity_pd $X "${CAP[@]}"
+  RATE=$($PY -c "import json; r = json.load(open('$OUT/capacity_pd.json'))['runs'][0]; print(round(2 * r['request_throughput'], 2))")
+fi
 N=$($PY -c "print(max(16, int($RATE * $OVERLOAD_S)))")
 echo "== overload at $RATE req/s (2x the capacity just measured), $N requests" | tee -a "$OUT/commands.txt"
 
 # Overload at 2x through a proxy with the TTFT SLO (a fresh one: no bookings from the runs above)
 kill -TERM -- "-${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
-start proxy_slo 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D --ttft-slo "$TTFT_SLO"
+start proxy_slo 1 proxy --port $((BASE_PORT + 3)) --prefill $P --decode $D --ttft-slo "$TTFT_SLO" \
+  --trace "$OUT/overload_trace.jsonl"
 wait_health $X proxy_slo
 OVER=("${MIXED[@]}")
 OVER[1]=$N; OVER[-1]=$RATE; OVER[-3]=512   # concurrency high enough that the client never caps arrivals
-bench overload_pd $X "${OVER[@]}"
+poll_queues "$OUT/overload_queues.txt" $P $D &
+POLL=$!
+bench overload_pd $X "${OVER[@]}" || echo "(bench serve: some requests failed; see the summary)"
+kill $POLL 2>/dev/null || true
 curl -s $X/metrics | grep -E '^pagedllm_proxy:requests_total' | tee "$OUT/overload_pd_proxy_metrics.txt"
 stop_all
 echo "== uptime after: $(uptime)" | tee -a "$OUT/uptime.txt"
@@ -129,13 +156,18 @@ $PY - "$OUT" "$TTFT_SLO" <<'EOF'
 import json, sys
 out, slo = sys.argv[1], float(sys.argv[2])
 row = lambda name: json.load(open(f"{out}/{name}.json"))["runs"][0]
-a, b, o = row("mixed_colocated"), row("mixed_pd"), row("overload_pd")
-print("\n| | short-chat ITL p50 | short-chat ITL p99 | TTFT p50 | TTFT p99 | out tok/s | failed |")
-print("|---|---|---|---|---|---|---|")
-for name, r in (("(a) colocated", a), ("(b) 1P+1D", b)):
-    print(f"| {name} | {r['p50_short_itl_ms']:.0f} ms | {r['p99_short_itl_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
-          f"{r['p99_ttft_ms']:.0f} ms | {r['output_throughput']:.1f} | {r['failed']} |")
-print(f"\nshort-chat ITL p99 (b)/(a): {b['p99_short_itl_ms'] / a['p99_short_itl_ms']:.2f}x (goal <= 0.5x)")
+o = row("overload_pd")
+try:
+    a, b = row("mixed_colocated"), row("mixed_pd")
+except FileNotFoundError:   # OVERLOAD_ONLY
+    a = b = None
+if a is not None:
+    print("\n| | short-chat ITL p50 | short-chat ITL p99 | TTFT p50 | TTFT p99 | out tok/s | failed |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in (("(a) colocated", a), ("(b) 1P+1D", b)):
+        print(f"| {name} | {r['p50_short_itl_ms']:.0f} ms | {r['p99_short_itl_ms']:.0f} ms | {r['p50_ttft_ms']:.0f} ms | "
+              f"{r['p99_ttft_ms']:.0f} ms | {r['output_throughput']:.1f} | {r['failed']} |")
+    print(f"\nshort-chat ITL p99 (b)/(a): {b['p99_short_itl_ms'] / a['p99_short_itl_ms']:.2f}x (goal <= 0.5x)")
 n = o["completed"] + o["failed"] + o["rejected"]
 w = o.get("admitted_per_10s", [])
 loaded = w[1:-1]   # the first window fills the pipe, the last is partial
@@ -143,4 +175,17 @@ spread = max(abs(x - sum(loaded) / len(loaded)) for x in loaded) / (sum(loaded) 
 print(f"overload: {o['rejected']} of {n} rejected ({100 * o['rejected'] / max(n, 1):.1f} %), {o['failed']} failed; "
       f"admitted TTFT p50 {o['p50_ttft_ms']:.0f} ms, p99 {o['p99_ttft_ms']:.0f} ms (SLO {slo * 1000:.0f} ms); "
       f"admitted per 10 s {w} (loaded windows within +-{100 * spread:.0f} % of their mean; goal 20 %)")
+# Where the admitted TTFT goes (the proxy's --trace): predicted beside measured, seconds
+import numpy as np
+rs = [json.loads(line) for line in open(f"{out}/overload_trace.jsonl")]
+col = lambda *keys: np.sum([[r[k] for r in rs] for k in keys], axis=0)
+print("| part | predicted p50 | p99 | measured p50 | p99 |\n|---|---|---|---|---|")
+for name, pred, meas in (("prefill (queue + work)", col("pred_queue", "pred_prefill"), col("prefill")),
+                         ("decode first token (transfer + slot + steps)",
+                          col("pred_transfer", "pred_slot_wait", "pred_step"), col("decode_first")),
+                         ("TTFT", col("pred_ttft"), col("ttft"))):
+    print(f"| {name} | {np.percentile(pred, 50):.3f} | {np.percentile(pred, 99):.3f} | "
+          f"{np.percentile(meas, 50):.3f} | {np.percentile(meas, 99):.3f} |")
+print(f"tail margin (p99 of recent errors, counted up to SLO/2) p50 {np.percentile(col('margin'), 50):.3f} s; "
+      f"decode load at send p50 {np.percentile(col('position'), 50):.0f}, p99 {np.percentile(col('position'), 99):.0f}")
 EOF

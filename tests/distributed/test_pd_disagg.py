@@ -3,7 +3,8 @@ the ZMQ connector) behind `pagedllm proxy` answer greedy requests exactly as one
 offline engine does, token for token, streamed and not; the prefill side hits its prefix cache,
 the decode side (a cache too small for the batch) preempts and recomputes; a consumer that
 never fetches lets the producer's blocks go after the timeout; a producer killed while the
-decode instance is pulling turns into an error for that request, no hang, no leaked blocks.
+decode instance is pulling turns into an error for that request, no hang, no leaked blocks; a
+decode instance killed while pulling leaves no block held on the producer.
 
 The tiny random model keeps it fast (prompts as token ids: its tokenizer is word level)."""
 from __future__ import annotations
@@ -147,25 +148,52 @@ def test_unfetched_blocks_are_freed_after_timeout(servers):
     wait_metrics(prefill, lambda m: m[USED] == 0, "blocks freed after timeout_s", timeout=30)
 
 
+def _kill_mid_transfer(prefill, decode, prompt: list[int], victim) -> tuple[object, float]:
+    """Prefill `prompt`, stop the producer so that the decode instance's pull waits unanswered,
+    send the decode request, kill `victim` (either server) meanwhile -> (the decode request's
+    response or exception, seconds it took)."""
+    params = _prefill_only(prefill, prompt)
+    os.killpg(prefill.proc.pid, signal.SIGSTOP)
+    try:
+        async def run():
+            task = asyncio.ensure_future(httpx.AsyncClient(timeout=60).post(decode.url + "/v1/completions", json={
+                "model": TINY, "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params}))
+            await asyncio.sleep(1.0)
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            return (await asyncio.gather(task, return_exceptions=True))[0]
+        t0 = time.monotonic()
+        return asyncio.run(run()), time.monotonic() - t0
+    finally:
+        os.killpg(prefill.proc.pid, signal.SIGCONT) if prefill.proc.poll() is None else None
+
+
+@pytest.mark.timeout(180)
+def test_consumer_killed_mid_transfer(servers):
+    """The other side of the test below: a decode instance killed while it pulls. Its client's
+    request fails (no hang), the producer's held blocks go back (at the latest after its
+    timeout_s) and it goes on serving. A decode instance of its own: the shared one serves on."""
+    prefill = servers[0]
+    decode = tiny_server(MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0))
+    try:
+        r, seconds = _kill_mid_transfer(prefill, decode, _prompts()[2], victim=decode)
+        assert isinstance(r, httpx.HTTPError), r       # the connection died with the instance
+        assert seconds < 30
+    finally:
+        decode.close()
+    wait_metrics(prefill, lambda m: m[USED] == 0, "no producer block leaked", timeout=30)
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60,
+                   json={"model": TINY, "prompt": [5, 6, 7], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.stops_server
 @pytest.mark.timeout(120)
 def test_producer_killed_mid_transfer(servers):
     prefill, decode, _ = servers
-    params = _prefill_only(prefill, _prompts()[1])
-    os.killpg(prefill.proc.pid, signal.SIGSTOP)   # the decode's pull gets no answer...
-    try:
-        async def run():
-            task = asyncio.ensure_future(httpx.AsyncClient(timeout=60).post(decode.url + "/v1/completions", json={
-                "model": TINY, "prompt": _prompts()[1], "max_tokens": 4, "kv_transfer_params": params}))
-            await asyncio.sleep(1.0)
-            os.killpg(prefill.proc.pid, signal.SIGKILL)   # ...and the producer dies meanwhile
-            return await task
-        t0 = time.monotonic()
-        r = asyncio.run(run())
-    finally:
-        os.killpg(prefill.proc.pid, signal.SIGCONT) if prefill.proc.poll() is None else None
+    r, seconds = _kill_mid_transfer(prefill, decode, _prompts()[1], victim=prefill)
+    assert isinstance(r, httpx.Response), r
     assert r.status_code >= 500 and "KV transfer" in r.json()["error"]["message"], r.text
-    assert time.monotonic() - t0 < 30
+    assert seconds < 30
     wait_metrics(decode, lambda m: m[USED] == 0, "no decode block leaked", timeout=30)
     # The decode instance goes on serving.
     r = httpx.post(decode.url + "/v1/completions", timeout=60,
@@ -271,3 +299,11 @@ def test_proxy_bad_launch_args(args, field, capsys):
     from pagedllm.entrypoints.cli import main
     assert main(["proxy", *args]) == 2        # a clear error naming the field, before Ray starts
     assert field in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--decode-max-num-seqs", "0"), ("--ttft-slo", "-1")])
+def test_proxy_bad_flag_values(flag, value, capsys):
+    from pagedllm.entrypoints.cli import main
+    with pytest.raises(SystemExit) as e:   # argparse's usage error, naming the flag
+        main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err

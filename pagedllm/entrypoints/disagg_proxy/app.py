@@ -1,7 +1,9 @@
 """The proxy's OpenAI routes: each request is prefilled (max_tokens 1, kv_transfer_params
 {"do_remote_decode": true}) on the prefill instance of the lowest predicted TTFT, then sent with
 the prefill's kv_transfer_params to a decode instance, whose answer (streamed or not) is the
-client's. Refused at once with 503 when the predicted TTFT or TBT misses the SLO."""
+client's. Refused at once with 503 when the predicted TTFT or TBT misses the SLO. `trace`: one JSON
+line per admitted streamed request, the prediction by part beside what was measured (debugging
+the predictor: where the admitted TTFT goes)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm.entrypoints.disagg_proxy.decode_queue import DEFAULT_MAX_NUM_SEQS
+from pagedllm.entrypoints.disagg_proxy.fit import TailMargin
 from pagedllm.entrypoints.disagg_proxy.predictor import (
-    DecodeInstance, PrefillInstance, chunk_hashes, now, plan)
+    Admission, DecodeInstance, PrefillInstance, chunk_hashes, now, plan)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +29,16 @@ def _error_body(message: str, type_: str, code: Optional[str] = None) -> dict:
 
 def _error(status: int, message: str, type_: str, code: Optional[str] = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=_error_body(message, type_, code))
+
+
+def _trace_record(a: Admission, position: int, t0: float, t_prefilled: float, t_sent: float, t_first: float) -> dict:
+    """Predicted beside measured, in seconds: the prefill's queue and work against its answer, the
+    decode side's transfer + slot wait + steps against its first token."""
+    return {"t0": round(t0, 4), "position": position, "pending": a.decode.pending,
+            "pred_queue": a.queue, "pred_prefill": a.seconds, "pred_transfer": a.first.transfer,
+            "pred_slot_wait": a.first.slot_wait, "pred_step": a.first.step, "pred_ttft": a.ttft,
+            "margin": a.margin, "prefill": t_prefilled - t0, "decode_first": t_first - t_sent,
+            "ttft": t_first - t0}
 
 
 class _Metrics:
@@ -40,14 +54,21 @@ class _Metrics:
         self.queue = Gauge("pagedllm_proxy:prefill_queue_seconds", "Booked prefill work ahead.", ["instance"],
                            registry=r)
         self.streams = Gauge("pagedllm_proxy:decode_streams", "Requests decoding.", ["instance"], registry=r)
+        self.pending = Gauge("pagedllm_proxy:decode_pending", "Requests admitted to a decode instance, "
+                             "still prefilling.", ["instance"], registry=r)
+        self.margin = Gauge("pagedllm_proxy:ttft_margin_seconds", "What recent TTFT predictions missed by "
+                            "(the tail added before the SLO check).", registry=r)
 
 
 def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optional[float] = None,
-              tbt_slo: Optional[float] = None, timeout: float = 600.0) -> FastAPI:
+              tbt_slo: Optional[float] = None, timeout: float = 600.0, trace: Optional[str] = None,
+              decode_max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> FastAPI:
     app = FastAPI()
     prefills = [PrefillInstance(u.rstrip("/")) for u in prefill_urls]
-    decodes = [DecodeInstance(u.rstrip("/")) for u in decode_urls]
+    decodes = [DecodeInstance(u.rstrip("/"), decode_max_num_seqs) for u in decode_urls]
+    margin = TailMargin()
     metrics = _Metrics()
+    trace_f = open(trace, "a", buffering=1) if trace else None
     # Idle connections expire before the instances' (uvicorn: 5 s), so that a request never goes
     # out on a connection the instance is closing (a retry could not be safe: the KV is fetched once).
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -64,6 +85,8 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             metrics.queue.labels(p.url).set(max(p.busy_until - t, 0.0))
         for d in decodes:
             metrics.streams.labels(d.url).set(d.streams)
+            metrics.pending.labels(d.url).set(d.pending)
+        metrics.margin.set(margin.at(t))
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -80,20 +103,22 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             return _error(400, "the body must be a JSON object", "invalid_request_error")
         text = json.dumps(body.get("messages")) if "messages" in body else str(body.get("prompt", ""))
         hashes, t0 = chunk_hashes(text), now()
-        a = plan(prefills, decodes, hashes, len(text), t0)
+        a = plan(prefills, decodes, hashes, len(text), t0, margin.at(t0))
         prefill, decode, seconds = a.prefill, a.decode, a.seconds
         if a.misses(ttft_slo, tbt_slo):
             metrics.requests.labels("rejected").inc()
-            return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s (SLO {ttft_slo}), TBT "
-                               f"{a.tbt:.4f} s (SLO {tbt_slo})", "service_unavailable", "server_overloaded")
+            return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} s (SLO "
+                               f"{ttft_slo}), TBT {a.tbt:.4f} s (SLO {tbt_slo})", "service_unavailable",
+                          "server_overloaded")
         metrics.predicted_ttft.observe(a.ttft)
         prefill.book(seconds, t0)
+        decode.admit()
         pre_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         pre_body.pop("stream_options", None)
         if "max_completion_tokens" in pre_body:
             pre_body["max_completion_tokens"] = 1
         headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
-        booked = True
+        booked, kvp, finish = True, None, None
         try:
             r = await client.post(prefill.url + path, json=pre_body, headers=headers)
             finish = now()
@@ -118,11 +143,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         finally:
             if booked:
                 prefill.done([], seconds, t0, None)
-        return await _decode(path, dict(body, kv_transfer_params=kvp), decode, headers, t0)
+            if not kvp:   # no decode request will go out
+                decode.cancel()
+        return await _decode(path, dict(body, kv_transfer_params=kvp), a, headers, t0, finish)
 
-    async def _decode(path, body, decode: DecodeInstance, headers, t0):
-        decode.streams += 1
-        t1 = now()
+    async def _decode(path, body, a: Admission, headers, t0, t_prefilled):
+        decode = a.decode
+        position, t1 = decode.start(), now()
         if not body.get("stream"):
             try:
                 r = await client.post(decode.url + path, json=body, headers=headers)
@@ -130,34 +157,38 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                 metrics.requests.labels("decode_error").inc()
                 return _error(502, f"the decode instance {decode.url} failed: {type(e).__name__}: {e}", "upstream_error")
             finally:
-                decode.streams -= 1
+                decode.end()
             metrics.requests.labels("ok" if r.status_code == 200 else "decode_error").inc()
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         req = client.build_request("POST", decode.url + path, json=body, headers=headers)
         try:
             r = await client.send(req, stream=True)
         except httpx.HTTPError as e:
-            decode.streams -= 1
+            decode.end()
             metrics.requests.labels("decode_error").inc()
             return _error(502, f"the decode instance {decode.url} failed: {type(e).__name__}: {e}", "upstream_error")
         if r.status_code != 200:
             content = await r.aread()
             await r.aclose()
-            decode.streams -= 1
+            decode.end()
             metrics.requests.labels("decode_error").inc()
             return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
         async def relay():
-            last, n = None, 0
+            first = last = None
             try:
                 async for chunk in r.aiter_raw():
                     t = now()
-                    if last is None:
-                        decode.transfer.update(t - t1)
+                    if first is None:
+                        first = t
+                        decode.first_token(t, position, t - t1)
+                        margin.add(t, t - t0, a.ttft)
                         metrics.ttft.observe(t - t0)
+                        if trace_f is not None:
+                            trace_f.write(json.dumps(_trace_record(a, position, t0, t_prefilled, t1, t)) + "\n")
                     else:
-                        decode.obs.append((decode.streams, t - last))
-                    last, n = t, n + 1
+                        decode.gap(t, t - last)
+                    last = t
                     yield chunk
                 metrics.requests.labels("ok").inc()
             except httpx.HTTPError as e:
@@ -168,7 +199,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                     f"the decode instance {decode.url} failed mid-stream: {type(e).__name__}: {e}",
                     "upstream_error")) + "\n\ndata: [DONE]\n\n").encode()
             finally:
-                decode.streams -= 1
+                decode.end(None if first is None else last - first)
                 await r.aclose()
         return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
 

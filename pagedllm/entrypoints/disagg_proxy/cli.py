@@ -8,6 +8,8 @@ import shlex
 import signal
 import sys
 
+from pagedllm.entrypoints.disagg_proxy.decode_queue import DEFAULT_MAX_NUM_SEQS
+
 
 def add_proxy_parser(sub) -> None:
     p = sub.add_parser("proxy", help="P/D disaggregation: route each request to a prefill instance, "
@@ -26,6 +28,12 @@ def add_proxy_parser(sub) -> None:
                    help="refuse (503) a request whose predicted time to first token exceeds this (seconds)")
     p.add_argument("--tbt-slo", type=_positive, default=None,
                    help="refuse (503) a request whose predicted time between tokens exceeds this (seconds)")
+    p.add_argument("--decode-max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help="the decode instances' --max-num-seqs: a stream beyond waits for a slot "
+                        f"(default {DEFAULT_MAX_NUM_SEQS}, the engine's)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="debug: append one JSON line per admitted streamed request (predicted and measured "
+                        "TTFT and its parts) to PATH")
     p.set_defaults(func=cmd_proxy)
 
 
@@ -33,6 +41,13 @@ def _positive(value: str) -> float:
     v = float(value)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
+    return v
+
+
+def _positive_int(value: str) -> int:
+    v = int(value)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return v
 
 
@@ -64,7 +79,8 @@ def cmd_proxy(ns: argparse.Namespace) -> int:
         for url in ns.prefill + ns.decode:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"--prefill / --decode take http(s) URLs, got {url!r}")
-        app = build_app(ns.prefill, ns.decode, ns.ttft_slo, ns.tbt_slo)
+        app = build_app(ns.prefill, ns.decode, ns.ttft_slo, ns.tbt_slo, trace=ns.trace,
+                        decode_max_num_seqs=ns.decode_max_num_seqs)
         uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     finally:
         if instances is not None:

@@ -1,22 +1,26 @@
 """What the proxy predicts, from rates it measures (Mooncake's conductor).
 
 A prefill instance is a queue: admitting a request of u uncached prompt tokens books u / rate
-seconds after the work already booked (`busy_until`), so the predicted TTFT is the booked work
-ahead, plus this prefill, plus the KV transfer, plus one decode step. The uncached part comes
-from a prefix match against the prompts this instance has seen (chained hashes of fixed-size
-text chunks, the text stand-in for the engine's block hashes). A decode instance's time
-between tokens is fitted as a + b * streams over recent observations (least squares). Admission
-is decided on these predictions (booked work), never on a count of requests in flight, so a
-steady overload is admitted at a steady rate instead of flapping between all and none.
+seconds after the work already booked (`busy_until`). The uncached part comes from a prefix match
+against the prompts this instance has seen (chained hashes of fixed-size text chunks, the text
+stand-in for the engine's block hashes). A decode instance is a batch queue (decode_queue.py):
+the request's first token there comes after the transfer, a wait for a slot and the steps of a
+batch as large as the streams it holds plus those admitted to it and still prefilling. The
+predicted TTFT is the sum: prefill queue + prefill + the decode side's first-token delay.
+Admission is decided on these predictions (booked work and predicted load), never on a count of
+requests in flight, so a steady overload is admitted at a steady rate instead of flapping
+between all and none; the recent tail of the prediction errors is added before the SLO check
+(`TailMargin`) so that the SLO holds for the admitted requests' p99, not their mean.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
+from pagedllm.entrypoints.disagg_proxy.decode_queue import DecodeInstance, FirstTokenForecast
+from pagedllm.entrypoints.disagg_proxy.fit import Ewma
 
 CHUNK_CHARS = 64          # text per prefix hash (about a KV block of English text)
 MAX_PREFIXES = 100_000    # hashes remembered per prefill instance (LRU)
@@ -29,14 +33,6 @@ def chunk_hashes(text: str) -> list[int]:
         parent = hash((parent, text[i * CHUNK_CHARS:(i + 1) * CHUNK_CHARS]))
         out.append(parent)
     return out
-
-
-class Ewma:
-    def __init__(self, value: float, alpha: float = 0.2) -> None:
-        self.value, self.alpha = value, alpha
-
-    def update(self, x: float) -> None:
-        self.value += self.alpha * (x - self.value)
 
 
 class PrefillInstance:
@@ -99,31 +95,20 @@ class PrefillInstance:
             self.prefixes.popitem(last=False)
 
 
-class DecodeInstance:
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.streams = 0
-        self.obs: deque[tuple[int, float]] = deque(maxlen=512)   # (streams, seconds between tokens)
-        self.transfer = Ewma(0.01)         # seconds from decode request to its first token
-
-    def tbt(self, streams: int) -> float:
-        """Predicted seconds between tokens with `streams` running."""
-        if len(self.obs) < 4:
-            return self.obs[-1][1] if self.obs else 0.0
-        n, t = np.array(self.obs, dtype=np.float64).T
-        if np.ptp(n) == 0:
-            return float(t.mean())
-        b, a = np.polyfit(n, t, 1)
-        return float(max(a + b * streams, t.min()))
-
-
 def now() -> float:
     return time.monotonic()
 
 
-def pick_decode(instances: list[DecodeInstance]) -> DecodeInstance:
-    """The one with the lowest predicted time between tokens once this stream joins."""
-    return min(instances, key=lambda d: (d.tbt(d.streams + 1), d.streams))
+def pick_decode(instances: list[DecodeInstance], t: float) -> tuple[DecodeInstance, FirstTokenForecast]:
+    """The one whose first token comes soonest for a new stream (then the lowest predicted time
+    between tokens), -> (instance, that first-token forecast)."""
+    best: Optional[tuple] = None
+    for d in instances:
+        f = d.forecast(d.load() + 1, t)
+        key = (f.total, d.tbt(d.load() + 1, t))
+        if best is None or key < best[0]:
+            best = (key, d, f)
+    return best[1], best[2]
 
 
 def pick_prefill(instances: list[PrefillInstance], hashes: list[int], text_len: int,
@@ -144,18 +129,23 @@ class Admission:
     decode: DecodeInstance
     queue: float        # seconds of prefill work booked ahead of it
     seconds: float      # seconds of its own prefill
+    first: FirstTokenForecast   # the decode side's part of the TTFT
     ttft: float
     tbt: float
+    margin: float = 0.0   # what recent predictions missed by (TailMargin.at)
 
     def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
-        return (ttft_slo is not None and self.ttft > ttft_slo) or (tbt_slo is not None and self.tbt > tbt_slo)
+        """The margin counts for at most half the SLO: where the noise alone is larger, holding
+        the tail would mean refusing nearly everything."""
+        return ((ttft_slo is not None and self.ttft + min(self.margin, ttft_slo / 2) > ttft_slo)
+                or (tbt_slo is not None and self.tbt > tbt_slo))
 
 
 def plan(prefills: list[PrefillInstance], decodes: list[DecodeInstance], hashes: list[int], text_len: int,
-         t: float) -> Admission:
-    """The prefill instance of the lowest predicted TTFT and the decode instance of the lowest
-    predicted TBT; TTFT = queue + prefill + the decode side's measured first-token delay."""
+         t: float, margin: float = 0.0) -> Admission:
+    """The prefill instance of the lowest predicted TTFT and the decode instance of the soonest
+    first token; TTFT = prefill queue + prefill + the decode side's first-token delay."""
     prefill, queue, seconds = pick_prefill(prefills, hashes, text_len, t)
-    decode = pick_decode(decodes)
-    return Admission(prefill, decode, queue, seconds, queue + seconds + decode.transfer.value,
-                     decode.tbt(decode.streams + 1))
+    decode, first = pick_decode(decodes, t)
+    return Admission(prefill, decode, queue, seconds, first, queue + seconds + first.total,
+                     decode.tbt(decode.load() + 1, t), margin)
