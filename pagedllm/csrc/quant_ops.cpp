@@ -132,7 +132,7 @@ static void small_rows(const QuantWeight& w, const float* x, const float* xsum, 
 constexpr int64_t QBLOCK = 32;      // features per activation scale
 constexpr int64_t GEMM_ROWS = 256;  // from this many rows on: dequantise, then one float GEMM
 
-constexpr float QMAX = 32767.f;     // int16 activations
+constexpr float QMAX = 32767.f;  // int16 activations
 
 // x [M, K] -> xq [M, K] int16, xd [M, K/32]: q = round(x / d), d = amax / 32767 of each block (0: all 0).
 static void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xd) {
@@ -142,7 +142,8 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, flo
     for (int64_t i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float d = amax / QMAX;
     xd[b] = d;
-    for (int64_t i = 0; i < QBLOCK; ++i) xq[b * QBLOCK + i] = d > 0.f ? (int16_t)std::nearbyint(xb[i] / d) : 0;
+    for (int64_t i = 0; i < QBLOCK; ++i)
+      xq[b * QBLOCK + i] = d > 0.f ? (int16_t)std::nearbyint(xb[i] / d) : 0;
   }
 }
 
