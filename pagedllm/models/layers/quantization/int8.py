@@ -1,6 +1,6 @@
 """--quantization int8: int8 with a scale and an offset (256 codes over the group's range, the
-offset held as int4's mins) in groups of 32 input features by default, 64, 128, or one a row (per output channel,
-group size -1), made at load time from the float weights. The LM head of every quantized model
+offset held as int4's mins) in groups of 32 input features by default, 64, 128, or one a row
+(per output channel, group size -1), made at load time from the float weights. The LM head of every quantized model
 is symmetric int8 (no offset) in groups of 32, as GGUF's Q8_0."""
 from __future__ import annotations
 
