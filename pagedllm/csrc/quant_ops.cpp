@@ -6,10 +6,12 @@
 // holding feature i (low nibble) and feature i + 16 (high nibble), values 0..15: GGUF's Q4_0 /
 // Q4_1 block layout, so those files are copied, not converted. s, m [N, K/G] float32.
 //
-// 1-8 rows (decode, verification), groups of a multiple of 32 (AVX2): llama.cpp's scheme. Each
-// input row is quantized to int8 in blocks of 32 features (quant_activations: one scale
-// d = amax / 127 a block), and each block's dot product is an exact integer sum (maddubs + madd;
-// vpdpbusd where AVX-VNNI / AVX512-VNNI exist: the same sums), scaled by s d in float.
+// 1-8 rows (decode, verification), groups of a multiple of 32 (AVX2): each input row is
+// quantized to int16 in blocks of 32 features (quant_activations: one scale d = amax / 32767 a
+// block), and each block's dot product is an exact integer sum (the weights widened to int16,
+// madd; vpdpwssd where AVX-VNNI / AVX512-VNNI exist: the same sums), scaled by s d in float.
+// Not int8 activations (llama.cpp's Q8 scheme): their rounding alone, on float32 weights, kept
+// 63 % of float32's greedy tokens on the agreement prompts; int16 kept 100 % (docs/design.md).
 // sum_k x_k (q_k s + m) = s sum_k x_k q_k + m sum_k x_k: the mins term takes the float inputs'
 // group sums. Other group sizes, or no AVX2: the float kernel (8 integers widened to float32 in
 // registers). 9 rows up to GEMM_ROWS: cache-sized dequantised tiles, each times the inputs by
@@ -32,15 +34,15 @@ static inline __m256 widen_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 static inline __m256 widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-// Eight int32 sums of 4 products of unsigned bytes u with signed bytes v each (exact: the
-// callers keep |u v| pair sums below 2^15, so maddubs does not saturate).
-static inline __m256i dot_u8_s8(__m256i u, __m256i v) {
+// Eight int32 sums of 4 products each of int16 w0 x0 and w1 x1 (exact: |w| <= 128 and
+// |x| <= 32767, so no pair sum nears 2^31).
+static inline __m256i dot_s16(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+  return _mm256_dpwssd_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+  return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 #endif
 }
 static inline float hsum(__m256 v) {
@@ -130,22 +132,25 @@ static void small_rows(const QuantWeight& w, const float* x, const float* xsum, 
 constexpr int64_t QBLOCK = 32;      // features per activation scale
 constexpr int64_t GEMM_ROWS = 256;  // from this many rows on: dequantise, then one float GEMM
 
-// x [M, K] -> xq [M, K] int8, xd [M, K/32]: q = round(x / d), d = amax / 127 of each block (0: all 0).
-static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd) {
+constexpr float QMAX = 32767.f;  // int16 activations
+
+// x [M, K] -> xq [M, K] int16, xd [M, K/32]: q = round(x / d), d = amax / 32767 of each block (0: all 0).
+static void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xd) {
   for (int64_t b = 0; b < M * K / QBLOCK; ++b) {
     const float* xb = x + b * QBLOCK;
     float amax = 0.f;
     for (int64_t i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f;
+    const float d = amax / QMAX;
     xd[b] = d;
-    for (int64_t i = 0; i < QBLOCK; ++i) xq[b * QBLOCK + i] = d > 0.f ? (int8_t)std::nearbyint(xb[i] / d) : 0;
+    for (int64_t i = 0; i < QBLOCK; ++i)
+      xq[b * QBLOCK + i] = d > 0.f ? (int16_t)std::nearbyint(xb[i] / d) : 0;
   }
 }
 
 #ifdef __AVX2__
 // The integer kernel: out[m][n] for rows n in [n0, n1); xq, xd from quantize_rows, xsum [M, K/G].
 template <int M, bool INT4>
-static void small_rows_int(const QuantWeight& w, const int8_t* xq, const float* xd, const float* xsum,
+static void small_rows_int(const QuantWeight& w, const int16_t* xq, const float* xd, const float* xsum,
                            const float* bias, float* out, int64_t n0, int64_t n1) {
   const int64_t K = w.K, G = w.G, ng = K / G, nb = K / QBLOCK, bpg = G / QBLOCK;
   const __m128i low = _mm_set1_epi8(15);
@@ -156,19 +161,22 @@ static void small_rows_int(const QuantWeight& w, const int8_t* xq, const float* 
     for (int64_t g = 0, b = 0; g < ng; ++g) {
       const float sg = s[g];
       for (int64_t e = b + bpg; b < e; ++b) {
-        __m256i wq;
-        if (INT4) {  // q 0..15 (unsigned) times x -127..127: pair sums <= 3810
+        __m256i w0, w1;  // features 0..15 and 16..31 of the block as int16
+        if (INT4) {
           const __m128i v = _mm_loadu_si128((const __m128i*)((const uint8_t*)w.q + n * (K / 2) + b * 16));
-          wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-        } else {  // |q| (unsigned, <= 128) times x with q's sign: pair sums <= 32512
-          wq = _mm256_loadu_si256((const __m256i*)((const int8_t*)w.q + n * K + b * QBLOCK));
+          w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+          w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        } else {
+          const int8_t* p = (const int8_t*)w.q + n * K + b * QBLOCK;
+          w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+          w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)));
         }
-        const __m256i wu = INT4 ? wq : _mm256_abs_epi8(wq);
         for (int r = 0; r < M; ++r) {
-          __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * QBLOCK));
-          if (!INT4) xv = _mm256_sign_epi8(xv, wq);
+          const int16_t* xb = xq + r * K + b * QBLOCK;
+          const __m256i x0 = _mm256_loadu_si256((const __m256i*)xb);
+          const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xb + 16));
           const __m256 sd = _mm256_set1_ps(sg * xd[r * nb + b]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(wu, xv)), sd, acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s16(w0, x0, w1, x1)), sd, acc[r]);
         }
       }
     }
@@ -182,7 +190,7 @@ static void small_rows_int(const QuantWeight& w, const int8_t* xq, const float* 
 }
 
 template <bool INT4>
-static void small_rows_int_any(int64_t T, const QuantWeight& w, const int8_t* xq, const float* xd,
+static void small_rows_int_any(int64_t T, const QuantWeight& w, const int16_t* xq, const float* xd,
                                const float* xsum, const float* bias, float* out, int64_t n0, int64_t n1) {
   switch (T) {
     case 1: small_rows_int<1, INT4>(w, xq, xd, xsum, bias, out, n0, n1); break;
@@ -273,10 +281,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
     if (w.G % QBLOCK == 0) {
       // Up to 8 rows (the decode loop's, a verification step's): every row's result is
       // independent of the others, so k + 1 verified tokens get the bits of k + 1 one-token
-      // steps. (Over blocks of 8 rows for batches of 64 it was 40 % slower than the tiles below
-      // on AVX2: maddubs + madd + convert + FMA per 32 products is no fewer instructions than
-      // float FMAs; VNNI's vpdpbusd would change that.)
-      std::vector<int8_t> xq(T * K);
+      // steps. (Over blocks of 8 rows for batches of 64 the int8-activation kernel was 40 %
+      // slower than the tiles below on AVX2: maddubs + madd + convert + FMA per 32 products is
+      // no fewer instructions than float FMAs.)
+      std::vector<int16_t> xq(T * K);
       std::vector<float> xd(T * K / QBLOCK);
       quantize_rows(xp, T, K, xq.data(), xd.data());
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -350,13 +358,13 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
   return out;
 }
 
-// x [T, K] float32 (K a multiple of 32) -> (q int8 [T, K], d float32 [T, K/32]): the activations
+// x [T, K] float32 (K a multiple of 32) -> (q int16 [T, K], d float32 [T, K/32]): the activations
 // as the 1-8-row integer kernel sees them (tests build their exact reference from these).
 std::tuple<torch::Tensor, torch::Tensor> quant_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % QBLOCK == 0);
   x = x.contiguous();
-  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kChar));
+  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kShort));
   auto d = torch::empty({x.size(0), x.size(1) / QBLOCK}, x.options());
-  quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), d.data_ptr<float>());
+  quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int16_t>(), d.data_ptr<float>());
   return {q, d};
 }

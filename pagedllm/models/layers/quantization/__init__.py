@@ -1,7 +1,7 @@
 """Weight-only quantization on the CPU: one LinearMethod per format (vLLM's
 model_executor/layers/quantization/).
 
-- int8 (int8.py): int8 with a scale and an offset (the midpoint, held as mins) in groups of 32
+- int8 (int8.py): int8 with a scale and an offset (256 codes over the range, held as mins) in groups of 32
   (default) / 64 / 128 input features, or per output channel (group size -1), made at load time.
 - int4 (int4.py): groups of 32/64/128 input features, each with a scale and a min (w = q s + m,
   q in 0..15), made at load time.

@@ -1,6 +1,6 @@
-"""--quantization int8: int8 with a scale and an offset (the group's midpoint, held as int4's
-mins) in groups of 32 input features by default, 64, 128, or one a row (per output channel,
-group size -1), made at load time from the float weights. The LM head of every quantized model
+"""--quantization int8: int8 with a scale and an offset (256 codes over the group's range, the
+offset held as int4's mins) in groups of 32 input features by default, 64, 128, or one a row
+(per output channel, group size -1), made at load time from the float weights. The LM head of every quantized model
 is symmetric int8 (no offset) in groups of 32, as GGUF's Q8_0."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ LM_HEAD_GROUP = 32
 
 
 class Int8LinearMethod(QuantizedLinearMethod):
-    """group_size None: one group a row (per output channel). offset: w = q s + m with m the
-    group's midpoint (else symmetric, w = q s)."""
+    """group_size None: one group a row (per output channel). offset: w = q s + m over the
+    group's [min, max] (layouts.quantize_int8_offset; else symmetric, w = q s)."""
 
     def __init__(self, group_size: Optional[int] = None, offset: bool = True) -> None:
         super().__init__()

@@ -2,7 +2,7 @@
 
 A weight W [N, K] is integers q, scales s and mins m [N, K/G] (groups of G input features of
 one output row): w = q * s + m (no mins: w = q * s).
-- int8: q [N, K] int8.
+- int8: q [N, K] int8 (-128..127).
 - int4: q [N, K/2] uint8; each run of 32 features is 16 bytes, byte i holding feature i in its
   low nibble and feature i + 16 in its high nibble (q in 0..15): GGUF's Q4_0/Q4_1 block layout.
 """
@@ -47,16 +47,17 @@ def quantize_int8(w: torch.Tensor, group_size: int):
 
 
 def quantize_int8_offset(w: torch.Tensor, group_size: int):
-    """float w [N, K] -> q int8 [N, K] (-127..127), scales = (max - min) / 254, mins = the
-    group's midpoint [N, K/G] (w = q s + m): a group whose values sit off zero (a Q4_1 block's
-    16 levels above its min) keeps 254 steps over its own range, not over [-amax, amax]."""
+    """float w [N, K] -> q int8 [N, K] (-128..127), scales = (max - min) / 255, mins = min + 128 s
+    [N, K/G] (w = q s + m): all 256 codes over the group's own range (a group whose values sit
+    off zero keeps every step, not half of [-amax, amax]). 255 = 15 x 17, so a group of 16
+    evenly spaced levels (a Q4_1 / Q4_K block: the default model's weights) is held exactly."""
     n, k = w.shape
     g = w.float().view(n, k // group_size, group_size)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
-    mid, scales = (hi + lo) / 2, (hi - lo) / 254
+    scales = (hi - lo) / 255
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round((g - mid[:, :, None]) / scales[:, :, None]).clamp(-127, 127).to(torch.int8)
-    return q.view(n, k), scales.contiguous(), mid.contiguous()
+    q = torch.round((g - lo[:, :, None]) / scales[:, :, None]).clamp(0, 255) - 128
+    return q.to(torch.int8).view(n, k), scales.contiguous(), (lo + 128 * scales).contiguous()
 
 
 def quantize_int4(w: torch.Tensor, group_size: int):
