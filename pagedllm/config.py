@@ -303,6 +303,8 @@ class SpeculativeConfig:
     def from_dict(cls, d) -> "SpeculativeConfig":
         """From the JSON object (a str is parsed); ValueError naming the bad field."""
         d = fields_from_json(d, cls, "speculative_config")
+        if "method" not in d and d.get("model") is not None:   # vLLM: a model given is a draft model
+            d = {**d, "method": "draft_model"}
         config = cls(**d)
         config.validate()
         return config
@@ -334,5 +336,5 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.model 'self:N' needs N >= 1 layers, got {self.model!r}")
             elif not os.path.isdir(self.model):
                 raise ValueError(f"speculative_config.model {self.model!r} is not 'self:N' or a directory")
-        elif self.model is not None and self.method == "ngram":
-            raise ValueError("speculative_config.model is not used by method 'ngram'; leave it out")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model is not used by method {self.method!r}; leave it out")
