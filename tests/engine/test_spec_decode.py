@@ -14,7 +14,7 @@ from greedy_utils import assert_greedy_equal, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_TOKENS = 32
 TEXT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
         "The keeper fed his cat and watched the tide turn. The keeper fed his cat and watched the "
@@ -98,7 +98,10 @@ def test_mostly_rejected_drafts_leak_no_block(tiny_pair):
     stats = spec.llm_engine.core.scheduler.spec_decoding_stats
     before = (stats.num_draft_tokens, stats.num_accepted_tokens)
     params = SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=1)
-    spec.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS * 3], params, use_tqdm=False)
+    # Prompts of 80 distinct ids: a sampled id often occurred before (a 1-gram hit: one draft),
+    # and the near-uniform sample after it rarely follows the prompt.
+    prompts = [list(range(s, s + 80)) for s in (3, 83, 163)] * 3
+    spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
     assert drafted > 20 and accepted < drafted / 2, (drafted, accepted)
     assert_no_block_in_use(spec)
