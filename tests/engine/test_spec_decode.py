@@ -135,14 +135,18 @@ def test_decode_loop_takes_steps_with_drafts():
     assert not meta([0, 5], [5], max_decode_query_len=q).all_decode            # no past: a prompt
 
 
-def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair):
+def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch):
     """random:tiny with n-gram drafts, with the loop: every loop call of the run is checked
     against the eager layers on the same inputs (same hidden states, bit for bit; the eager
     path rewrites the same K/V), and verification steps (one request, 2-5 rows) were among
-    them; the greedy tokens are those of the engine without speculation."""
+    them; the greedy tokens are those of the engine without speculation. Every n-gram hit drafts
+    the full k here (the proposer drafts 2 (n - 1) tokens, and this model's output rarely
+    repeats 3-grams), so that 5-row verifications occur."""
     import torch
     from kernel_utils import require_built
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
+    from pagedllm.spec_decode import ngram_proposer
+    monkeypatch.setattr(ngram_proposer, "draft_length", lambda n, k: k)
     plain, spec = tiny_pair
     runner = spec.llm_engine.core.model_executor.driver_worker.model_runner
     require_built(decode_loop_ext())
