@@ -292,8 +292,8 @@ class SpeculativeConfig:
     the same forward (spec_decode/, worker/rejection_sampler.py)."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1        # n-gram: shortest suffix looked up in the tokens so far
-    prompt_lookup_max: int = 4        # n-gram: longest
+    prompt_lookup_min: int = 2        # n-gram: shortest suffix looked up in the tokens so far
+    prompt_lookup_max: int = 8        # n-gram: longest
     model: Optional[str] = None       # draft_model: "self:N" (the target's first N layers) or an HF dir
     # Speculation length: "fixed" (always num_speculative_tokens, as vLLM) or "adaptive" (from
     # the measured acceptance and the batch size, up to num_speculative_tokens; 0 when it does not pay).
@@ -303,6 +303,10 @@ class SpeculativeConfig:
     def from_dict(cls, d) -> "SpeculativeConfig":
         """From the JSON object (a str is parsed); ValueError naming the bad field."""
         d = fields_from_json(d, cls, "speculative_config")
+        if "method" not in d and d.get("model") is not None:   # vLLM: a model given is a draft model
+            d = {**d, "method": "draft_model"}
+        if "prompt_lookup_min" not in d and isinstance(d.get("prompt_lookup_max"), int):
+            d = {**d, "prompt_lookup_min": min(cls.prompt_lookup_min, d["prompt_lookup_max"])}
         config = cls(**d)
         config.validate()
         return config
@@ -334,5 +338,5 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.model 'self:N' needs N >= 1 layers, got {self.model!r}")
             elif not os.path.isdir(self.model):
                 raise ValueError(f"speculative_config.model {self.model!r} is not 'self:N' or a directory")
-        elif self.model is not None and self.method == "ngram":
-            raise ValueError("speculative_config.model is not used by method 'ngram'; leave it out")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model is not used by method {self.method!r}; leave it out")

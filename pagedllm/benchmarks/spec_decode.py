@@ -29,7 +29,8 @@ FREE_TOPICS = ["a dragon who is afraid of the dark", "the first day at a new sch
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=96, help="max_tokens of each request")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    # 7: a verification of k + 1 = 8 tokens is the most the C++ decode loop takes (SMALL_ROWS)
+    p.add_argument("--num-speculative-tokens", type=int, default=7)
     p.add_argument("--draft-model", default=None, metavar="self:N",
                    help="also run the draft-model proposer ('self:N' or an HF directory)")
     p.add_argument("--output-json", default=None, metavar="PATH")

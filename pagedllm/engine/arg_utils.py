@@ -86,7 +86,7 @@ class EngineArgs:
                             data_parallel_size=self.data_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend)
         spec = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method in ("draft_model", "mtp"):   # drafts write K/V past the last token
             sc.num_lookahead_tokens = spec.num_speculative_tokens
         lc = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
               if self.enable_lora else None)

@@ -69,8 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port", '
                         '"kv_connector_extra_config": {"timeout_s", "use_shm"}}')
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='speculative decoding as JSON (vLLM\'s): {"method": "ngram" | "draft_model", '
-                        '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4, '
+                   help='speculative decoding as JSON (vLLM\'s): {"method": "ngram" | "draft_model" | "mtp", '
+                        '"num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 8, '
                         '"model": "self:N" | DIR, "length_policy": "fixed" | "adaptive"}')
 
 

@@ -63,12 +63,13 @@ def load_weights(model: torch.nn.Module, weights, source: str) -> None:
 
 
 def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
-               attention_backend: str = "torch") -> torch.nn.Module:
+               attention_backend: str = "torch", model_cls=None) -> torch.nn.Module:
     """parallel (pagedllm.distributed.parallel_state.ParallelContext): load only this rank's
     shard (tensor / pipeline parallelism); None: the whole model. device: where the weights
     live ("cpu" or "cuda"); attention_backend: "torch" or "triton", resolved once by
-    attention/selector.py for the model's Attention layers."""
-    cls = get_model_class(config.hf_config)
+    attention/selector.py for the model's Attention layers. model_cls: another model of the
+    same checkpoint (the MTP module, models/deepseek_mtp.py) instead of its architecture's."""
+    cls = model_cls or get_model_class(config.hf_config)
     dtype = _dtype(config)
     backend = get_attn_backend(device, dtype, attention_backend)
     quant = get_quant_config(config.quantization, config.quantization_group_size, config.model)

@@ -14,9 +14,34 @@ def check_speculative_config(config) -> None:
         if not hf.get("num_nextn_predict_layers"):
             raise ValueError("speculative_config.method 'mtp' needs a DeepseekV3 checkpoint with "
                              "num_nextn_predict_layers > 0")
-        raise ValueError("speculative_config.method 'mtp' is not wired to a proposer yet (models/deepseek_mtp.py)")
+        if "DeepseekV3ForCausalLM" not in (hf.get("architectures") or []):
+            raise ValueError(f"speculative_config.method 'mtp' needs a DeepseekV3ForCausalLM checkpoint "
+                             f"(its next-n layers), got architectures {hf.get('architectures')}")
+    if spec.method == "draft_model" and not spec.model.startswith("self:"):
+        check_draft_dir(config, spec.model)
     if spec.method == "draft_model" and spec.model.startswith("self:"):
         n, layers = int(spec.model[5:]), config.model_config.num_layers
         if n >= layers:
             raise ValueError(f"speculative_config.model {spec.model!r}: N must be below the target's "
                              f"{layers} layers")
+
+
+def check_draft_dir(config, path: str) -> None:
+    """A draft model directory must share the target's vocabulary, reach its max_model_len and
+    keep one KV cache group (its cache pages through the target's one block table)."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.core.kv_cache_utils import kv_cache_config_of
+    target = config.model_config
+    try:
+        draft = ModelConfig.from_dir(path).hf_config
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model {path!r}: {e}") from None
+    if draft.get("vocab_size") != target.vocab_size:
+        raise ValueError(f"speculative_config.model {path!r}: the draft's vocab_size {draft.get('vocab_size')} "
+                         f"differs from the target's {target.vocab_size} (a draft needs the same vocabulary)")
+    if int(draft.get("max_position_embeddings", 2048)) < target.max_model_len:
+        raise ValueError(f"speculative_config.model {path!r}: the draft's max_position_embeddings "
+                         f"{draft.get('max_position_embeddings')} is below max_model_len {target.max_model_len}")
+    if kv_cache_config_of(draft).is_hybrid:
+        raise ValueError(f"speculative_config.model {path!r}: a draft with sliding and full attention "
+                         "layers (several KV cache groups) is not supported")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pagedllm.forward_context import set_forward_context
+from pagedllm.spec_decode.paged_draft import draft_lengths, span_metadata
 
 
 class DraftModelProposer:
@@ -39,29 +40,22 @@ class DraftModelProposer:
 
     def propose(self, batch, rows: list[int], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] drafts after row rows[i]'s last token (fewer where its blocks end)."""
-        bs = self.block_size
         rows_np = np.array(rows, dtype=np.int64)
-        num_tokens = batch.num_tokens[rows_np].astype(np.int64)                        # [R]
-        capacity = batch.num_blocks_per_row[rows_np].astype(np.int64) * bs
         # Inputs at positions num_tokens - 1 .. num_tokens + k - 2, inside the row's blocks.
-        ks_np = np.minimum(np.array(ks, dtype=np.int64), capacity - num_tokens + 1)
-        ks_np = np.minimum(ks_np, self.max_model_len - num_tokens - 1).clip(min=0)
+        ks_np = draft_lengths(batch, rows_np, ks, 1, self.block_size, self.max_model_len)
         drafts: list[list[int]] = [[] for _ in rows]
         live = np.flatnonzero(ks_np > 0)
         if not len(live):
             return drafts
+        num_tokens = batch.num_tokens[rows_np].astype(np.int64)                        # [R]
         ids = batch.token_ids_np[rows_np[live], num_tokens[live] - 1].astype(np.int64)  # [L]
         pos = num_tokens[live] - 1
+        device = next(self.model.parameters()).device
         for j in range(int(ks_np.max())):
             keep = ks_np[live] > j
             live, ids, pos = live[keep], ids[keep], pos[keep]
-            brows = rows_np[live]
-            n = len(live)
-            slot = batch.block_table_np[brows, pos // bs].astype(np.int64) * bs + pos % bs   # [n]
-            meta = self.attn_backend.build_metadata(
-                torch.arange(n + 1, dtype=torch.int32), torch.from_numpy((pos + 1).astype(np.int32)),
-                torch.from_numpy(batch.block_table_np[brows]), torch.from_numpy(slot), bs, 1, int(pos.max()) + 1)
-            device = next(self.model.parameters()).device
+            meta, _ = span_metadata(self.attn_backend, batch, rows_np[live], pos, np.ones(len(live), dtype=np.int64),
+                                    self.block_size)
             with set_forward_context(meta):
                 hidden = self._forward(torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device))
             ids = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()        # [n]

@@ -127,7 +127,6 @@ def profile_kv_cache_memory(runner) -> int:
     """Run the dummy step on runner's GPU; return the KV cache budget in bytes, log each part
     and keep them as ``runner.memory_profile`` (runner.memory_baseline / memory_after_load:
     the snapshots the runner took around loading the weights)."""
-    from pagedllm.attention.layer import bind_kv_cache
     from pagedllm.forward_context import set_forward_context
     from pagedllm.worker.sampler import SamplingMetadata
     sc = runner.config.scheduler_config
@@ -139,7 +138,7 @@ def profile_kv_cache_memory(runner) -> int:
     torch.cuda.empty_cache()
     # A temporary cache just big enough for the dummy requests (its size is not activation).
     runner.kv_caches = runner.alloc_kv_caches(num_blocks, dev)
-    bind_kv_cache(runner.model, runner.kv_caches)
+    runner.bind_kv_caches(runner.kv_caches)
     torch.cuda.reset_peak_memory_stats(dev)
     before_step = MemorySnapshot.take(dev)
     meta = runner.attn_backend.build_metadata(
@@ -156,7 +155,7 @@ def profile_kv_cache_memory(runner) -> int:
     torch.cuda.synchronize(dev)
     del hidden, logits
     runner.kv_caches = []
-    bind_kv_cache(runner.model, [])   # the layers let go of the temporary cache too
+    runner.bind_kv_caches([])   # the layers let go of the temporary cache too
     torch.cuda.empty_cache()
     after_step = MemorySnapshot.take(dev)   # its torch_peak: the step's (since the reset)
     prof = profile_by_delta(runner.memory_baseline, runner.memory_after_load, before_step,

@@ -84,8 +84,12 @@ class ModelRunner:
         # so that a preempted request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
         # Speculative decoding (worker/spec_decode.py): verify drafts, propose the next ones.
-        self.spec_decoder = (SpecDecoder(config.speculative_config, self.model, self.attn_backend, cc.block_size,
-                                         mc.max_model_len) if config.speculative_config else None)
+        self.spec_decoder = (SpecDecoder(config.speculative_config, self.model, self.attn_backend, config)
+                             if config.speculative_config else None)
+        # A draft with a paged cache of its own: its layers' tensors after the target's, same blocks.
+        self.num_target_kv_tensors = len(self.kv_cache_spec)
+        if self.spec_decoder is not None and self.spec_decoder.paged is not None:
+            self.kv_cache_spec += self.spec_decoder.paged.kv_cache_spec(cc.block_size, self.kv_cache_dtype)
 
     # ------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -103,14 +107,23 @@ class ModelRunner:
         """The KV cache, the swap space (host memory, pinned when the cache is on a GPU), and
         then the decode CUDA graphs, which capture the cache's addresses."""
         self.kv_caches = self.alloc_kv_caches(num_blocks, self.device)
-        bind_kv_cache(self.model, self.kv_caches)
+        self.bind_kv_caches(self.kv_caches)
         self.cpu_caches = (self.alloc_kv_caches(num_cpu_blocks, "cpu", pin=self.device.type == "cuda")
                            if num_cpu_blocks else [])
         dc = self.config.device_config
+        mtp = self.spec_decoder is not None and self.spec_decoder.paged is not None and \
+            self.spec_decoder.paged.needs_target_hidden   # reads the eager forward's hidden states
         if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
-                and self.num_kv_cache_groups == 1):   # a captured step has one block table
+                and self.num_kv_cache_groups == 1 and not mtp):   # a captured step has one block table
             from pagedllm.worker.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self, dc.cuda_graph_sizes, capture=True)
+
+    def bind_kv_caches(self, kv_caches: list) -> None:
+        """The target's layers take the first tensors, a paged draft's the rest ([] unbinds)."""
+        n = self.num_target_kv_tensors
+        bind_kv_cache(self.model, kv_caches[:n])
+        if self.spec_decoder is not None and self.spec_decoder.paged is not None:
+            self.spec_decoder.paged.bind_kv_cache(kv_caches[n:])
 
     def profile_kv_cache_memory(self) -> int:
         """GPU: bytes left for the KV cache (see worker/memory.py)."""

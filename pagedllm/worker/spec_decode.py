@@ -14,9 +14,12 @@ import numpy as np
 import torch
 
 from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_dir_proposer import DraftDirProposer, load_draft_model
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.length_policy import SpecLengthPolicy
+from pagedllm.spec_decode.mtp_proposer import MTPProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.paged_draft import PagedDraftProposer
 from pagedllm.worker.input_batch import InputBatch, ModelInputs
 from pagedllm.worker.rejection_sampler import RejectionSampler
 from pagedllm.worker.sampler import SamplingMetadata
@@ -27,16 +30,28 @@ def speculates(params) -> bool:
                 or params.structured_outputs is not None)
 
 
+def make_proposer(config: SpeculativeConfig, model, attn_backend, engine_config):
+    """The proposer the config names (checked by spec_decode/checks.py at the engine's validate)."""
+    block_size, max_model_len = engine_config.cache_config.block_size, engine_config.model_config.max_model_len
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model" and config.model.startswith("self:"):
+        return DraftModelProposer(model, int(config.model[5:]), attn_backend, block_size, max_model_len)
+    if config.method == "draft_model":
+        return DraftDirProposer(load_draft_model(engine_config, config.model), attn_backend, block_size, max_model_len)
+    from pagedllm.models.deepseek_mtp import DeepSeekMTP
+    from pagedllm.models.loader import load_model
+    dc = engine_config.device_config
+    mtp = load_model(engine_config.model_config, None, dc.device, dc.attention_backend, model_cls=DeepSeekMTP)
+    return MTPProposer(mtp, model, attn_backend, block_size, max_model_len)
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, model, attn_backend, block_size: int, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, model, attn_backend, engine_config) -> None:
         self.config = config
-        if config.method == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.method == "draft_model" and config.model.startswith("self:"):
-            self.proposer = DraftModelProposer(model, int(config.model[5:]), attn_backend, block_size, max_model_len)
-        else:
-            raise ValueError(f"speculative_config: method {config.method!r} with model {config.model!r} "
-                             "has no proposer yet (built: 'ngram', 'draft_model' with 'self:N')")
+        self.proposer = make_proposer(config, model, attn_backend, engine_config)
+        # A proposer with a paged KV cache of its own (spec_decode/paged_draft.py), else None.
+        self.paged = self.proposer if isinstance(self.proposer, PagedDraftProposer) else None
         self.policy = SpecLengthPolicy(config.num_speculative_tokens, config.length_policy == "adaptive")
         self.rejection_sampler = RejectionSampler()
         self.step_start = 0.0
@@ -80,6 +95,8 @@ class SpecDecoder:
             self.policy.cost.observe_step(int(n.sum()), time.perf_counter() - self.step_start)
         k = self.policy.num_spec_tokens(len(rows))
         ks = [k if k > 0 and speculates(batch.states[r].sampling_params) else 0 for r in rows]
+        if self.paged is not None:   # its cache follows every step, drafts or not (a cost of its own)
+            self.paged.catch_up(batch, inputs, rows)
         start = time.perf_counter()
         drafts = self.proposer.propose(batch, rows, ks)
         self.policy.cost.observe_proposal(sum(map(len, drafts)), time.perf_counter() - start)

@@ -14,7 +14,7 @@ from greedy_utils import assert_greedy_equal, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_TOKENS = 32
 TEXT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
         "The keeper fed his cat and watched the tide turn. The keeper fed his cat and watched the "
@@ -98,7 +98,10 @@ def test_mostly_rejected_drafts_leak_no_block(tiny_pair):
     stats = spec.llm_engine.core.scheduler.spec_decoding_stats
     before = (stats.num_draft_tokens, stats.num_accepted_tokens)
     params = SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=1)
-    spec.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS * 3], params, use_tqdm=False)
+    # Prompts of 80 distinct ids: a sampled id often occurred before (a 1-gram hit: one draft),
+    # and the near-uniform sample after it rarely follows the prompt.
+    prompts = [list(range(s, s + 80)) for s in (3, 83, 163)] * 3
+    spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
     assert drafted > 20 and accepted < drafted / 2, (drafted, accepted)
     assert_no_block_in_use(spec)
@@ -132,14 +135,18 @@ def test_decode_loop_takes_steps_with_drafts():
     assert not meta([0, 5], [5], max_decode_query_len=q).all_decode            # no past: a prompt
 
 
-def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair):
+def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch):
     """random:tiny with n-gram drafts, with the loop: every loop call of the run is checked
     against the eager layers on the same inputs (same hidden states, bit for bit; the eager
     path rewrites the same K/V), and verification steps (one request, 2-5 rows) were among
-    them; the greedy tokens are those of the engine without speculation."""
+    them; the greedy tokens are those of the engine without speculation. Every n-gram hit drafts
+    the full k here (the proposer drafts 2 (n - 1) tokens, and this model's output rarely
+    repeats 3-grams), so that 5-row verifications occur."""
     import torch
     from kernel_utils import require_built
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
+    from pagedllm.spec_decode import ngram_proposer
+    monkeypatch.setattr(ngram_proposer, "draft_length", lambda n, k: k)
     plain, spec = tiny_pair
     runner = spec.llm_engine.core.model_executor.driver_worker.model_runner
     require_built(decode_loop_ext())

@@ -39,7 +39,7 @@ def test_bad_config_names_the_field(bad, field):
 
 def test_config_from_json_and_engine_checks():
     c = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 5}')
-    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max) == ("ngram", 5, 4)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 2, 8)
     with pytest.raises(ValueError, match="JSON"):
         SpeculativeConfig.from_dict("{method: ngram}")
     from pagedllm import LLM
@@ -49,14 +49,21 @@ def test_config_from_json_and_engine_checks():
         LLM("random:tiny", speculative_config={"method": "mtp"})
 
 
-def test_ngram_proposer_finds_the_first_earlier_occurrence():
+def test_ngram_proposer_follows_the_longest_most_recent_match():
     p = NgramProposer(1, 3)
     toks = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4])
-    # Longest suffix first: [2, 3, 4] first occurs at 1 -> what followed it.
-    assert p.propose_one(toks, 3) == [5, 9, 2]
-    assert p.propose_one(np.array([1, 2, 3, 1]), 5) == [2, 3, 1]   # runs up to the end
+    # [2, 3, 4] (the longest suffix, 3 <= max) occurs at 1 and at 6: the most recent one's
+    # continuation, 2 (n - 1) = 4 tokens long at most.
+    assert p.longest_match(toks) == (3, 8)
+    assert p.propose_one(toks, 8) == [7, 8, 2, 3] and p.propose_one(toks, 2) == [7, 8]
+    # [9, 3, 4] does not recur but [3, 4] does: the 2-gram's continuation, 2 tokens.
+    assert p.propose_one(np.array([3, 4, 6, 1, 5, 9, 3, 4]), 8) == [6, 1]
+    # A longer match wins over a more recent shorter one.
+    assert NgramProposer(1, 8).propose_one(np.array([7, 1, 2, 3, 0, 2, 3, 5, 7, 1, 2, 3]), 8) == [0, 2, 3, 5, 7, 1]
+    assert p.propose_one(np.array([1, 2, 3, 1]), 5) == [2]          # a 1-gram: one token
     assert p.propose_one(np.array([1, 2, 3]), 3) == []              # nothing recurs
     assert NgramProposer(2, 2).propose_one(np.array([5, 1, 7, 1]), 2) == []   # a 1-gram is too short
+    assert SpeculativeConfig.from_dict({"prompt_lookup_max": 1}).prompt_lookup_min == 1
 
 
 
