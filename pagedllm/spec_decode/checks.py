@@ -29,11 +29,10 @@ def check_speculative_config(config) -> None:
 def check_draft_dir(config, path: str) -> None:
     """A draft model directory must share the target's vocabulary, reach its max_model_len and
     keep one KV cache group (its cache pages through the target's one block table)."""
-    from pagedllm.config import ModelConfig
     from pagedllm.core.kv_cache_utils import kv_cache_config_of
     target = config.model_config
-    try:
-        draft = ModelConfig.from_dir(path).hf_config
+    try:   # the target's ModelConfig class: no import of pagedllm.config (it imports this module)
+        draft = type(target).from_dir(path).hf_config
     except ValueError as e:
         raise ValueError(f"speculative_config.model {path!r}: {e}") from None
     if draft.get("vocab_size") != target.vocab_size:
