@@ -33,6 +33,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "weights), side by side with the first engine's")
     p.add_argument("--compare-enforce-eager", action="store_true",
                    help="GPU: run the same batches again with --enforce-eager (no CUDA graphs)")
+    p.add_argument("--compare-async-scheduling", action="store_true",
+                   help="run the same batches again with --async-scheduling toggled (on if it was off, "
+                        "off if on), side by side")
     p.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                    help="also run torch.profiler over STEPS decode steps of one request (kernels "
                         "inside CUDA graphs included) and print the kernels by device time")
@@ -195,18 +198,31 @@ def _print_profile(name: str, prof: dict) -> None:
 EAGER = "pagedllm --enforce-eager"
 
 
-def _eager_rows(eargs, batches: dict, ns) -> list[dict]:
-    """The same batches through an engine with CUDA graphs off (the caller has freed the first
-    engine: both would not fit a GPU's memory at gpu_memory_utilization 0.9)."""
+def _variant_rows(eargs, batches: dict, ns, label: str, **changes) -> list[dict]:
+    """The same batches through an engine with `changes` to its args (the caller has freed the
+    first engine: both would not fit a GPU's memory at gpu_memory_utilization 0.9)."""
     import dataclasses
 
     from pagedllm.entrypoints.llm import LLM
-    eager = LLM(**vars(dataclasses.replace(eargs, enforce_eager=True)))
+    llm = LLM(**vars(dataclasses.replace(eargs, **changes)))
     rows = []
     for b, prompts in batches.items():
-        print(f"running pagedllm --enforce-eager at batch {b} ...", file=sys.stderr, flush=True)
-        rows.append({**run_pagedllm(eager, prompts, ns.output_len, ns.profile), "system": EAGER})
+        print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
+        rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
     return rows
+
+
+def _free(llm) -> None:
+    """Let the next engine have the device's memory."""
+    import torch
+    if llm is not None:
+        llm.llm_engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
@@ -263,6 +279,8 @@ def main(ns: argparse.Namespace) -> int:
         for b in ns.batch_size}
     rows = []
     label = f"pagedllm {eargs.quantization}" if eargs.quantization else "pagedllm"
+    if eargs.async_scheduling:
+        label += " --async-scheduling"
     for b, prompts in batches.items():
         print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
         rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
@@ -274,12 +292,15 @@ def main(ns: argparse.Namespace) -> int:
     if ns.torch_profile:
         print("running torch.profiler at batch 1 ...", file=sys.stderr, flush=True)
         profiled = torch_profile(llm, batches[min(batches)][0], ns.torch_profile)
-    if ns.compare_enforce_eager:
-        llm.llm_engine.shutdown()
+    if ns.compare_enforce_eager or ns.compare_async_scheduling:
+        _free(llm)
         llm = None
-        gc.collect()
-        torch.cuda.empty_cache()
-        rows += _eager_rows(eargs, batches, ns)
+    if ns.compare_async_scheduling:
+        on = not eargs.async_scheduling
+        rows += _variant_rows(eargs, batches, ns, "pagedllm" + (" --async-scheduling" if on else ""),
+                              async_scheduling=on)
+    if ns.compare_enforce_eager:
+        rows += _variant_rows(eargs, batches, ns, EAGER, enforce_eager=True)
     if ns.llama_cpp:
         prompt = random_requests(tok, 1, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
                                  ns.dataset_seed + 1)[0].prompt_token_ids
@@ -298,10 +319,15 @@ def main(ns: argparse.Namespace) -> int:
                 print(f"{base['system']} / {r['system']} single-stream decode: "
                       f"{base['decode_tok_s'] / r['decode_tok_s']:.2f}x")
     for r in rows:
-        if r["system"] == EAGER:
-            graphs = next(g for g in rows if g["system"] == "pagedllm" and g["batch"] == r["batch"])
-            print(f"batch {r['batch']}: TPOT with CUDA graphs {graphs['tpot_ms']:.2f} ms, eager "
-                  f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / graphs['tpot_ms']:.2f}x)")
+        base = next((g for g in rows if g["system"] == label and g["batch"] == r["batch"]), None)
+        if r["system"] == EAGER and base is not None:
+            print(f"batch {r['batch']}: TPOT with CUDA graphs {base['tpot_ms']:.2f} ms, eager "
+                  f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / base['tpot_ms']:.2f}x)")
+        if (ns.compare_async_scheduling and r is not base and base is not None and r["system"] != EAGER
+                and r["system"].startswith("pagedllm")):
+            on, off = (base, r) if eargs.async_scheduling else (r, base)
+            print(f"batch {r['batch']}: TPOT {off['tpot_ms']:.2f} ms without --async-scheduling, "
+                  f"{on['tpot_ms']:.2f} ms with it ({off['tpot_ms'] / on['tpot_ms']:.2f}x)")
     if ns.profile:
         for r in rows:
             if "profile_decode" in r:
