@@ -119,3 +119,32 @@ def test_refused_requests(engines):
                      use_tqdm=False)
     assert e.value.param == "structured_outputs"
     _assert_no_block_in_use(llm)
+
+
+def test_failed_step_rolls_back(engines):
+    """A step that raises (an injected fault on token 500) with another step in flight: both
+    are dropped, the culprit is convicted, the others finish with the tokens they would have."""
+    from pagedllm.engine.exceptions import RequestFailedError
+    from pagedllm.worker.fault_injection import FaultInjector
+    on, off = engines
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS[:3] + [[500, 7, 8]]
+    want = [o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": p} for p in prompts[:3]],
+                                                         params, use_tqdm=False)]
+    engine = on.llm_engine
+    runner = engine.core.model_executor.driver_worker.model_runner
+    runner.faults = FaultInjector({500: "raise"})
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"f{i}", {"prompt_token_ids": p}, params)
+        done, failed = {}, []
+        while engine.has_unfinished_requests():
+            try:
+                done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+            except RequestFailedError as e:
+                failed += e.req_ids
+    finally:
+        runner.faults = None
+    assert failed == ["f3"]
+    assert [done[f"f{i}"] for i in range(3)] == want
+    _assert_no_block_in_use(on)
