@@ -39,6 +39,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                    help="also run torch.profiler over STEPS decode steps of one request (kernels "
                         "inside CUDA graphs included) and print the kernels by device time")
+    p.add_argument("--torch-profile-batch", type=int, default=1, metavar="B",
+                   help="--torch-profile's decode steps run B requests (the first B prompts of the "
+                        "largest --batch-size; default 1)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw pagedllm's TTFT / TPOT percentiles and output tok/s against the batch size")
@@ -93,17 +96,20 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
     return row
 
 
-def torch_profile(llm, prompt: list[int], steps: int, top: int = 30) -> dict:
-    """torch.profiler over `steps` decode steps of one request, after its prefill and a few
-    warm-up steps -> {"table": kernels by device time, "device_us_per_step", "wall_us_per_step"}."""
+def torch_profile(llm, prompts: list[list[int]], steps: int, top: int = 30) -> dict:
+    """torch.profiler over `steps` decode steps of len(prompts) requests, after their prefill and
+    a few warm-up steps -> {"table": kernels by device time, "device_us_per_step", "wall_us_per_step"}."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm.sampling_params import SamplingParams
     engine = llm.llm_engine
-    engine.add_request("torch-profile", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(5):   # the prefill, then warm decode steps
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"torch-profile-{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+    while engine.core.scheduler.waiting:
+        engine.step()    # every prefill
+    for _ in range(5):   # warm decode steps
         engine.step()
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -119,7 +125,7 @@ def torch_profile(llm, prompt: list[int], steps: int, top: int = 30) -> dict:
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     device_us = sum(getattr(e, key) for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"table": events.table(sort_by=key, row_limit=top), "steps": steps,
+    return {"table": events.table(sort_by=key, row_limit=top), "steps": steps, "batch": len(prompts),
             "device_us_per_step": device_us / steps, "wall_us_per_step": 1e6 * wall / steps}
 
 
@@ -290,8 +296,11 @@ def main(ns: argparse.Namespace) -> int:
         llm = None
     profiled = None
     if ns.torch_profile:
-        print("running torch.profiler at batch 1 ...", file=sys.stderr, flush=True)
-        profiled = torch_profile(llm, batches[min(batches)][0], ns.torch_profile)
+        b = ns.torch_profile_batch
+        if not 1 <= b <= max(batches):
+            raise ValueError(f"torch_profile_batch must be in [1, {max(batches)}] (the largest --batch-size), got {b}")
+        print(f"running torch.profiler at batch {b} ...", file=sys.stderr, flush=True)
+        profiled = torch_profile(llm, batches[max(batches)][:b], ns.torch_profile)
     if ns.compare_enforce_eager or ns.compare_async_scheduling:
         _free(llm)
         llm = None
@@ -334,7 +343,7 @@ def main(ns: argparse.Namespace) -> int:
                 _print_profile(f"batch {r['batch']}, decode steps", r["profile_decode"])
                 _print_profile(f"batch {r['batch']}, all steps (prefill included)", r["profile_all"])
     if profiled:
-        print(f"\ntorch.profiler, {profiled['steps']} decode steps of one request: "
+        print(f"\ntorch.profiler, {profiled['steps']} decode steps of {profiled['batch']} request(s): "
               f"{profiled['wall_us_per_step']:.0f} µs a step (wall, profiler on), kernels "
               f"{profiled['device_us_per_step']:.0f} µs a step\n{profiled['table']}")
     if ns.output_json:
