@@ -119,8 +119,10 @@ class EngineCore:
 
     def _schedule(self):
         """The step's SchedulerOutput with the token bitmask of its constrained rows."""
+        PROFILER.begin_step()
         so = self.failures.schedule()
         self.structured_output_manager.grammar_bitmask(self.scheduler.requests, so)
+        PROFILER.mark("schedule")
         return so
 
     def abort_requests(self, req_ids) -> None:
@@ -144,9 +146,7 @@ class EngineCore:
         self._raise_kv_load_failures()
         if not self.has_unfinished_requests():
             return []
-        PROFILER.begin_step()
         so = self._schedule()
-        PROFILER.mark("schedule")
         try:
             ro = self.model_executor.execute_model(so)
         except Exception as e:
@@ -166,9 +166,7 @@ class EngineCore:
         scheduled again until its output is in (a prefill's next chunk may be), unless async
         scheduling gave it an output placeholder (core/async_scheduler.py)."""
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
-            PROFILER.begin_step()
             so = self._schedule()
-            PROFILER.mark("schedule")
             try:
                 handle = self.model_executor.submit(so)
             except Exception as e:
