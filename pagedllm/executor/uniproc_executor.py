@@ -12,6 +12,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
@@ -27,7 +29,9 @@ class UniProcExecutor(Executor):
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._thread: Optional[ThreadPoolExecutor] = None
         if self.async_scheduling and config.device_config.device == "cpu":
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step")
+            # OpenMP's thread count is per thread: the step thread takes this one's.
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step", initializer=torch.set_num_threads,
+                                              initargs=(torch.get_num_threads(),))
 
     def kv_bytes_per_block(self) -> int:
         return self.driver_worker.kv_bytes_per_block()
