@@ -86,7 +86,7 @@ class AsyncOutputs:
             self.staging.end()
         else:
             dst_t, src_t = torch.from_numpy(dst), torch.from_numpy(src)
-        input_ids[dst_t] = self.prev_tokens[src_t]
+        input_ids.index_copy_(0, dst_t, self.prev_tokens.index_select(0, src_t))   # no host sync
 
     def complete_output_ids(self, states, output_token_ids: list[list[int]], need_ids: bool) -> list[list[int]]:
         """Each state's output tokens with the one still on the device appended: its id when
