@@ -5,6 +5,7 @@
   in flight from the previous step's tensor); no block is left in use.
 - Stop strings, max_tokens, min_tokens, n > 1, seeded sampling with penalties and logprobs give
   exactly what the engine without async scheduling gives (same seeds, same random streams).
+- The CUDA-graph static-buffer path (eager, Triton's interpreter) takes the token in flight too.
 - Streaming through AsyncLLM (the core in its own process) gives the offline tokens.
 - What it cannot serve is refused with a ValueError naming the field.
 """
@@ -148,3 +149,20 @@ def test_failed_step_rolls_back(engines):
     assert failed == ["f3"]
     assert [done[f"f{i}"] for i in range(3)] == want
     _assert_no_block_in_use(on)
+
+
+def test_decode_graph_path_takes_tokens_in_flight(engines):
+    """The static-buffer path a CUDA graph replays (run eagerly under Triton's interpreter,
+    capture=False): the token of the step in flight is copied into the graph's input buffer."""
+    from pagedllm.worker.cuda_graph import DecodeGraphs
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm = LLM(TINY, attention_backend="triton", async_scheduling=True, max_model_len=64, max_num_seqs=4)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    runner.graphs = graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
+    outputs = runner.async_outputs
+    fill, filled = outputs.fill_placeholders, []
+    outputs.fill_placeholders = lambda ids, inputs: fill(ids, inputs) or filled.append(ids.data_ptr())
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    want = engines[1].generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert graphs.input_ids.data_ptr() in filled, "no graph step took a token from the step in flight"
