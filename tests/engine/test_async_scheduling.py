@@ -1,7 +1,7 @@
 """Async scheduling (core/async_scheduler.py, worker/async_output.py) on the CPU, random:tiny.
 
 - Greedy equals transformers token for token with chunked prefill (a 16-token budget) and
-  preemption (a 30-block cache) forced; steps really overlapped (the runner took tokens still
+  preemption (a 30-block cache; recompute and swap) forced; steps really overlapped (the runner took tokens still
   in flight from the previous step's tensor); no block is left in use.
 - Stop strings, max_tokens, min_tokens, n > 1, seeded sampling with penalties and logprobs give
   exactly what the engine without async scheduling gives (same seeds, same random streams).
@@ -35,9 +35,11 @@ def _assert_no_block_in_use(llm) -> None:
     assert pool.get_num_free_blocks() == pool.num_blocks - 1, "a KV block leaked"
 
 
-def test_greedy_equals_transformers(engines):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_transformers(engines, mode):
     from transformers import AutoModelForCausalLM
-    llm = engines[0]
+    llm = engines[0] if mode == "recompute" else LLM(TINY, async_scheduling=True, preemption_mode="swap",
+                                                     num_cpu_blocks=64, **ENGINE)
     hf = AutoModelForCausalLM.from_pretrained(str(random_model_dir(TINY)), dtype=torch.float32).eval()
     reference = hf_greedy(hf, PROMPTS, 40)
     outputs = llm.llm_engine.core.model_executor.driver_worker.model_runner.async_outputs
