@@ -142,6 +142,9 @@ class SchedulerConfig:
     # Speculative decoding with a draft model: KV slots a running request gets beyond its step's
     # tokens, where the draft writes the K/V of the tokens it proposes (vLLM's num_lookahead_tokens).
     num_lookahead_tokens: int = 0
+    # vLLM's async scheduling: step N+1 is scheduled and submitted while step N runs on the device
+    # (core/async_scheduler.py, worker/async_output.py).
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -277,6 +280,9 @@ class EngineConfig:
         if self.lora_config is not None:
             from pagedllm.lora.config_check import validate_lora_config
             validate_lora_config(self)
+        if s.async_scheduling:
+            from pagedllm.core.async_scheduler import check_async_scheduling
+            check_async_scheduling(self)
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")

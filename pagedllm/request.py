@@ -86,6 +86,9 @@ class Request:
         # Speculative decoding: the draft tokens proposed after the last step, verified in the next
         # (never part of all_token_ids; dropped on preemption).
         self.spec_token_ids: list[int] = []
+        # Async scheduling (core/async_scheduler.py): tokens sampled by steps still in flight,
+        # not yet in all_token_ids (vLLM's num_output_placeholders; 0 otherwise).
+        self.num_output_placeholders = 0
 
     def add_prompt_logprobs(self, chunk) -> None:
         """One step's scored positions (worker/prompt_logprobs.py); positions already held (a

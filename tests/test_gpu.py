@@ -101,6 +101,24 @@ def test_float32_greedy_equals_transformers(make_llm, tiny_dir, prompts, referen
         assert replays, "no decode step replayed a CUDA graph"
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_async_scheduling_equals_transformers(make_llm, tiny_dir, prompts, reference_fp32, enforce_eager):
+    """--async-scheduling on the GPU: the next step's input token comes from the device tensor
+    of the step in flight (graph replay and eager), a small cache forces swap preemption, and
+    the pinned staging buffers feed the graphs."""
+    llm = make_llm(tiny_dir, dtype="float32", enforce_eager=enforce_eager, async_scheduling=True,
+                   num_gpu_blocks=30, num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=64)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    outputs = runner.async_outputs
+    fill, filled = outputs.fill_placeholders, []
+    outputs.fill_placeholders = lambda ids, inputs: fill(ids, inputs) or filled.append(len(outputs.filled))
+    _assert_equal(_generate(llm, prompts), reference_fp32)
+    assert sum(filled) > 0, "no step took its input token from the step in flight"
+    assert llm.llm_engine.num_preemptions > 0
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1, "a KV block leaked"
+
+
 def test_swap_preemption_on_gpu(make_llm, tiny_dir, prompts, reference_fp32):
     """A cache too small for all requests: blocks go to pinned host memory and come back."""
     llm = make_llm(tiny_dir, dtype="float32", num_gpu_blocks=30, num_cpu_blocks=64,

@@ -33,9 +33,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "weights), side by side with the first engine's")
     p.add_argument("--compare-enforce-eager", action="store_true",
                    help="GPU: run the same batches again with --enforce-eager (no CUDA graphs)")
+    p.add_argument("--compare-async-scheduling", action="store_true",
+                   help="run the same batches again with --async-scheduling toggled (on if it was off, "
+                        "off if on), side by side")
     p.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                    help="also run torch.profiler over STEPS decode steps of one request (kernels "
                         "inside CUDA graphs included) and print the kernels by device time")
+    p.add_argument("--torch-profile-batch", type=int, default=1, metavar="B",
+                   help="--torch-profile's decode steps run B requests (the first B prompts of the "
+                        "largest --batch-size; default 1)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw pagedllm's TTFT / TPOT percentiles and output tok/s against the batch size")
@@ -90,17 +96,20 @@ def run_pagedllm(llm, prompts: list[list[int]], output_len: int, profile: bool) 
     return row
 
 
-def torch_profile(llm, prompt: list[int], steps: int, top: int = 30) -> dict:
-    """torch.profiler over `steps` decode steps of one request, after its prefill and a few
-    warm-up steps -> {"table": kernels by device time, "device_us_per_step", "wall_us_per_step"}."""
+def torch_profile(llm, prompts: list[list[int]], steps: int, top: int = 30) -> dict:
+    """torch.profiler over `steps` decode steps of len(prompts) requests, after their prefill and
+    a few warm-up steps -> {"table": kernels by device time, "device_us_per_step", "wall_us_per_step"}."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm.sampling_params import SamplingParams
     engine = llm.llm_engine
-    engine.add_request("torch-profile", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(5):   # the prefill, then warm decode steps
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"torch-profile-{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+    while engine.core.scheduler.waiting:
+        engine.step()    # every prefill
+    for _ in range(5):   # warm decode steps
         engine.step()
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -116,7 +125,7 @@ def torch_profile(llm, prompt: list[int], steps: int, top: int = 30) -> dict:
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     device_us = sum(getattr(e, key) for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"table": events.table(sort_by=key, row_limit=top), "steps": steps,
+    return {"table": events.table(sort_by=key, row_limit=top), "steps": steps, "batch": len(prompts),
             "device_us_per_step": device_us / steps, "wall_us_per_step": 1e6 * wall / steps}
 
 
@@ -195,18 +204,31 @@ def _print_profile(name: str, prof: dict) -> None:
 EAGER = "pagedllm --enforce-eager"
 
 
-def _eager_rows(eargs, batches: dict, ns) -> list[dict]:
-    """The same batches through an engine with CUDA graphs off (the caller has freed the first
-    engine: both would not fit a GPU's memory at gpu_memory_utilization 0.9)."""
+def _variant_rows(eargs, batches: dict, ns, label: str, **changes) -> list[dict]:
+    """The same batches through an engine with `changes` to its args (the caller has freed the
+    first engine: both would not fit a GPU's memory at gpu_memory_utilization 0.9)."""
     import dataclasses
 
     from pagedllm.entrypoints.llm import LLM
-    eager = LLM(**vars(dataclasses.replace(eargs, enforce_eager=True)))
+    llm = LLM(**vars(dataclasses.replace(eargs, **changes)))
     rows = []
     for b, prompts in batches.items():
-        print(f"running pagedllm --enforce-eager at batch {b} ...", file=sys.stderr, flush=True)
-        rows.append({**run_pagedllm(eager, prompts, ns.output_len, ns.profile), "system": EAGER})
+        print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
+        rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
     return rows
+
+
+def _free(llm) -> None:
+    """Let the next engine have the device's memory."""
+    import torch
+    if llm is not None:
+        llm.llm_engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
@@ -263,6 +285,8 @@ def main(ns: argparse.Namespace) -> int:
         for b in ns.batch_size}
     rows = []
     label = f"pagedllm {eargs.quantization}" if eargs.quantization else "pagedllm"
+    if eargs.async_scheduling:
+        label += " --async-scheduling"
     for b, prompts in batches.items():
         print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
         rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
@@ -272,14 +296,20 @@ def main(ns: argparse.Namespace) -> int:
         llm = None
     profiled = None
     if ns.torch_profile:
-        print("running torch.profiler at batch 1 ...", file=sys.stderr, flush=True)
-        profiled = torch_profile(llm, batches[min(batches)][0], ns.torch_profile)
-    if ns.compare_enforce_eager:
-        llm.llm_engine.shutdown()
+        b = ns.torch_profile_batch
+        if not 1 <= b <= max(batches):
+            raise ValueError(f"torch_profile_batch must be in [1, {max(batches)}] (the largest --batch-size), got {b}")
+        print(f"running torch.profiler at batch {b} ...", file=sys.stderr, flush=True)
+        profiled = torch_profile(llm, batches[max(batches)][:b], ns.torch_profile)
+    if ns.compare_enforce_eager or ns.compare_async_scheduling:
+        _free(llm)
         llm = None
-        gc.collect()
-        torch.cuda.empty_cache()
-        rows += _eager_rows(eargs, batches, ns)
+    if ns.compare_async_scheduling:
+        on = not eargs.async_scheduling
+        rows += _variant_rows(eargs, batches, ns, "pagedllm" + (" --async-scheduling" if on else ""),
+                              async_scheduling=on)
+    if ns.compare_enforce_eager:
+        rows += _variant_rows(eargs, batches, ns, EAGER, enforce_eager=True)
     if ns.llama_cpp:
         prompt = random_requests(tok, 1, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
                                  ns.dataset_seed + 1)[0].prompt_token_ids
@@ -298,17 +328,22 @@ def main(ns: argparse.Namespace) -> int:
                 print(f"{base['system']} / {r['system']} single-stream decode: "
                       f"{base['decode_tok_s'] / r['decode_tok_s']:.2f}x")
     for r in rows:
-        if r["system"] == EAGER:
-            graphs = next(g for g in rows if g["system"] == "pagedllm" and g["batch"] == r["batch"])
-            print(f"batch {r['batch']}: TPOT with CUDA graphs {graphs['tpot_ms']:.2f} ms, eager "
-                  f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / graphs['tpot_ms']:.2f}x)")
+        base = next((g for g in rows if g["system"] == label and g["batch"] == r["batch"]), None)
+        if r["system"] == EAGER and base is not None:
+            print(f"batch {r['batch']}: TPOT with CUDA graphs {base['tpot_ms']:.2f} ms, eager "
+                  f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / base['tpot_ms']:.2f}x)")
+        if (ns.compare_async_scheduling and r is not base and base is not None and r["system"] != EAGER
+                and r["system"].startswith("pagedllm")):
+            on, off = (base, r) if eargs.async_scheduling else (r, base)
+            print(f"batch {r['batch']}: TPOT {off['tpot_ms']:.2f} ms without --async-scheduling, "
+                  f"{on['tpot_ms']:.2f} ms with it ({off['tpot_ms'] / on['tpot_ms']:.2f}x)")
     if ns.profile:
         for r in rows:
             if "profile_decode" in r:
                 _print_profile(f"batch {r['batch']}, decode steps", r["profile_decode"])
                 _print_profile(f"batch {r['batch']}, all steps (prefill included)", r["profile_all"])
     if profiled:
-        print(f"\ntorch.profiler, {profiled['steps']} decode steps of one request: "
+        print(f"\ntorch.profiler, {profiled['steps']} decode steps of {profiled['batch']} request(s): "
               f"{profiled['wall_us_per_step']:.0f} µs a step (wall, profiler on), kernels "
               f"{profiled['device_us_per_step']:.0f} µs a step\n{profiled['table']}")
     if ns.output_json:

@@ -360,7 +360,8 @@ class Scheduler:
     def _num_tokens_to_compute(self, request: Request) -> int:
         """A parallel-sampling parent computes its prompt but the last token; the siblings it
         forks into compute that token each (sharing every block before it)."""
-        end = request.num_tokens + len(request.spec_token_ids)   # drafts follow the last token
+        # Drafts follow the last token; so do the tokens of steps in flight (async scheduling).
+        end = request.num_tokens + request.num_output_placeholders + len(request.spec_token_ids)
         if request.sampling_params.num_samples > 1:
             end = request.num_prompt_tokens - 1
         return end - request.num_computed_tokens
@@ -484,8 +485,8 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 prompt_logprobs=request.take_prompt_logprobs(),
             ))
-            if finished:
-                self.running.remove(request)
+            if finished:   # async scheduling: it may have been preempted since the step began
+                (self.running if request in self.running else self.waiting).remove(request)
                 outputs[-1].kv_transfer_params = self._free_request(request)
         return outputs
 

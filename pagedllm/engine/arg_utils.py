@@ -44,6 +44,7 @@ class EngineArgs:
     quantization_group_size: Optional[int] = None   # int4's / int8's group (32 by default; int8 -1: per channel)
     speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
     kv_cache_dtype: str = "auto"        # "auto", "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (vLLM's)
+    async_scheduling: bool = False      # schedule step N+1 while step N runs (vLLM's --async-scheduling)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -74,7 +75,8 @@ class EngineArgs:
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=mc.max_model_len,
                              chunked_prefill=self.enable_chunked_prefill,
-                             preemption_mode=self.preemption_mode)
+                             preemption_mode=self.preemption_mode,
+                             async_scheduling=bool(self.async_scheduling))
         from pagedllm.attention.kv_quant import check_kv_cache_dtype
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,

@@ -61,17 +61,22 @@ class EngineCore:
                             num_cpu_blocks=self.num_cpu_blocks,
                             kv_cache_config=kv_cache_config_of(config.model_config.hf_config,
                                                                config.parallel_config.pipeline_parallel_size))
-        self.scheduler = Scheduler(config.scheduler_config, kv, connector=create_connector(
+        scheduler_class = Scheduler
+        if config.scheduler_config.async_scheduling:   # output placeholders (core/async_scheduler.py)
+            from pagedllm.core.async_scheduler import AsyncScheduler as scheduler_class
+        self.scheduler = scheduler_class(config.scheduler_config, kv, connector=create_connector(
             config.kv_transfer_config, KVConnectorRole.SCHEDULER, cc.block_size))
         self.structured_output_manager = StructuredOutputManager(
             config.model_config.model, config.model_config.vocab_size, self.eos_ids)
         self.failures = StepFailures(self.scheduler, executor)
         # Pipeline parallelism: up to max_concurrent_batches steps in flight, so that no stage
         # waits for the others (recompute preemption only: a swapped-out request must not
-        # have a step in flight).
+        # have a step in flight). Async scheduling: two, the next step submitted while one runs
+        # (steps run in order on one device, so a swap copy follows the step before it).
         self.batch_queue = None
         self.batch_queue_size = executor.max_concurrent_batches
-        if self.batch_queue_size > 1 and config.scheduler_config.preemption_mode == "recompute":
+        if self.batch_queue_size > 1 and (config.scheduler_config.preemption_mode == "recompute"
+                                          or config.scheduler_config.async_scheduling):
             self.batch_queue = deque()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", self.num_blocks,
                     cc.block_size, (self.num_blocks - 1) * cc.block_size,
@@ -114,8 +119,10 @@ class EngineCore:
 
     def _schedule(self):
         """The step's SchedulerOutput with the token bitmask of its constrained rows."""
+        PROFILER.begin_step()
         so = self.failures.schedule()
         self.structured_output_manager.grammar_bitmask(self.scheduler.requests, so)
+        PROFILER.mark("schedule")
         return so
 
     def abort_requests(self, req_ids) -> None:
@@ -123,7 +130,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         sched = self.scheduler
-        return sched.has_unfinished_requests() or sched.has_kv_transfers() or bool(sched.kv_load_failures)
+        return (sched.has_unfinished_requests() or sched.has_kv_transfers() or bool(sched.kv_load_failures)
+                or bool(self.batch_queue))
 
     def _raise_kv_load_failures(self) -> None:
         """Requests whose remote KV could not be loaded (distributed/kv_transfer) were ended by
@@ -138,9 +146,7 @@ class EngineCore:
         self._raise_kv_load_failures()
         if not self.has_unfinished_requests():
             return []
-        PROFILER.begin_step()
         so = self._schedule()
-        PROFILER.mark("schedule")
         try:
             ro = self.model_executor.execute_model(so)
         except Exception as e:
@@ -157,18 +163,47 @@ class EngineCore:
         """Schedule and submit a step while fewer than batch_queue_size are in flight; else
         (or when nothing new can run) finish the oldest one and apply its output. The scheduler
         counts scheduled tokens as computed, so a request with a step in flight is not
-        scheduled again until its output is in (a prefill's next chunk may be)."""
+        scheduled again until its output is in (a prefill's next chunk may be), unless async
+        scheduling gave it an output placeholder (core/async_scheduler.py)."""
         if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
-            so = self.scheduler.schedule()
-            self.structured_output_manager.grammar_bitmask(self.scheduler.requests, so)
-            handle = self.model_executor.submit(so)
+            so = self._schedule()
+            try:
+                handle = self.model_executor.submit(so)
+            except Exception as e:
+                return self._batch_failed(so, e)
             if so.total_num_scheduled_tokens > 0:
                 self.batch_queue.append((so, handle))
                 if len(self.batch_queue) < self.batch_queue_size:
                     return []
             else:   # only bookkeeping (finished / preempted ids): done at once
-                self.scheduler.update_from_output(so, self.model_executor.finish(handle))
+                outputs = self._finish(so, handle)
+                if outputs or not self.batch_queue:
+                    return outputs
         if not self.batch_queue:
             return []
-        so, handle = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(so, self.model_executor.finish(handle))
+        return self._finish(*self.batch_queue.popleft())
+
+    def _finish(self, so, handle) -> list[EngineCoreOutput]:
+        try:
+            ro = self.model_executor.finish(handle)
+        except Exception as e:
+            return self._batch_failed(so, e)
+        PROFILER.mark("runner_update")   # async scheduling: the wait for the step's tokens
+        self.failures.step_done(so)
+        outputs = self.scheduler.update_from_output(so, ro)
+        PROFILER.mark("scheduler_update")
+        return outputs
+
+    def _batch_failed(self, so, e: Exception) -> list[EngineCoreOutput]:
+        """A step in the batch queue failed: the steps behind it were built on it, so they are
+        waited for and dropped, then the failure is handled as step() does (roll back, isolate)."""
+        while self.batch_queue:
+            dropped, handle = self.batch_queue.popleft()
+            so.finished_req_ids |= dropped.finished_req_ids     # the runner forgets every row
+            so.preempted_req_ids |= dropped.preempted_req_ids   # a swap-out that may not have run
+            try:
+                self.model_executor.finish(handle)
+            except Exception:   # noqa: BLE001 -- dropped with the step that failed
+                pass
+        self.failures.step_failed(so, e)   # raises RequestFailedError once a culprit is known
+        return []

@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory for weights, activations and KV cache (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and submit step N+1 while step N runs on the device, so that the host's "
+                        "work overlaps it (vLLM's flag; not with speculative decoding, beam search, "
+                        "structured outputs, pooling, P/D or tensor / pipeline parallelism)")
     p.add_argument("--runner", default=None, choices=["generate", "pooling"],
                    help="generate (sampling, default) or pooling: an embedding per prompt, served on "
                         "/v1/embeddings (vLLM's flag)")
@@ -112,7 +116,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       kv_transfer_config=getattr(ns, "kv_transfer_config", None),
                       quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
                       speculative_config=getattr(ns, "speculative_config", None),
-                      kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"))
+                      kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"),
+                      async_scheduling=getattr(ns, "async_scheduling", False))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

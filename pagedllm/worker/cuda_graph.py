@@ -4,9 +4,10 @@ A decode step launches ~10 kernels a layer; at small batch the GPU finishes each
 than Python launches the next, so the step is bound by launches. A CUDA graph records every
 launch of one forward, once per batch size of a ladder (config.cuda_graph_ladder), and
 replays them with one call. A graph reads fixed addresses, so its inputs live in static
-buffers: a step copies its inputs in and pads the batch up to the next captured size. A
-padding row is a one-token request of length 1 whose K/V are not written (slot -1) and whose
-output is dropped; it reads one slot of a block it does not own, harmlessly.
+buffers: a step copies its inputs in (through page-locked host buffers, worker/pinned_staging.py)
+and pads the batch up to the next captured size. A padding row is a one-token request of
+length 1 whose K/V are not written (slot -1) and whose output is dropped; it reads one slot of
+a block it does not own, harmlessly.
 
 The attention metadata of a captured size is fixed at capture, over the static buffers: the
 backend builds it (`AttentionBackend.build_graph_metadata`) so that one graph serves every
@@ -25,6 +26,7 @@ import time
 import torch
 
 from pagedllm.forward_context import set_forward_context
+from pagedllm.worker.pinned_staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev)  # 1 token each
         self.block_table = torch.zeros((B, max_blocks), dtype=torch.int32, device=dev)
+        # Their host side, page-locked: a step's copies into them then never wait for the GPU.
+        self.staging = PinnedStaging({"input_ids": ((B,), torch.int64), "positions": ((B,), torch.int64),
+                                      "slot_mapping": ((B,), torch.int64), "seq_lens": ((B,), torch.int32),
+                                      "block_table": ((B, max_blocks), torch.int32)}, torch.device(dev))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}     # size -> static hidden [size, hidden]
         if capture:
@@ -90,11 +96,16 @@ class DecodeGraphs:
         n = len(inputs.req_ids)
         size = self.padded_size(n)
         nb = -(inputs.max_seq_len // -self.runner.block_size)
-        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
-        self.block_table[:n, :nb].copy_(inputs.block_table[:, :nb], non_blocking=True)
+        st = self.staging
+        st.begin()
+        st.copy_to("input_ids", inputs.input_ids, self.input_ids[:n])
+        st.copy_to("positions", inputs.positions, self.positions[:n])
+        st.copy_to("slot_mapping", inputs.slot_mapping, self.slot_mapping[:n])
+        st.copy_to("seq_lens", inputs.seq_lens, self.seq_lens[:n])
+        st.copy_to("block_table", inputs.block_table[:, :nb], self.block_table[:n, :nb])
+        st.end()
+        if self.runner.async_outputs is not None:   # async scheduling: tokens still on the device
+            self.runner.async_outputs.fill_placeholders(self.input_ids[:n], inputs)
         if n < size:   # padding rows: one token over one slot, nothing written
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)

@@ -19,10 +19,12 @@ from pagedllm.lora.worker_manager import make_lora_manager
 from pagedllm.models.cpu_decode_loop import build_decode_loop
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
+from pagedllm.worker.async_output import AsyncOutputs
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_group_metadata
 from pagedllm.worker.memory import MemorySnapshot
+from pagedllm.worker.pinned_staging import PinnedStaging
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
@@ -72,6 +74,11 @@ class ModelRunner:
         # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
         self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
+        # The sampled rows' indices go to the device through a page-locked buffer (no stream sync).
+        self.index_staging = (PinnedStaging({"logits_indices": ((sc.max_num_seqs,), torch.int64)}, self.device)
+                              if self.device.type == "cuda" else None)
+        # --async-scheduling: sampled tokens stay on the device until the host needs them.
+        self.async_outputs = AsyncOutputs(self, sc.max_num_seqs) if sc.async_scheduling else None
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size, self.num_kv_cache_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.faults = FaultInjector.from_env()   # tests only (PAGEDLLM_FAULT_INJECTION)
@@ -138,6 +145,8 @@ class ModelRunner:
         b = self.input_batch
         self.input_batch = InputBatch(b.max_num_reqs, b.max_model_len, b.block_size, b.num_kv_cache_groups)
         self.requests.clear()
+        if self.async_outputs is not None:
+            self.async_outputs.reset()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -196,6 +205,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """-> the step's output; with async scheduling an AsyncModelRunnerOutput (get_output())."""
+        if self.async_outputs is not None:
+            self.async_outputs.apply_fetched()
         prepared = self._prepare(so)
         if prepared is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -215,7 +227,7 @@ class ModelRunner:
         if rows and spec:   # drafts to verify: the rejection sampler takes every sampling row
             return self._verify_drafts(so, inputs, hidden, prompt_logprobs)
         if rows:
-            logits_indices = inputs.logits_indices.to(self.device, non_blocking=True)
+            logits_indices = self._logits_indices(inputs)
             logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
             if so.grammar_bitmask is not None:   # structured output: constrained rows only
                 apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
@@ -225,9 +237,13 @@ class ModelRunner:
             PROFILER.mark("sample")
         else:
             PROFILER.mark("forward")
-        result = to_runner_output(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
-                                  lambda row, state, token: batch.append_token(row, token))
-        result.prompt_logprobs = prompt_logprobs
+        if self.async_outputs is not None:   # the tokens stay on the device (worker/async_output.py)
+            result = self.async_outputs.defer(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
+                                              prompt_logprobs)
+        else:
+            result = to_runner_output(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
+                                      lambda row, state, token: batch.append_token(row, token))
+            result.prompt_logprobs = prompt_logprobs
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         if self.spec_decoder is not None:
             self._propose(result, rows, inputs)
@@ -315,10 +331,21 @@ class ModelRunner:
             return self.graphs.run(inputs)
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
         positions = inputs.positions.to(self.device, non_blocking=True)
+        if self.async_outputs is not None:   # tokens of the step in flight, from the device
+            self.async_outputs.fill_placeholders(input_ids, inputs)
         with set_forward_context(meta):
             if self.decode_loop is not None and self.decode_loop.applies(meta, input_ids.shape[0]):
                 return self.decode_loop(input_ids, positions)   # the layers in one C++ call
             return self.model(input_ids, positions)
+
+    def _logits_indices(self, inputs) -> torch.Tensor:
+        """[sampling rows] token index of each, on the device."""
+        if self.index_staging is None:
+            return inputs.logits_indices.to(self.device)
+        self.index_staging.begin()
+        out = self.index_staging.to_device("logits_indices", inputs.logits_indices, self.device)
+        self.index_staging.end()
+        return out
 
     def _sampling_metadata(self, rows: np.ndarray) -> Optional[SamplingMetadata]:
         """None when every row is plain greedy: the sampler then takes the argmax."""
@@ -332,10 +359,15 @@ class ModelRunner:
             if not p.ignore_eos:
                 stops |= self.eos_ids
             min_tok_stops.append(stops)
+        output_token_ids = [s.token_ids[s.num_prompt_tokens:] for s in states]
+        if self.async_outputs is not None:   # a token still on the device counts too
+            output_token_ids = self.async_outputs.complete_output_ids(states, output_token_ids, need_ids=any(
+                p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                for p in (s.sampling_params for s in states)))
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            output_token_ids=output_token_ids,
             generators=[s.generator for s in states],
             stop_ids_for_min_tokens=min_tok_stops,
             vocab_size=self.vocab_size,
