@@ -281,7 +281,7 @@ class EngineConfig:
             from pagedllm.lora.config_check import validate_lora_config
             validate_lora_config(self)
         if s.async_scheduling:
-            from pagedllm.core.async_scheduler import check_async_scheduling
+            from pagedllm.core.async_checks import check_async_scheduling
             check_async_scheduling(self)
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "

@@ -10,7 +10,7 @@ step N's output arrives: a request that stopped there has computed one token too
 N+1, which is dropped (its blocks are freed by then, and step N+1 has finished writing them
 before any later step can use them: steps run in order on the device).
 
-What it does not run (refused when the engine is built or the request arrives): speculative
+What it does not run (refused when the engine is built or the request arrives: core/async_checks.py): speculative
 decoding, beam search, structured outputs, pooling, P/D disaggregation, tensor or pipeline
 parallelism.
 """
@@ -21,27 +21,6 @@ from typing import Iterable
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.request import Request
-from pagedllm.sampling_params import ParamError, SamplingParams
-
-
-def check_async_scheduling(config) -> None:
-    """EngineConfig.validate: the features async scheduling cannot run with -> ValueError."""
-    p, m = config.parallel_config, config.model_config
-    refused = [("speculative_config", config.speculative_config is not None),
-               ("kv_transfer_config (P/D disaggregation)", config.kv_transfer_config is not None),
-               ("runner 'pooling'", m.runner != "generate"),
-               ("tensor_parallel_size / pipeline_parallel_size > 1", p.world_size > 1)]
-    for what, present in refused:
-        if present:
-            raise ValueError(f"async_scheduling is not supported with {what}; turn one of them off")
-
-
-def check_async_request(params: SamplingParams, beam_width: int = 1) -> None:
-    """Processor: a request async scheduling cannot serve -> ParamError naming the field."""
-    if beam_width > 1 or params.external_tokens:
-        raise ParamError("beam_width", "beam search is not supported with async_scheduling")
-    if params.structured_outputs is not None:
-        raise ParamError("structured_outputs", "structured_outputs is not supported with async_scheduling")
 
 
 class AsyncScheduler(Scheduler):

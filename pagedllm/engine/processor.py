@@ -113,7 +113,7 @@ class Processor:
         if beam_width > max_seqs:
             raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
         if self.config.scheduler_config.async_scheduling:
-            from pagedllm.core.async_scheduler import check_async_request
+            from pagedllm.core.async_checks import check_async_request
             check_async_request(params, beam_width)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params, beam_width)

@@ -26,6 +26,7 @@ import torch
 
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.worker.pinned_staging import PinnedStaging
+from pagedllm.worker.runner_output import to_runner_output
 
 
 class AsyncOutputs:
@@ -135,7 +136,6 @@ class AsyncModelRunnerOutput:
             self.event.record()
 
     def get_output(self) -> ModelRunnerOutput:
-        from pagedllm.worker.model_runner import to_runner_output
         if self.event is not None:
             self.event.synchronize()   # this step's copies only
         fetched = self.outputs.fetched

@@ -22,7 +22,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.worker.input_batch import CachedRequestState
-from pagedllm.worker.model_runner import ModelRunner, to_runner_output
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.runner_output import to_runner_output
 from pagedllm.worker.sampler import SamplingMetadata
 
 logger = logging.getLogger(__name__)
