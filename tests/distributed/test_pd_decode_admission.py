@@ -178,9 +178,9 @@ def test_tail_margin_is_the_recent_error_quantile():
 
 
 def test_slo_feedback_steps():
-    """Multiplicative decrease above the SLO, additive increase below low x SLO, a dead band
+    """Multiplicative decrease above high x SLO, additive increase below low x SLO, a dead band
     between, bounds [floor, 1], and a decision counts only requests admitted since the last one."""
-    f = SloFeedback(1.0, count=4, quantile=0.99, decrease=0.5, increase=0.1, low=0.8, floor=0.3)
+    f = SloFeedback(1.0, count=4, quantile=0.99, decrease=0.5, increase=0.1, high=1.0, low=0.8, floor=0.3)
     t = 0.0
     for step, (ttft, factor) in enumerate([(1.2, 0.5), (1.2, 0.3), (0.9, 0.3), (0.5, 0.4), (0.5, 0.5)]):
         start = t
