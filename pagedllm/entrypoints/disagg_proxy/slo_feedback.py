@@ -24,7 +24,7 @@ import numpy as np
 
 
 class SloFeedback:
-    def __init__(self, slo: float, count: int = 64, quantile: float = 0.99, decrease: float = 0.9,
+    def __init__(self, slo: float, count: int = 64, quantile: float = 0.99, decrease: float = 0.85,
                  increase: float = 0.02, high: float = 0.9, low: float = 0.7, floor: float = 0.3) -> None:
         self.slo, self.count, self.quantile = slo, count, quantile
         self.decrease, self.increase, self.high, self.low, self.floor = decrease, increase, high, low, floor
