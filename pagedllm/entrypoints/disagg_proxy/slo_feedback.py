@@ -13,8 +13,8 @@ client's p99 within it.
 Why this cannot oscillate: under overload the admitted rate is the instances' completion rate
 whatever the target (admission stops when the predicted queue reaches the target, and the queue
 moves only as fast as it is served); the factor only sets how deep the queue is held. A step of
-the factor shifts admissions once, by at most (1 - decrease) x SLO x the capacity requests
-(a pause while the queue drains to the new depth), and steps come at most once per `count`
+the factor lowers the target by at most (1 - decrease) x SLO and shifts admissions once (a
+pause while the queue drains to the new depth: small steps keep it a small dent), and steps come at most once per `count`
 measured requests, each decided on requests admitted under the current target only; the dead
 band keeps it from stepping both ways around one operating point.
 """
