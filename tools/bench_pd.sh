@@ -188,4 +188,8 @@ for name, pred, meas in (("prefill (queue + work)", col("pred_queue", "pred_pref
           f"{np.percentile(meas, 50):.3f} | {np.percentile(meas, 99):.3f} |")
 print(f"tail margin (p99 of recent errors, counted up to SLO/2) p50 {np.percentile(col('margin'), 50):.3f} s; "
       f"decode load at send p50 {np.percentile(col('position'), 50):.0f}, p99 {np.percentile(col('position'), 99):.0f}")
+targets = [r["target"] for r in rs if r.get("target") is not None]
+if targets:   # SloFeedback: the TTFT the admission held predictions to, over the run
+    print(f"admission target (SLO x factor) min {min(targets):.3f} s, p50 {np.percentile(targets, 50):.3f} s, "
+          f"last {targets[-1]:.3f} s")
 EOF

@@ -1,9 +1,10 @@
 """The proxy's OpenAI routes: each request is prefilled (max_tokens 1, kv_transfer_params
 {"do_remote_decode": true}) on the prefill instance of the lowest predicted TTFT, then sent with
 the prefill's kv_transfer_params to a decode instance, whose answer (streamed or not) is the
-client's. Refused at once with 503 when the predicted TTFT or TBT misses the SLO. `trace`: one JSON
-line per admitted streamed request, the prediction by part beside what was measured (debugging
-the predictor: where the admitted TTFT goes)."""
+client's. Refused at once with 503 when the predicted TTFT or TBT misses the SLO (the TTFT against
+`SloFeedback`'s target: the SLO lowered while the admitted requests' measured p99 passes it).
+`trace`: one JSON line per admitted streamed request, the prediction by part beside what was
+measured (debugging the predictor: where the admitted TTFT goes)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from pagedllm.entrypoints.disagg_proxy.decode_queue import DEFAULT_MAX_NUM_SEQS
 from pagedllm.entrypoints.disagg_proxy.fit import TailMargin
 from pagedllm.entrypoints.disagg_proxy.predictor import (
     Admission, DecodeInstance, PrefillInstance, chunk_hashes, now, plan)
+from pagedllm.entrypoints.disagg_proxy.slo_feedback import SloFeedback
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +33,14 @@ def _error(status: int, message: str, type_: str, code: Optional[str] = None) ->
     return JSONResponse(status_code=status, content=_error_body(message, type_, code))
 
 
-def _trace_record(a: Admission, position: int, t0: float, t_prefilled: float, t_sent: float, t_first: float) -> dict:
+def _trace_record(a: Admission, position: int, t0: float, t_prefilled: float, t_sent: float, t_first: float,
+                  target: Optional[float]) -> dict:
     """Predicted beside measured, in seconds: the prefill's queue and work against its answer, the
     decode side's transfer + slot wait + steps against its first token."""
     return {"t0": round(t0, 4), "position": position, "pending": a.decode.pending,
             "pred_queue": a.queue, "pred_prefill": a.seconds, "pred_transfer": a.first.transfer,
             "pred_slot_wait": a.first.slot_wait, "pred_step": a.first.step, "pred_ttft": a.ttft,
-            "margin": a.margin, "prefill": t_prefilled - t0, "decode_first": t_first - t_sent,
+            "margin": a.margin, "target": target, "prefill": t_prefilled - t0, "decode_first": t_first - t_sent,
             "ttft": t_first - t0}
 
 
@@ -58,6 +61,8 @@ class _Metrics:
                              "still prefilling.", ["instance"], registry=r)
         self.margin = Gauge("pagedllm_proxy:ttft_margin_seconds", "What recent TTFT predictions missed by "
                             "(the tail added before the SLO check).", registry=r)
+        self.target = Gauge("pagedllm_proxy:ttft_target_seconds", "The TTFT the admission holds predictions "
+                            "to: the SLO lowered while the admitted requests' measured p99 passes it.", registry=r)
 
 
 def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optional[float] = None,
@@ -67,6 +72,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
     prefills = [PrefillInstance(u.rstrip("/")) for u in prefill_urls]
     decodes = [DecodeInstance(u.rstrip("/"), decode_max_num_seqs) for u in decode_urls]
     margin = TailMargin()
+    feedback = SloFeedback(ttft_slo) if ttft_slo is not None else None
     metrics = _Metrics()
     trace_f = open(trace, "a", buffering=1) if trace else None
     # Idle connections expire before the instances' (uvicorn: 5 s), so that a request never goes
@@ -87,6 +93,8 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             metrics.streams.labels(d.url).set(d.streams)
             metrics.pending.labels(d.url).set(d.pending)
         metrics.margin.set(margin.at(t))
+        if feedback is not None:
+            metrics.target.set(feedback.target)
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -105,10 +113,12 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         hashes, t0 = chunk_hashes(text), now()
         a = plan(prefills, decodes, hashes, len(text), t0, margin.at(t0))
         prefill, decode, seconds = a.prefill, a.decode, a.seconds
-        if a.misses(ttft_slo, tbt_slo):
+        target = feedback.target if feedback is not None else None
+        if a.misses(target, tbt_slo):
             metrics.requests.labels("rejected").inc()
             return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} s (SLO "
-                               f"{ttft_slo}), TBT {a.tbt:.4f} s (SLO {tbt_slo})", "service_unavailable",
+                               f"{ttft_slo}, held to {target or 0:.3f} s), TBT {a.tbt:.4f} s (SLO {tbt_slo})",
+                          "service_unavailable",
                           "server_overloaded")
         metrics.predicted_ttft.observe(a.ttft)
         prefill.book(seconds, t0)
@@ -183,9 +193,12 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                         first = t
                         decode.first_token(t, position, t - t1)
                         margin.add(t, t - t0, a.ttft)
+                        if feedback is not None:
+                            feedback.add(t, t0, t - t0)
                         metrics.ttft.observe(t - t0)
                         if trace_f is not None:
-                            trace_f.write(json.dumps(_trace_record(a, position, t0, t_prefilled, t1, t)) + "\n")
+                            trace_f.write(json.dumps(_trace_record(
+                                a, position, t0, t_prefilled, t1, t, feedback and feedback.target)) + "\n")
                     else:
                         decode.gap(t, t - last)
                     last = t

@@ -135,8 +135,9 @@ class Admission:
     margin: float = 0.0   # what recent predictions missed by (TailMargin.at)
 
     def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
-        """The margin counts for at most half the SLO: where the noise alone is larger, holding
-        the tail would mean refusing nearly everything."""
+        """`ttft_slo`: the target the admission holds (the SLO, or SloFeedback's lower target).
+        The margin counts for at most half of it: where the noise alone is larger, holding the
+        tail would mean refusing nearly everything (the feedback corrects the rest, slowly)."""
         return ((ttft_slo is not None and self.ttft + min(self.margin, ttft_slo / 2) > ttft_slo)
                 or (tbt_slo is not None and self.tbt > tbt_slo))
 
