@@ -28,6 +28,3 @@ class DraftDirProposer(PagedDraftProposer):
 
     def _step(self, prev_hidden, ids, pos) -> torch.Tensor:
         return self.model(ids, pos)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)

@@ -41,6 +41,3 @@ class MTPProposer(PagedDraftProposer):
 
     def _step(self, prev_hidden, ids, pos) -> torch.Tensor:
         return self.model(prev_hidden, ids, pos)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)

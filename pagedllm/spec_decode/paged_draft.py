@@ -14,7 +14,7 @@ Each step has two parts (as vLLM's EAGLE / draft proposers):
   num_lookahead_tokens slots; a row with too few drafts fewer).
 
 Drafts are the draft distribution's argmax (q one-hot for the rejection sampler, as the
-"self:N" draft). A subclass says what its model takes (`_step`) and gives (`_logits`).
+"self:N" draft). A subclass says what its model takes (`_step`).
 """
 from __future__ import annotations
 
@@ -27,12 +27,16 @@ from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
 from pagedllm.forward_context import set_forward_context
 
 
+def span_offsets(lens: np.ndarray) -> np.ndarray:
+    """[T] each token's index within its span of lens[i] tokens (0, 1, .., lens[i] - 1, 0, ..)."""
+    return np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
 def span_metadata(attn_backend, batch, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, block_size: int):
     """Attention metadata for lens[i] tokens from position starts[i] of persistent row rows[i]
     (a chunk over the row's cached past, through its block table) -> (metadata, positions [T])."""
     bs = block_size
-    T = int(lens.sum())
-    pos = np.repeat(starts, lens) + np.arange(T) - np.repeat(np.cumsum(lens) - lens, lens)      # [T]
+    pos = np.repeat(starts, lens) + span_offsets(lens)                                          # [T]
     slot = batch.block_table_np[np.repeat(rows, lens), pos // bs].astype(np.int64) * bs + pos % bs   # [T]
     qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)                               # [R + 1]
     seq_lens = (starts + lens).astype(np.int32)                                                 # [R]
@@ -76,7 +80,8 @@ class PagedDraftProposer:
         raise NotImplementedError
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """outputs [N, H] -> draft logits [N, V]."""
+        return self.model.compute_logits(hidden)
 
     def _catch_up_hidden(self, target_index: np.ndarray) -> Optional[torch.Tensor]:
         """What _step takes as prev_hidden for the target's step tokens target_index [T]."""
@@ -106,7 +111,7 @@ class PagedDraftProposer:
             return
         rows, starts, lens = rows[live], starts[live], lens[live]
         qsl = inputs.query_start_loc.numpy()
-        offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        offsets = span_offsets(lens)                                                     # [T]
         pos = np.repeat(starts, lens) + offsets
         ids = batch.token_ids_np[np.repeat(rows, lens), pos + self.lag - 1]               # [T]
         prev = self._catch_up_hidden(np.repeat(qsl[rows], lens) + offsets)
