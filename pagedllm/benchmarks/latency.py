@@ -233,21 +233,11 @@ def _free(llm) -> None:
 
 def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
     """The same batches through an engine per --compare-quantization value, one at a time."""
-    import dataclasses
-
-    from pagedllm.entrypoints.llm import LLM
     rows = []
     for quant in ns.compare_quantization:
         q = None if quant == "none" else quant
-        llm = LLM(**vars(dataclasses.replace(eargs, quantization=q, quantization_group_size=(
-            eargs.quantization_group_size if q in ("int4", "int8") else None))))
-        label = f"pagedllm {q}" if q else "pagedllm"
-        for b, prompts in batches.items():
-            print(f"running {label} at batch {b} ...", file=sys.stderr, flush=True)
-            rows.append({**run_pagedllm(llm, prompts, ns.output_len, ns.profile), "system": label})
-        llm.llm_engine.shutdown()
-        del llm
-        gc.collect()
+        rows += _variant_rows(eargs, batches, ns, f"pagedllm {q}" if q else "pagedllm", quantization=q,
+                              quantization_group_size=eargs.quantization_group_size if q in ("int4", "int8") else None)
     return rows
 
 
@@ -304,10 +294,11 @@ def main(ns: argparse.Namespace) -> int:
     if ns.compare_enforce_eager or ns.compare_async_scheduling:
         _free(llm)
         llm = None
+    # The toggled engine's label: the first one's with --async-scheduling added or taken away.
+    async_label = (label.removesuffix(" --async-scheduling") if eargs.async_scheduling
+                   else label + " --async-scheduling")
     if ns.compare_async_scheduling:
-        on = not eargs.async_scheduling
-        rows += _variant_rows(eargs, batches, ns, "pagedllm" + (" --async-scheduling" if on else ""),
-                              async_scheduling=on)
+        rows += _variant_rows(eargs, batches, ns, async_label, async_scheduling=not eargs.async_scheduling)
     if ns.compare_enforce_eager:
         rows += _variant_rows(eargs, batches, ns, EAGER, enforce_eager=True)
     if ns.llama_cpp:
@@ -332,8 +323,7 @@ def main(ns: argparse.Namespace) -> int:
         if r["system"] == EAGER and base is not None:
             print(f"batch {r['batch']}: TPOT with CUDA graphs {base['tpot_ms']:.2f} ms, eager "
                   f"{r['tpot_ms']:.2f} ms ({r['tpot_ms'] / base['tpot_ms']:.2f}x)")
-        if (ns.compare_async_scheduling and r is not base and base is not None and r["system"] != EAGER
-                and r["system"].startswith("pagedllm")):
+        if ns.compare_async_scheduling and r["system"] == async_label and base is not None:
             on, off = (base, r) if eargs.async_scheduling else (r, base)
             print(f"batch {r['batch']}: TPOT {off['tpot_ms']:.2f} ms without --async-scheduling, "
                   f"{on['tpot_ms']:.2f} ms with it ({off['tpot_ms'] / on['tpot_ms']:.2f}x)")
