@@ -1,5 +1,8 @@
-"""KV-cache sharing on the real model: prefix caching, parallel sampling over shared blocks with
-copy-on-write, swap preemption. Sharing must never change a token."""
+"""KV-cache sharing: prefix caching, parallel sampling over shared blocks with copy-on-write, swap
+preemption. Sharing must never change a token. Prefix caching and the block accounting on the
+real model; the engines that only compare one setting's tokens with another's on a tiny random
+model (several engines each: seconds there, a minute on the real model)."""
+import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -26,6 +29,22 @@ def shared_prefix_prompts(tokenizer):
     return [tokenizer(system + q)["input_ids"] for q in questions]
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from pagedllm.models.random_model import make_random_model
+    # A wider init than a real checkpoint's: peaked logits, so that the last-bit differences
+    # between batch shapes never decide a token.
+    return str(make_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", initializer_range=0.2))
+
+
+@pytest.fixture(scope="module")
+def tiny_shared_prefix_prompts():
+    """Six prompts of 70-75 tokens: one 64-token prefix, then each its own question."""
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 512, 64).tolist()
+    return [system + rng.integers(3, 512, 6 + i % 2).tolist() for i in range(6)]
+
+
 def token_ids(outs):
     return [c.token_ids for o in outs for c in o.outputs]
 
@@ -49,10 +68,10 @@ def test_prefix_caching_on_off_equal(model_dir, shared_prefix_prompts):
     assert all_blocks_free(on)
 
 
-def test_parallel_samples_at_temperature_zero_equal_single(model_dir, shared_prefix_prompts):
+def test_parallel_samples_at_temperature_zero_equal_single(tiny_dir, tiny_shared_prefix_prompts):
     for caching in (True, False):
-        llm = LLM(model_dir, max_model_len=512, enable_prefix_caching=caching)
-        prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts[:3]]
+        llm = LLM(tiny_dir, max_model_len=512, enable_prefix_caching=caching)
+        prompts = [{"prompt_token_ids": p} for p in tiny_shared_prefix_prompts[:3]]
         single = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
         four = llm.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True),
                             use_tqdm=False)
@@ -125,15 +144,15 @@ def test_shared_system_prompt_held_once(model_dir, tokenizer):
     assert all_blocks_free(llm)
 
 
-def test_swap_and_recompute_preemption_equal(model_dir, shared_prefix_prompts):
-    prompts = [{"prompt_token_ids": p[-40 - 9 * i:]} for i, p in enumerate(shared_prefix_prompts)] * 2
+def test_swap_and_recompute_preemption_equal(tiny_dir, tiny_shared_prefix_prompts):
+    prompts = [{"prompt_token_ids": p[-40 - 5 * i:]} for i, p in enumerate(tiny_shared_prefix_prompts)] * 2
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref_llm = LLM(model_dir, max_model_len=256, enable_prefix_caching=False)
+    ref_llm = LLM(tiny_dir, max_model_len=256, enable_prefix_caching=False)
     ref = token_ids(ref_llm.generate(prompts, params, use_tqdm=False))
     del ref_llm
     results = {}
     for mode in ("recompute", "swap"):
-        llm = LLM(model_dir, max_model_len=256, num_gpu_blocks=24, preemption_mode=mode,
+        llm = LLM(tiny_dir, max_model_len=256, num_gpu_blocks=24, preemption_mode=mode,
                   num_cpu_blocks=64, enable_prefix_caching=False)
         results[mode] = token_ids(llm.generate(prompts, params, use_tqdm=False))
         sched = llm.llm_engine.core.scheduler
@@ -146,15 +165,15 @@ def test_swap_and_recompute_preemption_equal(model_dir, shared_prefix_prompts):
     assert results["swap"] == ref
 
 
-def test_swap_space_full_falls_back_to_recompute(model_dir, shared_prefix_prompts):
-    prompts = [{"prompt_token_ids": p[-60:]} for p in shared_prefix_prompts]
+def test_swap_space_full_falls_back_to_recompute(tiny_dir, tiny_shared_prefix_prompts):
+    prompts = [{"prompt_token_ids": p[-60:]} for p in tiny_shared_prefix_prompts]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     # One usable CPU block: no preempted request (>= 4 blocks) fits, every one recomputes.
-    llm = LLM(model_dir, max_model_len=256, num_gpu_blocks=16, preemption_mode="swap", num_cpu_blocks=2,
+    llm = LLM(tiny_dir, max_model_len=256, num_gpu_blocks=16, preemption_mode="swap", num_cpu_blocks=2,
               enable_prefix_caching=False)
     outs = token_ids(llm.generate(prompts, params, use_tqdm=False))
     sched = llm.llm_engine.core.scheduler
     assert sched.num_preemptions > 0 and sched.num_swaps == 0
-    ref = LLM(model_dir, max_model_len=256, enable_prefix_caching=False)
+    ref = LLM(tiny_dir, max_model_len=256, enable_prefix_caching=False)
     assert outs == token_ids(ref.generate(prompts, params, use_tqdm=False))
     assert all_blocks_free(llm)
