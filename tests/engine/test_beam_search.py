@@ -43,7 +43,7 @@ def hf_beam_search(hf_model, prompt_ids, width, length_penalty, max_new_tokens, 
     return [t for t, _ in hf_beam_hypotheses(hf_model, prompt_ids, width, length_penalty, max_new_tokens, num_return)]
 
 
-@pytest.mark.parametrize("width, length_penalty", [(2, 1.0), (4, 0.6), (4, 1.5)])
+@pytest.mark.parametrize("width, length_penalty", [(2, 1.5), (4, 0.6)])
 def test_beam_search_matches_transformers(llm, hf_model, tokenizer, width, length_penalty):
     """Every hypothesis, best first: its tokens, its score against transformers' sequences_scores,
     its cumulative logprob (the score times len ** length_penalty) and each token's logprob,
