@@ -85,7 +85,7 @@ static inline void bf16_dot_dp(const uint16_t* x, const uint16_t* wr, int64_t K,
 #endif
 
 // Without AVX512-BF16: one weight row widened to float32 against the M inputs already widened
-// (xf [M, K]); AVX-512F, else AVX2 + FMA, else scalar.
+// (xf [M, K]); AVX-512F, else scalar.
 template <int M>
 static inline void bf16_dot_f32(const float* xf, const uint16_t* wr, int64_t K, float out[M]) {
   for (int m = 0; m < M; ++m) out[m] = 0.f;
@@ -98,16 +98,6 @@ static inline void bf16_dot_f32(const float* xf, const uint16_t* wr, int64_t K, 
     for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k), wv, acc[m]);
   }
   for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    // 8 bfloat16 -> float32: each widened into the upper half of its lane.
-    const __m256 wv = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wr + k))), 16));
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + m * K + k), wv, acc[m]);
-  }
-  for (int m = 0; m < M; ++m) out[m] = hsum256(acc[m]);
 #endif
   for (; k < K; ++k)
     for (int m = 0; m < M; ++m) out[m] += xf[m * K + k] * bf2f(wr[k]);
