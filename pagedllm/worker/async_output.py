@@ -38,8 +38,8 @@ class AsyncOutputs:
         self.filled: dict[str, int] = {}                   # this step: req id -> prev_tokens row it took
         self.fetched: deque = deque()                      # (state, token) from get_output, to apply
         # One placeholder per request at most: the token of the step just before.
-        self.staging = (PinnedStaging({"dst": ((max_num_reqs,), torch.int64), "src": ((max_num_reqs,), torch.int64)},
-                                      self.device) if self.device.type == "cuda" else None)
+        self.staging = PinnedStaging({"dst": ((max_num_reqs,), torch.int64), "src": ((max_num_reqs,), torch.int64)},
+                                     self.device)
 
     def reset(self) -> None:
         self.prev_tokens, self.prev_index, self.filled = None, {}, {}
@@ -80,13 +80,7 @@ class AsyncOutputs:
             self.filled[req_id] = i
             src.append(i)
         src = np.asarray(src, dtype=np.int64)
-        if self.staging is not None:
-            self.staging.begin()
-            dst_t = self.staging.to_device("dst", dst, self.device)
-            src_t = self.staging.to_device("src", src, self.device)
-            self.staging.end()
-        else:
-            dst_t, src_t = torch.from_numpy(dst), torch.from_numpy(src)
+        dst_t, src_t = self.staging.upload(self.device, dst=dst, src=src)
         input_ids.index_copy_(0, dst_t, self.prev_tokens.index_select(0, src_t))   # no host sync
 
     def complete_output_ids(self, states, output_token_ids: list[list[int]], need_ids: bool) -> list[list[int]]:

@@ -76,8 +76,7 @@ class ModelRunner:
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
         self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
         # The sampled rows' indices go to the device through a page-locked buffer (no stream sync).
-        self.index_staging = (PinnedStaging({"logits_indices": ((sc.max_num_seqs,), torch.int64)}, self.device)
-                              if self.device.type == "cuda" else None)
+        self.index_staging = PinnedStaging({"logits_indices": ((sc.max_num_seqs,), torch.int64)}, self.device)
         # --async-scheduling: sampled tokens stay on the device until the host needs them.
         self.async_outputs = AsyncOutputs(self, sc.max_num_seqs) if sc.async_scheduling else None
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size, self.num_kv_cache_groups)
@@ -341,12 +340,7 @@ class ModelRunner:
 
     def _logits_indices(self, inputs) -> torch.Tensor:
         """[sampling rows] token index of each, on the device."""
-        if self.index_staging is None:
-            return inputs.logits_indices.to(self.device)
-        self.index_staging.begin()
-        out = self.index_staging.to_device("logits_indices", inputs.logits_indices, self.device)
-        self.index_staging.end()
-        return out
+        return self.index_staging.upload(self.device, logits_indices=inputs.logits_indices)[0]
 
     def _sampling_metadata(self, rows: np.ndarray) -> Optional[SamplingMetadata]:
         """None when every row is plain greedy: the sampler then takes the argmax."""

@@ -53,3 +53,13 @@ class PinnedStaging:
     def to_device(self, name: str, src, device: torch.device) -> torch.Tensor:
         """A device copy of src (host tensor or numpy array) through buffer `name`."""
         return self._stage(name, src).to(device, non_blocking=True)
+
+    def upload(self, device: torch.device, **srcs) -> tuple[torch.Tensor, ...]:
+        """One step's copies of host tensors / numpy arrays (buffer name=source), in order: on a
+        GPU through the next set; on the CPU the sources themselves as tensors (nothing to copy)."""
+        if device.type != "cuda":
+            return tuple(s if isinstance(s, torch.Tensor) else torch.from_numpy(s) for s in srcs.values())
+        self.begin()
+        out = tuple(self.to_device(name, src, device) for name, src in srcs.items())
+        self.end()
+        return out
