@@ -313,7 +313,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   if (T < GEMM_ROWS) {
     // 9+ rows: each thread dequantises a tile of 32 output rows into a float32
     // buffer that stays in cache and multiplies it by torch's GEMM (single-threaded inside).
-    constexpr int64_t TILE = 32;
+    const int64_t TILE = std::max<int64_t>(32, std::min<int64_t>(256, (int64_t{1} << 16) / K));
     auto out_t = torch::empty({N, T}, x.options());  // [N, T], transposed at the end
     const auto xt = x.t();
     // InferenceMode is thread-local: the pool's threads must see the caller's, or writing into
