@@ -80,7 +80,7 @@ class AsyncOutputs:
             self.filled[req_id] = i
             src.append(i)
         src = np.asarray(src, dtype=np.int64)
-        dst_t, src_t = self.staging.upload(self.device, dst=dst, src=src)
+        dst_t, src_t = self.staging.upload(dst=dst, src=src)
         input_ids.index_copy_(0, dst_t, self.prev_tokens.index_select(0, src_t))   # no host sync
 
     def complete_output_ids(self, states, output_token_ids: list[list[int]], need_ids: bool) -> list[list[int]]:

@@ -340,7 +340,7 @@ class ModelRunner:
 
     def _logits_indices(self, inputs) -> torch.Tensor:
         """[sampling rows] token index of each, on the device."""
-        return self.index_staging.upload(self.device, logits_indices=inputs.logits_indices)[0]
+        return self.index_staging.upload(logits_indices=inputs.logits_indices)[0]
 
     def _sampling_metadata(self, rows: np.ndarray) -> Optional[SamplingMetadata]:
         """None when every row is plain greedy: the sampler then takes the argmax."""

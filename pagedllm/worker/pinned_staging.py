@@ -19,6 +19,7 @@ import torch
 class PinnedStaging:
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
         """specs: buffer name -> (largest shape, dtype)."""
+        self.device = device
         pin = device.type == "cuda"
         self.sets = [{name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in specs.items()}
                      for _ in range(2)]
@@ -54,12 +55,13 @@ class PinnedStaging:
         """A device copy of src (host tensor or numpy array) through buffer `name`."""
         return self._stage(name, src).to(device, non_blocking=True)
 
-    def upload(self, device: torch.device, **srcs) -> tuple[torch.Tensor, ...]:
-        """One step's copies of host tensors / numpy arrays (buffer name=source), in order: on a
-        GPU through the next set; on the CPU the sources themselves as tensors (nothing to copy)."""
-        if device.type != "cuda":
+    def upload(self, **srcs) -> tuple[torch.Tensor, ...]:
+        """One step's copies of host tensors / numpy arrays (buffer name=source) to this staging's
+        device, in order: on a GPU through the next set; on the CPU the sources themselves as
+        tensors (nothing to copy)."""
+        if self.device.type != "cuda":
             return tuple(s if isinstance(s, torch.Tensor) else torch.from_numpy(s) for s in srcs.values())
         self.begin()
-        out = tuple(self.to_device(name, src, device) for name, src in srcs.items())
+        out = tuple(self.to_device(name, src, self.device) for name, src in srcs.items())
         self.end()
         return out

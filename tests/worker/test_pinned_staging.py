@@ -13,7 +13,7 @@ def test_upload_on_the_cpu_returns_the_sources():
     st = PinnedStaging({"a": ((8,), torch.int64), "b": ((8,), torch.int64)}, CPU)
     a = np.array([3, 1, 2], dtype=np.int64)
     b = torch.tensor([7, 9])
-    ta, tb = st.upload(CPU, a=a, b=b)
+    ta, tb = st.upload(a=a, b=b)
     assert tb is b
     a[0] = 5   # the same memory: no copy was made
     assert ta.tolist() == [5, 1, 2]
