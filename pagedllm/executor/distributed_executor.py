@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -31,6 +32,26 @@ from pagedllm.executor.abstract import Executor, ExecutorError
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+
+# Split engines alive in this process, and the thread count before the first of them: engines
+# whose lifetimes overlap (a notebook, a test suite) share one saved value, given back when the
+# last one goes. OpenMP's count is per thread: it comes back in the thread that releases (the
+# caller's, unless a garbage collection runs elsewhere).
+_split_engines = {"alive": 0, "threads": 0}
+
+
+def _take_threads() -> int:
+    if _split_engines["alive"] == 0:
+        _split_engines["threads"] = torch.get_num_threads()
+    _split_engines["alive"] += 1
+    return _split_engines["threads"]
+
+
+def _give_back_threads() -> None:
+    _split_engines["alive"] -= 1
+    if _split_engines["alive"] == 0:
+        torch.set_num_threads(_split_engines["threads"])
 
 
 class DistributedExecutor(Executor):
@@ -49,7 +70,11 @@ class DistributedExecutor(Executor):
         # Every rank can be busy at once (TP ranks always; pipeline stages with steps in
         # flight), so the cores are divided among them: more threads than cores makes
         # OpenMP's barriers spin against each other (measured: several times slower).
-        self._saved_threads = torch.get_num_threads()
+        self._saved_threads = _take_threads()
+        # The caller's thread count comes back at shutdown, and also when the engine is dropped
+        # without it (garbage collection), so a split engine does not leave the rest of the
+        # process on 1 / world_size of the cores.
+        self._restore_threads = weakref.finalize(self, _give_back_threads)
         env_threads = envs.PAGEDLLM_WORKER_THREADS
         self.num_threads = env_threads or max(1, self._saved_threads // self.world_size)
         self.host = self._driver_host()
@@ -242,4 +267,4 @@ class DistributedExecutor(Executor):
         finally:
             self.driver_worker.shutdown()   # leaves the process groups
             self.store = None
-            torch.set_num_threads(self._saved_threads)
+            self._restore_threads()

@@ -187,8 +187,10 @@ def test_worker_killed_mid_run(model_dir, prompts):
 
 def test_worker_killed_while_idle_and_gc(model_dir, prompts):
     """A worker killed between requests is caught before the next step; and an engine that is
-    dropped without shutdown() still takes its workers with it."""
+    dropped without shutdown() still takes its workers with it and gives the caller's thread
+    count back."""
     from pagedllm.executor import ExecutorError
+    threads = torch.get_num_threads()
     llm = LLM(model_dir, **SETTINGS, pipeline_parallel_size=2)
     pids = llm.llm_engine.core.model_executor.worker_pids()
     os.kill(pids[0], signal.SIGKILL)
@@ -198,9 +200,12 @@ def test_worker_killed_while_idle_and_gc(model_dir, prompts):
 
     llm = LLM(model_dir, **SETTINGS, tensor_parallel_size=2)
     pids = llm.llm_engine.core.model_executor.worker_pids()
+    assert torch.get_num_threads() == max(1, threads // 2)   # the driver's share of the cores
     del llm
     gc.collect()
     _assert_gone(pids)
+    # The caller's thread count is back (it ran the rest of the test suite on one core).
+    assert torch.get_num_threads() == threads
 
 
 STDIN_SCRIPT = """
