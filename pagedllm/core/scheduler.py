@@ -461,7 +461,7 @@ class Scheduler:
                 continue  # mid-prefill, or ended (aborted) while the step ran
             if request.sampling_params.external_tokens:
                 # Beam search: report the logprobs; the caller appends the chosen token.
-                outputs.append(EngineCoreOutput(req_id, [], new_logprobs=[logprobs[row]]))
+                outputs.append(EngineCoreOutput(req_id, [], new_logprobs=logprobs[row]))
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:   # the rejected drafts' slots are computed again (overwritten) later
@@ -481,7 +481,7 @@ class Scheduler:
                 req_id=req_id, new_token_ids=new_ids,
                 finish_reason=request.get_finished_reason().value if finished else None,
                 stop_reason=request.stop_reason,
-                new_logprobs=[logprobs[row]] if logprobs is not None and logprobs[row] else None,
+                new_logprobs=logprobs[row][:len(new_ids)] if logprobs is not None and logprobs[row] else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 prompt_logprobs=request.take_prompt_logprobs(),
             ))

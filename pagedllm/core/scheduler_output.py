@@ -59,8 +59,9 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     req_ids: list[str]                       # rows of the step, in batch order
     sampled_token_ids: list[list[int]]       # [] for a request still in a prefill chunk
-    # Per sampled row: ([token ids], [logprobs], rank of the sampled token); sampled first.
-    logprobs: Optional[list[Optional[tuple[list[int], list[float], int]]]] = None
+    # Per sampled row, one entry per new token (several with accepted drafts): ([token ids],
+    # [logprobs], rank of the token); the token first, then the top k.
+    logprobs: Optional[list[Optional[list[tuple[list[int], list[float], int]]]]] = None
     # Rows that asked for prompt logprobs: req id -> the positions this step scored
     # (worker/prompt_logprobs.py: (first prompt index, [n][k+1] ids, [n][k+1] logprobs, [n] ranks)).
     prompt_logprobs: Optional[dict[str, tuple[int, list[list[int]], list[list[float]], list[int]]]] = None

@@ -262,18 +262,23 @@ class ModelRunner:
 
         def metadata(states, drafts):
             return expanded_metadata(states, drafts, self.eos_ids, self.vocab_size, self.device)
-        tokens = self.spec_decoder.sample(self.model.compute_logits, hidden, inputs, batch, spec, metadata, grammar)
+        tokens, row_logprobs = self.spec_decoder.sample(self.model.compute_logits, hidden, inputs, batch, spec,
+                                                        metadata, grammar)
         PROFILER.mark("sample")
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs = [None] * len(inputs.req_ids) if any(lp is not None for lp in row_logprobs) else None
         batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
-        for row, new in zip(rows, tokens):
+        for row, new, lp in zip(rows, tokens, row_logprobs):
             sampled[row] = new
+            if logprobs is not None:
+                logprobs[row] = lp
             for t in new:
                 batch.append_token(row, t)
             k = len(spec.get(inputs.req_ids[row], ()))
             batch.num_computed_tokens_cpu[row] -= k + 1 - len(new)   # the rejected drafts' slots
             self.spec_decoder.policy.observe(k, len(new) - 1)
-        result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, prompt_logprobs=prompt_logprobs)
+        result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs)
         self._propose(result, rows, inputs)
         PROFILER.mark("runner_update")
         return result

@@ -29,5 +29,5 @@ def to_runner_output(req_ids: list[str], rows: list[int], states: list[CachedReq
             append(row, state, token_ids[i])
         if logprobs is not None and params.logprobs is not None:
             k = params.logprobs
-            logprobs[row] = (ids[i][:k + 1], lps[i][:k + 1], ranks[i])
+            logprobs[row] = [(ids[i][:k + 1], lps[i][:k + 1], ranks[i])]
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)

@@ -3,8 +3,9 @@ table after each row's last token (so prepare_inputs feeds them like any token),
 logits at every draft position and the bonus position go through the RejectionSampler, and
 after the step the proposer drafts the next step's tokens (ModelRunnerOutput.spec_token_ids).
 
-Rows that never speculate: beam search (its tokens are chosen outside), logprobs and prompt
-logprobs (one logprob entry per step), structured output (the grammar's mask is per step)."""
+Rows that never speculate: beam search (its tokens are chosen outside) and structured output
+(the grammar's mask is per step). Logprobs come from the raw logits at each emitted token's
+position, as the sampler's do without drafts (one entry per emitted token)."""
 from __future__ import annotations
 
 import time
@@ -22,12 +23,15 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.paged_draft import PagedDraftProposer
 from pagedllm.worker.input_batch import InputBatch, ModelInputs
 from pagedllm.worker.rejection_sampler import RejectionSampler
-from pagedllm.worker.sampler import SamplingMetadata
+from pagedllm.worker.sampler import SamplingMetadata, gather_logprobs
+
+# Per sampling row: None, or one (ids, logprobs, rank) entry per emitted token (the token first,
+# then the top k), as ModelRunnerOutput.logprobs carries them.
+RowLogprobs = Optional[list[tuple[list[int], list[float], int]]]
 
 
 def speculates(params) -> bool:
-    return not (params.external_tokens or params.logprobs is not None or params.prompt_logprobs is not None
-                or params.structured_outputs is not None)
+    return not (params.external_tokens or params.structured_outputs is not None)
 
 
 def make_proposer(config: SpeculativeConfig, model, attn_backend, engine_config):
@@ -70,8 +74,9 @@ class SpecDecoder:
             batch.token_ids_np[row, n:n + len(drafts)] = drafts
 
     def sample(self, compute_logits, hidden: torch.Tensor, inputs: ModelInputs, batch: InputBatch,
-               spec: dict[str, list[int]], metadata_fn, grammar_fn) -> list[list[int]]:
-        """The tokens of each sampling row (inputs.sample_rows): accepted drafts + one sampled."""
+               spec: dict[str, list[int]], metadata_fn, grammar_fn) -> tuple[list[list[int]], list[RowLogprobs]]:
+        """The tokens of each sampling row (inputs.sample_rows): accepted drafts + one sampled;
+        and each row's logprobs (None where its request asked for none)."""
         rows = inputs.sample_rows.tolist()
         drafts = [spec.get(inputs.req_ids[r], []) for r in rows]
         ks = np.array([len(d) for d in drafts], dtype=np.int64)                       # [R]
@@ -84,7 +89,29 @@ class SpecDecoder:
         grammar_fn(logits, [inputs.req_ids[r] for r, k in zip(rows, ks.tolist()) for _ in range(k + 1)])
         states = [batch.states[r] for r in rows]
         md = metadata_fn(states, drafts)
-        return self.rejection_sampler(logits, drafts, md, [s.generator for s in states])
+        ks_lp = [s.sampling_params.logprobs for s in states]
+        want = [b for b, k in enumerate(ks_lp) if k is not None]
+        starts = np.cumsum(group) - group                                              # [R]
+        raw = None
+        if want:   # before the sampler's processors touch the logits
+            sel = np.concatenate([starts[b] + np.arange(group[b]) for b in want])
+            raw = torch.log_softmax(logits[torch.from_numpy(sel).to(logits.device)].float(), dim=-1)   # [M, V]
+        tokens = self.rejection_sampler(logits, drafts, md, [s.generator for s in states])
+        logprobs: list[RowLogprobs] = [None] * len(rows)
+        if raw is not None:
+            # Row b's emitted tokens sit at its first len(tokens[b]) scored positions.
+            offs = np.cumsum([group[b] for b in want]) - [group[b] for b in want]
+            pick = np.concatenate([offs[i] + np.arange(len(tokens[b])) for i, b in enumerate(want)])
+            emitted = torch.tensor([t for b in want for t in tokens[b]], device=raw.device)
+            ids, lps, ranks = gather_logprobs(raw[torch.from_numpy(pick).to(raw.device)], emitted,
+                                              max(ks_lp[b] for b in want))
+            ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
+            i = 0
+            for b in want:
+                k = ks_lp[b] + 1
+                logprobs[b] = [(ids[j][:k], lps[j][:k], ranks[j]) for j in range(i, i + len(tokens[b]))]
+                i += len(tokens[b])
+        return tokens, logprobs
 
     def propose(self, batch: InputBatch, rows: list[int], inputs: ModelInputs) -> list[list[int]]:
         """Drafts for the next step of each sampled row (in `rows` order; [] where none). A step

@@ -6,6 +6,9 @@
   vacuous) and no block is left in use.
 - random:tiny: stop strings, max_tokens, n > 1 and logprobs give what the engine without
   speculation gives; a run of sampled requests (drafts mostly rejected) leaves no block in use.
+- Logprobs and prompt logprobs with drafts verified (one entry per emitted token, from the raw
+  logits at its position), also for a request without drafts in a step where others verify
+  theirs: the same tokens, ids and values (to float tolerance) as without speculation.
 - The C++ decode loop takes verification steps (the cpu backend's metadata makes each draft a
   decode query) and computes there what the eager layers compute, bit for bit.
 """
@@ -67,12 +70,26 @@ def tiny_pair():
 TINY_PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 12, 13, 9, 10], [40] * 6]
 
 
+def assert_logprobs_close(got, want) -> None:
+    """Lists of {token id: Logprob} (or None): the same ids and ranks, values within float error
+    (a verification scores a token in a forward of several rows, a plain step in one of one)."""
+    assert (got is None) == (want is None)
+    assert len(got or []) == len(want or [])
+    for g, w in zip(got or [], want or []):
+        if g is None or w is None:   # prompt logprobs: the first prompt token has none
+            assert g is w
+            continue
+        assert list(g) == list(w)
+        for t in w:
+            assert g[t].rank == w[t].rank
+            assert abs(g[t].logprob - w[t].logprob) < 1e-4, (t, g[t], w[t])
+
+
 def test_stop_max_tokens_n_logprobs_as_without_speculation(tiny_pair):
     plain, spec = tiny_pair
     cases = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-             SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True),
-             SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)]
+             SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True)]
     prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
     for params in cases:
         want = plain.generate(prompts, params, use_tqdm=False)
@@ -80,8 +97,6 @@ def test_stop_max_tokens_n_logprobs_as_without_speculation(tiny_pair):
         for w, g in zip(want, got):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], params
             assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
-            if params.logprobs:
-                assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
     # A stop string cut from the text of a greedy run: the same text ends there with speculation.
     text = plain.generate(prompts[:1], cases[0], use_tqdm=False)[0].outputs[0].text
     stop = text[len(text) // 2:len(text) // 2 + 3]
@@ -90,6 +105,28 @@ def test_stop_max_tokens_n_logprobs_as_without_speculation(tiny_pair):
     assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
     assert w.finish_reason == "stop"
     assert spec.llm_engine.core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+    assert_no_block_in_use(spec)
+
+
+def test_logprobs_with_drafts_as_without_speculation(tiny_pair):
+    plain, spec = tiny_pair
+    stats = spec.llm_engine.core.scheduler.spec_decoding_stats
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    mixed = [SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),      # drafts beside the others
+             SamplingParams(temperature=0.0, max_tokens=13, logprobs=0, prompt_logprobs=1, ignore_eos=True)]
+    for params in ([mixed[0]] * 3, mixed):
+        accepted = stats.num_accepted_tokens
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert stats.num_accepted_tokens > accepted + 4   # some logprobs came from accepted drafts
+        for w, g, p in zip(want, got, params):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert len(g.outputs[0].logprobs or []) == (len(g.outputs[0].token_ids) if p.logprobs is not None else 0)
+            assert_logprobs_close(g.outputs[0].logprobs, w.outputs[0].logprobs)
+            assert_logprobs_close(g.prompt_logprobs, w.prompt_logprobs)
+            if p.logprobs is not None:
+                assert g.outputs[0].cumulative_logprob == pytest.approx(w.outputs[0].cumulative_logprob, abs=1e-3)
     assert_no_block_in_use(spec)
 
 
