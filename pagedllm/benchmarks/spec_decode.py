@@ -1,5 +1,5 @@
 """`pagedllm bench spec-decode`: batch-1 TPOT with and without speculative decoding in one run,
-on a workload whose output repeats its input (copying a given text and code: n-gram drafts) and
+on a workload whose output repeats its input (copying and editing a given text or code: n-gram drafts) and
 on one whose output does not (free stories: the adaptive length policy should cost ~nothing).
 Greedy; each request runs alone; TPOT = (last token time - first token time) / (tokens - 1)."""
 from __future__ import annotations
@@ -12,16 +12,22 @@ import statistics
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
 from pagedllm.profiler import PROFILER
 
-COPY_TEXT = [
-    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
-    "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n",
-    "The lighthouse keeper woke before dawn, as he had every day for thirty years, and climbed the spiral "
-    "stairs with a lantern in one hand and a mug of bitter coffee in the other. Outside, the sea was the "
-    "colour of wet slate. Gulls argued on the rocks below.",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
-    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
-    "    def __len__(self):\n        return len(self.items)\n",
+STORY = ("The lighthouse keeper woke before dawn, as he had every day for thirty years, and climbed the spiral "
+         "stairs with a lantern in one hand and a mug of bitter coffee in the other. Outside, the sea was the "
+         "colour of wet slate. Gulls argued on the rocks below.")
+STACK = ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+         "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+         "    def __len__(self):\n        return len(self.items)\n")
+# The repeating workload: copying and editing tasks whose answer repeats the given text with few
+# changes (the default model does repeat these; asked to copy a merge function it rewrites it as
+# `sorted(a + b)` and explains, which is not this workload: BENCHMARKS.md, fifth session).
+EDIT_TASKS = [
+    "Copy the following exactly, changing nothing:\n\n" + STORY,
+    "Copy the following exactly, changing nothing:\n\n" + STACK,
+    "Correct the spelling mistakes in this text and return the corrected text:\n\n"
+    + STORY.replace("before", "befor").replace("years", "yeers").replace("bitter", "biter").replace("below", "bellow"),
+    "Add type hints to this class. Return the whole class.\n\n" + STACK,
+    "Add a method peek to this class that returns the top item. Return the whole class.\n\n```python\n" + STACK + "```",
 ]
 FREE_TOPICS = ["a dragon who is afraid of the dark", "the first day at a new school on Mars",
                "a detective cat in Venice"]
@@ -40,8 +46,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _prompts(llm) -> dict[str, list[dict]]:
-    copy = [llm.apply_chat_template([{"role": "user", "content": "Copy the following exactly, changing nothing:\n\n" + t}])
-            for t in COPY_TEXT]
+    copy = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in EDIT_TASKS]
     free = [llm.apply_chat_template([{"role": "user", "content": f"Write a short story about {t}."}])
             for t in FREE_TOPICS]
     return {"repeating": [{"prompt_token_ids": p} for p in copy],
@@ -108,7 +113,7 @@ def main(ns) -> int:
     m = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
-    print(f"workload: batch 1, greedy, max_tokens {ns.output_len}; {len(COPY_TEXT)} copy prompts, "
+    print(f"workload: batch 1, greedy, max_tokens {ns.output_len}; {len(EDIT_TASKS)} copy / edit prompts, "
           f"{len(FREE_TOPICS)} story prompts\n")
     print_table(rows, [("system", "system", ""), ("workload", "workload", ""), ("tpot_ms", "TPOT ms", ".1f"),
                        ("speedup", "speedup", ".2f"), ("drafted", "drafted", "d"),
