@@ -1,6 +1,7 @@
 """Greedy output equals transformers' generate(do_sample=False) on the same directory, token for
 token, for default settings, chunked prefill with tiny blocks, and a KV cache small enough
-to force preemption. The one allowed difference is a numerical tie (DESIGN.md): where the
+to force preemption, and with speculative decoding (n-gram drafts; the default model's first 16
+layers as its draft model) under chunked prefill and preemption. The one allowed difference is a numerical tie (DESIGN.md): where the
 two first differ, the reference's top-2 logits are within 1e-4."""
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy_batched
@@ -82,3 +83,22 @@ def test_preemption(model_dir, prompts, reference):
     pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
     assert_greedy_equal(outs, reference, f"preemption x{llm.llm_engine.num_preemptions}")
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SELF_DRAFT = {"method": "draft_model", "model": "self:16", "num_speculative_tokens": 1}
+
+
+@pytest.mark.parametrize("spec, mode", [(NGRAM, "recompute"), (SELF_DRAFT, "swap")], ids=["ngram", "self16"])
+def test_speculative_decoding(model_dir, prompts, reference, spec, mode):
+    """Each proposer (the truncated self-draft too) with chunked prefill and preemption forced:
+    the same tokens as transformers; drafts were accepted, so verification ran."""
+    llm = LLM(model_dir, speculative_config=spec, num_gpu_blocks=40, max_num_batched_tokens=64,
+              preemption_mode=mode, num_cpu_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    stats = llm.llm_engine.core.scheduler.spec_decoding_stats
+    assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
+    assert stats.num_accepted_tokens >= 50, stats
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    assert_greedy_equal(outs, reference, f"{spec['method']} {mode} x{llm.llm_engine.num_preemptions}, {stats}")
