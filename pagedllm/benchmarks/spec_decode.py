@@ -1,7 +1,8 @@
 """`pagedllm bench spec-decode`: batch-1 TPOT with and without speculative decoding in one run,
 on a workload whose output repeats its input (copying and editing a given text or code: n-gram drafts) and
 on one whose output does not (free stories: the adaptive length policy should cost ~nothing).
-Greedy; each request runs alone; TPOT = (last token time - first token time) / (tokens - 1)."""
+Greedy; each request runs alone, each prompt on every system in turn (all systems loaded at once);
+TPOT = (last token time - first token time) / (tokens - 1)."""
 from __future__ import annotations
 
 import argparse
@@ -46,25 +47,28 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _prompts(llm) -> dict[str, list[dict]]:
-    copy = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in EDIT_TASKS]
-    free = [llm.apply_chat_template([{"role": "user", "content": f"Write a short story about {t}."}])
-            for t in FREE_TOPICS]
+    tokenizer = llm.get_tokenizer()
+    if getattr(tokenizer, "chat_template", None):
+        def ids(text: str) -> list[int]:
+            return llm.apply_chat_template([{"role": "user", "content": text}])
+    else:   # a base or random model: the instruction as plain text
+        def ids(text: str) -> list[int]:
+            return tokenizer(text)["input_ids"]
+    copy = [ids(t) for t in EDIT_TASKS]
+    free = [ids(f"Write a short story about {t}.") for t in FREE_TOPICS]
     return {"repeating": [{"prompt_token_ids": p} for p in copy],
             "non-repeating": [{"prompt_token_ids": p} for p in free]}
 
 
-def _tpot(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
-    from pagedllm import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=output_len)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)   # warm-up
-    tpots, tokens = [], []
-    for p in prompts:   # batch 1
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        n, m = len(out.outputs[0].token_ids), out.metrics
-        if n > 1:
-            tpots.append((m["last_token_time"] - m["first_token_time"]) / (n - 1))
-        tokens.append(out.outputs[0].token_ids)
-    return statistics.mean(tpots), tokens
+def _run(llm, prompt, params, profile: bool) -> tuple[float | None, list[int], list[dict]]:
+    """One batch-1 request -> (TPOT in s or None for a 1-token output, its tokens, profiled steps)."""
+    if profile:
+        PROFILER.start()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    steps = PROFILER.stop() if profile else []
+    n, m = len(out.outputs[0].token_ids), out.metrics
+    tpot = (m["last_token_time"] - m["first_token_time"]) / (n - 1) if n > 1 else None
+    return tpot, list(out.outputs[0].token_ids), steps
 
 
 def _step_rows(name: str, workload: str, steps: list[dict]) -> list[dict]:
@@ -75,6 +79,11 @@ def _step_rows(name: str, workload: str, steps: list[dict]) -> list[dict]:
             sum(v for k, v in st.items() if k not in ("num_tokens", "num_reqs")))
     return [{"system": name, "workload": workload, "tokens": n, "steps": len(ts),
              "median_ms": 1000 * statistics.median(ts)} for n, ts in sorted(by_tokens.items()) if n <= 17]
+
+
+def _spec_counts(llm) -> tuple[int, int]:
+    stats = llm.llm_engine.core.scheduler.spec_decoding_stats
+    return stats.num_draft_tokens, stats.num_accepted_tokens
 
 
 def main(ns) -> int:
@@ -88,28 +97,40 @@ def main(ns) -> int:
     if ns.draft_model:
         systems.append((f"draft {ns.draft_model} k={k}", {"method": "draft_model", "model": ns.draft_model,
                                                           "num_speculative_tokens": k}))
-    rows, baseline, step_rows = [], {}, []
-    for name, spec in systems:
-        llm = LLM(**vars(dataclasses.replace(base_args, speculative_config=spec)))
-        for workload, prompts in _prompts(llm).items():
-            stats = llm.llm_engine.core.scheduler.spec_decoding_stats
-            before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts)
-            if ns.profile:
-                PROFILER.start()
-            tpot, tokens = _tpot(llm, prompts, ns.output_len)
-            if ns.profile:
-                step_rows += _step_rows(name, workload, PROFILER.stop())
-            drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
-            if spec is None:
-                baseline[workload] = (tpot, tokens)
-            base_tpot, base_tokens = baseline[workload]
+    from pagedllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len)
+    # All systems live at once and take each prompt in turn, so that a drift in the machine's
+    # speed during the run (shared CPUs) falls on every system alike.
+    llms = [LLM(**vars(dataclasses.replace(base_args, speculative_config=spec))) for _, spec in systems]
+    rows, step_rows = [], []
+    for workload, prompts in _prompts(llms[0]).items():
+        tpots = [[] for _ in systems]
+        tokens = [[] for _ in systems]
+        steps = [[] for _ in systems]
+        before = [_spec_counts(llm) for llm in llms]
+        for llm in llms:   # warm-up
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        for p in prompts:
+            for i, llm in enumerate(llms):
+                tpot, toks, st = _run(llm, p, params, ns.profile)
+                if tpot is not None:
+                    tpots[i].append(tpot)
+                tokens[i].append(toks)
+                steps[i] += st
+        base_tpot = statistics.mean(tpots[0])
+        for i, (name, _) in enumerate(systems):
+            drafted, accepted = (x - y for x, y in zip(_spec_counts(llms[i]), before[i]))
+            tpot = statistics.mean(tpots[i])
             rows.append({"system": name, "workload": workload, "tpot_ms": 1000 * tpot,
                          "speedup": base_tpot / tpot, "drafted": drafted,
                          "acceptance": accepted / drafted if drafted else 0.0,
-                         "same_tokens": tokens == base_tokens})
+                         "same_tokens": tokens[i] == tokens[0]})
+            if ns.profile:
+                step_rows += _step_rows(name, workload, steps[i])
+    for llm in llms:
         llm.shutdown()
-        del llm
-        gc.collect()
+    del llms
+    gc.collect()
     m = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
