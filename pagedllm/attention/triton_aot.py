@@ -183,6 +183,13 @@ def compile_engine_kernels(arch: int, num_heads: int, num_kv_heads: int, head_di
     return list(variants.values())
 
 
+def _compile_combo(arch: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: str, max_model_len: int, kv_cache_dtype: str, only: str) -> list[CompiledVariant]:
+    """compile_engine_kernels for one (arch, dtype, KV dtype), by names a worker process can take."""
+    return compile_engine_kernels(arch, num_heads, num_kv_heads, head_dim, block_size, getattr(torch, dtype),
+                                  max_model_len, kv_cache_dtype, only)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, nargs="+", default=[90], choices=sorted(MAX_SHARED),
@@ -199,17 +206,28 @@ def main(argv=None) -> int:
                     help="the KV cache's element (int8 / fp8: with per-token scales; fp8 needs sm_89+)")
     ap.add_argument("--scenario", default="", help="only the scenarios whose name contains this")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="(arch, dtype, KV dtype) combinations compiled at once, each in its own "
+                         "process (default: one per core)")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        ap.error(f"--jobs must be at least 1, got {a.jobs}")
+    combos = [(arch, dt, kv) for arch in a.arch for dt in a.dtype for kv in a.kv_cache_dtype]
+    jobs = [(arch, a.heads[0], a.heads[1], a.head_dim, a.block_size, dt, a.max_model_len, kv, a.scenario)
+            for arch, dt, kv in combos]
+    if a.jobs == 1 or len(jobs) == 1:
+        results = [_compile_combo(*j) for j in jobs]
+    else:   # spawned: a forked child would inherit the parent's torch / Triton state
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(min(a.jobs, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_compile_combo, *zip(*jobs)))
     report, ok = [], True
-    for arch in a.arch:
-        for dt in a.dtype:
-            for kv in a.kv_cache_dtype:
-                for v in compile_engine_kernels(arch, a.heads[0], a.heads[1], a.head_dim, a.block_size,
-                                                getattr(torch, dt), a.max_model_len, kv, a.scenario):
-                    fits = v.shared <= MAX_SHARED[arch]
-                    ok &= fits
-                    report.append({"arch": arch, "dtype": dt, "kv_cache_dtype": kv, "fits_shared": fits,
-                                   **asdict(v)})
+    for (arch, dt, kv), variants in zip(combos, results):
+        for v in variants:
+            fits = v.shared <= MAX_SHARED[arch]
+            ok &= fits
+            report.append({"arch": arch, "dtype": dt, "kv_cache_dtype": kv, "fits_shared": fits, **asdict(v)})
     if a.json:
         print(json.dumps({"ok": ok, "max_shared": MAX_SHARED,
                           "scenarios": [name for name, *_ in SCENARIOS], "variants": report}))

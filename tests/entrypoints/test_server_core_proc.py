@@ -46,8 +46,8 @@ class FakeRunner:
             r = self.scheduler.requests[rid]
             sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
             k = r.sampling_params.logprobs
-            logprobs.append(None if k is None else ([TOKEN] + [TOKEN + j for j in range(k)],
-                                                    [-0.5] + [-0.5 * (j + 1) for j in range(k)], 1))
+            logprobs.append(None if k is None else [([TOKEN] + [TOKEN + j for j in range(k)],
+                                                     [-0.5] + [-0.5 * (j + 1) for j in range(k)], 1)])
         time.sleep(0.002)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
