@@ -83,7 +83,8 @@ class SpecDecoder:
         last = inputs.logits_indices.numpy()                                          # [R] last token of each row
         # The k + 1 positions each row is scored at: its last real token and every draft.
         group = ks + 1
-        offsets = np.arange(int(group.sum())) - np.repeat(np.cumsum(group) - group, group)   # 0..k per row
+        starts = np.cumsum(group) - group                                                    # [R]
+        offsets = np.arange(int(group.sum())) - np.repeat(starts, group)                     # 0..k per row
         positions = np.repeat(last - ks, group) + offsets                                     # [N]
         logits = compute_logits(hidden[torch.from_numpy(positions).to(hidden.device)])   # [N, V]
         grammar_fn(logits, [inputs.req_ids[r] for r, k in zip(rows, ks.tolist()) for _ in range(k + 1)])
@@ -91,7 +92,6 @@ class SpecDecoder:
         md = metadata_fn(states, drafts)
         ks_lp = [s.sampling_params.logprobs for s in states]
         want = [b for b, k in enumerate(ks_lp) if k is not None]
-        starts = np.cumsum(group) - group                                              # [R]
         raw = None
         if want:   # before the sampler's processors touch the logits
             sel = np.concatenate([starts[b] + np.arange(group[b]) for b in want])
@@ -100,7 +100,8 @@ class SpecDecoder:
         logprobs: list[RowLogprobs] = [None] * len(rows)
         if raw is not None:
             # Row b's emitted tokens sit at its first len(tokens[b]) scored positions.
-            offs = np.cumsum([group[b] for b in want]) - [group[b] for b in want]
+            scored = group[want]                   # each wanting row's positions in raw
+            offs = np.cumsum(scored) - scored
             pick = np.concatenate([offs[i] + np.arange(len(tokens[b])) for i, b in enumerate(want)])
             emitted = torch.tensor([t for b in want for t in tokens[b]], device=raw.device)
             ids, lps, ranks = gather_logprobs(raw[torch.from_numpy(pick).to(raw.device)], emitted,

@@ -1,8 +1,9 @@
 """Greedy output equals transformers' generate(do_sample=False) on the same directory, token for
 token, for default settings, chunked prefill with tiny blocks, and a KV cache small enough
 to force preemption, and with speculative decoding (n-gram drafts; the default model's first 16
-layers as its draft model) under chunked prefill and preemption. The one allowed difference is a numerical tie (DESIGN.md): where the
-two first differ, the reference's top-2 logits are within 1e-4."""
+layers as its draft model) under chunked prefill and preemption. The one allowed difference is
+a numerical tie (DESIGN.md): where the two first differ, the reference's top-2 logits are
+within 1e-4."""
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy_batched
 

@@ -5,7 +5,7 @@
   (a small token budget) and preemption (a small KV cache) forced, in both preemption modes;
   drafts were accepted (the test is not vacuous) and no block is left in use. The
   greedy-equality prompts with each proposer: tests/engine/test_greedy_equality.py.
-- random:tiny: stop strings, max_tokens, n > 1 and logprobs give what the engine without
+- random:tiny: stop strings, max_tokens and n > 1 give what the engine without
   speculation gives; a run of sampled requests (drafts mostly rejected) leaves no block in use.
 - Logprobs and prompt logprobs with drafts verified (one entry per emitted token, from the raw
   logits at its position), also for a request without drafts in a step where others verify
@@ -83,7 +83,7 @@ def assert_logprobs_close(got, want) -> None:
             assert abs(g[t].logprob - w[t].logprob) < 1e-4, (t, g[t], w[t])
 
 
-def test_stop_max_tokens_n_logprobs_as_without_speculation(tiny_pair):
+def test_stop_max_tokens_n_as_without_speculation(tiny_pair):
     plain, spec = tiny_pair
     cases = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
