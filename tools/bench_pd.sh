@@ -32,11 +32,11 @@ SERVE_ARGS=(--model "$MODEL" --max-model-len "${MAX_MODEL_LEN:-1024}" --kv-cache
 if [[ $SCALE == small ]]; then
   MIXED=(--num-prompts 16 --random-input-len 24 --random-output-len 16 --long-every 8 --long-input-len 480
          --concurrency 8 --request-rate 4.0)
-  CAP_PROMPTS=16 OVERLOAD_S=20
+  CAP_PROMPTS=64 OVERLOAD_S=20
 else
   MIXED=(--num-prompts 64 --random-input-len 24 --random-output-len 32 --long-every 8 --long-input-len 960
          --concurrency 16 --request-rate 4.0)
-  CAP_PROMPTS=64 OVERLOAD_S=90
+  CAP_PROMPTS=512 OVERLOAD_S=90
 fi
 MIXED[1]=${MIXED_PROMPTS:-${MIXED[1]}}; MIXED[-1]=${MIXED_RATE:-${MIXED[-1]}}
 BENCH=($CLI bench serve --tokenizer "$MODEL" --warmup 2)
@@ -125,12 +125,13 @@ EOF
   exit 0
 fi
 
-# (b)'s capacity on the mix: as fast as it goes (no request rate)
+# (b)'s capacity on the mix: as fast as it goes (no request rate), at the decode instance's batch
+# limit (128 sequences: a lower concurrency measures the client's cap, not the instances')
 if [[ -n ${OVERLOAD_RATE:-} ]]; then   # given: no capacity run
   RATE=$OVERLOAD_RATE
 else
   CAP=("${MIXED[@]}")
-  CAP[1]=$CAP_PROMPTS; CAP[-1]=inf
+  CAP[1]=$CAP_PROMPTS; CAP[-1]=inf; CAP[-3]=128
   bench capacity_pd $X "${CAP[@]}"
   RATE=$($PY -c "import json; r = json.load(open('$OUT/capacity_pd.json'))['runs'][0]; print(round(2 * r['request_throughput'], 2))")
 fi

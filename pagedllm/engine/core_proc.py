@@ -28,6 +28,7 @@ from pagedllm.engine import messages as m
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.beam_search import BeamSearchDriver, BeamSearchOutput
 from pagedllm.engine.exceptions import RequestFailedError
+from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.lora.request import count_adapters
 from pagedllm.request import Request, RequestStatus
 
@@ -85,6 +86,7 @@ def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_p
             out_sock.send(m.encode_output(m.EngineCoreError(type(e).__name__, str(e))))
             code = 1
         if core is not None:
+            freeze_gc_heap("engine core")
             out_sock.send(m.encode_output(m.EngineCoreReady(core.num_blocks, os.getpid())))
             EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
     except _Stop:

@@ -4,7 +4,9 @@ offline engine does, token for token, streamed and not; the prefill side hits it
 the decode side (a cache too small for the batch) preempts and recomputes; a consumer that
 never fetches lets the producer's blocks go after the timeout; a producer killed while the
 decode instance is pulling turns into an error for that request, no hang, no leaked blocks; a
-decode instance killed while pulling leaves no block held on the producer.
+decode instance killed while pulling leaves no block held on the producer; one killed while it
+streams through the proxy ends the client's stream with an error event; an unreachable prefill
+instance is a 502.
 
 The tiny random model keeps it fast (prompts as token ids: its tokenizer is word level)."""
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from server_utils import REPO, TINY, free_port, session_pids, tiny_server, wait_metrics
+from server_utils import REPO, TINY, assert_error, free_port, session_pids, tiny_server, wait_metrics
 
 MAX_LEN, MAX_TOKENS, NUM_PROMPTS = 256, 24, 6
 USED = "pagedllm:kv_cache_used_blocks"
@@ -129,6 +131,57 @@ def test_proxy_greedy_equals_colocated(servers):
     wait_metrics(decode, lambda m: m[USED] == 0, "decode blocks freed", timeout=30)
     pm = httpx.get(proxy.url + "/metrics").text
     assert 'pagedllm_proxy:requests_total{outcome="ok"} 6.0' in pm, pm
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_prefill_instance_is_a_502(servers):
+    """A prefill URL nothing listens on: the client gets an OpenAI error object naming it, at once."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = Proxy(dead, servers[1].url)
+    try:
+        r = httpx.post(proxy.url + "/v1/completions", timeout=30,
+                       json={"model": TINY, "prompt": [5, 6, 7], "max_tokens": 3})
+        err = assert_error(r, 502)
+        assert err["type"] == "upstream_error" and dead in err["message"], err
+        assert httpx.get(proxy.url + "/health", timeout=5).status_code == 200
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(180)
+def test_decode_instance_killed_mid_stream(servers):
+    """A decode instance killed while it streams through the proxy: the client's stream ends with
+    an error event and [DONE] (no hang, no cut without a word), and the proxy serves on."""
+    prefill = servers[0]
+    decode = tiny_server(MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0))
+    proxy = Proxy(prefill.url, decode.url)
+    try:
+        body = {"model": TINY, "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 8, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        t0 = time.monotonic()
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:   # streaming: stop the instance at once, then kill it
+                    os.killpg(decode.proc.pid, signal.SIGSTOP)
+                    os.killpg(decode.proc.pid, signal.SIGKILL)
+        assert time.monotonic() - t0 < 30
+        assert events[-1] == "[DONE]", events[-3:]
+        err = json.loads(events[-2])["error"]
+        assert "failed mid-stream" in err["message"] and decode.url in err["message"], err
+        texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+        assert len(texts) < MAX_LEN - 8, len(texts)   # cut, not finished
+        metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+        assert 'pagedllm_proxy:requests_total{outcome="decode_error"} 1.0' in metrics, metrics
+        assert httpx.get(proxy.url + "/health", timeout=5).status_code == 200
+    finally:
+        proxy.close()
+        decode.close()
+    wait_metrics(prefill, lambda m: m[USED] == 0, "no producer block leaked", timeout=30)
 
 
 def _prefill_only(prefill, prompt) -> dict:

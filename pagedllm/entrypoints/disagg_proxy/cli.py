@@ -62,6 +62,7 @@ def _serve_args(value: str) -> list[str]:
 def cmd_proxy(ns: argparse.Namespace) -> int:
     import uvicorn
     from pagedllm.entrypoints.disagg_proxy.app import build_app
+    from pagedllm.gc_heap import freeze_gc_heap
     instances = None
     if ns.launch_ray is not None:
         if ns.prefill or ns.decode:
@@ -81,6 +82,7 @@ def cmd_proxy(ns: argparse.Namespace) -> int:
                 raise ValueError(f"--prefill / --decode take http(s) URLs, got {url!r}")
         app = build_app(ns.prefill, ns.decode, ns.ttft_slo, ns.tbt_slo, trace=ns.trace,
                         decode_max_num_seqs=ns.decode_max_num_seqs)
+        freeze_gc_heap("proxy")
         uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
     finally:
         if instances is not None:

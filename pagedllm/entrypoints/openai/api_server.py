@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedllm.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -178,6 +179,7 @@ async def serve(ns: argparse.Namespace, engine_args) -> int:
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser)
         server = _make_server(app, ns, engine)
+        freeze_gc_heap("API server")
         _hand_signals_to_uvicorn(loop)
         await _run(server, sock, ns, names[0], engine)
         return server.exit_code
