@@ -67,6 +67,8 @@ class KVServer:
         self.kv_caches, self.block_size, self.timeout_s = kv_caches, block_size, timeout_s
         self.lock = threading.Lock()
         self._saved: dict[str, _Saved] = {}
+        self._pulling: set[str] = set()   # saved requests with a pull under way: the loop's work
+        self._next_expiry = 0.0
         self._finished: set[str] = set()
         self.bytes_sent = 0
         self._ctx = zmq.Context()
@@ -109,7 +111,12 @@ class KVServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop:
             if poller.poll(1):
-                self._on_message(self._sock.recv_multipart())
+                while True:   # every message waiting, not one a turn
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
             try:
                 self._serve_ready()
             except Exception:   # never let the thread die: the engine would hold blocks forever
@@ -136,17 +143,27 @@ class KVServer:
                            for layer in self.kv_caches for t in layer)
                 pull.shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
             saved.pulls.append(pull)
+            self._pulling.add(req_id)
 
     def _serve_ready(self) -> None:
+        """Each turn (<= 1 ms apart) visits the requests being pulled; the expiry walk over every
+        saved request runs ten times a second (the turn's cost stays with the pulls, not with all
+        the KV waiting to be fetched)."""
         now = time.monotonic()
         with self.lock:
-            for req_id, saved in list(self._saved.items()):
-                for pull in list(saved.pulls):
+            for req_id in list(self._pulling):
+                saved = self._saved.get(req_id)
+                for pull in list(saved.pulls) if saved is not None else ():
                     self._send_layers(saved, pull)
-                if now > saved.deadline:
-                    logger.warning("kv server: request %s's KV was not fetched within %.0f s: freeing it",
-                                   req_id, self.timeout_s)
-                    self._end(req_id, saved)
+                if saved is None or not saved.pulls:
+                    self._pulling.discard(req_id)
+            if now >= self._next_expiry:
+                self._next_expiry = now + 0.1
+                for req_id, saved in list(self._saved.items()):
+                    if now > saved.deadline:
+                        logger.warning("kv server: request %s's KV was not fetched within %.0f s: freeing it",
+                                       req_id, self.timeout_s)
+                        self._end(req_id, saved)
 
     def _send_layers(self, saved: _Saved, pull: _Pull) -> None:
         rows = None
