@@ -209,8 +209,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _event_loop_runner():
-    """uvloop where it is installed (as vLLM serves): its transports write a streamed event for
-    a fraction of asyncio's CPU, and a streaming server spends most of its time there."""
+    """uvloop where it is installed (as vLLM serves): a streaming server spends much of its time
+    writing events to sockets, and uvloop's transports cost less CPU there than asyncio's (with
+    httptools: 4.3-4.9 ms a 32-token stream against 6.2 on asyncio + h11, BENCHMARKS.md)."""
     try:
         import uvloop
     except ImportError:   # not on Windows
