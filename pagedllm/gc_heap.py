@@ -1,9 +1,9 @@
 """The start-up heap kept out of the cyclic garbage collector's way, as vLLM's engine core does.
 
-A server process holds ~0.4-1 M objects once torch, transformers and the model are loaded, and
-each collection of the oldest generation walks all of them (~170 ms on this project's 2-core
-machine at rest, longer on a shared core), stalling every request in flight: under load, gaps of
-0.5-1.3 s with no first token anywhere. `gc.freeze()` moves the survivors of start-up to the
+A server process holds 0.2-0.4 M objects once torch, transformers and the model are loaded (the
+engine core ~0.22 M, the API server ~0.39 M), and each collection of the oldest generation walks
+all of them (~165 ms on this project's 2-core machine at rest, longer on a shared core), stalling
+every request in flight meanwhile. `gc.freeze()` moves the survivors of start-up to the
 permanent generation, which no collection walks; what is made later is collected as before.
 
 Only for processes that live until they exit (the engine core process, the API server, the
