@@ -187,8 +187,18 @@ for name, pred, meas in (("prefill (queue + work)", col("pred_queue", "pred_pref
                          ("TTFT", col("pred_ttft"), col("ttft"))):
     print(f"| {name} | {np.percentile(pred, 50):.3f} | {np.percentile(pred, 99):.3f} | "
           f"{np.percentile(meas, 50):.3f} | {np.percentile(meas, 99):.3f} |")
-print(f"tail margin (p99 of recent errors, counted up to SLO/2) p50 {np.percentile(col('margin'), 50):.3f} s; "
-      f"decode load at send p50 {np.percentile(col('position'), 50):.0f}, p99 {np.percentile(col('position'), 99):.0f}")
+print(f"tail margin (p99 of recent errors at the lowest loads, counted up to SLO/2) p50 "
+      f"{np.percentile(col('margin'), 50):.3f} s, + at the request's load p50 {np.percentile(col('load_margin'), 50):.3f}, "
+      f"p99 {np.percentile(col('load_margin'), 99):.3f} s; decode load at send p50 "
+      f"{np.percentile(col('position'), 50):.0f}, p99 {np.percentile(col('position'), 99):.0f}")
+# The admitted TTFT by the decode load at admission (where the tail comes from)
+load, ttft = col("load"), col("ttft")
+print("| load at admission | admitted | TTFT p50 | p99 | over the SLO |\n|---|---|---|---|---|")
+for lo in range(0, int(load.max()) + 1, 32):
+    m = (load > lo) & (load <= lo + 32)
+    if m.any():
+        print(f"| {lo + 1}-{lo + 32} | {m.sum()} | {np.percentile(ttft[m], 50):.3f} | {np.percentile(ttft[m], 99):.3f} | "
+              f"{100 * (ttft[m] > slo).mean():.1f} % |")
 targets = [r["target"] for r in rs if r.get("target") is not None]
 if targets:   # SloFeedback: the TTFT the admission held predictions to, over the run
     print(f"admission target (SLO x factor) min {min(targets):.3f} s, p50 {np.percentile(targets, 50):.3f} s, "

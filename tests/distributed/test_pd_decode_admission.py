@@ -11,6 +11,7 @@ prediction's tail alone passed the SLO (SloFeedback lowers the admission's targe
 capacity nothing is refused."""
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from pagedllm.entrypoints.disagg_proxy.decode_queue import DecodeInstance
-from pagedllm.entrypoints.disagg_proxy.fit import LinearFit, TailMargin
+from pagedllm.entrypoints.disagg_proxy.fit import LinearFit, TailMargin, isotonic
 from pagedllm.entrypoints.disagg_proxy.predictor import PrefillInstance, chunk_hashes, plan
 from pagedllm.entrypoints.disagg_proxy.slo_feedback import SloFeedback
 
@@ -50,13 +51,15 @@ def _capacity(max_num_seqs: int) -> float:
 
 
 def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0, feedback: bool = True,
-              stall: float = 0.0):
+              stall: float = 0.0, by_load: bool = True):
     """jitter: each decode step takes its time times a log-normal factor of this sigma (a busy machine);
     stall: this probability that a step also waits 0.1 s (another job holding the cores: the per-step
     cost grows no slower for it, so the fit sees it only as noise);
-    feedback: False = the admission before SloFeedback (the prediction + margin against the SLO itself)."""
+    feedback: False = the admission before SloFeedback (the prediction + margin against the SLO itself);
+    by_load: False = one margin for every load (one bin), as before it was by load."""
     rng = random.Random(seed)
-    prefill, decode, margin = PrefillInstance("p"), DecodeInstance("d", max_num_seqs), TailMargin()
+    margin = TailMargin() if by_load else TailMargin(bin_width=1 << 30)
+    prefill, decode = PrefillInstance("p"), DecodeInstance("d", max_num_seqs)
     slo = SloFeedback(SLO)
     events, seq = [], itertools.count()       # (time, seq, kind, request)
     push = lambda t, kind, r=None: heapq.heappush(events, (t, next(seq), kind, r))
@@ -69,7 +72,7 @@ def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0
             if t < DURATION:
                 push(t + rng.expovariate(rate), "arrive")
             text = f"{next(seq):08d}" + "x" * (CHARS - 8)
-            a = plan([prefill], [decode], chunk_hashes(text), len(text), t, margin.at(t))
+            a = plan([prefill], [decode], chunk_hashes(text), len(text), t, margin)
             if a.misses(slo.target if feedback else SLO, None):
                 refused += 1
                 continue
@@ -89,7 +92,7 @@ def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0
                 if q.first < 0:
                     q.first = t
                     decode.first_token(t, q.position, t - q.sent)
-                    margin.add(t, t - q.arrival, q.admission.ttft)
+                    margin.add(t, t - q.arrival, q.admission.ttft, q.admission.load)
                     slo.add(t, q.arrival, t - q.arrival)
                     admitted.append((q.arrival, t - q.arrival))
                 else:
@@ -133,9 +136,9 @@ def test_decode_bottleneck_2x_overload(max_num_seqs, jitter, stall):
 
 @pytest.mark.parametrize("jitter, stall", [(0.3, 0.0), (0.3, 0.05)], ids=["noisy", "stalls"])
 def test_without_feedback_the_tail_passes_the_slo(jitter, stall):
-    """The admission before SloFeedback (prediction + margin against the SLO itself) on the same
-    runs: the p99 passes the SLO, so the test above can fail."""
-    admitted, _ = _simulate(64, 2 * _capacity(64), jitter=jitter, stall=stall, feedback=False)
+    """The admission before SloFeedback (prediction + one margin for all loads against the SLO
+    itself) on the same runs: the p99 passes the SLO, so the test above can fail."""
+    admitted, _ = _simulate(64, 2 * _capacity(64), jitter=jitter, stall=stall, feedback=False, by_load=False)
     assert _loaded_stats(admitted)[1] > SLO
 
 
@@ -143,6 +146,25 @@ def test_without_feedback_the_tail_passes_the_slo(jitter, stall):
 def test_below_capacity_admits_everything(max_num_seqs):
     admitted, refused = _simulate(max_num_seqs, 0.5 * _capacity(max_num_seqs))
     assert refused == 0 and len(admitted) > 0.4 * _capacity(max_num_seqs) * DURATION
+
+
+def test_an_idle_pair_admits_whatever_is_predicted():
+    """A first-token fit gone flat at 0.63 s (slope 0: its mean everywhere) refuses every request
+    at a 1 s target; an idle pair admits one anyway (its measurement corrects the fit); one
+    admitted and in flight, the next is judged on the prediction again."""
+    prefill, decode, margin = PrefillInstance("p"), DecodeInstance("d"), TailMargin()
+    for i in range(256):
+        decode.first.add(0.0, 60 + i % 70, 0.63)
+        margin.add(0.0, 1.13, 0.63, 60 + i % 70)       # 0.5 s over at every load
+    text = "x" * CHARS
+    a = plan([prefill], [decode], chunk_hashes(text), len(text), 1.0, margin)
+    assert a.idle and a.first.total > 0.6 and not a.misses(1.0, None)
+    assert not dataclasses.replace(a, idle=False).misses(2.0, None)   # the prediction alone: 0.63 + 0.5
+    assert dataclasses.replace(a, idle=False).misses(1.0, None)
+    prefill.book(a.seconds, 1.0)
+    decode.admit()
+    b = plan([prefill], [decode], chunk_hashes(text), len(text), 1.0, margin)
+    assert not b.idle and b.load == 2 and b.misses(1.0, None)
 
 
 def test_linear_fit_window_matches_polyfit():
@@ -170,11 +192,56 @@ def test_tail_margin_is_the_recent_error_quantile():
     m = TailMargin(quantile=0.9, maxlen=100, min_count=10, max_age=5.0)
     for i in range(9):
         m.add(i * 0.01, 2.0, 1.0)
-    assert m.at(0.1) == 0.0                               # too few to say
+    assert m.at(0.1) == (0.0, 0.0)                        # too few to say
     for i in range(200):                                  # errors 0.00 .. 1.99, the last 100 kept
         m.add(1.0 + i * 0.01, 1.0 + i / 100, 1.0)
-    assert np.isclose(m.at(3.0), np.quantile(np.arange(100, 200) / 100, 0.9))
-    assert m.at(10.0) == 0.0                              # all older than 5 s
+    base, extra = m.at(3.0)
+    assert np.isclose(base, np.quantile(np.arange(100, 200) / 100, 0.9)) and extra == 0.0
+    assert m.at(10.0) == (0.0, 0.0)                       # all older than 5 s
+
+
+def test_tail_margin_by_load():
+    """Bins of loads, pooled from the top down into groups of min_count or more, each its own
+    quantile, made non-decreasing; a load below the lowest bin adds nothing, one beyond the
+    highest adds the highest group's."""
+    rng = np.random.default_rng(0)
+    m = TailMargin(quantile=0.9, maxlen=10_000, min_count=20, max_age=100.0, bin_width=10)
+    errors = {}
+    for load in rng.permutation(np.repeat(np.arange(10, 60), 8)):   # bins 1..5, 80 requests each
+        e = float(rng.uniform(0.0, 0.1 * (load // 10)))              # the tail grows with the load
+        errors.setdefault(load // 10, []).append(e)
+        m.add(0.0, e, 0.0, int(load))
+    for load in (70, 71, 72):                                        # bin 7: too few alone,
+        m.add(0.0, 5.0, 0.0, load)                                   # pooled with bin 5
+    tails = [np.quantile(errors[b], 0.9) for b in range(1, 5)] + [np.quantile(errors[5] + [5.0] * 3, 0.9)]
+    assert np.all(np.diff(tails) > 0)                                # already monotone: kept as is
+    for load, group in [(5, None), (15, 0), (39, 2), (59, 4), (75, 4), (500, 4)]:
+        base, extra = m.at(1.0, load)
+        assert np.isclose(base, tails[0]), load
+        assert np.isclose(extra, 0.0 if group is None else tails[group] - tails[0]), load
+    # A group whose tail is below the one beneath it is pooled with it (the weighted mean).
+    m = TailMargin(quantile=0.5, maxlen=1000, min_count=4, max_age=100.0, bin_width=10)
+    for e, load in [(0.5, 0)] * 4 + [(0.3, 10)] * 4 + [(0.9, 20)] * 8:
+        m.add(0.0, e, 0.0, load)
+    assert np.allclose([m.at(1.0, 0)[0], m.at(1.0, 15)[1], m.at(1.0, 25)[1]], [0.4, 0.0, 0.5])
+    # Spread thin: one request a bin, groups of 4 bins from the top (8-11, 4-7, 0-3).
+    m = TailMargin(quantile=0.5, maxlen=1000, min_count=4, max_age=100.0, bin_width=10)
+    for i in range(12):
+        m.add(0.0, float(i), 0.0, 10 * i)
+    assert m.at(1.0, 50) == (1.5, 4.0) and m.at(1.0, 115) == (1.5, 8.0)
+    m = TailMargin(quantile=0.5, maxlen=1000, min_count=4, max_age=100.0, bin_width=10)
+    for i in range(6):   # the two at the bottom join the group above them: one group
+        m.add(0.0, float(i), 0.0, 10 * i)
+    assert m.at(1.0, 50) == (2.5, 0.0)
+
+
+def test_isotonic_matches_scipy():
+    from scipy.optimize import isotonic_regression
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 5, 30):
+        for _ in range(20):
+            y, w = rng.normal(size=n), rng.uniform(0.5, 50, size=n)
+            assert np.allclose(isotonic(y, w), isotonic_regression(y, weights=w).x)
 
 
 def test_slo_feedback_steps():

@@ -45,7 +45,7 @@ def _trace_record(a: Admission, position: int, t0: float, t_prefilled: float, t_
     return {"t0": round(t0, 4), "position": position, "pending": a.decode.pending,
             "pred_queue": a.queue, "pred_prefill": a.seconds, "pred_transfer": a.first.transfer,
             "pred_slot_wait": a.first.slot_wait, "pred_step": a.first.step, "pred_ttft": a.ttft,
-            "margin": a.margin, "target": target, "prefill": t_prefilled - t0, "decode_first": t_first - t_sent,
+            "margin": a.margin, "load_margin": a.load_margin, "load": a.load, "target": target, "prefill": t_prefilled - t0, "decode_first": t_first - t_sent,
             "ttft": t_first - t0}
 
 
@@ -73,7 +73,7 @@ class _Metrics:
         self.pending = Gauge("pagedllm_proxy:decode_pending", "Requests admitted to a decode instance, "
                              "still prefilling.", ["instance"], registry=r)
         self.margin = Gauge("pagedllm_proxy:ttft_margin_seconds", "What recent TTFT predictions missed by "
-                            "(the tail added before the SLO check).", registry=r)
+                            "at the lowest load (the tail added before the SLO check).", registry=r)
         self.target = Gauge("pagedllm_proxy:ttft_target_seconds", "The TTFT the admission holds predictions "
                             "to: the SLO lowered while the admitted requests' measured p99 passes it.", registry=r)
 
@@ -123,7 +123,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         for d in decodes:
             metrics.streams.labels(d.url).set(d.streams)
             metrics.pending.labels(d.url).set(d.pending)
-        metrics.margin.set(margin.at(t))
+        metrics.margin.set(margin.at(t)[0])
         if feedback is not None:
             metrics.target.set(feedback.target)
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
@@ -142,12 +142,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             return _error(400, "the body must be a JSON object", "invalid_request_error")
         text = json.dumps(body.get("messages")) if "messages" in body else str(body.get("prompt", ""))
         hashes, t0 = chunk_hashes(text), now()
-        a = plan(prefills, decodes, hashes, len(text), t0, margin.at(t0))
+        a = plan(prefills, decodes, hashes, len(text), t0, margin)
         prefill, decode, seconds = a.prefill, a.decode, a.seconds
         target = feedback.target if feedback is not None else None
         if a.misses(target, tbt_slo):
             metrics.requests.labels("rejected").inc()
-            return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} s (SLO "
+            return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} + "
+                               f"{a.load_margin:.3f} s at load {a.load} (SLO "
                                f"{ttft_slo}, held to {target or 0:.3f} s), TBT {a.tbt:.4f} s (SLO {tbt_slo})",
                           "service_unavailable",
                           "server_overloaded")
@@ -227,7 +228,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                     if first is None:
                         first = t
                         decode.first_token(t, position, t - t1)
-                        margin.add(t, t - t0, a.ttft)
+                        margin.add(t, t - t0, a.ttft, a.load)
                         if feedback is not None:
                             feedback.add(t, t0, t - t0)
                         metrics.ttft.observe(t - t0)

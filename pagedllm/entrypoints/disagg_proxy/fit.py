@@ -93,26 +93,77 @@ class LinearFit(_Window):
         return max(a + b * x, least)
 
 
+def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest `values` in weighted least squares (pool adjacent
+    violators: a run that falls is replaced by its weighted mean)."""
+    blocks: list[list[float]] = []   # [mean, weight, count of values]
+    for v, w in zip(values.tolist(), weights.tolist()):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, c1), (m2, w2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    return np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
+
+
 class TailMargin(_Window):
-    """What the predictions missed by, recently: the `quantile` of (measured - predicted) over a
-    window of admitted requests; 0 below `min_count` of them or when they were over-predicted.
-    Added to the prediction before the SLO check, so that the SLO holds for the tail (the issue's
-    goal is the admitted requests' p99), not for the mean."""
+    """What the predictions missed by, recently, by the decode load a request was admitted at: the
+    `quantile` of (measured - predicted) over a window of admitted requests, in bins of
+    `bin_width` loads (adjacent bins pooled, from the highest load down, until each group holds
+    `min_count` requests), made non-decreasing in the load
+    (isotonic: a tail does not shrink as the batch grows; it smooths the bins' noise). Added to the
+    prediction before the SLO check, so that the SLO holds for the tail (the issue's goal is the
+    admitted requests' p99), not for the mean. By load because the tail is not one size: at 2x
+    overload on the 2-core machine the decode side's first-token p99 was 1.2 s at 40-80 streams
+    and 2.2-2.6 s at 100-140 (BENCHMARKS.md), so one margin for all refused too much at low load
+    and too little at high load.
 
-    def __init__(self, quantile: float = 0.99, maxlen: int = 512, min_count: int = 32,
-                 max_age: float = MAX_AGE_S) -> None:
+    `at(t, load)` -> (base, extra): `base` the tail at the lowest loads seen (0 below `min_count`
+    requests or when they were over-predicted), `extra` how much more it is at `load`'s group (the
+    highest group's beyond it)."""
+
+    def __init__(self, quantile: float = 0.99, maxlen: int = 2048, min_count: int = 32,
+                 max_age: float = MAX_AGE_S, bin_width: int = 16) -> None:
         super().__init__(maxlen, max_age)
-        self.quantile, self.min_count = quantile, min_count
-        self._value = 0.0
+        self.quantile, self.min_count, self.bin_width = quantile, min_count, bin_width
+        self._base = 0.0
+        self._bins = np.zeros(0, np.int64)    # each group's lowest bin, ascending
+        self._extra = np.zeros(0)             # each group's tail above `_base`, non-decreasing
 
-    def add(self, t: float, measured: float, predicted: float) -> None:
-        self._add((t, measured - predicted))
+    def add(self, t: float, measured: float, predicted: float, load: int = 0) -> None:
+        self._add((t, measured - predicted, load))
 
-    def at(self, t: float) -> float:
+    def _refit(self) -> None:
+        n = len(self.obs)
+        self._base, self._bins, self._extra = 0.0, np.zeros(0, np.int64), np.zeros(0)
+        if n < self.min_count:
+            return
+        errors = np.fromiter((e for _, e, _ in self.obs), np.float64, n)
+        bins = np.fromiter((load for _, _, load in self.obs), np.int64, n) // self.bin_width
+        order = np.argsort(bins, kind="stable")
+        errors = errors[order]
+        uniq, start = np.unique(bins[order], return_index=True)
+        # Groups of adjacent bins of min_count requests or more, closed from the top down (the
+        # sparse high loads pool together rather than borrow a lower load's tail); what is left
+        # at the bottom joins the lowest group. -> indices into uniq where each group starts.
+        firsts, acc = [], 0
+        for i in range(len(uniq) - 1, -1, -1):
+            acc += (start[i + 1] if i + 1 < len(uniq) else n) - start[i]
+            if acc >= self.min_count:
+                firsts.append(i)
+                acc = 0
+        firsts = firsts[::-1]
+        firsts[0] = 0
+        bounds = [start[i] for i in firsts] + [n]
+        tails = np.array([np.quantile(errors[a:b], self.quantile) for a, b in zip(bounds, bounds[1:])])
+        tails = np.maximum(isotonic(tails, np.diff(bounds).astype(np.float64)), 0.0)
+        self._base, self._bins, self._extra = float(tails[0]), uniq[firsts], tails - tails[0]
+
+    def at(self, t: float, load: int = 0) -> tuple[float, float]:
         self.expire(t)
         if self._stale:
             self._stale = False
-            errors = np.fromiter((e for _, e in self.obs), np.float64, len(self.obs))
-            self._value = (max(float(np.quantile(errors, self.quantile)), 0.0)
-                           if len(errors) >= self.min_count else 0.0)
-        return self._value
+            self._refit()
+        if not len(self._bins):
+            return self._base, 0.0
+        i = int(np.searchsorted(self._bins, load // self.bin_width, side="right")) - 1
+        return self._base, float(self._extra[i]) if i >= 0 else 0.0

@@ -9,8 +9,9 @@ batch as large as the streams it holds plus those admitted to it and still prefi
 predicted TTFT is the sum: prefill queue + prefill + the decode side's first-token delay.
 Admission is decided on these predictions (booked work and predicted load), never on a count of
 requests in flight, so a steady overload is admitted at a steady rate instead of flapping
-between all and none; the recent tail of the prediction errors is added before the SLO check
-(`TailMargin`) so that the SLO holds for the admitted requests' p99, not their mean.
+between all and none; the recent tail of the prediction errors at the decode load the request
+would join is added before the SLO check (`TailMargin`) so that the SLO holds for the admitted
+requests' p99, not their mean.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.entrypoints.disagg_proxy.decode_queue import DecodeInstance, FirstTokenForecast
-from pagedllm.entrypoints.disagg_proxy.fit import Ewma
+from pagedllm.entrypoints.disagg_proxy.fit import Ewma, TailMargin
 
 CHUNK_CHARS = 64          # text per prefix hash (about a KV block of English text)
 MAX_PREFIXES = 100_000    # hashes remembered per prefill instance (LRU)
@@ -132,21 +133,36 @@ class Admission:
     first: FirstTokenForecast   # the decode side's part of the TTFT
     ttft: float
     tbt: float
-    margin: float = 0.0   # what recent predictions missed by (TailMargin.at)
+    margin: float = 0.0        # what recent predictions missed by at the lowest load (TailMargin.at)
+    load_margin: float = 0.0   # and how much more at the load this request joins
+    load: int = 1              # that load: the decode instance's streams + pending, itself included
+    idle: bool = False         # nothing booked on its prefill instance, nothing on its decode instance
 
     def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
         """`ttft_slo`: the target the admission holds (the SLO, or SloFeedback's lower target).
-        The margin counts for at most half of it: where the noise alone is larger, holding the
-        tail would mean refusing nearly everything (the feedback corrects the rest, slowly)."""
-        return ((ttft_slo is not None and self.ttft + min(self.margin, ttft_slo / 2) > ttft_slo)
+        The base margin counts for at most half of it: where the noise alone is larger, holding
+        the tail would mean refusing nearly everything (the feedback corrects the rest, slowly).
+        What the tail grows by with the load counts whole: it refuses only the loads it was
+        measured at, never everything.
+        An idle pair of instances admits whatever is predicted: the request is served as fast as
+        this system can serve one, and its measurement is what corrects a prediction learned
+        under a load that has drained (a fit that had gone flat at 0.63 s a first token refused
+        everything for 25 s at 2x overload, the instances idle, until its window expired)."""
+        if self.idle:
+            return False
+        margin = min(self.margin, ttft_slo / 2) + self.load_margin if ttft_slo is not None else 0.0
+        return ((ttft_slo is not None and self.ttft + margin > ttft_slo)
                 or (tbt_slo is not None and self.tbt > tbt_slo))
 
 
 def plan(prefills: list[PrefillInstance], decodes: list[DecodeInstance], hashes: list[int], text_len: int,
-         t: float, margin: float = 0.0) -> Admission:
+         t: float, margin: Optional[TailMargin] = None) -> Admission:
     """The prefill instance of the lowest predicted TTFT and the decode instance of the soonest
-    first token; TTFT = prefill queue + prefill + the decode side's first-token delay."""
+    first token; TTFT = prefill queue + prefill + the decode side's first-token delay; the recent
+    tail of the errors at the load the request would join there (`margin`)."""
     prefill, queue, seconds = pick_prefill(prefills, hashes, text_len, t)
     decode, first = pick_decode(decodes, t)
+    load = decode.load() + 1
+    base, extra = margin.at(t, load) if margin is not None else (0.0, 0.0)
     return Admission(prefill, decode, queue, seconds, first, queue + seconds + first.total,
-                     decode.tbt(decode.load() + 1, t), margin)
+                     decode.tbt(load, t), base, extra, load, idle=load == 1 and queue <= 0.0)
