@@ -1,5 +1,8 @@
 // The Python module (its name, TORCH_EXTENSION_NAME, is given by the build: csrc/build.py).
-// wrap_pybind_function turns a failed TORCH_CHECK into the Python exception torch raises. Only
+// wrap_pybind_function_no_gil turns a failed TORCH_CHECK into the Python exception torch raises
+// and releases the GIL while the kernel runs (as torch's own ops do; the kernels touch no Python
+// object): the threads beside a step, the KV connector's pulls and its KV server, run during it
+// instead of waiting for its end (a decode step in decode_layers is tens of milliseconds). Only
 // this file includes torch/extension.h (pybind11, Python.h, the C++ frontend): the kernels'
 // files need torch/types.h alone, which compiles in a fraction of the time.
 #include <torch/extension.h>
@@ -8,16 +11,16 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // k_scale / v_scale: only with an int8 / fp8 cache (None otherwise, the default)
-  m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode", py::arg("q"),
+  m.def("paged_decode", torch::wrap_pybind_function_no_gil(paged_decode), "paged_decode", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
-  m.def("linear_small", torch::wrap_pybind_function(linear_small), "linear_small");
-  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
-  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
-  m.def("rotary_embedding_", torch::wrap_pybind_function(rotary_embedding_), "rotary_embedding_");
-  m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
-  m.def("quant_dequantize", torch::wrap_pybind_function(quant_dequantize), "quant_dequantize");
-  m.def("quant_activations", torch::wrap_pybind_function(quant_activations), "quant_activations");
-  m.def("decode_layers", torch::wrap_pybind_function(decode_layers), "decode_layers");
+  m.def("linear_small", torch::wrap_pybind_function_no_gil(linear_small), "linear_small");
+  m.def("rms_norm", torch::wrap_pybind_function_no_gil(rms_norm), "rms_norm");
+  m.def("silu_and_mul", torch::wrap_pybind_function_no_gil(silu_and_mul), "silu_and_mul");
+  m.def("rotary_embedding_", torch::wrap_pybind_function_no_gil(rotary_embedding_), "rotary_embedding_");
+  m.def("quant_linear", torch::wrap_pybind_function_no_gil(quant_linear), "quant_linear");
+  m.def("quant_dequantize", torch::wrap_pybind_function_no_gil(quant_dequantize), "quant_dequantize");
+  m.def("quant_activations", torch::wrap_pybind_function_no_gil(quant_activations), "quant_activations");
+  m.def("decode_layers", torch::wrap_pybind_function_no_gil(decode_layers), "decode_layers");
 }
