@@ -22,7 +22,7 @@ import pytest
 
 from pagedllm.entrypoints.disagg_proxy.decode_queue import DecodeInstance
 from pagedllm.entrypoints.disagg_proxy.fit import LinearFit, TailMargin, isotonic
-from pagedllm.entrypoints.disagg_proxy.predictor import SLOW_START_LOAD, PrefillInstance, chunk_hashes, plan
+from pagedllm.entrypoints.disagg_proxy.predictor import PrefillInstance, chunk_hashes, plan
 from pagedllm.entrypoints.disagg_proxy.slo_feedback import SloFeedback
 
 A, B = 0.002, 0.01       # a decode step of n streams: A + B * n seconds
@@ -165,23 +165,6 @@ def test_an_idle_pair_admits_whatever_is_predicted():
     decode.admit()
     b = plan([prefill], [decode], chunk_hashes(text), len(text), 1.0, margin)
     assert not b.idle and b.load == 2 and b.misses(1.0, None)
-
-
-def test_slow_start_caps_the_load_at_twice_what_was_measured():
-    """Cold (no first token measured): up to SLOW_START_LOAD streams; then up to twice the highest
-    load a first token was measured at in the window; without an SLO nothing is refused."""
-    prefill, decode = PrefillInstance("p"), DecodeInstance("d")
-    text = "x" * CHARS
-
-    def at_load(n: int, t: float = 1.0):
-        decode.pending = n - 1
-        return plan([prefill], [decode], chunk_hashes(text), len(text), t)
-
-    assert not at_load(SLOW_START_LOAD).misses(SLO, None) and at_load(SLOW_START_LOAD + 1).misses(SLO, None)
-    assert not at_load(SLOW_START_LOAD + 1).misses(None, None)
-    decode.first_token(1.0, 20, 0.05)
-    assert at_load(40).explored == 20 and not at_load(40).misses(SLO, None) and at_load(41).misses(SLO, None)
-    assert at_load(SLOW_START_LOAD + 1, t=40.0).misses(SLO, None)   # the measurement expired (30 s)
 
 
 def test_linear_fit_window_matches_polyfit():

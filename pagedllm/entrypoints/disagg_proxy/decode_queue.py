@@ -42,12 +42,6 @@ class DecodeInstance:
     def load(self) -> int:
         return self.streams + self.pending
 
-    def explored(self, t: float) -> int:
-        """The highest load a first token was measured at, within the fit's window (0: none):
-        the fit says nothing of loads far beyond it."""
-        self.first.expire(t)
-        return int(self.first.max_x())
-
     def tbt(self, streams: int, t: float) -> float:
         """Predicted seconds between tokens with `streams` running."""
         self.gaps.expire(t)

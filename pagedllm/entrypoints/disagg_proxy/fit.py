@@ -56,7 +56,6 @@ class LinearFit(_Window):
         self.default = default
         self._sums = np.zeros(4)                 # x, y, x * x, x * y
         self._coef = (default, 0.0, default)     # (a, b, least y)
-        self._max_x = 0.0
 
     def add(self, t: float, x: float, y: float) -> None:
         self._sums += (x, y, x * x, x * y)
@@ -83,13 +82,7 @@ class LinearFit(_Window):
                     if slope > 0:
                         a, b = (sy - slope * sx) / n, slope
                 self._coef = (float(a), float(b), min(y for _, _, y in self.obs))
-            self._max_x = max((x for _, x, _ in self.obs), default=0.0)
         return self._coef
-
-    def max_x(self) -> float:
-        """The largest x in the window (0 when empty)."""
-        self._fit()
-        return self._max_x
 
     def coef(self) -> tuple[float, float]:
         a, b, _ = self._fit()

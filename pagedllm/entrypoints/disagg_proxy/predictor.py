@@ -26,7 +26,6 @@ from pagedllm.entrypoints.disagg_proxy.fit import Ewma, TailMargin
 CHUNK_CHARS = 64          # text per prefix hash (about a KV block of English text)
 MAX_PREFIXES = 100_000    # hashes remembered per prefill instance (LRU)
 RATE_DECAY = 0.8          # weight of the past in the measured prefill rate, per answer
-SLOW_START_LOAD = 8       # a decode load admitted before any first token was measured
 
 
 def chunk_hashes(text: str) -> list[int]:
@@ -138,7 +137,6 @@ class Admission:
     load_margin: float = 0.0   # and how much more at the load this request joins
     load: int = 1              # that load: the decode instance's streams + pending, itself included
     idle: bool = False         # nothing booked on its prefill instance, nothing on its decode instance
-    explored: int = 0          # the highest decode load a first token was measured at, recently
 
     def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
         """`ttft_slo`: the target the admission holds (the SLO, or SloFeedback's lower target).
@@ -149,15 +147,9 @@ class Admission:
         An idle pair of instances admits whatever is predicted: the request is served as fast as
         this system can serve one, and its measurement is what corrects a prediction learned
         under a load that has drained (a fit that had gone flat at 0.63 s a first token refused
-        everything for 25 s at 2x overload, the instances idle, until its window expired).
-        A load more than twice the highest one measured (or SLOW_START_LOAD while none was) is
-        refused under an SLO, as TCP's slow start: the fit says nothing of it, and a proxy that
-        starts cold (no measurement: a first token predicted at 0.01 s) admitted everything for
-        its first second at 2x overload, up to 40 requests over the SLO at a start."""
+        everything for 25 s at 2x overload, the instances idle, until its window expired)."""
         if self.idle:
             return False
-        if ttft_slo is not None and self.load > max(SLOW_START_LOAD, 2 * self.explored):
-            return True
         margin = min(self.margin, ttft_slo / 2) + self.load_margin if ttft_slo is not None else 0.0
         return ((ttft_slo is not None and self.ttft + margin > ttft_slo)
                 or (tbt_slo is not None and self.tbt > tbt_slo))
@@ -173,5 +165,4 @@ def plan(prefills: list[PrefillInstance], decodes: list[DecodeInstance], hashes:
     load = decode.load() + 1
     base, extra = margin.at(t, load) if margin is not None else (0.0, 0.0)
     return Admission(prefill, decode, queue, seconds, first, queue + seconds + first.total,
-                     decode.tbt(load, t), base, extra, load, idle=load == 1 and queue <= 0.0,
-                     explored=decode.explored(t))
+                     decode.tbt(load, t), base, extra, load, idle=load == 1 and queue <= 0.0)
