@@ -45,8 +45,8 @@ def _trace_record(a: Admission, position: int, t0: float, t_prefilled: float, t_
     return {"t0": round(t0, 4), "position": position, "pending": a.decode.pending,
             "pred_queue": a.queue, "pred_prefill": a.seconds, "pred_transfer": a.first.transfer,
             "pred_slot_wait": a.first.slot_wait, "pred_step": a.first.step, "pred_ttft": a.ttft,
-            "margin": a.margin, "load_margin": a.load_margin, "load": a.load, "target": target, "prefill": t_prefilled - t0, "decode_first": t_first - t_sent,
-            "ttft": t_first - t0}
+            "margin": a.margin, "load_margin": a.load_margin, "load": a.load, "target": target,
+            "prefill": t_prefilled - t0, "decode_first": t_first - t_sent, "ttft": t_first - t0}
 
 
 def _json_object(content: bytes) -> Optional[dict]:

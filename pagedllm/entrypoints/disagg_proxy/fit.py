@@ -109,10 +109,10 @@ class TailMargin(_Window):
     """What the predictions missed by, recently, by the decode load a request was admitted at: the
     `quantile` of (measured - predicted) over a window of admitted requests, in bins of
     `bin_width` loads (adjacent bins pooled, from the highest load down, until each group holds
-    `min_count` requests), made non-decreasing in the load
-    (isotonic: a tail does not shrink as the batch grows; it smooths the bins' noise). Added to the
-    prediction before the SLO check, so that the SLO holds for the tail (the issue's goal is the
-    admitted requests' p99), not for the mean. By load because the tail is not one size: at 2x
+    `min_count` requests), made non-decreasing in the load (isotonic: a tail does not shrink as
+    the batch grows; it smooths the groups' noise). Added to the prediction before the SLO check,
+    so that the SLO holds for the tail (the issue's goal is the admitted requests' p99), not for
+    the mean. By load because the tail is not one size: at 2x
     overload on the 2-core machine the decode side's first-token p99 was 1.2 s at 40-80 streams
     and 2.2-2.6 s at 100-140 (BENCHMARKS.md), so one margin for all refused too much at low load
     and too little at high load.
