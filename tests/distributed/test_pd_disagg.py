@@ -39,7 +39,7 @@ def _kv_config(role: str, timeout_s: float) -> str:
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 512, (40,), generator=g).tolist()   # a common prefix: prefill cache hits
-    return [shared + torch.randint(3, 512, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g).tolist()
+    return [shared + torch.randint(3, 512, (int(torch.randint(5, 20, (1,), generator=g)),), generator=g).tolist()
             for _ in range(NUM_PROMPTS)]
 
 
@@ -67,8 +67,12 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def servers():
-    # The decode instance's cache holds 9 blocks (16 KiB each), the longest of these requests (8)
-    # but no two of them: any two running at once preempt, however the arrivals are spread. Both instances start at once (each start mostly waits on imports and the model).
+    # The decode instance's cache holds 9 blocks (16 KiB each). The prompts (45-59 tokens, 3-4
+    # blocks) fit two at a time, their outputs (69-83 tokens, 5-6 blocks) never two: any two
+    # requests in the decode instance at once are both admitted and one is preempted as they grow,
+    # whatever the order they come in (with 53-99-token prompts only some pairs fitted, and an
+    # order that never put two such side by side preempted nothing). Both instances start at once
+    # (each start mostly waits on imports and the model).
     with ThreadPoolExecutor(2) as pool:
         starts = [pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_producer", 4.0)),
                   pool.submit(tiny_server, MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0),
