@@ -128,34 +128,48 @@ class TailMargin(_Window):
         self._base = 0.0
         self._bins = np.zeros(0, np.int64)    # each group's lowest bin, ascending
         self._extra = np.zeros(0)             # each group's tail above `_base`, non-decreasing
+        # The window's errors and loads beside `obs` (oldest first, dropped with it): read into
+        # arrays without a generator, the refit runs once per first token in the proxy's loop.
+        self._errors: deque[float] = deque()
+        self._loads: deque[int] = deque()
 
     def add(self, t: float, measured: float, predicted: float, load: int = 0) -> None:
-        self._add((t, measured - predicted, load))
+        self._errors.append(measured - predicted)
+        self._loads.append(load)
+        self._add((t,))
+
+    def _drop(self, item: tuple) -> None:
+        self._errors.popleft()
+        self._loads.popleft()
 
     def _refit(self) -> None:
         n = len(self.obs)
         self._base, self._bins, self._extra = 0.0, np.zeros(0, np.int64), np.zeros(0)
         if n < self.min_count:
             return
-        errors = np.fromiter((e for _, e, _ in self.obs), np.float64, n)
-        bins = np.fromiter((load for _, _, load in self.obs), np.int64, n) // self.bin_width
-        order = np.argsort(bins, kind="stable")
+        bins = np.fromiter(self._loads, np.int64, n) // self.bin_width
+        errors = np.fromiter(self._errors, np.float64, n)
+        order = np.lexsort((errors, bins))   # by bin, then error
         errors = errors[order]
         uniq, start = np.unique(bins[order], return_index=True)
         # Groups of adjacent bins of min_count requests or more, closed from the top down (the
         # sparse high loads pool together rather than borrow a lower load's tail); what is left
         # at the bottom joins the lowest group. -> indices into uniq where each group starts.
-        firsts, acc = [], 0
+        firsts, acc, ends = [], 0, start.tolist()[1:] + [n]
         for i in range(len(uniq) - 1, -1, -1):
-            acc += (start[i + 1] if i + 1 < len(uniq) else n) - start[i]
+            acc += ends[i] - int(start[i])
             if acc >= self.min_count:
                 firsts.append(i)
                 acc = 0
         firsts = firsts[::-1]
         firsts[0] = 0
-        bounds = [start[i] for i in firsts] + [n]
-        tails = np.array([np.quantile(errors[a:b], self.quantile) for a, b in zip(bounds, bounds[1:])])
-        tails = np.maximum(isotonic(tails, np.diff(bounds).astype(np.float64)), 0.0)
+        lo, size = start[firsts], np.diff(np.append(start[firsts], n))
+        # Each group's quantile, numpy's linear interpolation, over its sorted errors at once.
+        pos = self.quantile * (size - 1)
+        below = np.floor(pos).astype(np.int64)
+        above = np.minimum(below + 1, size - 1)
+        tails = errors[lo + below] + (pos - below) * (errors[lo + above] - errors[lo + below])
+        tails = np.maximum(isotonic(tails, size.astype(np.float64)), 0.0)
         self._base, self._bins, self._extra = float(tails[0]), uniq[firsts], tails - tails[0]
 
     def at(self, t: float, load: int = 0) -> tuple[float, float]:
