@@ -203,4 +203,12 @@ targets = [r["target"] for r in rs if r.get("target") is not None]
 if targets:   # SloFeedback: the TTFT the admission held predictions to, over the run
     print(f"admission target (SLO x factor) min {min(targets):.3f} s, p50 {np.percentile(targets, 50):.3f} s, "
           f"last {targets[-1]:.3f} s")
+limits = [r["limit"] for r in rs if "limit" in r]
+if limits:   # LoadLimit: the decode load admitted at most, over the run
+    print(f"decode load limit min {min(limits):.0f}, p50 {np.percentile(limits, 50):.0f}, max {max(limits):.0f}, "
+          f"last {limits[-1]:.0f}; over the SLO in the first 10 s: "
+          f"{sum(1 for r in rs if r['t0'] - rs[0]['t0'] < 10 and r['ttft'] > slo)}")
+if "front" in rs[0]:   # the proxy's own front: arrival in its app -> admission decided
+    print(f"proxy front (arrival -> admitted) p50 {np.percentile(col('front'), 50) * 1000:.1f} ms, "
+          f"p99 {np.percentile(col('front'), 99) * 1000:.1f} ms")
 EOF

@@ -22,6 +22,7 @@ import pytest
 
 from pagedllm.entrypoints.disagg_proxy.decode_queue import DecodeInstance
 from pagedllm.entrypoints.disagg_proxy.fit import LinearFit, TailMargin, isotonic
+from pagedllm.entrypoints.disagg_proxy.load_limit import LoadLimit
 from pagedllm.entrypoints.disagg_proxy.predictor import PrefillInstance, chunk_hashes, plan
 from pagedllm.entrypoints.disagg_proxy.slo_feedback import SloFeedback
 
@@ -51,15 +52,18 @@ def _capacity(max_num_seqs: int) -> float:
 
 
 def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0, feedback: bool = True,
-              stall: float = 0.0, by_load: bool = True):
+              stall: float = 0.0, by_load: bool = True, limit: bool = True, knee: int = 0):
     """jitter: each decode step takes its time times a log-normal factor of this sigma (a busy machine);
     stall: this probability that a step also waits 0.1 s (another job holding the cores: the per-step
     cost grows no slower for it, so the fit sees it only as noise);
     feedback: False = the admission before SloFeedback (the prediction + margin against the SLO itself);
-    by_load: False = one margin for every load (one bin), as before it was by load."""
+    by_load: False = one margin for every load (one bin), as before it was by load;
+    limit: False = no LoadLimit (as before it)."""
     rng = random.Random(seed)
     margin = TailMargin() if by_load else TailMargin(bin_width=1 << 30)
     prefill, decode = PrefillInstance("p"), DecodeInstance("d", max_num_seqs)
+    if not limit:
+        decode.limit = LoadLimit(start=1 << 30, misses=1 << 30)   # never binds, never falls
     slo = SloFeedback(SLO)
     events, seq = [], itertools.count()       # (time, seq, kind, request)
     push = lambda t, kind, r=None: heapq.heappush(events, (t, next(seq), kind, r))
@@ -93,6 +97,7 @@ def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0
                     q.first = t
                     decode.first_token(t, q.position, t - q.sent)
                     margin.add(t, t - q.arrival, q.admission.ttft, q.admission.load)
+                    decode.limit.add(t, q.arrival, q.admission.load, t - q.arrival, slo.target if feedback else SLO)
                     slo.add(t, q.arrival, t - q.arrival)
                     admitted.append((q.arrival, t - q.arrival))
                 else:
@@ -106,6 +111,8 @@ def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0
                 running.append(waiting.pop(0))
             stepping = True
             step = (A + B * len(running)) * (rng.lognormvariate(0, jitter) if jitter else 1.0)
+            if knee and len(running) > knee:   # the cores saturate: each stream beyond costs 4x more
+                step += 3 * B * (len(running) - knee)
             push(t + step + (0.1 if stall and rng.random() < stall else 0.0), "step_end")
     return admitted, refused
 
@@ -138,7 +145,8 @@ def test_decode_bottleneck_2x_overload(max_num_seqs, jitter, stall):
 def test_without_feedback_the_tail_passes_the_slo(jitter, stall):
     """The admission before SloFeedback (prediction + one margin for all loads against the SLO
     itself) on the same runs: the p99 passes the SLO, so the test above can fail."""
-    admitted, _ = _simulate(64, 2 * _capacity(64), jitter=jitter, stall=stall, feedback=False, by_load=False)
+    admitted, _ = _simulate(64, 2 * _capacity(64), jitter=jitter, stall=stall, feedback=False, by_load=False,
+                            limit=False)
     assert _loaded_stats(admitted)[1] > SLO
 
 
@@ -260,3 +268,69 @@ def test_slo_feedback_steps():
         t += 1.0
         f.add(t, t, 0.1)
     assert f.factor == 1.0
+
+
+def test_load_limit_steps():
+    """Slow start doubles, up to ssthresh, while the requests near the limit keep within low x the target; two
+    misses cut it to decrease x their mean load (or x the limit if lower; not below the floor) and
+    end the slow start; then it rises by `increase` when the requests near it keep within low x the
+    target, else holds. Requests far below the limit say nothing of a rise; requests admitted
+    before the last decision say nothing."""
+    lim = LoadLimit(start=16, ssthresh=64, count=4, misses=2, near=0.75, high=1.0, low=0.8, decrease=0.5,
+                    increase=4, floor=6)
+    t = 0.0
+
+    def batch(load, ttft, n=4, admitted=None):
+        nonlocal t
+        start = t
+        for _ in range(n):
+            t += 1.0
+            lim.add(t, start if admitted is None else admitted, load, ttft, 1.0)
+
+    assert lim.allows(16) and not lim.allows(17)
+    batch(8, 0.2)                            # 8 < 0.75 x 16: nothing
+    assert lim.limit == 16
+    batch(12, 0.2)
+    assert lim.limit == 32 and lim.slow_start
+    batch(30, 0.2)
+    assert lim.limit == 64 and not lim.slow_start   # ssthresh: + increase from here
+    batch(60, 0.2)
+    assert lim.limit == 68
+    lim.slow_start = True
+    batch(60, 2.0, n=2)                      # two misses at load 60: 0.5 x 60, at once
+    assert lim.limit == 30 and not lim.slow_start
+    batch(60, 2.0, admitted=t - 10)          # admitted under the old limit: not counted
+    assert lim.limit == 30
+    batch(20, 2.0, n=1)
+    batch(24, 2.0, n=1)                      # two misses far below the limit: to 0.5 x their mean load
+    assert lim.limit == 11
+    lim.limit = 32.0
+    batch(30, 0.7)                           # within low x the target: + increase
+    assert lim.limit == 36
+    batch(30, 0.9)                           # within the target, not within low x it: holds
+    assert lim.limit == 36
+    batch(30, 0.5, n=3)
+    batch(30, 1.5, n=1)                      # one miss in four: holds
+    assert lim.limit == 36
+    batch(30, 0.5)
+    assert lim.limit == 40
+    for _ in range(5):
+        batch(40, 2.0, n=2)
+    assert lim.limit == 6                    # the floor
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_cold_proxy_meets_the_slo_from_the_start(seed):
+    """A decode instance whose steps cost 4x more per stream beyond 24 streams (the cores
+    saturate), at 2x overload from the first second: a cold proxy's first-token fit and tail
+    margin know nothing of the high loads, and without LoadLimit the first 10 s admitted up to
+    them and passed the SLO (checked below); with it the load rises only as fast as the
+    requests near the limit come back within the target."""
+    rate = 2 * _capacity(64)
+    for limit in (True, False):
+        admitted, _ = _simulate(64, rate, seed=seed, jitter=0.3, knee=24, limit=limit)
+        p99 = np.percentile([ttft for t, ttft in admitted if t < WINDOW], 99)
+        assert (p99 <= SLO) if limit else (p99 > SLO), (limit, p99)
+    counts, p99 = _loaded_stats(_simulate(64, rate, seed=seed, jitter=0.3, knee=24)[0])
+    mean = sum(counts) / len(counts)
+    assert p99 <= SLO and all(abs(c - mean) <= 0.2 * mean for c in counts), (p99, counts)

@@ -38,15 +38,34 @@ def _error(status: int, message: str, type_: str, code: Optional[str] = None) ->
     return JSONResponse(status_code=status, content=_error_body(message, type_, code))
 
 
-def _trace_record(a: Admission, position: int, t0: float, t_prefilled: float, t_sent: float, t_first: float,
-                  target: Optional[float]) -> dict:
+def _trace_record(a: Admission, position: int, t0: float, t_planned: float, t_prefilled: float, t_sent: float,
+                  t_first: float, target: Optional[float]) -> dict:
     """Predicted beside measured, in seconds: the prefill's queue and work against its answer, the
-    decode side's transfer + slot wait + steps against its first token."""
+    decode side's transfer + slot wait + steps against its first token; `front`: from the request's
+    arrival in the app to its admission (the body read, the route, the plan)."""
     return {"t0": round(t0, 4), "position": position, "pending": a.decode.pending,
             "pred_queue": a.queue, "pred_prefill": a.seconds, "pred_transfer": a.first.transfer,
             "pred_slot_wait": a.first.slot_wait, "pred_step": a.first.step, "pred_ttft": a.ttft,
             "margin": a.margin, "load_margin": a.load_margin, "load": a.load, "target": target,
+            "limit": a.decode.limit.limit, "front": t_planned - t0,
             "prefill": t_prefilled - t0, "decode_first": t_first - t_sent, "ttft": t_first - t0}
+
+
+class _Arrival:
+    """Stamps each HTTP request with the time the app began to handle it (`scope[ARRIVAL]`): the
+    TTFT the proxy measures and holds the SLO to starts there, not once the body is read and the
+    route found, which a busy event loop delays as the client counts them."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope[ARRIVAL] = now()
+        await self.app(scope, receive, send)
+
+
+ARRIVAL = "pagedllm.arrival"
 
 
 def _json_object(content: bytes) -> Optional[dict]:
@@ -70,6 +89,8 @@ class _Metrics:
         self.queue = Gauge("pagedllm_proxy:prefill_queue_seconds", "Booked prefill work ahead.", ["instance"],
                            registry=r)
         self.streams = Gauge("pagedllm_proxy:decode_streams", "Requests decoding.", ["instance"], registry=r)
+        self.load_limit = Gauge("pagedllm_proxy:decode_load_limit", "The most streams + pending a decode "
+                                 "instance is admitted (with --ttft-slo; load_limit.py).", ["instance"], registry=r)
         self.pending = Gauge("pagedllm_proxy:decode_pending", "Requests admitted to a decode instance, "
                              "still prefilling.", ["instance"], registry=r)
         self.margin = Gauge("pagedllm_proxy:ttft_margin_seconds", "What recent TTFT predictions missed by "
@@ -104,6 +125,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         return session
 
     app = FastAPI(lifespan=lifespan)
+    app.add_middleware(_Arrival)
     prefills = [PrefillInstance(u.rstrip("/")) for u in prefill_urls]
     decodes = [DecodeInstance(u.rstrip("/"), decode_max_num_seqs) for u in decode_urls]
     margin = TailMargin()
@@ -123,6 +145,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         for d in decodes:
             metrics.streams.labels(d.url).set(d.streams)
             metrics.pending.labels(d.url).set(d.pending)
+            metrics.load_limit.labels(d.url).set(d.limit.limit)
         metrics.margin.set(margin.at(t)[0])
         if feedback is not None:
             metrics.target.set(feedback.target)
@@ -141,14 +164,15 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "invalid_request_error")
         text = json.dumps(body.get("messages")) if "messages" in body else str(body.get("prompt", ""))
-        hashes, t0 = chunk_hashes(text), now()
+        hashes, t0 = chunk_hashes(text), raw.scope.get(ARRIVAL) or now()
         a = plan(prefills, decodes, hashes, len(text), t0, margin)
+        t_planned = now()
         prefill, decode, seconds = a.prefill, a.decode, a.seconds
         target = feedback.target if feedback is not None else None
-        if a.misses(target, tbt_slo):
+        if a.misses(target, tbt_slo, limited=bool(body.get("stream"))):
             metrics.requests.labels("rejected").inc()
             return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} + "
-                               f"{a.load_margin:.3f} s at load {a.load} (SLO "
+                               f"{a.load_margin:.3f} s at load {a.load} (limit {decode.limit.limit:.0f}; SLO "
                                f"{ttft_slo}, held to {target or 0:.3f} s), TBT {a.tbt:.4f} s (SLO {tbt_slo})",
                           "service_unavailable",
                           "server_overloaded")
@@ -188,9 +212,9 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                 prefill.done([], seconds, t0, None)
             if not kvp:   # no decode request will go out
                 decode.cancel()
-        return await _decode(path, dict(body, kv_transfer_params=kvp), a, headers, t0, finish)
+        return await _decode(path, dict(body, kv_transfer_params=kvp), a, headers, t0, t_planned, finish)
 
-    async def _decode(path, body, a: Admission, headers, t0, t_prefilled):
+    async def _decode(path, body, a: Admission, headers, t0, t_planned, t_prefilled):
         decode = a.decode
         position, t1 = decode.start(), now()
         if not body.get("stream"):
@@ -230,11 +254,12 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                         decode.first_token(t, position, t - t1)
                         margin.add(t, t - t0, a.ttft, a.load)
                         if feedback is not None:
+                            decode.limit.add(t, t0, a.load, t - t0, feedback.target)
                             feedback.add(t, t0, t - t0)
                         metrics.ttft.observe(t - t0)
                         if trace_f is not None:
                             trace_f.write(json.dumps(_trace_record(
-                                a, position, t0, t_prefilled, t1, t, feedback and feedback.target)) + "\n")
+                                a, position, t0, t_planned, t_prefilled, t1, t, feedback and feedback.target)) + "\n")
                     else:
                         decode.gap(t, t - last)
                     last = t

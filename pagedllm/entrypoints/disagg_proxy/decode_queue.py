@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.entrypoints.disagg_proxy.fit import Ewma, LinearFit
+from pagedllm.entrypoints.disagg_proxy.load_limit import LoadLimit
 
 DEFAULT_MAX_NUM_SEQS = 128   # the engine's default --max-num-seqs
 
@@ -38,6 +39,8 @@ class DecodeInstance:
         self.gaps = LinearFit(512)        # (streams, seconds between tokens)
         self.first = LinearFit(256, default=0.01)   # (load at send, seconds to the first token)
         self.duration = Ewma(1.0)         # seconds a stream holds its slot (first token to end)
+        # The most streams + pending it is admitted (with a TTFT SLO); slow start to half its slots.
+        self.limit = LoadLimit(ssthresh=max(max_num_seqs // 2, 1))
 
     def load(self) -> int:
         return self.streams + self.pending

@@ -138,7 +138,7 @@ class Admission:
     load: int = 1              # that load: the decode instance's streams + pending, itself included
     idle: bool = False         # nothing booked on its prefill instance, nothing on its decode instance
 
-    def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float]) -> bool:
+    def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float], limited: bool = True) -> bool:
         """`ttft_slo`: the target the admission holds (the SLO, or SloFeedback's lower target).
         The base margin counts for at most half of it: where the noise alone is larger, holding
         the tail would mean refusing nearly everything (the feedback corrects the rest, slowly).
@@ -147,9 +147,14 @@ class Admission:
         An idle pair of instances admits whatever is predicted: the request is served as fast as
         this system can serve one, and its measurement is what corrects a prediction learned
         under a load that has drained (a fit that had gone flat at 0.63 s a first token refused
-        everything for 25 s at 2x overload, the instances idle, until its window expired)."""
+        everything for 25 s at 2x overload, the instances idle, until its window expired).
+        With a TTFT SLO, a `limited` request (a streamed one: only those have a first token the
+        limit learns from, and a TTFT for the SLO to hold) that would take the decode instance's
+        load above its LoadLimit is refused whatever the prediction (load_limit.py)."""
         if self.idle:
             return False
+        if ttft_slo is not None and limited and not self.decode.limit.allows(self.load):
+            return True
         margin = min(self.margin, ttft_slo / 2) + self.load_margin if ttft_slo is not None else 0.0
         return ((ttft_slo is not None and self.ttft + margin > ttft_slo)
                 or (tbt_slo is not None and self.tbt > tbt_slo))
