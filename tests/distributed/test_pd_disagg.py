@@ -44,11 +44,11 @@ def _prompts() -> list[list[int]]:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str) -> None:
+    def __init__(self, prefill: str, decode: str, *args: str) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy", "--port", port,
-                                      "--prefill", prefill, "--decode", decode], cwd=REPO,
+                                      "--prefill", prefill, "--decode", decode, *args], cwd=REPO,
                                      start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
@@ -135,6 +135,45 @@ def test_proxy_greedy_equals_colocated(servers):
     wait_metrics(decode, lambda m: m[USED] == 0, "decode blocks freed", timeout=30)
     pm = httpx.get(proxy.url + "/metrics").text
     assert 'pagedllm_proxy:requests_total{outcome="ok"} 6.0' in pm, pm
+
+
+@pytest.mark.timeout(300)
+def test_load_limit_refuses_streams_above_it(servers):
+    """With --ttft-slo, a cold proxy's decode load limit (16: its slow start's first value, above
+    half of `--decode-max-num-seqs 8`) refuses at once, with a 503 OpenAI error naming it, the
+    streamed requests that would take the decode instance beyond 16 streams + pending, though the
+    prediction (a 60 s SLO) admits every one; non-streamed requests are not limited (no first token
+    to learn from, no TTFT to hold); /metrics reports the limit. The official client, a burst of 40."""
+    import openai
+    prefill, decode, _ = servers
+    proxy = Proxy(prefill.url, decode.url, "--ttft-slo", "60", "--decode-max-num-seqs", "8")
+    try:
+        async def burst(stream: bool) -> list:
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=240)
+
+            async def one(i: int):
+                try:
+                    out = await client.completions.create(model=TINY, prompt=[5 + i, 6, 7, 8], max_tokens=4,
+                                                          temperature=0, stream=stream)
+                    if stream:
+                        async for _ in out:
+                            pass
+                except openai.APIStatusError as e:
+                    return e
+                return None
+            try:
+                return await asyncio.gather(*[one(i) for i in range(40)])
+            finally:
+                await client.close()
+
+        refused = [e for e in asyncio.run(burst(True)) if e is not None]
+        assert 0 < len(refused) <= 24, refused
+        for e in refused:
+            assert e.status_code == 503 and e.body["code"] == "server_overloaded" and "limit 16" in e.body["message"], e
+        assert not any(asyncio.run(burst(False)))
+        assert f'pagedllm_proxy:decode_load_limit{{instance="{decode.url}"}} 16.0' in httpx.get(proxy.url + "/metrics").text
+    finally:
+        proxy.close()
 
 
 @pytest.mark.timeout(60)
