@@ -51,6 +51,9 @@ def _trace_record(a: Admission, position: int, t0: float, t_planned: float, t_pr
             "prefill": t_prefilled - t0, "decode_first": t_first - t_sent, "ttft": t_first - t0}
 
 
+ARRIVAL = "pagedllm.arrival"   # the ASGI scope's key for _Arrival's stamp
+
+
 class _Arrival:
     """Stamps each HTTP request with the time the app began to handle it (`scope[ARRIVAL]`): the
     TTFT the proxy measures and holds the SLO to starts there, not once the body is read and the
@@ -63,9 +66,6 @@ class _Arrival:
         if scope["type"] == "http":
             scope[ARRIVAL] = now()
         await self.app(scope, receive, send)
-
-
-ARRIVAL = "pagedllm.arrival"
 
 
 def _json_object(content: bytes) -> Optional[dict]:

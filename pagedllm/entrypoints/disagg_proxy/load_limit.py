@@ -20,9 +20,9 @@ limit falls at once to `decrease` x the mean load those were admitted at, or x i
 there by a slow start, would otherwise fall to where it still never binds), not below `floor`,
 and the slow start ends. `count` of them admitted at `near` x the limit or more (those that tell
 about it), all within `low` x the target: it rises (slow start: x 2, up to `ssthresh`; then
-+ `increase`); else it
-holds (the dead band: without it the limit crept up between the bursts of misses and the next
-burst met it there). Admission refuses a request that would take the instance's load above it.
++ `increase`); else it holds (the dead band: without it the limit crept up between the bursts of
+misses and the next burst met it there). Admission refuses a request that would take the
+instance's load above it.
 """
 from __future__ import annotations
 
