@@ -47,9 +47,10 @@ bench: $(STAMP)
 bench-deps: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install -q 'llama-cpp-python'
 
-# pytest's wheels for a lent GPU machine without network (tools/gpu_session.sh installs them there).
+# The wheels a lent GPU machine (Python 3.12, no network) lacks; tools/gpu_session.sh installs them there.
 gpu-wheels: $(STAMP)
-	$(BIN)/pip download -q pytest pytest-timeout -d tools/wheels --only-binary=:all: --python-version 3.11
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d tools/wheels msgspec
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -186,9 +186,15 @@ class DeviceConfig:
     device: str = "cpu"                    # "cpu" or "cuda" (resolved from "auto" by EngineArgs)
     attention_backend: str = "torch"       # "torch" (CPU) or "triton" (paged kernels, GPU)
     gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use
-    enforce_eager: bool = False            # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False            # True: no CUDA graphs at all
     # Decode batch sizes captured as CUDA graphs; a decode batch is padded to the next one.
     cuda_graph_sizes: list = field(default_factory=list)
+    # cudagraph_mode FULL: token counts captured for mixed prefill + decode steps (padded up).
+    mixed_graph_sizes: list = field(default_factory=list)
+
+
+# vLLM's compilation_config.cudagraph_mode values this engine has (no piecewise graphs).
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 
 
 def cuda_graph_ladder(max_num_seqs: int, limit: int = 512) -> list[int]:
@@ -196,6 +202,18 @@ def cuda_graph_ladder(max_num_seqs: int, limit: int = 512) -> list[int]:
     padding a decode batch costs at most 7 wasted rows."""
     top = min(limit, -(-max_num_seqs // 8) * 8)
     return [b for b in (1, 2, 4) if b <= top] + list(range(8, top + 1, 8))
+
+
+def mixed_graph_ladder(max_num_batched_tokens: int, limit: int = 2048) -> list[int]:
+    """Token counts 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x them) up to the step's
+    token budget (at most limit): padding wastes under a third of a step's rows. Steps above
+    limit are long enough that their launches no longer dominate; they run eagerly."""
+    top = min(limit, max_num_batched_tokens)
+    sizes, p = [], 16
+    while p < top:
+        sizes += [s for s in (p, p * 3 // 2) if s < top]
+        p *= 2
+    return sizes + [top]
 
 
 def resolve_dtype(dtype: str, hf_config: dict, device: str) -> str:

@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from spec_decode.test_mtp_proposer import MTP, predictable_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -209,3 +210,110 @@ def test_memory_profile_of_a_second_engine_in_one_process(make_llm, tiny_dir):
         assert weights <= prof.weights < weights + (8 << 20), prof
     assert profiles[1].in_use_before > profiles[0].in_use_before + 0.9 * profiles[0].kv_cache
     assert abs(profiles[1].kv_cache - profiles[0].kv_cache) < 0.02 * profiles[0].requested, profiles
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_step_graphs_equal_transformers(make_llm, tiny_dir, prompts, reference_fp32, async_scheduling):
+    """cudagraph_mode FULL (the default): steps that mix prefill chunks and decodes replay the
+    graph of their padded token count (here 16..64 tokens), all-decode steps the decode graphs;
+    no step of this run is eager."""
+    llm = make_llm(tiny_dir, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
+                   async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    graphs = runner.graphs
+    assert graphs.mixed is not None and graphs.mixed.sizes == [16, 24, 32, 48, 64]
+    replays, forward, run = [], runner._forward, graphs.run
+    graphs.run = lambda inputs: replays.append((graphs.taken.mixed, len(inputs.input_ids),
+                                                inputs.max_query_len)) or run(inputs)
+    eager = []
+    runner._forward = lambda inputs, meta: (meta is not None and eager.append(len(inputs.input_ids))) or \
+        forward(inputs, meta)
+    _assert_equal(_generate(llm, prompts), reference_fp32)
+    mixed = [(n, q) for is_mixed, n, q in replays if is_mixed]
+    assert any(q > 1 and graphs.mixed.padded_size(n) > n for n, q in mixed), replays
+    assert any(not is_mixed for is_mixed, _, _ in replays), "no decode graph replayed"
+    assert not eager, f"eager steps of {eager} tokens"
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1, "a KV block leaked"
+
+
+def test_cudagraph_mode_decode_only_leaves_mixed_steps_eager(make_llm, tiny_dir, prompts, reference_fp32):
+    llm = make_llm(tiny_dir, dtype="float32", max_num_batched_tokens=64, cudagraph_mode="FULL_DECODE_ONLY",
+                   gpu_memory_utilization=0.3)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    assert runner.graphs.decode is not None and runner.graphs.mixed is None
+    _assert_equal(_generate(llm, prompts), reference_fp32)
+
+
+def test_gemma3_sliding_window_on_gpu(make_llm, tmp_path):
+    """Gemma 3's interleaved sliding-window layers (window 8, two KV-cache groups) on the GPU:
+    the Triton kernel's window, chunked prefill past the window; greedy equals transformers on
+    the same GPU."""
+    from models.test_qwen3 import make_hf_model
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    path, model = make_hf_model(tmp_path, Gemma3TextConfig, Gemma3ForCausalLM, head_dim=16, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4,
+                                query_pre_attn_scalar=16, max_position_embeddings=256)
+    prompts = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (3, 11, 30, 70)]
+    hf = model.to("cuda")
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=MAX_TOKENS,
+                              min_new_tokens=MAX_TOKENS, output_logits=True, return_dict_in_generate=True)
+            refs.append((out.sequences[0, len(p):].tolist(),
+                         [float(lg[0].float().topk(2).values.diff().abs()) for lg in out.logits]))
+    llm = make_llm(path, dtype="float32", block_size=4, max_num_batched_tokens=16, gpu_memory_utilization=0.3)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    assert runner.num_kv_cache_groups > 1 and runner.attn_backend.name == "triton"
+    _assert_equal(_generate(llm, prompts), refs)
+
+
+def test_mixtral_grouped_moe_on_gpu(make_llm, tmp_path):
+    """Mixtral through the engine on the GPU: the grouped Triton expert matmuls in the forward
+    (the CUDA path of FusedMoE), chunked prefill, graphs; greedy equals transformers."""
+    from models.test_qwen3 import CHUNKED, hf_reference, make_hf_model, prompts
+    from transformers import MixtralConfig, MixtralForCausalLM
+    path, model = make_hf_model(tmp_path, MixtralConfig, MixtralForCausalLM, num_local_experts=8,
+                                intermediate_size=40, num_experts_per_tok=2, initializer_range=0.2)
+    ids = prompts()
+    refs = hf_reference(model, ids)
+    llm = make_llm(path, dtype="float32", gpu_memory_utilization=0.3, **CHUNKED)
+    from pagedllm.models.layers.fused_moe import FusedMoE
+    assert any(isinstance(m, FusedMoE) for m in
+               llm.llm_engine.core.model_executor.driver_worker.model_runner.model.modules())
+    _assert_equal(_generate(llm, ids), [(r[:MAX_TOKENS], g) for r, g in refs])
+
+
+def test_mtp_drafts_on_gpu(make_llm, predictable_dir):
+    """DeepSeek-V3's MTP layer drafting on the GPU (MLA attention in Triton, the draft's eager
+    forward, rejection sampling on the device): greedy equals transformers, drafts accepted."""
+    from models.test_deepseek_v3 import hf_greedy, prompts_with_shared_prefix
+    path, model, _, _ = predictable_dir
+    ids = prompts_with_shared_prefix()[0]
+    llm = make_llm(str(path), block_size=4, max_num_batched_tokens=8, dtype="float32",
+                   speculative_config=MTP, gpu_memory_utilization=0.3)
+    from pagedllm import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    stats = llm.llm_engine.core.scheduler.spec_decoding_stats
+    assert stats.num_accepted_tokens > 10, stats
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, ids)
+
+
+def test_fp8_kv_cache_through_the_engine(make_llm, tiny_dir, prompts):
+    """--kv-cache-dtype fp8 on the GPU: the model's greedy continuation, teacher-forced through
+    transformers in float32, agrees on >= 90 % of next-token choices (the cache rounds K/V to
+    3 mantissa bits: some near-ties flip)."""
+    llm = make_llm(tiny_dir, dtype="float32", kv_cache_dtype="fp8", gpu_memory_utilization=0.3)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    got = _generate(llm, prompts)
+    hf = _hf(tiny_dir, torch.float32)
+    agree = total = 0
+    with torch.inference_mode():
+        for p, ours in zip(prompts, got):
+            pred = hf(torch.tensor([p + ours], device="cuda")).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(pred, ours))
+            total += len(ours)
+    assert agree / total >= 0.9, f"fp8 KV top-1 agreement {agree}/{total}"

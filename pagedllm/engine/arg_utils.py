@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                             PoolerConfig, SchedulerConfig, SpeculativeConfig, cuda_graph_ladder,
-                             resolve_dtype)
+from pagedllm.config import (CUDAGRAPH_MODES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig,
+                             ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, cuda_graph_ladder,
+                             mixed_graph_ladder, resolve_dtype)
 
 
 @dataclass
@@ -33,6 +33,8 @@ class EngineArgs:
     attention_backend: str = "auto"     # "auto" (triton on cuda, torch on cpu), "torch", "triton"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False         # no CUDA graphs
+    # CUDA graphs of decode steps only, or of mixed prefill + decode steps too (vLLM's name).
+    cudagraph_mode: str = "FULL"
     runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
     enable_lora: bool = False           # serve LoRA adapters (pagedllm/lora)
     max_loras: int = 1                  # distinct adapters in one step (device slots)
@@ -112,11 +114,17 @@ class EngineArgs:
             except ImportError:
                 raise ValueError("attention_backend 'triton' needs the triton package "
                                  "(pip install triton)") from None
-        graphs = device == "cuda" and not self.enforce_eager
+        mode = str(self.cudagraph_mode).upper()
+        if mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                             f"got {self.cudagraph_mode!r}")
+        graphs = device == "cuda" and not self.enforce_eager and mode != "NONE"
+        mixed = graphs and mode == "FULL"
         return DeviceConfig(device=device, attention_backend=backend,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             enforce_eager=bool(self.enforce_eager),
-                            cuda_graph_sizes=cuda_graph_ladder(self.max_num_seqs) if graphs else [])
+                            cuda_graph_sizes=cuda_graph_ladder(self.max_num_seqs) if graphs else [],
+                            mixed_graph_sizes=mixed_graph_ladder(self.max_num_batched_tokens) if mixed else [])
 
 
 def resolve_device(device: str) -> str:

@@ -39,7 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="share of the GPU's memory for weights, activations and KV cache (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
+                   help="GPU: run every step eagerly instead of replaying CUDA graphs")
+    p.add_argument("--cudagraph-mode", default=d.cudagraph_mode, type=str.upper,
+                   choices=["NONE", "FULL_DECODE_ONLY", "FULL"],
+                   help="GPU: CUDA graphs of decode steps only, or of mixed prefill + decode steps too at "
+                        "padded token counts (FULL, default); NONE as --enforce-eager (vLLM's names)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and submit step N+1 while step N runs on the device, so that the host's "
                         "work overlaps it (vLLM's flag; not with speculative decoding, beam search, "
@@ -111,7 +115,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       distributed_executor_backend=ns.distributed_executor_backend,
                       device=ns.device, attention_backend=ns.attention_backend,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager, runner=_runner(ns), enable_lora=ns.enable_lora,
+                      enforce_eager=ns.enforce_eager, cudagraph_mode=getattr(ns, "cudagraph_mode", "FULL"),
+                      runner=_runner(ns), enable_lora=ns.enable_lora,
                       max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras,
                       kv_transfer_config=getattr(ns, "kv_transfer_config", None),
                       quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,

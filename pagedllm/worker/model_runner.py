@@ -74,7 +74,7 @@ class ModelRunner:
         self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
         # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
-        self.graphs = None   # worker/cuda_graph.DecodeGraphs, made once the KV cache exists
+        self.graphs = None   # worker/cuda_graph.CudaGraphs, made once the KV cache exists
         # The sampled rows' indices go to the device through a page-locked buffer (no stream sync).
         self.index_staging = PinnedStaging({"logits_indices": ((sc.max_num_seqs,), torch.int64)}, self.device)
         # --async-scheduling: sampled tokens stay on the device until the host needs them.
@@ -122,8 +122,8 @@ class ModelRunner:
             self.spec_decoder.paged.needs_target_hidden   # reads the eager forward's hidden states
         if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
                 and self.num_kv_cache_groups == 1 and not mtp):   # a captured step has one block table
-            from pagedllm.worker.cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(self, dc.cuda_graph_sizes, capture=True)
+            from pagedllm.worker.cuda_graph import CudaGraphs
+            self.graphs = CudaGraphs(self, dc.cuda_graph_sizes, dc.mixed_graph_sizes, capture=True)
 
     def bind_kv_caches(self, kv_caches: list) -> None:
         """The target's layers take the first tensors, a paged draft's the rest ([] unbinds)."""

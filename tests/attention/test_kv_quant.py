@@ -166,7 +166,7 @@ def test_quantized_attention_stays_near_float():
     (torch.float8_e5m2, 16, 4, 4, 64, 4), (torch.int8, 16, 8, 2, 128, 8)])
 def test_triton_matches_torch_path(dtype, bs, H, Hkv, D, splits):
     pytest.importorskip("triton")
-    from test_triton_kernels import Batch, mixed_reqs
+    from attention_batch import Batch, mixed_reqs
 
     from pagedllm.attention import triton_backend as tb
     reqs = mixed_reqs(bs) if splits == 1 else [(2 * bs + 5, 1), (3 * bs, 1), (bs - 1, 1)]

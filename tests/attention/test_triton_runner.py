@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU path untested")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.config import cuda_graph_ladder, resolve_dtype  # noqa: E402
+from pagedllm.config import cuda_graph_ladder, mixed_graph_ladder, resolve_dtype  # noqa: E402
 from pagedllm.engine.arg_utils import EngineArgs  # noqa: E402
 from pagedllm.worker.memory import (GiB, MemorySnapshot, dummy_step_layout, kv_cache_budget,  # noqa: E402
                                     profile_by_delta)
@@ -70,10 +70,10 @@ def test_padded_decode_graph_path_equals_transformers(tiny_dir, prompts, referen
     of 6, 5, ... requests padded to the captured sizes 8, 4, 2, 1; padding rows write nothing.
     A graph's metadata is sized for max_model_len (its split-K count follows it): 128 keeps two
     splits, most of them empty, without the interpreter paying for the tiny model's 1024."""
-    from pagedllm.worker.cuda_graph import DecodeGraphs
+    from pagedllm.worker.cuda_graph import StepGraphs
     llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32, max_model_len=128)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
-    runner.graphs = graphs = DecodeGraphs(runner, [1, 2, 4, 8], capture=False)
+    runner.graphs = graphs = StepGraphs(runner, [1, 2, 4, 8], capture=False)
     seen, run = [], graphs.run
     graphs.run = lambda inputs: seen.append(len(inputs.req_ids)) or run(inputs)
     assert _generate(llm, prompts) == reference
@@ -85,16 +85,48 @@ def test_padded_decode_graph_path_equals_transformers(tiny_dir, prompts, referen
     assert torch.all(k0[:runner.block_size] == 0), "the null block was written"
 
 
+def test_padded_mixed_graph_path_equals_transformers(tiny_dir, prompts, reference):
+    """The static-buffer path of cudagraph_mode FULL, run eagerly (capture=False): steps that
+    mix prefill chunks and decodes padded to 16, 24 or 32 tokens over up to 32 requests (most
+    of them padding requests that own no token), all-decode steps to the decode sizes; padding
+    tokens write nothing."""
+    from pagedllm.worker.cuda_graph import CudaGraphs
+    llm = LLM(tiny_dir, attention_backend="triton", max_num_batched_tokens=32, max_model_len=128)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    runner.graphs = graphs = CudaGraphs(runner, [1, 2, 4, 8], mixed_graph_ladder(32), capture=False)
+    assert graphs.mixed.sizes == [16, 24, 32] and graphs.mixed.max_reqs == 32
+    seen, run = [], graphs.run
+    graphs.run = lambda inputs: seen.append((graphs.taken.mixed, len(inputs.input_ids),
+                                             inputs.max_query_len)) or run(inputs)
+    assert _generate(llm, prompts) == reference
+    mixed = [(n, q) for is_mixed, n, q in seen if is_mixed]
+    assert any(q > 1 and graphs.mixed.padded_size(n) > n for n, q in mixed), f"no padded mixed step: {seen}"
+    assert any(not is_mixed for is_mixed, _, _ in seen), "no decode graph step"
+    pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    assert torch.all(runner.kv_caches[0][0][:runner.block_size] == 0), "the null block was written"
+
+
 def test_padded_sizes():
     from types import SimpleNamespace
 
-    from pagedllm.worker.cuda_graph import DecodeGraphs
-    g = DecodeGraphs.__new__(DecodeGraphs)
-    g.sizes, g.max_size = [1, 2, 4, 8, 16], 16
+    from pagedllm.worker.cuda_graph import StepGraphs
+    g = StepGraphs.__new__(StepGraphs)
+    g.sizes, g.max_size, g.mixed = [1, 2, 4, 8, 16], 16, False
     assert [g.padded_size(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
     assert g.can_run(SimpleNamespace(max_query_len=1, req_ids=["a"] * 16))
     assert not g.can_run(SimpleNamespace(max_query_len=1, req_ids=["a"] * 17))
     assert not g.can_run(SimpleNamespace(max_query_len=2, req_ids=["a"]))   # a prefill chunk
+    g.mixed = True   # by token count, whatever the split
+    assert g.can_run(SimpleNamespace(max_query_len=16, input_ids=[0] * 16, req_ids=["a"]))
+    assert not g.can_run(SimpleNamespace(max_query_len=17, input_ids=[0] * 17, req_ids=["a"]))
+
+
+def test_mixed_graph_ladder():
+    assert mixed_graph_ladder(32) == [16, 24, 32]
+    assert mixed_graph_ladder(8192) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert mixed_graph_ladder(300)[-3:] == [192, 256, 300]
+    assert mixed_graph_ladder(8) == [8]
 
 
 def test_cuda_graph_ladder():
@@ -117,11 +149,13 @@ def test_engine_args_device_choices(tiny_dir):
     cfg = EngineArgs(model=tiny_dir).create_engine_config()
     assert (cfg.device_config.device, cfg.device_config.attention_backend) == ("cpu", "torch")
     assert cfg.model_config.dtype == "float32" and cfg.device_config.cuda_graph_sizes == []
+    assert cfg.device_config.mixed_graph_sizes == []
     cfg = EngineArgs(model=tiny_dir, attention_backend="triton").create_engine_config()
     assert cfg.device_config.attention_backend == "triton"
     for kwargs, field in [({"device": "tpu"}, "device"), ({"attention_backend": "flash"}, "attention_backend"),
                           ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-                          ({"gpu_memory_utilization": 0}, "gpu_memory_utilization")]:
+                          ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+                          ({"cudagraph_mode": "PIECEWISE"}, "cudagraph_mode")]:
         with pytest.raises(ValueError, match=field):
             EngineArgs(model=tiny_dir, **kwargs).create_engine_config()
     if not torch.cuda.is_available():

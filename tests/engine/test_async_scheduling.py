@@ -156,11 +156,11 @@ def test_failed_step_rolls_back(engines):
 def test_decode_graph_path_takes_tokens_in_flight(engines):
     """The static-buffer path a CUDA graph replays (run eagerly under Triton's interpreter,
     capture=False): the token of the step in flight is copied into the graph's input buffer."""
-    from pagedllm.worker.cuda_graph import DecodeGraphs
+    from pagedllm.worker.cuda_graph import StepGraphs
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm = LLM(TINY, attention_backend="triton", async_scheduling=True, max_model_len=64, max_num_seqs=4)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
-    runner.graphs = graphs = DecodeGraphs(runner, [1, 2, 4], capture=False)
+    runner.graphs = graphs = StepGraphs(runner, [1, 2, 4], capture=False)
     outputs = runner.async_outputs
     fill, filled = outputs.fill_placeholders, []
     outputs.fill_placeholders = lambda ids, inputs: fill(ids, inputs) or filled.append(ids.data_ptr())

@@ -41,10 +41,11 @@ class AttentionBackend(ABC):
 
     def build_graph_metadata(self, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                              seq_lens: torch.Tensor, block_table: torch.Tensor, num_kv_heads: int,
-                             block_size: int, max_model_len: int) -> Any:
-        """The metadata a captured decode step of len(seq_lens) one-token requests is recorded
-        with: it reads the given static device buffers, and must serve every context length up
-        to max_model_len (worker/cuda_graph.py)."""
+                             block_size: int, max_model_len: int, max_query_len: int = 1) -> Any:
+        """The metadata a captured step of len(seq_lens) requests is recorded with: it reads the
+        given static device buffers, and must serve every context length up to max_model_len
+        and every split of the tokens among the requests (worker/cuda_graph.py). max_query_len
+        1: a decode step (one token per request); more: a mixed step's tile shapes."""
         raise NotImplementedError(f"the {self.name} attention backend does not run CUDA graphs")
 
     def __repr__(self) -> str:

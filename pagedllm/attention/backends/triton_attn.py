@@ -33,13 +33,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def build_graph_metadata(self, slot_mapping, query_start_loc, seq_lens, block_table,
                              num_kv_heads: int, block_size: int,
-                             max_model_len: int) -> TritonAttentionMetadata:
-        """max_query_len 1 and max_seq_len max_model_len: they only choose the tile shapes and
-        the split-K count (the kernels read each request's length from seq_lens), so one graph
-        serves every context length."""
-        splits = choose_num_splits(len(seq_lens), num_kv_heads, 1, max_model_len,
+                             max_model_len: int, max_query_len: int = 1) -> TritonAttentionMetadata:
+        """max_seq_len max_model_len: with max_query_len it only chooses the tile shapes and the
+        split-K count (the kernels read each request's lengths from query_start_loc and
+        seq_lens), so one graph serves every context length and every split of its tokens."""
+        splits = choose_num_splits(len(seq_lens), num_kv_heads, max_query_len, max_model_len,
                                    _num_sms(block_table.device))
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_table=block_table, block_size=block_size, max_query_len=1,
+            block_table=block_table, block_size=block_size, max_query_len=max_query_len,
             max_seq_len=max_model_len, num_splits=splits)
