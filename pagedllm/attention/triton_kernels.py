@@ -72,9 +72,12 @@ def _quantize_rows(x, scale_ptrs, row_mask, KV_QUANT: tl.constexpr, QMAX: tl.con
     """x [BLOCK_H, BLOCK_D] -> x / scale per row (int8: rounded half away from zero), its
     scales max|row| / QMAX stored at scale_ptrs (kv_quant.quantize_kv's arithmetic)."""
     xf = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(xf), axis=1) / QMAX, 1e-12)
+    # IEEE divisions (div_rn), as the host and torch round: a GPU's default float32 division is
+    # approximate (div.full) and moves a value on a rounding boundary to the next code.
+    amax = tl.max(tl.abs(xf), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + QMAX), 1e-12)
     tl.store(scale_ptrs, scale, mask=row_mask)
-    y = xf / scale[:, None]
+    y = tl.math.div_rn(xf, scale[:, None])
     if KV_QUANT == 1:
         y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)

@@ -222,10 +222,15 @@ def _variant_rows(eargs, batches: dict, ns, label: str, **changes) -> list[dict]
 
 
 def _free(llm) -> None:
-    """Let the next engine have the device's memory."""
+    """Let the next engine have the device's memory: its runner's graphs, weights and caches are
+    dropped by hand, as a caller's frame (or the profiler) may still hold the engine itself."""
     import torch
     if llm is not None:
         llm.llm_engine.shutdown()
+        runner = getattr(getattr(llm.llm_engine.core.model_executor, "driver_worker", None), "model_runner", None)
+        if runner is not None:
+            runner.graphs = runner.model = None
+            runner.kv_caches, runner.cpu_caches = [], []
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
