@@ -38,7 +38,7 @@ if want tests; then
   LIMIT=240 run python -m pytest -q -p no:cacheprovider --timeout 120 -rfEs --durations 10 tests/test_gpu.py \
     tests/models/test_deepseek_v3.py::test_greedy_equals_transformers_on_gpu > "$OUT/tests_engine.log" 2>&1
   wait
-  tail -40 "$OUT/tests_kernels.log" "$OUT/tests_engine.log"
+  tail -n 40 "$OUT/tests_kernels.log" "$OUT/tests_engine.log"
 fi
 wait
 if want async; then
