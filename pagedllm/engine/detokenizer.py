@@ -1,16 +1,19 @@
 """Incremental detokenization and stop-string detection, one request at a time.
 
-vLLM's method: keep the token *strings* of the sequence and two offsets into them,
-`prefix_offset` .. `read_offset` (tokens already turned into text, kept as context) and
-`read_offset` .. end (tokens not yet turned into text). Each step decodes only that short
-window and emits what the new tokens add to the context's text, so the cost per token does
-not grow with the output. Decoding a window instead of a lone token keeps the tokenizer's
-context-dependent rules (leading spaces of SentencePiece, byte-level pieces) right.
+Two decoders turn a request's tokens into text as they arrive, at a cost per token that does
+not grow with the output:
+- `_StreamDecoder`, for fast (Rust) tokenizers: the `tokenizers` library's own DecodeStream
+  (as vLLM's FastIncrementalDetokenizer), ~5x cheaper a token than the window below.
+- `_WindowDecoder`, for the others: vLLM's original method. Keep the token *strings* of the
+  sequence and two offsets into them, `prefix_offset` .. `read_offset` (tokens already turned
+  into text, kept as context) and `read_offset` .. end (tokens not yet turned into text). Each
+  step decodes only that short window and emits what the new tokens add to the context's text.
+Both start from a few prompt tokens as context, which keeps the tokenizer's context-dependent
+rules (leading spaces of SentencePiece, byte-level pieces) right for the first output token.
 
 A character split over several byte-level tokens decodes to U+FFFD until its last byte
-arrives; while the window's text ends in U+FFFD the offsets stay put, so the replacement
-character never reaches a stream (the bytes are only flushed at the end if they never
-complete).
+arrives; both decoders emit nothing until then, so the replacement character never reaches a
+stream (the bytes are only flushed at the end if they never complete).
 """
 from __future__ import annotations
 
@@ -29,8 +32,114 @@ def detokenize_all(tokenizer, token_ids: list[int], skip_special_tokens: bool = 
     return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
+class _WindowDecoder:
+    """Token strings and two offsets (see the module's docstring); any transformers tokenizer."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self._skip_ids = skip_ids
+        ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT_TOKENS + 2):])
+        # A prompt ending inside a multi-byte character would make the context's text end in
+        # U+FFFD and spoil the subtraction below; start without context then.
+        if ctx and tokenizer.convert_tokens_to_string(ctx).endswith(_REPLACEMENT):
+            ctx = []
+        self.tokens: list[str] = ctx
+        self.prefix_offset = max(len(ctx) - _PROMPT_CONTEXT_TOKENS, 0)
+        self.read_offset = len(ctx)
+
+    def _to_tokens(self, ids) -> list[str]:
+        conv = self.tokenizer.convert_ids_to_tokens
+        return [t for t in (conv(int(i)) for i in ids if int(i) not in self._skip_ids) if t is not None]
+
+    def next(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is unfinished)."""
+        if token_id in self._skip_ids:
+            return ""
+        token = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if token is None:
+            # An id past the tokenizer's vocabulary (the model's logits can be wider, padded):
+            # it has no text, as in vLLM; it must not fail the output loop of every request.
+            return ""
+        self.tokens.append(token)
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = to_string(self.tokens[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            # Unfinished multi-byte character (or a token that adds no text yet): wait.
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """The text of tokens held back for a character that never completed."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        to_string = self.tokenizer.convert_tokens_to_string
+        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
+        text = to_string(self.tokens[self.prefix_offset:])[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return text
+
+
+class _StreamDecoder:
+    """tokenizers' DecodeStream over the fast tokenizer's Rust backend. It keeps its own window;
+    the ids it has not turned into text yet (`pending`) and the last ones it has (`context`)
+    are kept here only for the flush of a character that never completes."""
+
+    def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+        self.backend = backend
+        self.skip = skip_special_tokens
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        prompt = [int(i) for i in prompt_token_ids if 0 <= int(i) < self.vocab_size]
+        # The shortest suffix of 4 or more prompt tokens that decodes without U+FFFD (vLLM's
+        # choice): a prompt ending inside a multi-byte character starts on a whole one.
+        ctx = []
+        for n in range(min(4, len(prompt)), min(len(prompt), 24) + 1):
+            if n and _REPLACEMENT not in backend.decode(prompt[-n:], skip_special_tokens=skip_special_tokens):
+                ctx = prompt[-n:]
+                break
+        for tid in ctx:
+            self._step(tid)
+        self.context: list[int] = ctx[-_PROMPT_CONTEXT_TOKENS:]
+        self.pending: list[int] = []
+
+    def _step(self, token_id: int) -> Optional[str]:
+        try:
+            return self.stream.step(self.backend, token_id)
+        except Exception as e:   # the stream's state no longer decodes (vLLM resets it the same way)
+            if "Invalid prefix encountered" not in str(e):
+                raise
+            from tokenizers.decoders import DecodeStream
+            self.stream = DecodeStream(skip_special_tokens=self.skip)
+            return self.stream.step(self.backend, token_id)
+
+    def next(self, token_id: int) -> str:
+        if not 0 <= token_id < self.vocab_size:   # past the vocabulary (padded logits): no text
+            return ""
+        text = self._step(token_id)
+        self.pending.append(token_id)
+        if not text:
+            return ""
+        self.context = (self.context + self.pending)[-_PROMPT_CONTEXT_TOKENS:]
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        if not self.pending:
+            return ""
+        decode = self.backend.decode
+        prefix = decode(self.context, skip_special_tokens=self.skip)
+        text = decode(self.context + self.pending, skip_special_tokens=self.skip)[len(prefix):]
+        self.context, self.pending = (self.context + self.pending)[-_PROMPT_CONTEXT_TOKENS:], []
+        return text
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, fast: bool = True):
+        """fast: the DecodeStream decoder where the tokenizer has a Rust backend (False: the
+        window decoder, for tests)."""
         self.tokenizer = tokenizer
         self.detokenize = params.detokenize and tokenizer is not None
         self.skip_special_tokens = params.skip_special_tokens
@@ -50,51 +159,21 @@ class IncrementalDetokenizer:
         # New tokens that came after the one completing the stop string (several tokens in one
         # step: a verified speculative run); the output ends at that token, as without drafts.
         self.tokens_after_stop = 0
+        self.decoder = None
         if not self.detokenize:
             return
-        # all_special_ids is a property recomputed on each access: look it up once.
-        self._skip_ids = set(tokenizer.all_special_ids) if self.skip_special_tokens else set()
-        ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT_TOKENS + 2):])
-        # A prompt ending inside a multi-byte character would make the context's text end in
-        # U+FFFD and spoil the subtraction below; start without context then.
-        if ctx and tokenizer.convert_tokens_to_string(ctx).endswith(_REPLACEMENT):
-            ctx = []
-        self.tokens: list[str] = ctx
-        self.prefix_offset = max(len(ctx) - _PROMPT_CONTEXT_TOKENS, 0)
-        self.read_offset = len(ctx)
-
-    # ------------------------------------------------------------------ decode
-    def _to_tokens(self, ids) -> list[str]:
-        conv = self.tokenizer.convert_ids_to_tokens
-        return [t for t in (conv(int(i)) for i in ids if int(i) not in self._skip_ids) if t is not None]
-
-    def _decode_next(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" while a character is unfinished)."""
-        if token_id in self._skip_ids:
-            return ""
-        token = self.tokenizer.convert_ids_to_tokens(int(token_id))
-        if token is None:
-            # An id past the tokenizer's vocabulary (the model's logits can be wider, padded):
-            # it has no text, as in vLLM; it must not fail the output loop of every request.
-            return ""
-        self.tokens.append(token)
-        to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = to_string(self.tokens[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
-            # Unfinished multi-byte character (or a token that adds no text yet): wait.
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        return new_text[len(prefix_text):]
+        backend = getattr(tokenizer, "backend_tokenizer", None) if fast else None
+        if backend is not None:
+            self.decoder = _StreamDecoder(backend, prompt_token_ids, self.skip_special_tokens)
+        else:
+            # all_special_ids is a property recomputed on each access: look it up once.
+            skip_ids = set(tokenizer.all_special_ids) if self.skip_special_tokens else set()
+            self.decoder = _WindowDecoder(tokenizer, prompt_token_ids, skip_ids)
 
     def _flush(self) -> None:
         """At the end, add the text of tokens held back for a character that never completed."""
-        if not self.detokenize or self.read_offset == len(self.tokens):
-            return
-        to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
-        self.output_text += to_string(self.tokens[self.prefix_offset:])[len(prefix_text):]
-        self.prefix_offset = self.read_offset = len(self.tokens)
+        if self.decoder is not None:
+            self.output_text += self.decoder.flush()
 
     # ------------------------------------------------------------------ update
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> Optional[str]:
@@ -115,7 +194,7 @@ class IncrementalDetokenizer:
         stop_check_offset = len(self.output_text)
         text_ends = []   # len(output_text) after each new token
         for i, tid in enumerate(new_token_ids):
-            self.output_text += self._decode_next(tid)
+            self.output_text += self.decoder.next(int(tid))
             text_ends.append(len(self.output_text))
             # Stop strings count only in the text of output tokens after the first
             # min_tokens (vLLM semantics).

@@ -24,13 +24,26 @@ def tok(tokenizer):   # the default model's (conftest marks its users `model`)
     return tokenizer
 
 
+FAST = True   # which decoder the tests below run: tokenizers' DecodeStream, or the token window
+
+
+@pytest.fixture(autouse=True, params=["stream", "window"])
+def decoder(request, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "FAST", request.param == "stream")
+    return request.param
+
+
+def detok(tok, prompt_ids, params):
+    return IncrementalDetokenizer(tok, list(prompt_ids), params, fast=FAST)
+
+
 def enc(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
 def stream(tok, ids, prompt_ids=(), chunk=1, stop_terminated=False, **kw):
     """Feed ids `chunk` at a time; return (deltas, detokenizer, stop string)."""
-    d = IncrementalDetokenizer(tok, list(prompt_ids), SamplingParams(**kw))
+    d = detok(tok, prompt_ids, SamplingParams(**kw))
     deltas, stop = [], None
     for i in range(0, len(ids), chunk):
         new = ids[i:i + chunk]
@@ -62,13 +75,17 @@ def test_multibyte_chars_span_tokens(tok):
     assert any("\ufffd" in tok.decode([i]) for i in ids)
 
 
-def test_per_token_window_stays_small(tok):
+def test_per_token_window_stays_small(tok, decoder):
     # The decoded window must not grow with the output: constant cost per token.
     ids = enc(tok, " ".join(TEXTS) * 5)
-    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    d = detok(tok, [], SamplingParams())
+    assert type(d.decoder).__name__ == ("_StreamDecoder" if decoder == "stream" else "_WindowDecoder")
     for i in ids:
         d.update([i], False)
-        assert len(d.tokens) - d.prefix_offset <= 12
+        if decoder == "window":
+            assert len(d.decoder.tokens) - d.decoder.prefix_offset <= 12
+        else:
+            assert len(d.decoder.pending) <= 4 and len(d.decoder.context) <= 5
     assert d.get_next_output_text(True, False) == tok.decode(ids)
 
 
@@ -112,7 +129,7 @@ def test_stream_never_emits_partial_stop(tok, chunk):
         assert final.startswith(sent)  # nothing streamed is ever taken back
     assert sent == final
     # Before the end, at least len("lazy dog") - 1 chars were held back.
-    d2 = IncrementalDetokenizer(tok, [], SamplingParams(stop=["lazy dog"]))
+    d2 = detok(tok, [], SamplingParams(stop=["lazy dog"]))
     d2.update(enc(tok, "the lazy do"), False)
     assert d2.get_next_output_text(False, True) == "the "
     assert d2.get_next_output_text(False, False) == "the "
@@ -121,10 +138,10 @@ def test_stream_never_emits_partial_stop(tok, chunk):
 def test_earliest_stop_string_wins(tok):
     ids = enc(tok, "alpha beta gamma delta")
     # All in one update: both match; the earlier in the text wins, not the first listed.
-    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gamma", "beta"]))
+    d = detok(tok, [], SamplingParams(stop=["gamma", "beta"]))
     assert d.update(ids, False) == "beta"
     assert d.output_text == "alpha "
-    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["delta", "a g"],
+    d = detok(tok, [], SamplingParams(stop=["delta", "a g"],
                                                        include_stop_str_in_output=True))
     assert d.update(ids, False) == "a g"
     assert d.output_text == "alpha beta g"
@@ -138,12 +155,12 @@ def test_stop_inside_several_tokens_ends_at_the_completing_token(tok):
     ids = enc(tok, "alpha beta gamma delta epsilon")
     upto = len(enc(tok, "alpha beta gamma"))   # "gamma" completes with this many tokens
     for kw in ({}, {"include_stop_str_in_output": True}):
-        d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gam"], **kw))
+        d = detok(tok, [], SamplingParams(stop=["gam"], **kw))
         assert d.update(ids, False) == "gam" and d.tokens_after_stop == len(ids) - upto
-        one = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gam"], **kw))
+        one = detok(tok, [], SamplingParams(stop=["gam"], **kw))
         used = next(i + 1 for i in range(len(ids)) if one.update(ids[i:i + 1], False))
         assert used == upto and one.output_text == d.output_text and one.tokens_after_stop == 0
-    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["gam"]))   # the last token a stop id too
+    d = detok(tok, [], SamplingParams(stop=["gam"]))   # the last token a stop id too
     assert d.update(ids, True) == "gam" and d.tokens_after_stop == len(ids) - upto
 
 
@@ -173,7 +190,7 @@ def test_stop_terminated_eos(tok):
 
 
 def test_detokenize_false(tok):
-    d = IncrementalDetokenizer(tok, [], SamplingParams(detokenize=False, stop=["a"]))
+    d = detok(tok, [], SamplingParams(detokenize=False, stop=["a"]))
     assert d.update(enc(tok, "a b c"), False) is None
     assert d.get_next_output_text(True, True) == "" and d.output_text == ""
 
@@ -188,7 +205,7 @@ def test_prompt_ending_mid_character(tok):
 def test_random_chunks_match_decode(tok):
     rng = random.Random(0)
     ids = enc(tok, "".join(TEXTS))
-    d = IncrementalDetokenizer(tok, enc(tok, PROMPT), SamplingParams())
+    d = detok(tok, enc(tok, PROMPT), SamplingParams())
     out, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 4)
