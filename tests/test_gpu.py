@@ -70,7 +70,11 @@ def _generate(llm, prompts):
 
 @pytest.fixture(scope="module")
 def reference_fp32(tiny_dir, prompts):
-    hf = _hf(tiny_dir, torch.float32)
+    return _hf_greedy(_hf(tiny_dir, torch.float32), prompts)
+
+
+def _hf_greedy(hf, prompts):
+    """transformers' greedy continuation of each prompt on the GPU -> (tokens, top-2 gaps)."""
     refs = []
     with torch.inference_mode():
         for p in prompts:
@@ -256,14 +260,7 @@ def test_gemma3_sliding_window_on_gpu(make_llm, tmp_path):
                                 layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4,
                                 query_pre_attn_scalar=16, max_position_embeddings=256)
     prompts = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (3, 11, 30, 70)]
-    hf = model.to("cuda")
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=MAX_TOKENS,
-                              min_new_tokens=MAX_TOKENS, output_logits=True, return_dict_in_generate=True)
-            refs.append((out.sequences[0, len(p):].tolist(),
-                         [float(lg[0].float().topk(2).values.diff().abs()) for lg in out.logits]))
+    refs = _hf_greedy(model.to("cuda"), prompts)
     llm = make_llm(path, dtype="float32", block_size=4, max_num_batched_tokens=16, gpu_memory_utilization=0.3)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.num_kv_cache_groups > 1 and runner.attn_backend.name == "triton"
@@ -324,13 +321,7 @@ def test_quantized_kv_cache_through_the_engine(make_llm, tiny_dir, prompts, kv):
     AttentionInterface.register(f"gpu_kv_{kv}", attention)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32,
                                               attn_implementation=f"gpu_kv_{kv}").to("cuda").eval()
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=MAX_TOKENS,
-                              min_new_tokens=MAX_TOKENS, output_logits=True, return_dict_in_generate=True)
-            refs.append((out.sequences[0, len(p):].tolist(),
-                         [float(lg[0].float().topk(2).values.diff().abs()) for lg in out.logits]))
+    refs = _hf_greedy(hf, prompts)
     del hf
     llm = make_llm(tiny_dir, dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=64,
                    gpu_memory_utilization=0.3)
