@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from kernel_utils import check_rope_in_place, require_built, shuffled_block_table
+from kernel_utils import check_rope_in_place, require_built, require_decode_loop, shuffled_block_table
 
 from pagedllm.attention.cpu_kernels import decode_kernel
 from pagedllm.attention.metadata import build_attention_metadata
@@ -205,7 +205,21 @@ def test_a_kernel_that_did_not_build_fails_where_a_compiler_exists(monkeypatch):
     monkeypatch.setenv("CXX", "sh")   # on PATH everywhere: "a compiler exists"
     with pytest.raises(pytest.fail.Exception, match="pagedllm_x: RuntimeError: error: expected ';'"):
         require_built(None)
+    monkeypatch.setenv("PAGEDLLM_NO_CPU_KERNELS", "0")   # off, as envs.py reads it: still a failure
+    with pytest.raises(pytest.fail.Exception, match="pagedllm_x"):
+        require_built(None)
+    # The decode loop's verdict: missing while nothing turns it off is a failure, not a skip.
+    from types import SimpleNamespace
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_LOOP", "1")
+    with pytest.raises(pytest.fail.Exception, match="did not apply to this model: pagedllm_x"):
+        require_decode_loop(SimpleNamespace(decode_loop=None))
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_LOOP", "0")
+    with pytest.raises(pytest.skip.Exception, match="PAGEDLLM_CPU_DECODE_LOOP=0"):
+        require_decode_loop(SimpleNamespace(decode_loop=None))
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(pytest.skip.Exception, match=r"no C\+\+ compiler on this machine"):
+        require_built(None)
+    monkeypatch.setenv("PAGEDLLM_NO_CPU_KERNELS", "1")
+    with pytest.raises(pytest.skip.Exception, match=r"PAGEDLLM_NO_CPU_KERNELS=1"):
         require_built(None)
     assert require_built(build) is build

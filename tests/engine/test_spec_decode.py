@@ -178,16 +178,12 @@ def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch)
     the full k here (the proposer drafts 2 (n - 1) tokens, and this model's output rarely
     repeats 3-grams), so that 5-row verifications occur."""
     import torch
-    from kernel_utils import require_built
-    from pagedllm.models.cpu_decode_loop import decode_loop_ext
+    from kernel_utils import require_decode_loop
     from pagedllm.spec_decode import ngram_proposer
     monkeypatch.setattr(ngram_proposer, "draft_length", lambda n, k: k)
     plain, spec = tiny_pair
     runner = spec.llm_engine.core.model_executor.driver_worker.model_runner
-    require_built(decode_loop_ext())
-    if runner.decode_loop is None:
-        pytest.skip("no C++ decode loop for random:tiny here (PAGEDLLM_CPU_DECODE_LOOP=0 or no oneDNN)")
-    loop, verified = runner.decode_loop, []
+    loop, verified = require_decode_loop(runner), []
 
     class Checked:
         applies = loop.applies
