@@ -3,7 +3,8 @@
 - Default model: greedy with n-gram drafts equals transformers' greedy token for token (ties as
   in the correctness rules) on a text that repeats itself, with 4-token blocks, chunked prefill
   (a small token budget) and preemption (a small KV cache) forced, in both preemption modes;
-  drafts were accepted (the test is not vacuous) and no block is left in use. The
+  drafts were accepted (the test is not vacuous) and no block is left in use; with the fixed
+  and the adaptive length policy. The
   greedy-equality prompts with each proposer: tests/engine/test_greedy_equality.py.
 - random:tiny: stop strings, max_tokens and n > 1 give what the engine without
   speculation gives; a run of sampled requests (drafts mostly rejected) leaves no block in use.
@@ -43,18 +44,19 @@ def reference(hf_model, prompts):
     return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_equals_transformers(model_dir, prompts, reference, mode):
+@pytest.mark.parametrize("mode, policy", [("recompute", "fixed"), ("swap", "fixed"), ("recompute", "adaptive")])
+def test_greedy_equals_transformers(model_dir, prompts, reference, mode, policy):
     """Tiny blocks (drafts cross block boundaries) and a 24-token budget; the greedy-equality
-    prompts' spec tests (tests/engine/test_greedy_equality.py) run with the default blocks."""
-    llm = LLM(model_dir, speculative_config=NGRAM, num_gpu_blocks=40, block_size=4,
+    prompts' spec tests (tests/engine/test_greedy_equality.py) run with the default blocks. The
+    adaptive length policy (which drafts by the step times it measures) too."""
+    llm = LLM(model_dir, speculative_config={**NGRAM, "length_policy": policy}, num_gpu_blocks=40, block_size=4,
               max_num_batched_tokens=24, preemption_mode=mode, num_cpu_blocks=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     stats = llm.llm_engine.core.scheduler.spec_decoding_stats
     assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
     assert stats.num_accepted_tokens >= 10, stats
-    assert_greedy_equal(outs, reference, f"ngram, {mode} x{llm.llm_engine.num_preemptions}, {stats}")
+    assert_greedy_equal(outs, reference, f"ngram {policy}, {mode} x{llm.llm_engine.num_preemptions}, {stats}")
     assert_no_block_in_use(llm)
 
 
