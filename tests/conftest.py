@@ -40,7 +40,7 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-replay", default=None, metavar="GROUP:CASE",
                     help="engine fuzzer: replay one failing case (and the cases before it on its engine)")
     group.addoption("--fuzz-seconds", type=float, default=None,
-                    help="server fuzzer: how long to send requests (default: the CI duration)")
+                    help="server fuzzer: send requests for this long (default: the CI count of requests)")
 
 
 def pytest_configure(config):
