@@ -202,7 +202,7 @@ def test_decode_instance_killed_mid_stream(servers):
         body = {"model": TINY, "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 8, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         events = []
-        t0 = time.monotonic()
+        # No hang: a stream left open would end in the client's timeout (an exception), not [DONE].
         with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -212,7 +212,6 @@ def test_decode_instance_killed_mid_stream(servers):
                 if len(events) == 1:   # streaming: stop the instance at once, then kill it
                     os.killpg(decode.proc.pid, signal.SIGSTOP)
                     os.killpg(decode.proc.pid, signal.SIGKILL)
-        assert time.monotonic() - t0 < 30
         assert events[-1] == "[DONE]", events[-3:]
         err = json.loads(events[-2])["error"]
         assert "failed mid-stream" in err["message"] and decode.url in err["message"], err
@@ -244,21 +243,24 @@ def test_unfetched_blocks_are_freed_after_timeout(servers):
     wait_metrics(prefill, lambda m: m[USED] == 0, "blocks freed after timeout_s", timeout=30)
 
 
-def _kill_mid_transfer(prefill, decode, prompt: list[int], victim) -> tuple[object, float]:
+def _kill_mid_transfer(prefill, decode, prompt: list[int], victim):
     """Prefill `prompt`, stop the producer so that the decode instance's pull waits unanswered,
-    send the decode request, kill `victim` (either server) meanwhile -> (the decode request's
-    response or exception, seconds it took)."""
+    send the decode request, and once the decode instance holds blocks for the pull (its
+    /metrics), kill `victim` (either server) -> the decode request's response or exception. A
+    request that hung would end in the client's timeout: a TimeoutException, which the callers
+    refuse."""
     params = _prefill_only(prefill, prompt)
+    assert decode.metrics()[USED] == 0
     os.killpg(prefill.proc.pid, signal.SIGSTOP)
     try:
         async def run():
             task = asyncio.ensure_future(httpx.AsyncClient(timeout=60).post(decode.url + "/v1/completions", json={
                 "model": TINY, "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params}))
-            await asyncio.sleep(1.0)
+            await asyncio.to_thread(wait_metrics, decode, lambda m: m[USED] > 0, "the decode instance pulls")
+            assert not task.done(), task
             os.killpg(victim.proc.pid, signal.SIGKILL)
             return (await asyncio.gather(task, return_exceptions=True))[0]
-        t0 = time.monotonic()
-        return asyncio.run(run()), time.monotonic() - t0
+        return asyncio.run(run())
     finally:
         os.killpg(prefill.proc.pid, signal.SIGCONT) if prefill.proc.poll() is None else None
 
@@ -271,9 +273,8 @@ def test_consumer_killed_mid_transfer(servers):
     prefill = servers[0]
     decode = tiny_server(MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0))
     try:
-        r, seconds = _kill_mid_transfer(prefill, decode, _prompts()[2], victim=decode)
-        assert isinstance(r, httpx.HTTPError), r       # the connection died with the instance
-        assert seconds < 30
+        r = _kill_mid_transfer(prefill, decode, _prompts()[2], victim=decode)
+        assert isinstance(r, httpx.HTTPError) and not isinstance(r, httpx.TimeoutException), r   # died with it
     finally:
         decode.close()
     wait_metrics(prefill, lambda m: m[USED] == 0, "no producer block leaked", timeout=30)
@@ -286,10 +287,9 @@ def test_consumer_killed_mid_transfer(servers):
 @pytest.mark.timeout(120)
 def test_producer_killed_mid_transfer(servers):
     prefill, decode, _ = servers
-    r, seconds = _kill_mid_transfer(prefill, decode, _prompts()[1], victim=prefill)
+    r = _kill_mid_transfer(prefill, decode, _prompts()[1], victim=prefill)
     assert isinstance(r, httpx.Response), r
     assert r.status_code >= 500 and "KV transfer" in r.json()["error"]["message"], r.text
-    assert seconds < 30
     wait_metrics(decode, lambda m: m[USED] == 0, "no decode block leaked", timeout=30)
     # The decode instance goes on serving.
     r = httpx.post(decode.url + "/v1/completions", timeout=60,
@@ -351,8 +351,8 @@ def test_proxy_launches_instances_as_ray_actors():
             body = {"model": TINY, "prompt": prompts[0], "max_tokens": 8, "stream": True}
             async with httpx.AsyncClient(timeout=60) as c:
                 async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    # The proxy answers 200 once the decode instance has: its stream is open.
                     assert r.status_code == 200
-                    await asyncio.sleep(1.0)
                     os.killpg(dec, signal.SIGKILL)
                     return [line async for line in r.aiter_lines() if line.startswith("data: ")]
         lines = asyncio.run(cut())
