@@ -45,6 +45,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs the real default model (slower)")
+    config.addinivalue_line("markers", "slow: CI runs it; `make test-fast` leaves it out")
     config.addinivalue_line("markers", "stops_server: stops the session's shared server (run last)")
 
 

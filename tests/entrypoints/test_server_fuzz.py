@@ -212,6 +212,7 @@ def fuzz_server(request):
     srv.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_server_fuzz(request, fuzz_server, reference):
     server, seed, spec = fuzz_server
