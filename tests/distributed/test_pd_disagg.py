@@ -176,6 +176,37 @@ def test_load_limit_refuses_streams_above_it(servers):
         proxy.close()
 
 
+@pytest.mark.timeout(120)
+def test_slo_refusal(servers):
+    """A TTFT SLO no request can meet (1 ms), once the proxy has learned what requests take from
+    a few served one at a time (an idle pair admits whatever is predicted), and while the decode
+    instance streams an answer: each further request is refused at once with a 503 OpenAI error
+    giving the prediction and the SLO (the official client), counted as rejected."""
+    import openai
+    prefill, decode, _ = servers
+    proxy = Proxy(prefill.url, decode.url, "--ttft-slo", "0.001")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        for i in range(4):   # one at a time (an idle pair admits them): the prediction learns what they took
+            list(client.completions.create(model=TINY, prompt=[20 + i, 6, 7, 8], max_tokens=4, stream=True))
+        busy = client.completions.create(model=TINY, prompt=[5, 6, 7], max_tokens=100, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+        next(iter(busy))   # its first chunk: the decode instance is streaming it
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as e:
+                out = client.completions.create(model=TINY, prompt=[9, 10, 11, 12], max_tokens=4, stream=stream)
+                list(out) if stream else None
+            err = e.value
+            assert err.status_code == 503 and err.body["code"] == "server_overloaded", err.body
+            assert "predicted TTFT" in err.body["message"] and "SLO 0.001" in err.body["message"], err.body
+        busy.close()
+        metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+        assert 'pagedllm_proxy:requests_total{outcome="rejected"} 2.0' in metrics, metrics
+    finally:
+        proxy.close()
+    wait_metrics(decode, lambda m: m[USED] == 0, "the cut stream's blocks freed", timeout=30)
+
+
 @pytest.mark.timeout(60)
 def test_unreachable_prefill_instance_is_a_502(servers):
     """A prefill URL nothing listens on: the client gets an OpenAI error object naming it, at once."""
