@@ -4,6 +4,7 @@ required and named functions give arguments valid for the function's schema ever
 grammar enforces them, on a random-weight model), "auto" parses a Hermes call from text
 (forced here by a regex), streaming deltas concatenate to the same calls, and a history with the
 assistant's calls and the tool's answers is accepted."""
+import asyncio
 import json
 
 import jsonschema
@@ -139,10 +140,10 @@ CITY_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameter
 NAMED = '"name": "get_weather"'
 
 
-def _message_of_stream(stream):
+async def _message_of_stream(stream):
     """(content, [(name, arguments)], finish_reason) from the deltas."""
     content, calls, finish = "", {}, None
-    for ch in stream:
+    async for ch in stream:
         choice = ch.choices[0]
         finish = choice.finish_reason or finish
         content += choice.delta.content or ""
@@ -154,7 +155,7 @@ def _message_of_stream(stream):
 
 
 @pytest.mark.timeout(600)   # the first to run starts the shared server
-def test_required_cut_by_max_tokens_keeps_what_was_generated(client, model):
+def test_required_cut_by_max_tokens_keeps_what_was_generated(server, client, model):
     """A forced call cut by max_tokens at every token: what the model wrote is in the answer, as
     OpenAI's API does it (finish_reason "length"): the calls named so far, the last one with the
     arguments written so far (up to an unfinished value); cut before the name, the text as content.
@@ -169,9 +170,22 @@ def test_required_cut_by_max_tokens_keeps_what_was_generated(client, model):
     tokens = [t.token for t in whole.logprobs.content]
     assert "".join(tokens[:-1]) == raw   # the last token is the end of the turn
     args_at = raw.index('"parameters": ') + len('"parameters": ')
-    for k in range(1, len(tokens) - 1):
+    cuts = range(1, len(tokens) - 1)
+
+    async def every_cut():   # all at once (one batch), whole and streamed
+        aclient = server.async_client()
+        try:
+            async def streamed(k):
+                return await _message_of_stream(await aclient.chat.completions.create(max_tokens=k, stream=True, **kw))
+            return await asyncio.gather(asyncio.gather(*(aclient.chat.completions.create(max_tokens=k, **kw)
+                                                         for k in cuts)),
+                                        asyncio.gather(*(streamed(k) for k in cuts)))
+        finally:
+            await aclient.close()
+    wholes, streams = asyncio.run(every_cut())
+    for k, w, streamed in zip(cuts, wholes, streams):
         text = "".join(tokens[:k])
-        r = client.chat.completions.create(max_tokens=k, **kw).choices[0]
+        r = w.choices[0]
         m = r.message
         assert r.finish_reason == "length", (k, r)
         if NAMED not in text:   # cut before the name is whole: the text itself
@@ -187,5 +201,4 @@ def test_required_cut_by_max_tokens_keeps_what_was_generated(client, model):
             if written.endswith("}}"):   # the call is closed: its arguments are whole
                 assert json.loads(args) == json.loads(call.function.arguments), (k, text, args)
             got = ("", [("get_weather", args)])
-        content, calls, finish = _message_of_stream(client.chat.completions.create(max_tokens=k, stream=True, **kw))
-        assert (content, calls, finish) == (*got, "length"), k
+        assert streamed == (*got, "length"), k
