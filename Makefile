@@ -38,7 +38,7 @@ test: $(STAMP) kernels
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "not model"
+	$(BIN)/python -m pytest -q tests -m "not model and not slow"
 
 bench: $(STAMP)
 	$(BIN)/pagedllm bench throughput

@@ -40,11 +40,12 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-replay", default=None, metavar="GROUP:CASE",
                     help="engine fuzzer: replay one failing case (and the cases before it on its engine)")
     group.addoption("--fuzz-seconds", type=float, default=None,
-                    help="server fuzzer: how long to send requests (default: the CI duration)")
+                    help="server fuzzer: send requests for this long (default: the CI count of requests)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs the real default model (slower)")
+    config.addinivalue_line("markers", "slow: CI runs it; `make test-fast` leaves it out")
     config.addinivalue_line("markers", "stops_server: stops the session's shared server (run last)")
 
 

@@ -62,13 +62,50 @@ def require_built(ext):
 
     import pytest
 
+    from pagedllm import envs
     from pagedllm.csrc import build
-    if os.environ.get("PAGEDLLM_NO_CPU_KERNELS"):
-        pytest.skip("the C++ kernels are turned off here (PAGEDLLM_NO_CPU_KERNELS is set)")
+    if envs.PAGEDLLM_NO_CPU_KERNELS:   # as the engine reads it ("0" is off)
+        pytest.skip("the C++ kernels are turned off here (PAGEDLLM_NO_CPU_KERNELS=1)")
     if build.cxx_compiler() is None:
         pytest.skip(f"no C++ compiler on this machine ({os.environ.get('CXX', 'c++')} is not on PATH)")
     why = "; ".join(f"{name}: {reason}" for name, reason in build.build_failures.items())
     pytest.fail(f"a C++ extension did not build though a compiler exists: {why or 'no reason recorded'}")
+
+
+def decode_loop_off_reason():
+    """Why the C++ decode loop cannot run here (a documented switch or absence), or None."""
+    import os
+
+    import torch
+
+    from pagedllm import envs
+    from pagedllm.csrc import build
+    if not envs.PAGEDLLM_CPU_DECODE_LOOP:
+        return "the C++ decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)"
+    if not envs.PAGEDLLM_CPU_PACKED_LINEAR:
+        return "the packed linears the decode loop calls are turned off (PAGEDLLM_CPU_PACKED_LINEAR=0)"
+    if envs.PAGEDLLM_NO_CPU_KERNELS:
+        return "the C++ kernels are turned off here (PAGEDLLM_NO_CPU_KERNELS=1)"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN (the decode loop calls its packed linears)"
+    if build.cxx_compiler() is None:
+        return f"no C++ compiler on this machine ({os.environ.get('CXX', 'c++')} is not on PATH)"
+    return None
+
+
+def require_decode_loop(runner):
+    """runner.decode_loop (the C++ loop over the layers of a CPU decode step) of a float Llama on
+    the CPU backend, else this test's verdict: a skip for decode_loop_off_reason(), a failure
+    otherwise (a regression that turns the loop off must not pass)."""
+    import pytest
+    if runner.decode_loop is not None:
+        return runner.decode_loop
+    reason = decode_loop_off_reason()
+    if reason:
+        pytest.skip(reason)
+    from pagedllm.csrc import build
+    why = "; ".join(f"{name}: {r}" for name, r in build.build_failures.items())
+    pytest.fail(f"the C++ decode loop did not apply to this model: {why or 'no build failure recorded'}")
 
 
 def run_aot_script(script: str) -> list:

@@ -55,7 +55,8 @@ def child_pids(pid: int) -> list[tuple[int, str]]:
 
 
 class RemoteServer:
-    def __init__(self, args: list[str], api_key: Optional[str] = None, start_timeout: float = 300.0) -> None:
+    def __init__(self, args: list[str], api_key: Optional[str] = None, start_timeout: float = 300.0,
+                 env: Optional[dict] = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,9 +66,11 @@ class RemoteServer:
                "--log-stats-interval", "1", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("PAGEDLLM_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+        environ = dict(os.environ, PYTHONUNBUFFERED="1")
+        for name in ("PAGEDLLM_API_KEY", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"):   # the tests' servers are open
+            environ.pop(name, None)
+        environ.update(env or {})   # the server's own variables (envs.py), for a test of them
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=environ,
                                      start_new_session=True)
         self._wait_ready(start_timeout)
 

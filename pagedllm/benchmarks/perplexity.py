@@ -28,7 +28,7 @@ QUANTIZATIONS = ("int8", "int4", "gguf")
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="HF-format model directory (default: SmolLM2-135M-Instruct, built on first use)")
+                   help="a model name or HF-format directory (default: SmolLM2-135M-Instruct, built on first use)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
                    help="pagedllm's weight / activation dtypes to compare (default: float32 bfloat16)")
     p.add_argument("--hf-dtypes", nargs="*", default=["float32"], choices=DTYPES,
@@ -173,10 +173,11 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
 
 
 def main(ns: argparse.Namespace) -> int:
-    from pagedllm.models.download import ensure_default_model
+    from pagedllm.models.download import ensure_default_model, resolve_model
     if ns.max_tokens is not None and ns.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {ns.max_tokens}")
-    model_dir = ns.model or str(ensure_default_model(progress=True))
+    # a name (a ready model, random:<shape>) as --model takes it elsewhere, or a directory
+    model_dir = str(resolve_model(ns.model)) if ns.model else str(ensure_default_model(progress=True))
     machine = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "

@@ -45,12 +45,21 @@ def _run(engine_args, prompts, output_len: int, caching: bool) -> dict:
     return row, [o.outputs[0].token_ids for o in outs]
 
 
+def _vocab_size(engine_args) -> int:
+    import json
+
+    from pagedllm.models.download import resolve_model
+    path = resolve_model(engine_args.model, getattr(engine_args, "quantization", None))
+    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
 def main(ns) -> int:
     from pagedllm.entrypoints.cli import engine_args_from
-    rng = np.random.default_rng(ns.dataset_seed)
-    system = rng.integers(100, 40000, ns.system_len).tolist()
-    prompts = [system + rng.integers(100, 40000, ns.question_len).tolist() for _ in range(ns.num_prompts)]
     engine_args = engine_args_from(ns)
+    hi = min(40000, _vocab_size(engine_args))   # ids the model has (a small test model too)
+    rng = np.random.default_rng(ns.dataset_seed)
+    system = rng.integers(100, hi, ns.system_len).tolist()
+    prompts = [system + rng.integers(100, hi, ns.question_len).tolist() for _ in range(ns.num_prompts)]
     if engine_args.max_model_len is None:
         engine_args.max_model_len = ns.system_len + ns.question_len + ns.output_len + 16
     off, ref = _run(engine_args, prompts, ns.output_len, caching=False)

@@ -11,7 +11,11 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams, pooling_params
+from pagedllm.sampling_params import ParamError, SamplingParams, pooling_params
+
+# OpenAI's chat roles (its "function" role is deprecated): anything else is refused, as OpenAI
+# and vLLM refuse it, before a template renders it as text.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class LLM:
@@ -136,6 +140,12 @@ def _prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def check_role(role, where: str) -> None:
+    """ParamError naming `where` (e.g. messages[0].role) unless `role` is a chat role."""
+    if role not in CHAT_ROLES:
+        raise ParamError(where, f"{where}: {role!r} is not a chat role; allowed: {', '.join(CHAT_ROLES)}")
+
+
 def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, chat_template=None,
                         continue_final_message=False, **template_kwargs) -> list[int]:
     """Token ids of one conversation through the chat template (shared with the server);
@@ -143,6 +153,8 @@ def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, cha
     if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
         raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
+    for i, m in enumerate(conversation):
+        check_role(m["role"], f"messages[{i}].role")
     tok = tokenizer
     if chat_template is None and tok.chat_template is None:
         raise ValueError("the model has no chat template; pass chat_template")

@@ -19,6 +19,12 @@ def compiler_message(e: Exception) -> str:
     return _LOCATION.sub("", str(e)).strip()
 
 
+# `json_object` (OpenAI's response_format): any JSON object, written compactly as the schemas are
+# (any_whitespace=False): xgrammar's builtin JSON grammar admits whitespace runs between tokens,
+# and a small model can spend its whole budget on them.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of the strings (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -29,7 +35,7 @@ def to_grammar(kind: str, spec: str) -> xgr.Grammar:
     if kind == "json":
         return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
     if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
     if kind == "choice":
@@ -96,7 +102,7 @@ class XgrammarBackend:
         if kind == "json":
             return CompiledGrammar(c.compile_json_schema(spec, any_whitespace=False))
         if kind == "json_object":
-            return CompiledGrammar(c.compile_builtin_json_grammar())
+            return CompiledGrammar(c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False))
         if kind == "regex":
             return CompiledGrammar(c.compile_regex(spec))
         return CompiledGrammar(c.compile_grammar(to_grammar(kind, spec)))

@@ -3,6 +3,7 @@ binding and the KV-cache spec the runner sizes the cache from. A tiny random-wei
 cpu backend (C++ paged decode) and the torch reference (SDPA) give the same greedy tokens."""
 import pytest
 import torch
+from kernel_utils import require_built
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import cpu_kernels
@@ -86,8 +87,8 @@ def test_kv_cache_spec_sizes_the_cache(tiny_dir):
 def test_cpu_and_torch_backends_same_greedy_tokens(tiny_dir, monkeypatch):
     """The engine's CPU backend, and the SDPA reference the selector falls back to where the C++
     kernel does not build: same greedy tokens over prefills and decodes of 1 and 4 requests."""
-    if not cpu_kernels.cpu_decode_supported(torch.float32):
-        pytest.skip("no C++ decode kernel here: the engine runs the torch backend already")
+    require_built(cpu_kernels.decode_kernel())   # a kernel that does not build fails (skip: no compiler)
+    assert cpu_kernels.cpu_decode_supported(torch.float32)
     prompts = [[(7 * i + n) % 400 + 3 for i in range(n)] for n in (5, 17, 2, 33)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

@@ -417,6 +417,7 @@ def plan(num_cases: int) -> list[tuple[int, list[int]]]:
     return groups
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_engine_fuzz(request, reference):
     seed = request.config.getoption("--fuzz-seed")

@@ -1,35 +1,47 @@
 """--kv-cache-dtype end to end: the engine with an int8 / fp8 KV cache against transformers on
 the same weights, whose attention sees the same quantized K/V (an attention function
 registered with transformers' AttentionInterface rounds each token's rotated key and value
-rows per head exactly as attention/kv_quant.py stores them, then runs its SDPA). Greedy must
+rows per head by the scheme written out here from its definition: scale = max|row| / QMAX,
+int8 rounded half away from zero, fp8 by torch's cast; then runs its SDPA). Greedy must
 be equal token for token up to numerical ties; the memory planner must give more blocks."""
 import pytest
 import torch
 from greedy_utils import assert_greedy_equal, hf_greedy
 
-from pagedllm.attention.kv_quant import KV_CACHE_DTYPES, dequantize_kv, quantize_kv
-
 MAX_TOKENS = 12
+# The cache's element type and the largest magnitude it holds (int8: 127; e4m3: 448; e5m2: 57344).
+KV = {"int8": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+      "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 
 
-def _register_fake_quant(dtype: torch.dtype) -> str:
+def round_trip(x: torch.Tensor, kv: str) -> torch.Tensor:
+    """x [..., D] -> each row quantized with its own scale and back, in x's dtype."""
+    dtype, qmax = KV[kv]
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-12)
+    y = xf / scale
+    if dtype == torch.int8:
+        q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-127, 127)
+    else:
+        q = y.to(dtype).float()
+    return (q * scale).to(x.dtype)
+
+
+def _register_fake_quant(kv: str) -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def fake_quant_sdpa(module, query, key, value, attention_mask, **kwargs):
-        # key / value [B, Hkv, T, D]: quantize per (token, head) row, as the cache stores them
-        def rt(x):
-            xt = x.transpose(1, 2)                                   # [B, T, Hkv, D]
-            q, s = quantize_kv(xt.reshape(-1, *xt.shape[2:]), dtype)
-            return dequantize_kv(q, s, x.dtype).view(xt.shape).transpose(1, 2)
-        return sdpa_attention_forward(module, query, rt(key), rt(value), attention_mask, **kwargs)
+        # key / value [B, Hkv, T, D]: one scale per (token, head) row, as the cache stores them
+        return sdpa_attention_forward(module, query, round_trip(key, kv), round_trip(value, kv), attention_mask,
+                                      **kwargs)
 
-    name = f"kvq_{str(dtype).split('.')[-1]}"
+    name = f"kvq_{kv}"
     AttentionInterface.register(name, fake_quant_sdpa)
     return name
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +56,7 @@ def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     blocks_quant = llm.llm_engine.core.num_blocks
     del llm
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=_register_fake_quant(KV_CACHE_DTYPES[kv]))
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=_register_fake_quant(kv))
     assert_greedy_equal(outs, hf_greedy(hf.eval(), prompts, MAX_TOKENS), f"kv {kv}")
     # the same memory holds (4 D) / (D + 4) times the float32 blocks (D = 32 here)
     blocks_auto = LLM(path, max_model_len=256, kv_cache_memory=2**20).llm_engine.core.num_blocks

@@ -81,17 +81,26 @@ def test_parallel_samples_at_temperature_zero_equal_single(tiny_dir, tiny_shared
         assert all_blocks_free(llm)
 
 
-def test_best_of_keeps_the_highest_cumulative_logprob(model_dir):
+def test_best_of_keeps_the_highest_cumulative_logprob(model_dir, hf_model):
+    """best_of=5, n=2: the two of the five samples (those n=5 draws with the same seed) whose
+    cumulative logprob under transformers' logits is highest, best first."""
+    import torch
     llm = LLM(model_dir, max_model_len=256)
-    out = llm.generate("A short poem about rain:", SamplingParams(n=2, best_of=5, temperature=1.0, seed=3,
-                                                                  max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0]
+    prompt = "A short poem about rain:"
+    kw = dict(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    out = llm.generate(prompt, SamplingParams(n=2, best_of=5, **kw), use_tqdm=False)[0]
     assert len(out.outputs) == 2 and out.outputs[0].logprobs is None
-    every = llm.generate("A short poem about rain:", SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=12,
-                                                                    ignore_eos=True, logprobs=0),
-                         use_tqdm=False)[0]
-    best = sorted(every.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
-    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
+    every = llm.generate(prompt, SamplingParams(n=5, **kw), use_tqdm=False)[0]
+    p = every.prompt_token_ids
+    scores = []
+    with torch.inference_mode():
+        for c in every.outputs:   # log_softmax of the raw logits at each sampled token, summed
+            logits = hf_model(torch.tensor([p + list(c.token_ids)])).logits[0, len(p) - 1:-1].float()
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])
+            scores.append(float(lp.sum()))
+    order = sorted(range(5), key=lambda i: scores[i], reverse=True)
+    assert scores[order[1]] - scores[order[2]] > 1e-3, scores   # no near-tie at the cut
+    assert [c.token_ids for c in out.outputs] == [every.outputs[i].token_ids for i in order[:2]]
 
 
 def _step_until(engine, cond, limit=200):

@@ -35,6 +35,12 @@ def test_bad_sampling_params(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_unknown_chat_role_rejected(llm):
+    with pytest.raises(ValueError, match=r"messages\[1\]\.role: 'robot' is not a chat role; allowed: system, "
+                                         "developer, user, assistant, tool"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
+
+
 def test_bad_prompts_rejected_before_running(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="prompt must be a non-empty string"):

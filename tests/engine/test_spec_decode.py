@@ -3,7 +3,8 @@
 - Default model: greedy with n-gram drafts equals transformers' greedy token for token (ties as
   in the correctness rules) on a text that repeats itself, with 4-token blocks, chunked prefill
   (a small token budget) and preemption (a small KV cache) forced, in both preemption modes;
-  drafts were accepted (the test is not vacuous) and no block is left in use. The
+  drafts were accepted (the test is not vacuous) and no block is left in use; with the fixed
+  and the adaptive length policy. The
   greedy-equality prompts with each proposer: tests/engine/test_greedy_equality.py.
 - random:tiny: stop strings, max_tokens and n > 1 give what the engine without
   speculation gives; a run of sampled requests (drafts mostly rejected) leaves no block in use.
@@ -43,18 +44,19 @@ def reference(hf_model, prompts):
     return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_equals_transformers(model_dir, prompts, reference, mode):
+@pytest.mark.parametrize("mode, policy", [("recompute", "fixed"), ("swap", "fixed"), ("recompute", "adaptive")])
+def test_greedy_equals_transformers(model_dir, prompts, reference, mode, policy):
     """Tiny blocks (drafts cross block boundaries) and a 24-token budget; the greedy-equality
-    prompts' spec tests (tests/engine/test_greedy_equality.py) run with the default blocks."""
-    llm = LLM(model_dir, speculative_config=NGRAM, num_gpu_blocks=40, block_size=4,
+    prompts' spec tests (tests/engine/test_greedy_equality.py) run with the default blocks. The
+    adaptive length policy (which drafts by the step times it measures) too."""
+    llm = LLM(model_dir, speculative_config={**NGRAM, "length_policy": policy}, num_gpu_blocks=40, block_size=4,
               max_num_batched_tokens=24, preemption_mode=mode, num_cpu_blocks=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     stats = llm.llm_engine.core.scheduler.spec_decoding_stats
     assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
     assert stats.num_accepted_tokens >= 10, stats
-    assert_greedy_equal(outs, reference, f"ngram, {mode} x{llm.llm_engine.num_preemptions}, {stats}")
+    assert_greedy_equal(outs, reference, f"ngram {policy}, {mode} x{llm.llm_engine.num_preemptions}, {stats}")
     assert_no_block_in_use(llm)
 
 
@@ -178,16 +180,12 @@ def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch)
     the full k here (the proposer drafts 2 (n - 1) tokens, and this model's output rarely
     repeats 3-grams), so that 5-row verifications occur."""
     import torch
-    from kernel_utils import require_built
-    from pagedllm.models.cpu_decode_loop import decode_loop_ext
+    from kernel_utils import require_decode_loop
     from pagedllm.spec_decode import ngram_proposer
     monkeypatch.setattr(ngram_proposer, "draft_length", lambda n, k: k)
     plain, spec = tiny_pair
     runner = spec.llm_engine.core.model_executor.driver_worker.model_runner
-    require_built(decode_loop_ext())
-    if runner.decode_loop is None:
-        pytest.skip("no C++ decode loop for random:tiny here (PAGEDLLM_CPU_DECODE_LOOP=0 or no oneDNN)")
-    loop, verified = runner.decode_loop, []
+    loop, verified = require_decode_loop(runner), []
 
     class Checked:
         applies = loop.applies

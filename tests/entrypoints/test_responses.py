@@ -1,11 +1,14 @@
 """/v1/responses through the official openai client against a real `pagedllm serve` (the shared
-tiny random-model server): `responses.create` and `responses.stream` give, greedy, the text that
-/v1/chat/completions gives for the same messages, with the Responses event sequence and usage;
-fields a stateless server cannot honour are 400s naming them."""
+tiny random-model server): `responses.create` and `responses.stream` give, greedy, the text of
+transformers' greedy generate on the same weights and the same chat prompt (and the text that
+/v1/chat/completions gives), with the Responses event sequence and usage; fields a stateless
+server cannot honour are 400s naming them."""
 from __future__ import annotations
 
 import openai
 import pytest
+from greedy_utils import TIE_EPS, hf_greedy
+from server_utils import TINY, TINY_CHAT_TEMPLATE
 
 INSTRUCTIONS = "w12 w400 w33"
 QUESTION = "w77 w8 w9"
@@ -20,8 +23,23 @@ def server(tiny_shared_server):
 
 @pytest.fixture(scope="module")
 def chat_reference(client):
+    """(text, usage): transformers' greedy answer to MESSAGES, which the chat endpoint gives too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.models.random_model import random_model_dir
+    path = random_model_dir(TINY)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template(MESSAGES, chat_template=TINY_CHAT_TEMPLATE, add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    ((out, gaps),) = hf_greedy(AutoModelForCausalLM.from_pretrained(path).eval(), [list(ids)], MAX)
+    assert min(gaps) > TIE_EPS, "a numerical tie in the reference: choose other words"
+    # The answer's text continues the prompt's (as vLLM's detokenizer: here a leading space).
+    prompt_text = tok.decode(ids, skip_special_tokens=True)
+    text = tok.decode(list(ids) + out, skip_special_tokens=True)[len(prompt_text):]
     r = client.chat.completions.create(model=None, messages=MESSAGES, temperature=0, max_tokens=MAX)
-    return r.choices[0].message.content, r.usage
+    assert r.choices[0].message.content == text and r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(out)
+    return text, r.usage
 
 
 def test_create_matches_chat(client, chat_reference):
@@ -72,6 +90,7 @@ def test_stream_matches_chat(client, chat_reference):
     (dict(temperature=-1.0), "temperature"),
     (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]), "input"),
+    (dict(input=[{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]), "input[1].role"),
 ])
 def test_refused_with_400(client, kwargs, param):
     kwargs = {"input": QUESTION, **kwargs}

@@ -389,6 +389,23 @@ def test_bad_input_400(server, path, body, param):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("messages, param, role", [
+    ([{"role": ""}], "messages[0].role", ""),
+    ([{"role": "", "content": "hi"}], "messages[0].role", ""),
+    ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}], "messages[1].role", "robot"),
+    ([{"role": "User", "content": "hi"}], "messages[0].role", "User"),
+])
+def test_unknown_role_400(client, messages, param, role):
+    """A role that is not a chat role is refused (as OpenAI and vLLM do), not rendered as text."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    err = e.value.body
+    assert err["param"] == param, err
+    assert f"{param}: {role!r} is not a chat role; allowed: system, developer, user, assistant, tool" \
+        == err["message"], err
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("content", [b"{not json", b"[]", b'"text"', b"", b'{"prompt": "hi", "temperature": NaN}',
                                      b'{"prompt": "hi", "temperature": Infinity}', b"\xff\xfe"])
 def test_malformed_bodies_400(server, content):

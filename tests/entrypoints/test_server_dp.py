@@ -55,3 +55,23 @@ def test_dp2_greedy_equals_one_replica(server):
     m = wait_idle(server)
     per_replica = [m.get(f'pagedllm:dp_replica_requests_added{{replica="{i}"}}', 0) for i in range(2)]
     assert sum(per_replica) == NUM_PROMPTS and min(per_replica) >= 1, per_replica
+
+
+@pytest.mark.timeout(300)
+def test_requests_sharing_a_prefix_go_to_the_replica_caching_it(server):
+    """One at a time (the replicas equally idle), requests that share a 64-token prefix (4 blocks
+    of 16) all go to the replica that cached it: each after the first finds those 64 tokens in
+    the prefix cache (on the other replica it would find none), and one replica's count grows by 6."""
+    m0 = wait_idle(server)
+    before = [m0.get(f'pagedllm:dp_replica_requests_added{{replica="{i}"}}', 0) for i in range(2)]
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 512, (64,), generator=g).tolist()
+    client = server.client()
+    cached = []
+    for i in range(6):
+        r = client.completions.create(model=TINY, prompt=prefix + [100 + i, 7, 9], max_tokens=2, temperature=0)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached == [0] + [64] * 5, cached
+    m = wait_idle(server)
+    added = [m.get(f'pagedllm:dp_replica_requests_added{{replica="{i}"}}', 0) - before[i] for i in range(2)]
+    assert sorted(added) == [0, 6], added

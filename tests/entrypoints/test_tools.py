@@ -4,6 +4,7 @@ required and named functions give arguments valid for the function's schema ever
 grammar enforces them, on a random-weight model), "auto" parses a Hermes call from text
 (forced here by a regex), streaming deltas concatenate to the same calls, and a history with the
 assistant's calls and the tool's answers is accepted."""
+import asyncio
 import json
 
 import jsonschema
@@ -130,3 +131,74 @@ def test_auto_parses_hermes_text_and_round_trip(client, model):
 def test_bad_tools_400(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 5, **body}, timeout=30)
     assert assert_error(r, 400)["param"] == param
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{3,6}$"},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}
+CITY_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+NAMED = '"name": "get_weather"'
+
+
+async def _message_of_stream(stream):
+    """(content, [(name, arguments)], finish_reason) from the deltas."""
+    content, calls, finish = "", {}, None
+    async for ch in stream:
+        choice = ch.choices[0]
+        finish = choice.finish_reason or finish
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            entry = calls.setdefault(d.index, ["", ""])
+            entry[0] += (d.function and d.function.name) or ""
+            entry[1] += (d.function and d.function.arguments) or ""
+    return content, [tuple(v) for v in calls.values()], finish
+
+
+@pytest.mark.timeout(600)   # the first to run starts the shared server
+def test_required_cut_by_max_tokens_keeps_what_was_generated(server, client, model):
+    """A forced call cut by max_tokens at every token: what the model wrote is in the answer, as
+    OpenAI's API does it (finish_reason "length"): the calls named so far, the last one with the
+    arguments written so far (up to an unfinished value); cut before the name, the text as content.
+    The stream's deltas add up to the same message."""
+    kw = dict(model=model, messages=MSG, tools=CITY_TOOL, tool_choice="required", parallel_tool_calls=False,
+              temperature=0)
+    whole = client.chat.completions.create(max_tokens=200, logprobs=True, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    # The grammar writes compact JSON with json.dumps' separators: the raw output, by hand.
+    raw = '[{"name": "get_weather", "parameters": ' + call.function.arguments + "}]"
+    tokens = [t.token for t in whole.logprobs.content]
+    assert "".join(tokens[:-1]) == raw   # the last token is the end of the turn
+    args_at = raw.index('"parameters": ') + len('"parameters": ')
+    cuts = range(1, len(tokens) - 1)
+
+    async def every_cut():   # all at once (one batch), whole and streamed
+        aclient = server.async_client()
+        try:
+            async def streamed(k):
+                return await _message_of_stream(await aclient.chat.completions.create(max_tokens=k, stream=True, **kw))
+            return await asyncio.gather(asyncio.gather(*(aclient.chat.completions.create(max_tokens=k, **kw)
+                                                         for k in cuts)),
+                                        asyncio.gather(*(streamed(k) for k in cuts)))
+        finally:
+            await aclient.close()
+    wholes, streams = asyncio.run(every_cut())
+    for k, w, streamed in zip(cuts, wholes, streams):
+        text = "".join(tokens[:k])
+        r = w.choices[0]
+        m = r.message
+        assert r.finish_reason == "length", (k, r)
+        if NAMED not in text:   # cut before the name is whole: the text itself
+            assert m.content == text and not m.tool_calls, (k, text, m)
+            got = (text, [])
+        else:
+            assert m.content is None and [c.function.name for c in m.tool_calls] == ["get_weather"], (k, text, m)
+            args = m.tool_calls[0].function.arguments
+            written = text[args_at:]
+            # What was written, up to an unfinished string or number at the cut (and the brackets
+            # that close the arguments when they are closed).
+            assert written.startswith(args) and len(written) - len(args) <= len('"city": "abcdef"'), (k, text, args)
+            if written.endswith("}}"):   # the call is closed: its arguments are whole
+                assert json.loads(args) == json.loads(call.function.arguments), (k, text, args)
+            got = ("", [("get_weather", args)])
+        assert streamed == (*got, "length"), k

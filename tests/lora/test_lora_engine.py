@@ -4,6 +4,7 @@ in mixed batches (adapters and base interleaved, chunked prefill, preemption), w
 adapters than slots, and the prefix cache kept apart per adapter."""
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy
+from kernel_utils import decode_loop_off_reason, require_decode_loop
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.llm import LLM
@@ -43,7 +44,8 @@ def test_mixed_batch_chunked_prefill_preemption(tiny_dir, tiny_adapters, tiny_re
               max_num_batched_tokens=16, num_gpu_blocks=24, max_model_len=128)
     runner = _runner(llm)
     spy = None
-    if runner.decode_loop is not None:
+    if decode_loop_off_reason() is None:   # else the greedy checks still run, without the loop
+        require_decode_loop(runner)
         runner.decode_loop = spy = _LoopSpy(runner)
     loras = [tiny_adapters[i % 4 - 1] if i % 4 else None for i in range(8)]   # base, a1, a2, a3, base, ...
     outs = llm.generate(PROMPTS[:8], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False,

@@ -1,5 +1,6 @@
 """LoRA through the server with the official openai client: adapters given at start
-(--lora-modules) and loaded / unloaded at run time, the request's `model` picking the adapter
+(--lora-modules) and loaded / unloaded at run time (switched on by
+$PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1; off, those routes are 404s), the request's `model` picking the adapter
 (greedy equal to PEFT's merged model), /v1/models with `parent`, 404 for an unknown adapter,
 400 for a bad adapter directory while the server goes on serving, and lora_requests_info."""
 import httpx
@@ -15,8 +16,8 @@ PROMPT, MAX_TOKENS = [5, 17, 40, 9, 200, 33, 71], 8
 def server(tiny_dir, tiny_adapters):
     a1, a2 = tiny_adapters[:2]
     srv = RemoteServer(["--model", tiny_dir, "--max-model-len", "128", "--enable-lora", "--max-loras", "2",
-                        "--lora-modules", f"{a1.lora_name}={a1.lora_path}", f"{a2.lora_name}={a2.lora_path}",
-                        "--allow-runtime-lora-updating"])
+                        "--lora-modules", f"{a1.lora_name}={a1.lora_path}", f"{a2.lora_name}={a2.lora_path}"],
+                       env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})   # as --allow-runtime-lora-updating
     yield srv
     srv.close()
 
@@ -64,3 +65,13 @@ def test_adapters_served_loaded_and_unloaded(server, client, tiny_dir, tiny_adap
 
     info = [k for k in server.metrics() if k.startswith("pagedllm:lora_requests_info{")]
     assert info and all('max_lora="2"' in k for k in info), info
+
+
+def test_runtime_updating_off_is_404(tiny_shared_server, tiny_adapters):
+    """Without the switch (flag or variable) the run-time routes are 404s, saying how to turn it on."""
+    a3 = tiny_adapters[2]
+    client = tiny_shared_server.client()
+    for path, body in (("/load_lora_adapter", {"lora_name": a3.lora_name, "lora_path": a3.lora_path}),
+                       ("/unload_lora_adapter", {"lora_name": a3.lora_name})):
+        with pytest.raises(openai.NotFoundError, match="PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
+            client.post(path, cast_to=httpx.Response, body=body)

@@ -137,7 +137,8 @@ def test_perplexity_windows_score_each_token_once():
 @pytest.mark.model
 def test_perplexity_float32_equals_transformers(model_dir, tokenizer, hf_model):
     """The benchmark's pagedllm float32 perplexity equals transformers' on the same windows to
-    1e-4 relative; bfloat16 stays within 5 % of float32 (a broken bf16 path is far off)."""
+    1e-4 relative; bfloat16's is within 1 % of float32's (README: no measurable cost; measured
+    here -0.5 %, transformers' own bfloat16 -0.2 %)."""
     from pagedllm.benchmarks.perplexity import (DEFAULT_TEXT, hf_window_logits, load_pagedllm,
                                                 pagedllm_window_logits, perplexity, text_ids, windows)
     ids = text_ids(tokenizer, DEFAULT_TEXT, 200)
@@ -149,7 +150,7 @@ def test_perplexity_float32_equals_transformers(model_dir, tokenizer, hf_model):
         res[dtype] = perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)
     assert res["float32"]["tokens"] == ref["tokens"] == 199
     assert abs(res["float32"]["perplexity"] / ref["perplexity"] - 1) < 1e-4, (res, ref)
-    assert abs(res["bfloat16"]["perplexity"] / res["float32"]["perplexity"] - 1) < 0.05, res
+    assert abs(res["bfloat16"]["perplexity"] / res["float32"]["perplexity"] - 1) < 0.01, res
 
 
 GREEDY_TOKENS = 32

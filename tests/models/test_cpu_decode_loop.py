@@ -24,15 +24,14 @@ class _Counting:
 
 def _decode_loop(llm):
     """The engine's runner, whose C++ decode loop is built wherever a compiler exists."""
-    import os
-
+    from pagedllm import envs
     from pagedllm.attention.cpu_kernels import decode_kernel
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     model = runner.model
-    if os.environ.get("PAGEDLLM_CPU_DECODE_LOOP") == "0":
+    if not envs.PAGEDLLM_CPU_DECODE_LOOP:   # as the engine reads it
         pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
     dtype = model.norm.weight.dtype
     if not packed_linear_supported(dtype):

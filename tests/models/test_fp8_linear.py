@@ -1,37 +1,47 @@
-"""The block-FP8 GEMM of Fp8LinearMethod (models/layers/fp8_linear.py): under Triton's
-interpreter against float64 math on the dequantized weight (odd M / N / K, partial blocks,
-blocks of [128, 128] and [64, 32], float32 and float16 activations; bf16 dots are not run: the
-3.9 interpreter multiplies bf16's raw bits), the method on a layer (load float, quantize,
-apply), and the kernel compiled for sm_90 (no spills) in a subprocess without the interpreter."""
+"""The block-FP8 GEMM of Fp8LinearMethod (models/layers/fp8_linear.py): on a GPU, or under
+Triton's interpreter on the CPU, against float64 math on the weight dequantized block by block
+(tests/models/fp8_reference.py; odd M / N / K, partial blocks, blocks of [128, 128] and
+[64, 32], float32, float16 and bfloat16 activations: bf16 only on a GPU, the 3.9 interpreter
+multiplies bf16's raw bits), the method on a layer (load float, quantize, apply), and the kernel
+compiled for sm_90 (no spills) in a subprocess without the interpreter."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported anywhere
-
-import pytest
 import torch
-from kernel_utils import run_aot_script
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported anywhere (as conftest.py)
+
+import pytest  # noqa: E402
+from fp8_reference import dequantize_blocks  # noqa: E402
+from kernel_utils import run_aot_script  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
-from pagedllm.models.fp8_weights import dequantize_block_fp8  # noqa: E402
 from pagedllm.models.layers.fp8_linear import (Fp8LinearMethod, block_fp8_linear,  # noqa: E402
                                                quantize_block_fp8)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("M,N,K,block,dtype", [
     (1, 200, 300, (128, 128), torch.float32),     # a decode row; partial blocks on both axes
     (37, 96, 160, (64, 32), torch.float32),
     (19, 130, 256, (128, 128), torch.float16),
+    (19, 130, 256, (128, 128), torch.bfloat16),
+    (1, 200, 300, (128, 128), torch.bfloat16),
 ])
 def test_block_fp8_matmul_matches_dequantized_reference(M, N, K, block, dtype):
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("no CUDA device (the CPU interpreter cannot run bf16 tl.dot)")
     g = torch.Generator().manual_seed(M + N)
     w, s = quantize_block_fp8(torch.randn(N, K, generator=g) * 0.05, block)
     x = torch.randn(M, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype)
-    ref = x.double() @ dequantize_block_fp8(w, s, block, torch.float64).T + bias.double()
-    out = block_fp8_linear(x, w, s, block, bias)
+    ref = x.double() @ dequantize_blocks(w, s, block).T + bias.double()
+    out = block_fp8_linear(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), block, bias.to(DEVICE)).cpu()
     assert out.dtype == dtype and out.shape == (M, N)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    # the output is rounded to the activations' dtype (bf16: 8 bits of mantissa)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
@@ -43,13 +53,13 @@ def test_method_keeps_the_checkpoint_blocks():
     layer = torch.nn.Module()
     method = Fp8LinearMethod((128, 128))
     method.create_weights(layer, 256, 192)
-    layer.weight.data.copy_(dequantize_block_fp8(q, s, (128, 128), torch.float32))
+    layer.weight.data.copy_(dequantize_blocks(q, s, (128, 128)).float())
     method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
     torch.testing.assert_close(layer.weight_scale_inv, s, rtol=1e-6, atol=0)
     x = torch.randn(5, 256, generator=g)
-    ref = torch.nn.functional.linear(x.double(), dequantize_block_fp8(q, s, (128, 128), torch.float64))
+    ref = torch.nn.functional.linear(x.double(), dequantize_blocks(q, s, (128, 128)))
     torch.testing.assert_close(method.apply(layer, x).double(), ref, atol=1e-5, rtol=1e-5)
 
 

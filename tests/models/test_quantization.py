@@ -238,7 +238,7 @@ def _quantized_agreement(model, quant, prompts, ref) -> float:
 @pytest.mark.model
 def test_gguf_greedy_agrees_with_float32(agreement_prompts, float32_greedy):
     """The default model's float32 directory was dequantised from this very Q4_1 file."""
-    assert _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy) >= 0.95
+    assert _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy) == 1.0   # README: 100 %
 
 
 @pytest.mark.model
@@ -247,4 +247,4 @@ def test_int8_greedy_agrees_with_float32(model_dir, agreement_prompts, float32_g
     default model's weights are Q4_1 values, 16 evenly spaced levels, which 255 = 15 x 17 steps
     hold exactly (symmetric scales over [-amax, amax] blur them; 254 steps from the midpoint
     agreed on 80 %)."""
-    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy) >= 0.95
+    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy) == 1.0   # README: 100 %

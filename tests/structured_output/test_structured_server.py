@@ -128,3 +128,34 @@ def test_invalid_specs_400(server, body, param, words):
         r = httpx.post(server.base_url[:-3] + path, json={**extra, "max_tokens": 5, **body}, timeout=30)
         err = assert_error(r, 400)
         assert err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.timeout(600)   # the first to run starts the shared server
+def test_response_format_json_object(server):
+    """OpenAI's `response_format: {"type": "json_object"}`: a JSON object every time (a random
+    model: the grammar alone makes it one), streamed as whole; all at once (one batch)."""
+    name = server_model(server)
+    kw = dict(model=name, messages=MSG, response_format={"type": "json_object"}, temperature=1.0, max_tokens=300)
+
+    async def run():
+        client = server.async_client(timeout=300)
+
+        async def streamed(seed):
+            out = await client.chat.completions.create(seed=seed, stream=True, **kw)
+            return "".join([ch.choices[0].delta.content or "" async for ch in out if ch.choices])
+        try:
+            return await asyncio.gather(asyncio.gather(*(client.chat.completions.create(seed=s, **kw) for s in SEEDS)),
+                                        asyncio.gather(*(streamed(s) for s in SEEDS)))
+        finally:
+            await client.close()
+    wholes, streams = asyncio.run(run())
+    finished = 0
+    for r, text in zip(wholes, streams):
+        c = r.choices[0]
+        assert text == c.message.content
+        if c.finish_reason == "stop":
+            finished += 1
+            assert isinstance(json.loads(c.message.content), dict), c.message.content
+        else:   # cut by max_tokens: an object's beginning
+            assert c.finish_reason == "length" and c.message.content.startswith("{"), c
+    assert finished >= 3, finished

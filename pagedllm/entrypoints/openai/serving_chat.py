@@ -10,7 +10,7 @@ import json
 from typing import Optional
 
 from pagedllm.engine.output_processor import OutputKind
-from pagedllm.entrypoints.llm import apply_chat_template
+from pagedllm.entrypoints.llm import apply_chat_template, check_role
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, prompt_logprobs_json,
@@ -51,7 +51,9 @@ class OpenAIServingChat(OpenAIServing):
         """The messages as the chat template takes them; 400 when their text alone cannot fit
         in the context (checked before the template renders or the tokenizer runs)."""
         conv = []
-        for m in req_messages:
+        for i, m in enumerate(req_messages):
+            with bad_input_is_400():
+                check_role(m.role, f"messages[{i}].role")
             try:
                 text = m.text()
             except ValueError as e:
@@ -212,7 +214,7 @@ class OpenAIServingChat(OpenAIServing):
             lp = None
             if req.logprobs and c.logprobs is not None:
                 lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-            reasoning, content, calls = output_parser().final(c.text)
+            reasoning, content, calls = output_parser().final(c.text, truncated=c.finish_reason == "length")
             message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
                                                 finish_reason=_finish_reason(c.finish_reason, bool(calls)),
@@ -283,7 +285,7 @@ class OpenAIServingChat(OpenAIServing):
                     if req.logprobs and c.logprobs:
                         lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0).model_dump()
                     parser = parsers[c.index]
-                    delta = parser.delta(c.text, c.finish_reason is not None)
+                    delta = parser.delta(c.text, c.finish_reason is not None, c.finish_reason == "length")
                     if not delta and lp is None and c.finish_reason is None:
                         continue
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,

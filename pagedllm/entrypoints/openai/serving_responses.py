@@ -9,6 +9,7 @@ import uuid
 from typing import Any, AsyncIterator, Optional
 
 from pagedllm.engine.output_processor import OutputKind
+from pagedllm.entrypoints.llm import check_role
 from pagedllm.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, bad_input_is_400, sse, stream_error
@@ -37,6 +38,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             if item.type not in (None, "message") or item.role is None:
                 raise OpenAIError(f"input[{i}]: only message items (role and content) are supported, "
                                   f"got type {item.type!r}", param="input")
+            with bad_input_is_400():
+                check_role(item.role, f"input[{i}].role")
             content = item.content
             if isinstance(content, list):
                 bad = [p.type for p in content if p.type not in _TEXT_PARTS or p.text is None]

@@ -20,13 +20,19 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
     return schema
 
 
+def _closed(text: str) -> bool:
+    """Whether the JSON text is whole, or an array whose last element is."""
+    return loads(text, partial=False) is not None or loads(text + "]", partial=False) is not None
+
+
 class RequiredToolParser(ToolParser):
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         calls = loads(text, partial)
         out = ParsedOutput()
+        last_closed = not partial or _closed(text)
         for i, obj in enumerate(calls if isinstance(calls, list) else []):
-            # Only the last element can still grow.
-            call = call_from(obj, "parameters", not partial or i < len(calls) - 1)
+            # Only the last element can still grow, until its brace is written.
+            call = call_from(obj, "parameters", last_closed or i < len(calls) - 1)
             if call is not None:
                 out.calls.append(call)
         return out
@@ -38,4 +44,7 @@ class NamedToolParser(ToolParser):
 
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         args: Optional[object] = loads(text, partial)
-        return ParsedOutput(calls=[ParsedCall(self.name, args if args is not None else {}, not partial)])
+        if args is None and not partial and text.strip():   # not JSON (an output cut short): text
+            return ParsedOutput(content=text)
+        return ParsedOutput(calls=[ParsedCall(self.name, args if args is not None else {},
+                                              not partial or _closed(text))])

@@ -1,0 +1,96 @@
+"""The `pagedllm bench` subcommands a user runs, end to end as subprocesses on tiny random models
+and small workloads: each finishes, writes its JSON, and what it reports holds against values
+worked out here (FLOPs from the config by hand, the prefix-cache hits of a shared prompt, two
+systems fed the same requests counting the same tokens). Speed figures are BENCHMARKS.md's."""
+import json
+import subprocess
+import sys
+
+import pytest
+from server_utils import REPO, TINY
+
+pytestmark = pytest.mark.slow
+
+
+def bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args, "--output-json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_throughput(tmp_path):
+    d = bench(tmp_path, "throughput", "--model", TINY, "--num-prompts", "6", "--max-input-len", "40",
+              "--min-output-len", "4", "--max-output-len", "12", "--hf-num-prompts", "6")
+    ours, hf = d["results"]
+    assert (ours["system"], hf["system"]) == ("pagedllm", "transformers")
+    # The same 6 requests: the same prompt and output tokens counted by both.
+    assert ours["requests"] == hf["requests"] == 6
+    assert ours["input_tokens"] == hf["input_tokens"] and ours["output_tokens"] == hf["output_tokens"]
+    assert d["ratio"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])
+
+
+def test_prefix_caching(tmp_path):
+    """4 prompts of one 64-token system prompt (4 blocks of 16) and 8-token questions: with
+    caching the last 3 find the 4 blocks (192 tokens), and the outputs are those without it."""
+    d = bench(tmp_path, "prefix-caching", "--model", TINY, "--num-prompts", "4", "--system-len", "64",
+              "--question-len", "8", "--output-len", "4")
+    off, on = d["rows"]
+    assert (off["system"], on["system"]) == ("prefix caching off", "prefix caching on")
+    assert (off["cached_tokens"], on["cached_tokens"]) == (0, 3 * 64)
+    assert d["outputs_identical"] is True
+
+
+def test_roofline(tmp_path):
+    d = bench(tmp_path, "roofline", "--model", TINY, "--num-prompts", "4", "--max-input-len", "32", "--min-output-len", "4",
+              "--max-output-len", "8", "--mm-size", "256")
+    cfg = json.loads(open(f"{d['model']}/config.json").read())
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    weights = h * q + 2 * h * kv + q * h + 3 * h * i   # q, k, v, o; gate, up, down
+    assert d["model_flops"] == {"linear": 2 * layers * weights, "lm_head": 2 * h * cfg["vocab_size"],
+                                "attention_per_ctx": 2 * 2 * q * layers}
+    run = d["pagedllm"]
+    assert d["achieved_flops_per_s"] == pytest.approx(d["workload_flops"] / run["elapsed_s"])
+    assert d["fraction"] == pytest.approx(d["achieved_flops_per_s"] / max(d["mm_flops_per_s"]))
+
+
+def test_kv_memory_without_sliding_layers(tmp_path):
+    """random:tiny has no sliding-window layer: both accountings hold the same blocks."""
+    d = bench(tmp_path, "kv-memory", "--model", TINY, "--input-len", "8", "--output-len", "40")
+    assert d["rows"] and all(r["saving"] == 1.0 and r["groups_mib"] == r["one_table_mib"] for r in d["rows"])
+    assert d["peak_bytes_groups"] == d["peak_bytes_one_table"] > 0
+
+
+def test_lora(tmp_path):
+    d = bench(tmp_path, "lora", "--model", TINY, "--num-prompts", "4", "--num-adapters", "2", "--rank", "4",
+              "--input-len", "8", "16", "--output-len", "4", "8")
+    base, lora = d["rows"]
+    assert base["system"] == "base model" and lora["system"] == "2 adapters, rank 4"
+    assert base["requests"] == lora["requests"] == 4 and base["output_tokens"] == lora["output_tokens"]
+    assert d["ratio"] == pytest.approx(lora["output_tok_s"] / base["output_tok_s"])
+
+
+def test_perplexity_against_transformers(tmp_path):
+    """random:tiny's words ("w<id>") as the text: pagedllm's float32 perplexity equals
+    transformers' on the same windows."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{(i * 37) % 500 + 3}" for i in range(150)))
+    d = bench(tmp_path, "perplexity", "--model", TINY, "--text", str(text), "--dtypes", "float32",
+              "--hf-dtypes", "float32", "--window", "64", "--stride", "32")
+    rows = {r["system"]: r for r in d["results"]}
+    assert set(rows) == {"pagedllm", "transformers"} and d["text_tokens"] == 150
+    assert rows["pagedllm"]["perplexity"] == pytest.approx(rows["transformers"]["perplexity"], rel=1e-4)
+
+
+def test_structured(tmp_path):
+    sys.path.insert(0, f"{REPO}/tests/structured_output")
+    from tiny_chat_model import make_tiny_chat_model
+    model = make_tiny_chat_model(tmp_path / "tiny-chat")
+    d = bench(tmp_path, "structured", "--model", str(model), "--num-prompts", "4", "--output-len", "64")
+    free, constrained = d["rows"]
+    assert (free["system"], constrained["system"]) == ("unconstrained", "JSON schema")
+    # A random model writes long strings: each answer is whole JSON or cut at --output-len.
+    assert free["requests"] == constrained["requests"] == 4
+    assert constrained["valid_json"] == 4 or constrained["output_tokens"] > 3 * 64, constrained
