@@ -36,9 +36,16 @@ def _greedy_agreement(ours, ref) -> float:
 
 
 def _hf_greedy(model, prompts, n):
+    """Argmax of a full forward, n times per prompt (generate() would suppress EOS, which the
+    engine's ignore_eos leaves in)."""
+    outs = []
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):]
-                .tolist() for p in prompts]
+        for p in prompts:
+            ids = list(p)
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outs.append(ids[len(p):])
+    return outs
 
 
 def _divergence_gaps(model, prompts, ours, ref) -> list[float]:
@@ -79,17 +86,22 @@ def test_config_and_tokenizer_match_transformers_reader(which, tmp_path):
     assert (ours.bos_token, ours.eos_token, ours.chat_template) == (ref.bos_token, ref.eos_token, ref.chat_template)
 
 
+# What each architecture's tiny model sets beyond TINY (llama.cpp's assumptions included: Qwen3-MoE
+# renormalises its top-k, Gemma 3 has a global layer every 6th and scales attention by head_dim).
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1,
+            tie_word_embeddings=True)
+TINY_ARCH = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": dict(tie_word_embeddings=False, sliding_window=None),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+             "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+             "gemma3_text": dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=32)}
+
+
 def _tiny_hf(model_type, seed=0):
     """A tiny transformers model of the architecture, weights wide enough (std 0.1) that the
     greedy choice is rarely a near tie."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5,
-              initializer_range=0.1)
-    if model_type == "mistral":
-        kw.update(tie_word_embeddings=False, sliding_window=None)
-    else:
-        kw.update(tie_word_embeddings=True)
+    kw = {**TINY, **TINY_ARCH[model_type]}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
     if model_type == "qwen2":   # q/k/v biases are zeros at init: make them count
@@ -111,6 +123,37 @@ def test_written_file_agrees_with_transformers(model_type, qtype, tmp_path, monk
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
     path = write_gguf(_tiny_hf(model_type), tmp_path / f"{model_type}.gguf", qtype)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    prompts = [[5 + i, (17 * i) % 500 + 3, 100 + i, 250, 7 * i + 1] for i in range(8)]
+    ref_out = _hf_greedy(ref, prompts, GREEDY_TOKENS)
+    assert len({t for r in ref_out for t in r}) > 8, "a degenerate reference (one repeated token) proves nothing"
+    ours = _engine_greedy(path, prompts, GREEDY_TOKENS)
+    agree, gaps = _greedy_agreement(ours, ref_out), _divergence_gaps(ref, prompts, ours, ref_out)
+    print(f"{model_type} {qtype}: {agree:.1%} agree; gaps at the divergences {gaps}")
+    assert agree >= 0.75 and all(g < 0.05 for g in gaps)
+
+
+def _quantize_like_the_file(model, qtype):
+    """The model's weights as the writer's file holds them: every matrix (but the MoE router)
+    through the gguf package's quantize and dequantize, row by row."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    t = GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, p in model.named_parameters():   # tied weights once
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(dequantize(quantize(p.float().numpy(), t), t).reshape(p.shape)))
+    return model
+
+
+@pytest.mark.parametrize("model_type,qtype", [("llama", "Q4_0"), ("qwen3", "Q8_0"), ("qwen3_moe", "Q4_1"),
+                                              ("mixtral", "Q5_0"), ("gemma3_text", "Q4_0")])
+def test_every_architecture_agrees_with_its_dequantised_hf_model(model_type, qtype, tmp_path, monkeypatch):
+    """Each registered architecture's file (llama.cpp's names, Q/K order, Gemma's norm + 1,
+    stacked experts) against transformers' own class holding the same dequantised weights."""
+    monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
+    model = _tiny_hf(model_type)
+    path = write_gguf(model, tmp_path / f"{model_type}.gguf", qtype)
+    ref = _quantize_like_the_file(model, qtype)
     prompts = [[5 + i, (17 * i) % 500 + 3, 100 + i, 250, 7 * i + 1] for i in range(8)]
     ref_out = _hf_greedy(ref, prompts, GREEDY_TOKENS)
     assert len({t for r in ref_out for t in r}) > 8, "a degenerate reference (one repeated token) proves nothing"

@@ -1,7 +1,8 @@
 """GGUF files from a transformers model (random weights of a real shape), written as llama.cpp's
 convert_hf_to_gguf.py writes them: its tensor names (the gguf package's own name table), its
 `{arch}.*` metadata, Q/K rows permuted for Llama / Mistral, Gemma's norms stored as 1 + w,
-Llama 3's RoPE scaling as rope_freqs.weight, and a byte-level BPE vocabulary ("gpt2", as
+Llama 3's RoPE scaling as rope_freqs.weight, transformers' fused experts [E, 2I, H] written
+as ffn_gate_exps / ffn_up_exps [E, I, H] (the router in F32), and a byte-level BPE vocabulary ("gpt2", as
 llama.cpp writes for Llama 3 and Qwen 2) with ChatML special tokens. Matrices are quantized
 with the gguf package (gguf.quants.quantize); norms and biases stay F32.
 
@@ -18,8 +19,9 @@ import numpy as np
 # What gguf.quants.quantize makes (the K types it only dequantises).
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "F32")
 # HF model_type -> llama.cpp architecture name (Mistral is written as "llama").
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-PERMUTES_QK = ("llama", "mistral")
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+PERMUTES_QK = ("llama", "mistral", "mixtral")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -48,7 +50,8 @@ def write_gguf(model, out, qtype: str, name: str = "random") -> Path:
     _write_hparams(writer, cfg)
     _write_vocab(writer, cfg.vocab_size)
     for gguf_name, data in _gguf_tensors(model, arch):
-        if data.ndim == 2 and qtype != "F32":
+        # llama.cpp leaves the MoE router (ffn_gate_inp) in F32, as norms and biases
+        if data.ndim >= 2 and qtype != "F32" and ".ffn_gate_inp." not in gguf_name:
             t = GGMLQuantizationType[qtype]
             writer.add_tensor(gguf_name, _quantize(data, t), raw_dtype=t)
         else:
@@ -91,6 +94,12 @@ def _write_hparams(w, cfg) -> None:
         w.add_value_length(head_dim)
     if cfg.model_type == "gemma3_text":
         w.add_sliding_window(cfg.sliding_window)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if cfg.model_type == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
 def _write_vocab(w, vocab_size: int) -> None:
@@ -135,9 +144,17 @@ def _gguf_tensors(model, arch: str):
     for hf_name, tensor in model.state_dict().items():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
+        if hf_name.endswith(".experts.gate_up_proj"):   # [E, 2I, H]: gate rows, then up rows
+            gate, up = tensor.detach().float().numpy().reshape(tensor.shape[0], 2, -1, tensor.shape[2]).swapaxes(0, 1)
+            stem = hf_name.removesuffix("gate_up_proj")
+            yield names.get_name(stem + "gate_proj") + ".weight", gate
+            yield names.get_name(stem + "up_proj") + ".weight", up
+            continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"tensor {hf_name!r} has no llama.cpp name for architecture {arch}")
+        if not gguf_name.endswith((".weight", ".bias")):   # transformers' fused experts: no suffix
+            gguf_name += ".weight"
         data = tensor.detach().float().numpy()
         if cfg.model_type in PERMUTES_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
