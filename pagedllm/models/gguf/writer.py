@@ -3,8 +3,9 @@ convert_hf_to_gguf.py writes them: its tensor names (the gguf package's own name
 `{arch}.*` metadata, Q/K rows permuted for Llama / Mistral, Gemma's norms stored as 1 + w,
 Llama 3's RoPE scaling as rope_freqs.weight, transformers' fused experts [E, 2I, H] written
 as ffn_gate_exps / ffn_up_exps [E, I, H] (the router in F32), and a byte-level BPE vocabulary ("gpt2", as
-llama.cpp writes for Llama 3 and Qwen 2) with ChatML special tokens. Matrices are quantized
-with the gguf package (gguf.quants.quantize); norms and biases stay F32.
+llama.cpp writes for Llama 3 and Qwen 2) with ChatML special tokens. Each tensor's type is
+file_types.py's rule; the gguf package quantizes (gguf.quants.quantize), kquants.py the K types
+it cannot.
 
 `pagedllm make-gguf --shape llama-3.2-1b --type Q4_0 --out FILE` (models/gguf/cli.py).
 """
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-# What gguf.quants.quantize makes (the K types it only dequantises).
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "F32")
+from pagedllm.models.gguf.file_types import LLAMA_FTYPE, check_file_type, tensor_type
+from pagedllm.models.gguf.kquants import K_QUANTIZERS
+
 # HF model_type -> llama.cpp architecture name (Mistral is written as "llama").
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
@@ -33,13 +35,12 @@ BPE_TEXT = ("A paged KV cache holds each sequence's keys and values in fixed-siz
             "The quick brown fox jumps over the lazy dog 0123456789 times, and then it rests.")
 
 
-def write_gguf(model, out, qtype: str, name: str = "random") -> Path:
-    """Write the transformers causal LM `model` to the GGUF file `out`, matrices in `qtype`."""
+def write_gguf(model, out, file_type: str, name: str = "random") -> Path:
+    """Write the transformers causal LM `model` to the GGUF file `out` (file_type: file_types.py's
+    FILE_TYPES, e.g. Q4_0 or the mix Q4_K_M)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    if qtype not in QUANT_TYPES:
-        raise ValueError(f"type must be one of {', '.join(QUANT_TYPES)} (what the gguf package quantizes), "
-                         f"got {qtype!r}")
+    check_file_type(file_type)
     cfg = model.config
     if cfg.model_type not in GGUF_ARCH:
         raise ValueError(f"model_type {cfg.model_type!r} has no GGUF writer; supported: {', '.join(GGUF_ARCH)}")
@@ -47,15 +48,18 @@ def write_gguf(model, out, qtype: str, name: str = "random") -> Path:
     out = Path(out)
     writer = GGUFWriter(str(out), arch)
     writer.add_name(name)
+    writer.add_file_type(LLAMA_FTYPE[file_type])
+    writer.add_quantization_version(2)
     _write_hparams(writer, cfg)
     _write_vocab(writer, cfg.vocab_size)
+    has_output = not getattr(cfg, "tie_word_embeddings", False)
     for gguf_name, data in _gguf_tensors(model, arch):
-        # llama.cpp leaves the MoE router (ffn_gate_inp) in F32, as norms and biases
-        if data.ndim >= 2 and qtype != "F32" and ".ffn_gate_inp." not in gguf_name:
-            t = GGMLQuantizationType[qtype]
-            writer.add_tensor(gguf_name, _quantize(data, t), raw_dtype=t)
+        type_name = tensor_type(file_type, gguf_name, data.shape, cfg.num_hidden_layers, has_output)
+        if type_name in ("F32", "F16"):
+            writer.add_tensor(gguf_name, data.astype(np.float32 if type_name == "F32" else np.float16))
         else:
-            writer.add_tensor(gguf_name, data.astype(np.float32))
+            t = GGMLQuantizationType[type_name]
+            writer.add_tensor(gguf_name, quantize_rows(data, type_name), raw_dtype=t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -63,11 +67,14 @@ def write_gguf(model, out, qtype: str, name: str = "random") -> Path:
     return out
 
 
-def _quantize(data: np.ndarray, qtype):
+def quantize_rows(data: np.ndarray, type_name: str) -> np.ndarray:
+    """[..., K] float -> the type's blocks [..., row bytes]."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    if qtype.name == "F16":
-        return data.astype(np.float16)
-    return quantize(data.astype(np.float32), qtype)
+    if type_name in K_QUANTIZERS:
+        rows = K_QUANTIZERS[type_name](data.reshape(-1, data.shape[-1]))
+        return rows.reshape(*data.shape[:-1], rows.shape[-1])
+    return quantize(data.astype(np.float32), GGMLQuantizationType[type_name])
 
 
 def rope_theta(cfg) -> float:
@@ -110,14 +117,16 @@ def _write_vocab(w, vocab_size: int) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=len(alphabet) + BPE_MERGES,
-                                                            initial_alphabet=alphabet, show_progress=False))
+    if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} is below the byte-level BPE's {len(alphabet) + len(SPECIAL_TOKENS)} "
+                         "tokens (its 256 bytes and the special tokens)")
+    merges_wanted = min(BPE_MERGES, vocab_size - len(alphabet) - len(SPECIAL_TOKENS))
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=len(alphabet) + merges_wanted,
+                                                        initial_alphabet=alphabet, show_progress=False))
     spec = json.loads(bpe.to_str())["model"]
     tokens = sorted(spec["vocab"], key=spec["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
     first_special = len(tokens)
-    if first_special + len(SPECIAL_TOKENS) > vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is below the writer's {first_special + len(SPECIAL_TOKENS)} tokens")
     tokens += list(SPECIAL_TOKENS) + [f"<|unused_{i}|>" for i in range(vocab_size - first_special - len(SPECIAL_TOKENS))]
     normal, control, unused = 1, 3, 5   # llama.cpp's token types
     types = [normal] * first_special + [control] * len(SPECIAL_TOKENS)
