@@ -2,7 +2,8 @@
 
 `--model random:<shape>` (e.g. `random:llama-3.2-1b`) resolves to
 `$PAGEDLLM_HOME/models/random-<shape>`, made on first use: the shape's transformers model class
-(Llama unless the shape says `model_type`) with random weights (seed 0) saved as safetensors, and a word-level tokenizer that names every id
+(Llama unless the shape says `model_type`) with random weights (seed 0) saved as safetensors,
+and a word-level tokenizer that names every id
 ("w123"), so that any id a random model samples decodes. Benchmarks and GPU tests use them
 where the default model does not cover a shape; nothing is downloaded.
 """

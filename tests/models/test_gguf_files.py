@@ -75,12 +75,14 @@ def test_config_and_tokenizer_match_transformers_reader(which, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
     path = _real_file(which)
     model_dir = gguf_model_dir(path, tmp_path)
-    ours_cfg, ref_cfg = AutoConfig.from_pretrained(model_dir), AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    ours_cfg = AutoConfig.from_pretrained(model_dir)
+    ref_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     for field in CONFIG_FIELDS:
         assert getattr(ours_cfg, field, None) == getattr(ref_cfg, field, None), field
     head_dim = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
     assert head_dim(ours_cfg) == head_dim(ref_cfg)
-    ours, ref = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
         assert ours(text).input_ids == ref(text).input_ids, text
     assert (ours.bos_token, ours.eos_token, ours.chat_template) == (ref.bos_token, ref.eos_token, ref.chat_template)
@@ -92,7 +94,8 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
             head_dim=64, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1,
             tie_word_embeddings=True)
 TINY_ARCH = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": dict(tie_word_embeddings=False, sliding_window=None),
-             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                             tie_word_embeddings=False),
              "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
              "gemma3_text": dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=64)}
 
@@ -111,25 +114,30 @@ def _tiny_hf(model_type, seed=0):
     return model
 
 
-@pytest.mark.parametrize("model_type,qtype", [("qwen2", "Q8_0"), ("mistral", "Q4_0"), ("mistral", "Q5_0"),
-                                              ("qwen2", "Q4_1")])
-def test_written_file_agrees_with_transformers(model_type, qtype, tmp_path, monkeypatch):
-    """The writer's file as transformers reads it (gguf_file=: its own dequantisation and Q/K
-    un-permutation) against the engine serving the file's blocks (activations rounded to
-    integers in its kernels): most tokens agree, and where a prompt diverges the reference
-    itself all but tied (a wrong tensor name, permutation or block decoding moves logits by
-    about their spread, ~1 here)."""
-    from transformers import AutoModelForCausalLM
-    monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
-    path = write_gguf(_tiny_hf(model_type), tmp_path / f"{model_type}.gguf", qtype)
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+def _check_written_file(path, ref, what):
+    """The engine serving the file's blocks (activations rounded to integers in its kernels)
+    against the reference model: most greedy tokens agree, and where a prompt diverges the
+    reference itself all but tied (a wrong tensor name, permutation or block decoding moves
+    logits by about their spread, ~1 here)."""
     prompts = [[5 + i, (17 * i) % 500 + 3, 100 + i, 250, 7 * i + 1] for i in range(8)]
     ref_out = _hf_greedy(ref, prompts, GREEDY_TOKENS)
     assert len({t for r in ref_out for t in r}) > 4, "a degenerate reference (one repeated token) proves nothing"
     ours = _engine_greedy(path, prompts, GREEDY_TOKENS)
     agree, gaps = _greedy_agreement(ours, ref_out), _divergence_gaps(ref, prompts, ours, ref_out)
-    print(f"{model_type} {qtype}: {agree:.1%} agree; gaps at the divergences {gaps}")
+    print(f"{what}: {agree:.1%} agree; gaps at the divergences {gaps}")
     assert agree >= 0.75 and all(g < 0.05 for g in gaps)
+
+
+@pytest.mark.parametrize("model_type,qtype", [("qwen2", "Q8_0"), ("mistral", "Q4_0"), ("mistral", "Q5_0"),
+                                              ("qwen2", "Q4_1")])
+def test_written_file_agrees_with_transformers(model_type, qtype, tmp_path, monkeypatch):
+    """The writer's file as transformers reads it (gguf_file=: its own dequantisation and Q/K
+    un-permutation) against the engine serving it."""
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
+    path = write_gguf(_tiny_hf(model_type), tmp_path / f"{model_type}.gguf", qtype)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    _check_written_file(path, ref, f"{model_type} {qtype}")
 
 
 def _quantize_like_the_file(model, file_type):
@@ -163,13 +171,7 @@ def test_every_architecture_agrees_with_its_dequantised_hf_model(model_type, qty
     model = _tiny_hf(model_type)
     path = write_gguf(model, tmp_path / f"{model_type}.gguf", qtype)
     ref = _quantize_like_the_file(model, qtype)
-    prompts = [[5 + i, (17 * i) % 500 + 3, 100 + i, 250, 7 * i + 1] for i in range(8)]
-    ref_out = _hf_greedy(ref, prompts, GREEDY_TOKENS)
-    assert len({t for r in ref_out for t in r}) > 4, "a degenerate reference (one repeated token) proves nothing"
-    ours = _engine_greedy(path, prompts, GREEDY_TOKENS)
-    agree, gaps = _greedy_agreement(ours, ref_out), _divergence_gaps(ref, prompts, ours, ref_out)
-    print(f"{model_type} {qtype}: {agree:.1%} agree; gaps at the divergences {gaps}")
-    assert agree >= 0.75 and all(g < 0.05 for g in gaps)
+    _check_written_file(path, ref, f"{model_type} {qtype}")
 
 
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
@@ -257,3 +259,21 @@ def test_gemma3_own_file_served_as_it_is_agrees_with_transformers():
     agree = _greedy_agreement(_engine_greedy(served, prompts, GREEDY_TOKENS, quantization="gguf"), ref_out)
     print(f"gemma3-270m Q4_K_M as it is: {agree:.1%} of transformers' greedy tokens")
     assert agree >= 0.95
+
+
+def test_make_gguf_cli_writes_the_shape(tmp_path, monkeypatch):
+    """`pagedllm make-gguf`: the file's metadata and tensor types, read back with the gguf
+    package, are the shape's (random_model.SHAPES) and the type asked for."""
+    from gguf import GGUFReader
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.models.random_model import SHAPES
+    out = tmp_path / "tiny.gguf"
+    assert main(["make-gguf", "--shape", "tiny", "--type", "Q8_0", "--out", str(out)]) == 0
+    reader = GGUFReader(str(out))
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    spec = SHAPES["tiny"]
+    assert (meta["general.architecture"], meta["llama.embedding_length"], meta["llama.block_count"],
+            meta["llama.attention.head_count_kv"], len(meta["tokenizer.ggml.tokens"])) == (
+        "llama", spec["hidden_size"], spec["num_hidden_layers"], spec["num_key_value_heads"], spec["vocab_size"])
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == types["output.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"

@@ -127,7 +127,8 @@ def _write_vocab(w, vocab_size: int) -> None:
     tokens = sorted(spec["vocab"], key=spec["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
     first_special = len(tokens)
-    tokens += list(SPECIAL_TOKENS) + [f"<|unused_{i}|>" for i in range(vocab_size - first_special - len(SPECIAL_TOKENS))]
+    unused_count = vocab_size - first_special - len(SPECIAL_TOKENS)
+    tokens += list(SPECIAL_TOKENS) + [f"<|unused_{i}|>" for i in range(unused_count)]
     normal, control, unused = 1, 3, 5   # llama.cpp's token types
     types = [normal] * first_special + [control] * len(SPECIAL_TOKENS)
     types += [unused] * (vocab_size - len(types))
