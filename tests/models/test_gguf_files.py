@@ -72,15 +72,42 @@ def _engine_greedy(model, prompts, n, **kw):
 @pytest.mark.model
 @pytest.mark.parametrize("which", ["smollm2-q4_1", "gemma3-q4_k_m"])
 def test_config_and_tokenizer_match_transformers_reader(which, tmp_path):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     path = _real_file(which)
     model_dir = gguf_model_dir(path, tmp_path)
-    ours_cfg = AutoConfig.from_pretrained(model_dir)
-    ref_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    for field in CONFIG_FIELDS:
-        assert getattr(ours_cfg, field, None) == getattr(ref_cfg, field, None), field
+    _check_config(AutoConfig.from_pretrained(model_dir), AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    _check_tokenizer(model_dir, path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"])
+def test_written_files_config_matches_the_source_model(model_type, tmp_path):
+    """The config read back from a written file is the one it was written from (transformers'
+    reader is no reference here: it drops Qwen3's head_dim, Qwen3-MoE's expert size, Gemma 3's
+    attention scale and reads Mixtral as Llama); its tokenizer is transformers' reading."""
+    from transformers import AutoConfig
+    source = _tiny_hf(model_type)
+    path = write_gguf(source, tmp_path / "m.gguf", "Q8_0")
+    model_dir = gguf_model_dir(path, tmp_path)
+    ours = AutoConfig.from_pretrained(model_dir)
+    # Mistral is written as "llama" (as llama.cpp does) and served by the same model class.
+    assert ours.model_type == {"mistral": "llama"}.get(model_type, model_type)
+    _check_config(ours, source.config, skip=("model_type", "bos_token_id", "eos_token_id", "pad_token_id"))
+    _check_tokenizer(model_dir, path)
+
+
+def _check_config(ours, ref, skip=()):
+    fields = CONFIG_FIELDS + ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                              "norm_topk_prob")
+    for field in fields:
+        if field not in skip:
+            a, b = getattr(ours, field, None), getattr(ref, field, None)
+            assert a == (pytest.approx(b, rel=1e-7) if isinstance(b, float) else b), field   # GGUF floats: float32
     head_dim = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
-    assert head_dim(ours_cfg) == head_dim(ref_cfg)
+    assert head_dim(ours) == head_dim(ref)
+
+
+def _check_tokenizer(model_dir, path):
+    from transformers import AutoTokenizer
     ours = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
