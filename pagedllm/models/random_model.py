@@ -1,8 +1,9 @@
 """Model directories with random weights, in the shape of a real model, made on this machine.
 
 `--model random:<shape>` (e.g. `random:llama-3.2-1b`) resolves to
-`$PAGEDLLM_HOME/models/random-<shape>`, made on first use: a transformers LlamaForCausalLM with
-random weights (seed 0) saved as safetensors, and a word-level tokenizer that names every id
+`$PAGEDLLM_HOME/models/random-<shape>`, made on first use: the shape's transformers model class
+(Llama unless the shape says `model_type`) with random weights (seed 0) saved as safetensors,
+and a word-level tokenizer that names every id
 ("w123"), so that any id a random model samples decodes. Benchmarks and GPU tests use them
 where the default model does not cover a shape; nothing is downloaded.
 """
@@ -29,6 +30,11 @@ SHAPES = {
                          rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                          tie_word_embeddings=True, rms_norm_eps=1e-5, torch_dtype="bfloat16"),
+    # Qwen/Qwen2.5-1.5B: 1.54 B parameters, GQA 6, head_dim 128, q/k/v biases.
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True,
+                         rms_norm_eps=1e-6, torch_dtype="bfloat16"),
 }
 PREFIX = "random:"
 UNK, BOS, EOS = 0, 1, 2
@@ -51,25 +57,30 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
         "add_bos_token": False}, indent=1))
 
 
-def make_random_model(out: str | os.PathLike, shape: str, seed: int = 0,
-                      initializer_range: float = 0.02) -> Path:
-    """Write config.json, model.safetensors and a tokenizer for `shape` into `out`."""
+def random_hf_model(shape: str, seed: int = 0, initializer_range: float = 0.02):
+    """The transformers model of `shape` (its own class) with random weights, in the shape's dtype."""
     if shape not in SHAPES:
         raise ValueError(f"unknown random model shape {shape!r}; known: {', '.join(SHAPES)}")
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     spec = dict(SHAPES[shape])
     dtype = getattr(torch, spec.pop("torch_dtype"))
-    cfg = LlamaConfig(**spec, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=UNK,
-                      initializer_range=initializer_range, dtype=dtype)
+    cfg = AutoConfig.for_model(spec.pop("model_type", "llama"), **spec, bos_token_id=BOS, eos_token_id=EOS,
+                               pad_token_id=UNK, initializer_range=initializer_range, dtype=dtype)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def make_random_model(out: str | os.PathLike, shape: str, seed: int = 0,
+                      initializer_range: float = 0.02) -> Path:
+    """Write config.json, model.safetensors and a tokenizer for `shape` into `out`."""
+    model = random_hf_model(shape, seed, initializer_range)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(tmp, safe_serialization=True)
-    _write_tokenizer(tmp, spec["vocab_size"])
+    _write_tokenizer(tmp, model.config.vocab_size)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -1,10 +1,10 @@
 """A GGUF file served as it is: `--model FILE.gguf` (or `--quantization gguf` for the default
 model's shipped Q4_1 file).
 
-The config and tokenizer (with the chat template) come from the file's metadata through
-transformers' GGUF reader, saved once into a small directory under $PAGEDLLM_HOME/gguf
-(`gguf_model_dir`), which names the file in gguf.json; the rest of the engine reads that
-directory as any model directory. The weights are read from the file itself (`iter_weights`):
+The config and tokenizer (with the chat template) come from the file's metadata through the
+gguf package (models/gguf/: every registered architecture), saved once into a small directory
+under $PAGEDLLM_HOME/gguf (`gguf_model_dir`), which names the file in gguf.json; the rest of
+the engine reads that directory as any model directory. The weights are read from the file itself (`iter_weights`):
 each linear's blocks are repacked, without loss, into the engine's int4 or int8 layout
 (layouts.py) and loaded as one uint8 row blob per output row, [N, K/C, chunk bytes] (a chunk of
 C features: its integers, then its scale and min as float32), so the layers' weight loaders
@@ -12,11 +12,12 @@ cut and fuse rows as they do float weights; `process_weights_after_loading` spli
 - Q4_0 (w = d (q - 8)), Q4_1 (d q + m): the int4 layout's own bytes, s = d, m = -8d / m.
 - Q4_K: 32-feature sub-blocks, s = d sc, m = -dmin mn (6-bit sc, mn): int4, groups of 32.
 - Q8_0: int8, groups of 32, s = d. Q6_K: int8 (q - 32), 16-feature sub-blocks, s = d sc.
+- Q5_0, Q5_1, Q5_K: int8 (0..31, or q - 16), groups of 32 (models/gguf/blocks5.py).
 Every product is exact in float32, so q s + m is the gguf package's dequantised value.
 One layout a file: int4 (groups of 32) when every linear is 4-bit; else int8 in groups of 16
 (Q6_K present) or 32, the 4-bit tensors widened. The token embedding is dequantised (a lookup
 table); a tied LM head re-quantizes it to int8 in groups of 32 (exact for a Q8_0 embedding).
-Llama-architecture files (llama.cpp's Q/K row order undone as transformers does).
+Tensor names, and what llama.cpp's converter did to a tensor, are models/gguf/tensor_names.py's.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.models.gguf.blocks5 import DECODERS5
+from pagedllm.models.gguf.weights import gguf_weights, is_quantized_linear
 from pagedllm.models.layers.quantization.gguf_dir import GGUF_MARKER as MARKER
 from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod, set_quantized
@@ -38,29 +41,13 @@ from pagedllm.models.layers.quantization.int8 import LM_HEAD_GROUP, Int8LinearMe
 from pagedllm.models.layers.quantization.layouts import pack_int4
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q6_K")
-LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
-TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+INT8_TYPES = ("Q8_0", "Q6_K") + tuple(DECODERS5)
 
 
 def gguf_info(model_dir) -> dict:
     """gguf.json: {"gguf_file": path, "tensor_types": {name: GGML type name}}."""
     with open(os.path.join(str(model_dir), MARKER)) as f:
         return json.load(f)
-
-
-def hf_name(name: str) -> str:
-    """A llama.cpp tensor name -> the HF checkpoint name; ValueError for one it does not know."""
-    if name in TOP_NAMES:
-        return TOP_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} is not one of a Llama model's")
 
 
 def gguf_model_dir(gguf_path: Path, home: Path) -> Path:
@@ -86,31 +73,8 @@ def gguf_model_dir(gguf_path: Path, home: Path) -> Path:
 
 
 def _write_model_dir(gguf_path: Path, out: Path) -> None:
-    from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer
-
-    from pagedllm.models.gguf_metadata import gguf_chat_template
-    reader = GGUFReader(str(gguf_path))
-    arch = reader.fields.get("general.architecture")
-    arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else None
-    if arch != "llama":
-        raise ValueError(f"GGUF file {gguf_path}: architecture {arch!r} is not served as it is "
-                         "(llama only); convert it to an HF directory")
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if not tok.chat_template:
-        tok.chat_template = gguf_chat_template(gguf_path)
-    # The GGUF reader leaves model_max_length unset (1e30); the real limit is the context.
-    tok.model_max_length = config.max_position_embeddings
-    config.eos_token_id = tok.eos_token_id
-    config.architectures = ["LlamaForCausalLM"]
-    cfg = config.to_dict()
-    cfg.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(out)
-    # The tensor types, read once here: GGUFReader parses every metadata field (the whole vocabulary).
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    (out / MARKER).write_text(json.dumps({"gguf_file": str(gguf_path), "tensor_types": types}) + "\n")
+    from pagedllm.models.gguf.model_dir import write_model_dir
+    write_model_dir(gguf_path, out, MARKER, tuple(DECODERS))
 
 
 # --- blocks -> (q, s, m) per row: q [R, K] integers (uint8 0..15 or int8), s, m [R, K/C] float32
@@ -169,7 +133,7 @@ def _q6_k(data: np.ndarray):
 
 
 DECODERS = {"Q4_0": lambda x: _q4_legacy(x, False), "Q4_1": lambda x: _q4_legacy(x, True),
-            "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+            "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k, **DECODERS5}
 
 
 def gguf_tensor_quantized(data: np.ndarray, type_name: str):
@@ -235,7 +199,7 @@ class GGUFConfig:
 
     def __init__(self, path: str, types: dict) -> None:
         self.path, self.types = path, types   # tensor name -> GGML type name
-        linear = {t for n, t in types.items() if n.startswith("blk.") and not n.endswith("norm.weight")}
+        linear = {t for n, t in types.items() if is_quantized_linear(n)}
         bad = linear - set(INT4_TYPES) - set(INT8_TYPES)
         if bad:
             raise ValueError(f"GGUF file {path}: linear weights of type {', '.join(sorted(bad))} are not "
@@ -260,22 +224,7 @@ class GGUFConfig:
     def iter_weights(self, model_dir: str):
         """(HF name, tensor): norms and the embedding (and an untied head) as float32, each
         linear as its row blob in self.layout, Q and K rows in HF's order."""
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-        reader = GGUFReader(self.path)
         with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        heads = {"attn_q": cfg["num_attention_heads"],
-                 "attn_k": cfg.get("num_key_value_heads", cfg["num_attention_heads"])}
-        for t in reader.tensors:
-            name, type_name = hf_name(t.name), t.tensor_type.name
-            if type_name in ("F32", "F16", "BF16") or not name.startswith("model.layers."):
-                yield name, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-                continue
-            data = np.asarray(t.data)
-            blob = self.layout.blob(*gguf_tensor_quantized(data, type_name))
-            kind = t.name.split(".")[2]
-            if kind in heads:   # llama.cpp interleaves each head's rotary halves
-                n = heads[kind]
-                blob = blob.reshape(n, -1, 2, *blob.shape[1:]).swapaxes(1, 2).reshape(blob.shape)
-            yield name, torch.from_numpy(np.ascontiguousarray(blob))
+            hf = json.load(f)
+        return gguf_weights(self.path, hf, lambda data, type_name: self.layout.blob(
+            *gguf_tensor_quantized(data, type_name)))
