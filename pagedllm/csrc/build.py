@@ -31,7 +31,8 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp", "gguf_linear.cpp",
+           "bindings.cpp")
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 CFLAGS = BASE_CFLAGS + ("-march=native",)
 

@@ -14,7 +14,7 @@ from kernel_utils import require_built
 
 from pagedllm.models.cpu_ops import cpu_ops
 from pagedllm.models.layers.quantization import validate_quantization
-from pagedllm.models.layers.quantization.gguf import INT4_TYPES, GGUFLayout, gguf_tensor_quantized
+from pagedllm.models.layers.quantization.gguf_repack import pack_segments
 from pagedllm.models.layers.quantization.layouts import (dequantize_reference, pack_int4, quantize_int4,
                                                          quantize_int8, quantize_int8_offset, unpack_int4)
 
@@ -44,6 +44,7 @@ def _quantized(kind, n, k, g, gen):
     return q, s, torch.empty(0)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("kind,n,k,g", CASES)
 def test_quant_linear_matches_float_reference(kind, n, k, g):
     ops = require_built(cpu_ops())
@@ -89,6 +90,7 @@ def _check_integer_kernel(ops, x, q, s, m, bias, out, ref, msg):
     assert ((out.double() - ref).abs() <= bound + 2e-5 + 1e-5 * ref.abs()).all(), msg
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_tile_path_under_inference_mode_in_threads():
     """The runner calls the kernel under inference_mode; the dequantised-tile path writes from the
     thread pool, whose threads must see that mode (they refused the write: a crash at prefill)."""
@@ -106,6 +108,7 @@ def test_tile_path_under_inference_mode_in_threads():
     assert out.shape == (37, 96) and torch.isfinite(out).all()
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_integer_sums_exact(kind):
     """Integer inputs, unit scales, zero mins: every sum is an exact float32 integer (below 2^24)."""
@@ -162,21 +165,78 @@ def _random_blocks(type_name, rows, k, rng):
         return data.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
-def test_gguf_blocks_repack_exactly(type_name):
-    """Each type, into each layout it can take, dequantises to the gguf package's values exactly."""
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+
+
+def _gguf_weight(type_name, rng):
+    """A weight of 37 rows of type_name then 5 of Q8_0 (two segments, neither whole groups of
+    16), K = 96 (legacy types: not a multiple of 256) or 512 -> (packed, meta, float32 [42, K] as
+    the gguf package dequantises it)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    rows, k = 5, 512
-    data = _random_blocks(type_name, rows, k, np.random.default_rng(0))
-    expected = torch.from_numpy(dequantize(data, GGMLQuantizationType[type_name]).astype(np.float32))
-    layouts = [GGUFLayout(False, 16)] + ([GGUFLayout(False, 32)] if type_name != "Q6_K" else [])
-    if type_name in INT4_TYPES:
-        layouts.append(GGUFLayout(True, 32))
-    for layout in layouts:
-        blob = torch.from_numpy(layout.blob(*gguf_tensor_quantized(data, type_name)))
-        q, s, m = layout.split(blob)
-        assert torch.equal(dequantize_reference(q, s, m), expected), (type_name, layout.int4, layout.group)
+    k = 512 if type_name.endswith("_K") else 96
+    segments = [(type_name, _random_blocks(type_name, 37, k, rng)), ("Q8_0", _random_blocks("Q8_0", 5, k, rng))]
+    packed, meta = pack_segments(segments)
+    w = np.concatenate([dequantize(d, GGMLQuantizationType[t]) for t, d in segments]).astype(np.float32)
+    return packed, meta, torch.from_numpy(w)
+
+
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_repack_exactly(type_name):
+    """Each type's repacked rows dequantise to the gguf package's values bit for bit (in any
+    order, a row at a time: the embedding's lookup)."""
+    ops = require_built(cpu_ops())
+    packed, meta, w = _gguf_weight(type_name, np.random.default_rng(0))
+    assert torch.equal(ops.gguf_dequantize_rows(packed, meta, w.shape[1], torch.arange(42)), w)
+    rows = torch.tensor([41, 0, 36, 37, 17, 17])
+    assert torch.equal(ops.gguf_dequantize_rows(packed, meta, w.shape[1], rows), w[rows])
+    # a row holds the file's bytes (Q4_K: its 6-bit scales as bytes, 148 a 144); each
+    # segment is padded to whole groups of 16 rows (37 -> 48, 5 -> 16)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    row = w.shape[1] // block * (148 if type_name == "Q4_K" else nbytes)
+    assert packed.numel() == 48 * row + 16 * (w.shape[1] // 32 * 34)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_linear_matches_float_reference(type_name):
+    """The kernel (1-8 rows: one tile; more: tiles of 8 over each group of weight rows) against
+    float64 on the gguf package's dequantised weight: within the int16 activations' rounding
+    (|x - q d| <= d / 2, d = amax / 32767 a block of 32) and float32 accumulation."""
+    ops = require_built(cpu_ops())
+    gen = torch.Generator().manual_seed(5)
+    packed, meta, w = _gguf_weight(type_name, np.random.default_rng(1))
+    w = w.double()
+    bias = torch.randn(42, generator=gen)
+    for rows in (1, 2, 3, 5, 8, 9, 17, 64):
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        x[0, :40] *= 100   # blocks of very different steps
+        ref = x.double() @ w.T + bias.double()
+        out = ops.gguf_linear(x, packed, meta, bias).double()
+        step = x.view(rows, -1, QBLOCK).abs().amax(2).double().repeat_interleave(QBLOCK, dim=1) / QMAX
+        magnitude = x.double().abs() @ w.abs().T + bias.double().abs()
+        bound = (step / 2) @ w.abs().T + 1e-5 * magnitude
+        assert ((out - ref).abs() <= bound).all(), (type_name, rows, ((out - ref).abs() / bound).max())
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_linear_integer_sums_exact(type_name):
+    """Activations the int16 codes hold exactly (integers, each block's largest 32767: d = 1):
+    the kernel's only error is float32 accumulation of exact block sums, so it is that close to
+    float64 (a wrong code, pair or scale is off by far more)."""
+    ops = require_built(cpu_ops())
+    gen = torch.Generator().manual_seed(9)
+    packed, meta, w = _gguf_weight(type_name, np.random.default_rng(2))
+    for rows in (1, 4, 8, 11):
+        x = torch.randint(-300, 301, (rows, w.shape[1]), generator=gen).float()
+        x[:, ::QBLOCK] = QMAX
+        ref = x.double() @ w.double().T
+        magnitude = x.double().abs() @ w.double().abs().T
+        out = ops.gguf_linear(x, packed, meta, None).double()
+        assert ((out - ref).abs() <= 2e-6 * magnitude).all(), (type_name, rows)
 
 
 def test_bad_flags_are_value_errors():
