@@ -27,7 +27,7 @@ import torch
 
 from pagedllm.models.layers.quantization.gguf_dir import GGUF_MARKER as MARKER
 from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
-from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, blob_width, row_blob
+from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, row_blob
 from pagedllm.models.layers.quantization.gguf_repack import TYPE_IDS
 from pagedllm.models.layers.quantization.int8 import LM_HEAD_GROUP, Int8LinearMethod
 
@@ -155,8 +155,7 @@ class GGUFConfig:
             if t.name not in self.quantized:
                 yield name, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
                 continue
-            k = int(t.shape[0])   # GGUF shapes are innermost first: [K, N]
-            blob = row_blob(np.asarray(t.data), type_name, blob_width(self.held, k))
+            blob = row_blob(np.asarray(t.data), type_name, self.held)
             kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
             if kind in heads:   # llama.cpp interleaves each head's rotary halves
                 n = heads[kind]

@@ -32,9 +32,11 @@ def blob_width(types, k: int) -> int:
     return 1 + max(row_bytes(t, k) for t in fits)
 
 
-def row_blob(data: np.ndarray, type_name: str, width: int) -> np.ndarray:
-    """A GGUF tensor's raw rows [rows, row bytes] -> [rows, width] uint8 (type, bytes, padding)."""
-    blob = np.zeros((data.shape[0], width), dtype=np.uint8)
+def row_blob(data: np.ndarray, type_name: str, types) -> np.ndarray:
+    """A GGUF tensor's raw rows [rows, row bytes] -> [rows, width] uint8 (type, bytes, padding),
+    width that of every row of these features in a file of these quantized types."""
+    feats, nbytes = BLOCK[type_name]
+    blob = np.zeros((data.shape[0], blob_width(types, data.shape[1] // nbytes * feats)), dtype=np.uint8)
     blob[:, 0] = TYPE_IDS[type_name]
     blob[:, 1:1 + data.shape[1]] = data
     return blob
