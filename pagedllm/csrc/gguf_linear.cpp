@@ -1,4 +1,4 @@
-// Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) held in the file's
+// Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) held in the file's
 // bytes, repacked at load (models/layers/quantization/gguf_repack.py) so that one SIMD lane is
 // one weight row: y = x W^T + b, float32 activations, any number of rows.
 //
@@ -9,8 +9,9 @@
 // chunk's feature pair). A chunk widened to int16 (vpmovzxbw) is 16 rows x 2 features: one
 // vpdpwssd with the pair of int16 activations broadcast adds 2 products to each row's sum. 4-bit
 // codes: chunk c (0..7) holds pair c in its low nibbles and pair c + 8 in its high ones. 8-bit:
-// chunk p holds pair p. Q6_K: 4-bit chunks for the low bits, then 4 chunks of 2-bit fields
-// (chunk c, field f: pair c + 4 f). Bytes a row: the file's (Q4_K: 148 for 144).
+// chunk p holds pair p. 5-bit: 4-bit chunks for the low bits, then 2 chunks of 1-bit fields (chunk
+// c, bit f: pair c + 2 f). Q6_K: 4-bit chunks, then 4 chunks of 2-bit fields (chunk c, field f:
+// pair c + 4 f). Bytes a row: the file's (Q4_K: 148 for 144, Q5_K 180 for 176).
 //
 // A weight tensor is a run of groups, each with its own type (a fused QKV may mix Q4_K and
 // Q6_K), described by `meta` [G, 4] int64: byte offset, GGML type, first output row, rows (<= 16;
@@ -18,8 +19,8 @@
 //
 // Activations: each input row quantized to int16 in blocks of 32 (d = amax / 32767; int8 ones,
 // llama.cpp's Q8 scheme, cost the default model's greedy agreement: docs/design.md) with the
-// float sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q6_K's -32 d sc,
-// Q4_1's m, Q4_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <= 128,
+// float sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's
+// -32 d sc, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <= 128,
 // |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
 //
 // Threads over row groups; within a group the activation rows in tiles of 8 (each tile reuses
@@ -44,7 +45,7 @@
 namespace {
 
 // GGML type numbers (gguf.GGMLQuantizationType).
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 constexpr int GROUP = 16;  // weight rows a group
 constexpr int QB = 32;     // features a block (an activation scale)
 constexpr int TILE = 8;    // activation rows a tile
@@ -55,14 +56,17 @@ int64_t superblock_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 32 + 256;
     case Q4_1: return 64 + 256;
+    case Q5_0: return 32 + 256 + 64;
+    case Q5_1: return 64 + 256 + 64;
+    case Q5_K: return 64 + 256 + 8 * 256 + 8 * 64;
     case Q8_0: return 32 + 512;
     case Q4_K: return 64 + 256 + 8 * 256;
     case Q6_K: return 32 + 256 + 8 * 256 + 8 * 128;
   }
-  TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+  TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
   return 0;
 }
-int64_t superblock_features(int64_t type) { return (type == Q4_K || type == Q6_K) ? 256 : 32; }
+int64_t superblock_features(int64_t type) { return (type == Q4_K || type == Q5_K || type == Q6_K) ? 256 : 32; }
 
 inline float h2f(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -71,6 +75,10 @@ inline int u4_code(const uint8_t* chunks, int row, int k) {
   const int p = k / 2, j = k % 2;
   const uint8_t b = chunks[(p % 8) * 32 + 2 * row + j];
   return p < 8 ? (b & 15) : (b >> 4);
+}
+inline int u5_code(const uint8_t* lo, const uint8_t* hi, int row, int k) {
+  const int p = k / 2, j = k % 2;
+  return u4_code(lo, row, k) | (((hi[(p % 2) * 32 + 2 * row + j] >> (p / 2)) & 1) << 4);
 }
 inline int q6_code(const uint8_t* lo, const uint8_t* hi, int row, int k) {
   const int p = k / 2, j = k % 2;
@@ -85,17 +93,23 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
     const uint8_t* p = g + s * sb;
     const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
     float* o = out + s * sf;
-    if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
+    if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0) {
+      const bool with_m = type == Q4_1 || type == Q5_1;
       const float d = h2f(h[row]);
-      const float m = type == Q4_1 ? h2f(h[16 + row]) : (type == Q4_0 ? -8.f * d : 0.f);
-      const uint8_t* c = p + (type == Q4_1 ? 64 : 32);
-      for (int k = 0; k < QB; ++k)
-        o[k] = (type == Q8_0 ? (float)(int8_t)c[(k / 2) * 32 + 2 * row + k % 2] : (float)u4_code(c, row, k)) * d + m;
-    } else if (type == Q4_K) {
+      const float m = with_m ? h2f(h[16 + row]) : (type == Q4_0 ? -8.f * d : type == Q5_0 ? -16.f * d : 0.f);
+      const uint8_t* c = p + (with_m ? 64 : 32);
+      for (int k = 0; k < QB; ++k) {
+        const int q = type == Q8_0 ? (int8_t)c[(k / 2) * 32 + 2 * row + k % 2]
+                      : (type == Q5_0 || type == Q5_1) ? u5_code(c, c + 256, row, k) : u4_code(c, row, k);
+        o[k] = q * d + m;
+      }
+    } else if (type == Q4_K || type == Q5_K) {
       const float d = h2f(h[row]), dmin = h2f(h[16 + row]);
       for (int j = 0; j < 8; ++j) {
         const float sc = d * p[64 + j * 16 + row], mn = dmin * p[192 + j * 16 + row];
-        for (int k = 0; k < QB; ++k) o[j * QB + k] = u4_code(p + 320 + j * 256, row, k) * sc - mn;
+        const uint8_t* lo = p + 320 + j * 256;
+        for (int k = 0; k < QB; ++k)
+          o[j * QB + k] = (type == Q4_K ? u4_code(lo, row, k) : u5_code(lo, p + 2368 + j * 64, row, k)) * sc - mn;
       }
     } else {  // Q6_K
       const float d = h2f(h[row]);
@@ -199,6 +213,23 @@ inline void dot_u4(const uint8_t* chunks, const Acts& a, int64_t t0, int64_t b, 
   }
 }
 
+// Bit f of each byte of v moved to bit 4 (the 5-bit codes' high bit).
+inline VI bit_to_4(VI v, int f) { return and_(f <= 4 ? sll(v, 4 - f) : srl(v, f - 4), 0x10); }
+
+// One 32-feature block of 5-bit codes: the 4-bit chunks `lo`, the 1-bit chunks `hi` (pair p:
+// chunk p % 2, bit p / 2).
+template <int M>
+inline void dot_u5(const uint8_t* lo, const uint8_t* hi, const Acts& a, int64_t t0, int64_t b, VI* acc) {
+  const int32_t* xp[M];
+  for (int r = 0; r < M; ++r) xp[r] = a.pairs(t0 + r, b), acc[r] = zero_i();
+  const VI h[2] = {widen_u8(hi), widen_u8(hi + 32)};
+  for (int c = 0; c < 8; ++c) {
+    const VI v = widen_u8(lo + c * 32);
+    const VI c0 = or_(and_(v, 15), bit_to_4(h[c % 2], c / 2)), c8 = or_(srl(v, 4), bit_to_4(h[c % 2], c / 2 + 4));
+    for (int r = 0; r < M; ++r) acc[r] = dot(dot(acc[r], c0, xp[r][c]), c8, xp[r][c + 8]);
+  }
+}
+
 // y[r] += (s dx) sum + m xsum for one block (m: a vector per row, or none).
 template <int M>
 inline void scale_into(VF* y, const VI* acc, VF s, const VF* m, const Acts& a, int64_t t0, int64_t b,
@@ -221,9 +252,15 @@ void group_rows(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int h
   VI acc[M], acc2[M];
   for (int64_t s = 0; s < K / sf; ++s) {
     const uint8_t* p = g + s * sb;
-    if (type == Q4_0 || type == Q4_1) {
-      const VF d = f16(p + 2 * rb), m = type == Q4_1 ? f16(p + 32 + 2 * rb) : mul(d, set1(-8.f));
-      dot_u4<M>(p + (type == Q4_1 ? 64 : 32) + 2 * rb, a, t0, s, acc);
+    if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
+      const bool with_m = type == Q4_1 || type == Q5_1;
+      const VF d = f16(p + 2 * rb);
+      const VF m = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(type == Q4_0 ? -8.f : -16.f));
+      const uint8_t* c = p + (with_m ? 64 : 32);
+      if (type == Q4_0 || type == Q4_1)
+        dot_u4<M>(c + 2 * rb, a, t0, s, acc);
+      else
+        dot_u5<M>(c + 2 * rb, c + 256 + 2 * rb, a, t0, s, acc);
       scale_into<M>(y, acc, d, &m, a, t0, s, -1);
     } else if (type == Q8_0) {
       const uint8_t* c = p + 32 + 2 * rb;
@@ -234,11 +271,14 @@ void group_rows(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int h
         for (int r = 0; r < M; ++r) acc[r] = dot(acc[r], w, xp[r][q]);
       }
       scale_into<M>(y, acc, f16(p + 2 * rb), nullptr, a, t0, s, -1);
-    } else if (type == Q4_K) {
+    } else if (type == Q4_K || type == Q5_K) {
       const VF d = f16(p + 2 * rb), dmin = mul(f16(p + 32 + 2 * rb), set1(-1.f));
       for (int j = 0; j < 8; ++j) {
         const int64_t b = s * 8 + j;
-        dot_u4<M>(p + 320 + j * 256 + 2 * rb, a, t0, b, acc);
+        if (type == Q4_K)
+          dot_u4<M>(p + 320 + j * 256 + 2 * rb, a, t0, b, acc);
+        else
+          dot_u5<M>(p + 320 + j * 256 + 2 * rb, p + 2368 + j * 64 + 2 * rb, a, t0, b, acc);
         const VF m = mul(dmin, u8f(p + 192 + j * 16 + rb));
         scale_into<M>(y, acc, mul(d, u8f(p + 64 + j * 16 + rb)), &m, a, t0, b, -1);
       }

@@ -158,14 +158,14 @@ def _random_blocks(type_name, rows, k, rng):
         block, nbytes = GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
         f16 = lambda n: rng.uniform(0.001, 0.1, (rows, k // block, n)).astype(np.float16).view(np.uint8)  # noqa: E731
-        if type_name == "Q4_K":
+        if type_name in ("Q4_K", "Q5_K"):
             data[:, :, 0:4] = f16(2)      # d, dmin
         else:
             data[:, :, 208:210] = f16(1)  # Q6_K's d
         return data.reshape(rows, -1)
 
 
-GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _gguf_weight(type_name, rng):
@@ -191,11 +191,11 @@ def test_gguf_blocks_repack_exactly(type_name):
     assert torch.equal(ops.gguf_dequantize_rows(packed, meta, w.shape[1], torch.arange(42)), w)
     rows = torch.tensor([41, 0, 36, 37, 17, 17])
     assert torch.equal(ops.gguf_dequantize_rows(packed, meta, w.shape[1], rows), w[rows])
-    # a row holds the file's bytes (Q4_K: its 6-bit scales as bytes, 148 a 144); each
+    # a row holds the file's bytes (Q4_K / Q5_K: their 6-bit scales as bytes, 4 more a block); each
     # segment is padded to whole groups of 16 rows (37 -> 48, 5 -> 16)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    row = w.shape[1] // block * (148 if type_name == "Q4_K" else nbytes)
+    row = w.shape[1] // block * (nbytes + 4 if type_name in ("Q4_K", "Q5_K") else nbytes)
     assert packed.numel() == 48 * row + 16 * (w.shape[1] // 32 * 34)
 
 
