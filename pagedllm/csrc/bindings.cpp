@@ -35,7 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", torch::wrap_pybind_function_no_gil(quant_dequantize), "quant_dequantize");
   m.def("quant_activations", torch::wrap_pybind_function_no_gil(quant_activations), "quant_activations");
   m.def("gguf_linear", torch::wrap_pybind_function_no_gil(gguf_linear), "gguf_linear");
-  m.def("gguf_dequantize_rows", torch::wrap_pybind_function_no_gil(gguf_dequantize_rows), "gguf_dequantize_rows");
+  m.def("gguf_dequantize_rows", torch::wrap_pybind_function_no_gil(gguf_dequantize_rows),
+        "gguf_dequantize_rows");
   m.def("compiled_isa", compiled_isa, "compiled_isa");
   m.def("decode_layers", torch::wrap_pybind_function_no_gil(decode_layers), "decode_layers");
 }

@@ -1,6 +1,6 @@
-// Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) held in the file's
-// bytes, repacked at load (models/layers/quantization/gguf_repack.py) so that one SIMD lane is
-// one weight row: y = x W^T + b, float32 activations, any number of rows.
+// Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) held in the
+// file's bytes, repacked at load (models/layers/quantization/gguf_repack.py) so that one SIMD lane is one
+// weight row: y = x W^T + b, float32 activations, any number of rows.
 //
 // Layout. Output rows in groups of 16; a group's bytes, for each super-block of its type (32
 // features: Q4_0 / Q4_1 / Q8_0; 256: Q4_K / Q6_K), are the 16 rows' per-row fields (float16 d,
@@ -20,8 +20,8 @@
 // Activations: each input row quantized to int16 in blocks of 32 (d = amax / 32767; int8 ones,
 // llama.cpp's Q8 scheme, cost the default model's greedy agreement: docs/design.md) with the
 // float sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's
-// -32 d sc, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <= 128,
-// |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
+// -32 d sc, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
+// 128, |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
 //
 // Threads over row groups; within a group the activation rows in tiles of 8 (each tile reuses
 // the group's codes from L1), so 1-8 rows (decode) and prefill share one kernel. AVX-512 (VNNI):
@@ -66,7 +66,9 @@ int64_t superblock_bytes(int64_t type) {
   TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
   return 0;
 }
-int64_t superblock_features(int64_t type) { return (type == Q4_K || type == Q5_K || type == Q6_K) ? 256 : 32; }
+int64_t superblock_features(int64_t type) {
+  return (type == Q4_K || type == Q5_K || type == Q6_K) ? 256 : 32;
+}
 
 inline float h2f(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -99,8 +101,9 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
       const float m = with_m ? h2f(h[16 + row]) : (type == Q4_0 ? -8.f * d : type == Q5_0 ? -16.f * d : 0.f);
       const uint8_t* c = p + (with_m ? 64 : 32);
       for (int k = 0; k < QB; ++k) {
-        const int q = type == Q8_0 ? (int8_t)c[(k / 2) * 32 + 2 * row + k % 2]
-                      : (type == Q5_0 || type == Q5_1) ? u5_code(c, c + 256, row, k) : u4_code(c, row, k);
+        const int q = type == Q8_0                     ? (int8_t)c[(k / 2) * 32 + 2 * row + k % 2]
+                      : (type == Q5_0 || type == Q5_1) ? u5_code(c, c + 256, row, k)
+                                                       : u4_code(c, row, k);
         o[k] = q * d + m;
       }
     } else if (type == Q4_K || type == Q5_K) {
@@ -109,7 +112,8 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
         const float sc = d * p[64 + j * 16 + row], mn = dmin * p[192 + j * 16 + row];
         const uint8_t* lo = p + 320 + j * 256;
         for (int k = 0; k < QB; ++k)
-          o[j * QB + k] = (type == Q4_K ? u4_code(lo, row, k) : u5_code(lo, p + 2368 + j * 64, row, k)) * sc - mn;
+          o[j * QB + k] =
+              (type == Q4_K ? u4_code(lo, row, k) : u5_code(lo, p + 2368 + j * 64, row, k)) * sc - mn;
       }
     } else {  // Q6_K
       const float d = h2f(h[row]);
@@ -127,9 +131,9 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
 // The activations of T rows: int16 codes in blocks of 32 (as int32 pairs), each block's step,
 // the float sums of each 16 features.
 struct Acts {
-  std::vector<int16_t> q;   // [T, K]
-  std::vector<float> d;     // [T, K/32]
-  std::vector<float> sum;   // [T, K/16]
+  std::vector<int16_t> q;  // [T, K]
+  std::vector<float> d;    // [T, K/32]
+  std::vector<float> sum;  // [T, K/16]
   int64_t K;
   const int32_t* pairs(int64_t t, int64_t block) const {
     return reinterpret_cast<const int32_t*>(q.data() + t * K + block * QB);
@@ -167,8 +171,12 @@ inline VI sll(VI v, int n) { return _mm512_slli_epi16(v, n); }
 inline VI zero_i() { return _mm512_setzero_si512(); }
 inline VI dot(VI acc, VI w, int32_t x) { return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x)); }
 inline VF f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-inline VF u8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-inline VF s8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline VF u8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline VF s8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 inline VF cvt(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF set1(float f) { return _mm512_set1_ps(f); }
 inline VF zero_f() { return _mm512_setzero_ps(); }
@@ -186,10 +194,16 @@ inline VI or_(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI srl(VI v, int n) { return _mm256_srli_epi16(v, n); }
 inline VI sll(VI v, int n) { return _mm256_slli_epi16(v, n); }
 inline VI zero_i() { return _mm256_setzero_si256(); }
-inline VI dot(VI acc, VI w, int32_t x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x))); }
+inline VI dot(VI acc, VI w, int32_t x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
+}
 inline VF f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-inline VF u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
-inline VF s8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline VF u8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline VF s8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
 inline VF cvt(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF set1(float f) { return _mm256_set1_ps(f); }
 inline VF zero_f() { return _mm256_setzero_ps(); }
@@ -225,7 +239,8 @@ inline void dot_u5(const uint8_t* lo, const uint8_t* hi, const Acts& a, int64_t 
   const VI h[2] = {widen_u8(hi), widen_u8(hi + 32)};
   for (int c = 0; c < 8; ++c) {
     const VI v = widen_u8(lo + c * 32);
-    const VI c0 = or_(and_(v, 15), bit_to_4(h[c % 2], c / 2)), c8 = or_(srl(v, 4), bit_to_4(h[c % 2], c / 2 + 4));
+    const VI c0 = or_(and_(v, 15), bit_to_4(h[c % 2], c / 2)),
+             c8 = or_(srl(v, 4), bit_to_4(h[c % 2], c / 2 + 4));
     for (int r = 0; r < M; ++r) acc[r] = dot(dot(acc[r], c0, xp[r][c]), c8, xp[r][c + 8]);
   }
 }
@@ -295,14 +310,15 @@ void group_rows(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int h
           const VI f0 = and_(sll(hb, 4), 0x30), f1 = and_(sll(hb, 2), 0x30), f2 = and_(hb, 0x30),
                    f3 = and_(srl(hb, 2), 0x30);
           const VI v0 = widen_u8(lo + cc * 32), v1 = widen_u8(lo + (cc + 4) * 32);
-          const VI c0 = or_(and_(v0, 15), f0), c8 = or_(srl(v0, 4), f2);       // pairs cc, cc + 8
-          const VI c4 = or_(and_(v1, 15), f1), c12 = or_(srl(v1, 4), f3);      // pairs cc + 4, cc + 12
+          const VI c0 = or_(and_(v0, 15), f0), c8 = or_(srl(v0, 4), f2);   // pairs cc, cc + 8
+          const VI c4 = or_(and_(v1, 15), f1), c12 = or_(srl(v1, 4), f3);  // pairs cc + 4, cc + 12
           for (int r = 0; r < M; ++r) {
             acc[r] = dot(dot(acc[r], c0, xp[r][cc]), c4, xp[r][cc + 4]);
             acc2[r] = dot(dot(acc2[r], c8, xp[r][cc + 8]), c12, xp[r][cc + 12]);
           }
         }
-        const VF s0 = mul(d, s8f(p + 32 + (2 * j) * 16 + rb)), s1 = mul(d, s8f(p + 32 + (2 * j + 1) * 16 + rb));
+        const VF s0 = mul(d, s8f(p + 32 + (2 * j) * 16 + rb)),
+                 s1 = mul(d, s8f(p + 32 + (2 * j + 1) * 16 + rb));
         const VF m0 = mul(s0, set1(-32.f)), m1 = mul(s1, set1(-32.f));
         scale_into<M>(y, acc, s0, &m0, a, t0, b, 0);
         scale_into<M>(y, acc2, s1, &m1, a, t0, b, 1);
@@ -368,15 +384,17 @@ struct Groups {
 
 Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int64_t K) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous(), "packed: contiguous uint8");
-  TORCH_CHECK(meta.scalar_type() == torch::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
-              "meta: int64 [groups, 4]");
+  TORCH_CHECK(
+      meta.scalar_type() == torch::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
+      "meta: int64 [groups, 4]");
   const int64_t G = meta.size(0);
   const int64_t* m = meta.data_ptr<int64_t>();
   int64_t N = 0;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t* e = m + 4 * g;
     TORCH_CHECK(K % superblock_features(e[1]) == 0, "K ", K, " is not whole super-blocks of type ", e[1]);
-    TORCH_CHECK(e[0] >= 0 && e[0] + K / superblock_features(e[1]) * superblock_bytes(e[1]) <= packed.numel() &&
+    TORCH_CHECK(e[0] >= 0 &&
+                    e[0] + K / superblock_features(e[1]) * superblock_bytes(e[1]) <= packed.numel() &&
                     e[3] >= 1 && e[3] <= GROUP,
                 "meta row ", g, " is outside the packed bytes");
     N = std::max(N, e[2] + e[3]);
@@ -393,8 +411,8 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   x = x.contiguous();
   const int64_t T = x.size(0), K = x.size(1);
   const Groups gs = check_groups(packed, meta, K);
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == torch::kFloat &&
-                                    bias->numel() == gs.N));
+  TORCH_CHECK(!bias.has_value() ||
+              (bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == gs.N));
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto out = torch::empty({T, gs.N}, x.options());
   if (T == 0) return out;

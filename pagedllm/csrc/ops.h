@@ -27,7 +27,8 @@ torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torc
 std::tuple<torch::Tensor, torch::Tensor> quant_activations(torch::Tensor x);
 
 // gguf_linear.cpp
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor meta, c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor meta,
+                          c10::optional<torch::Tensor> bias);
 torch::Tensor gguf_dequantize_rows(torch::Tensor packed, torch::Tensor meta, int64_t K, torch::Tensor rows);
 
 // decode_loop.cpp
