@@ -152,7 +152,7 @@ def isa_cflags(isa: str) -> tuple:
 
 
 @functools.cache
-def _isa_extension(isa: str):
+def isa_extension(isa: str):
     return build_extension(f"pagedllm_cpu_{isa}", SOURCE_DIR, SOURCES, isa_cflags(isa))
 
 
@@ -160,7 +160,7 @@ def cpu_extension():
     """The extension of pagedllm/csrc (paged_decode, rms_norm, silu_and_mul, rotary_embedding_,
     linear_small, quant_linear, decode_layers) built for `selected_isa()`, or None; each variant is
     built at most once a process."""
-    return _isa_extension(selected_isa())
+    return isa_extension(selected_isa())
 
 
 if __name__ == "__main__":
@@ -169,5 +169,5 @@ if __name__ == "__main__":
     # Every variant this CPU runs: the tests run each of them.
     logging.basicConfig(level=logging.INFO)
     for isa in runnable_isas():
-        ext = _isa_extension(isa)
+        ext = isa_extension(isa)
         print(f"C++ kernels ({isa}): {ext.__name__ if ext is not None else 'not built: ' + '; '.join(build_failures.values())}")

@@ -239,6 +239,34 @@ def test_gguf_linear_integer_sums_exact(type_name):
         assert ((out - ref).abs() <= 2e-6 * magnitude).all(), (type_name, rows)
 
 
+def test_gguf_layer_without_the_extension_holds_the_dequantised_weight():
+    """No C++ kernels (no compiler): a GGUF linear loads the same row blobs and computes with
+    the gguf package's dequantised weight."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from pagedllm.models.layers.linear import ReplicatedLinear
+    from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, row_blob
+    data = _random_blocks("Q4_K", 20, 256, np.random.default_rng(3))
+    method = GGUFLinearMethod(["Q4_K", "Q6_K"], {})
+    method.ops = None
+    layer = ReplicatedLinear(256, 20, False, method)
+    layer.weight.weight_loader(layer.weight, torch.from_numpy(row_blob(data, "Q4_K", method.types)))
+    method.process_weights_after_loading(layer)
+    x = torch.randn(3, 256)
+    w = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_K).astype(np.float32))
+    torch.testing.assert_close(layer(x), x @ w.T)
+
+
+def test_gguf_types_without_a_kernel_are_refused_by_name():
+    from pagedllm.models.layers.quantization.gguf import GGUFConfig
+    with pytest.raises(ValueError, match="linear weights of type IQ2_XS are not served"):
+        GGUFConfig("m.gguf", {"blk.0.attn_q.weight": "IQ2_XS", "blk.0.attn_k.weight": "Q4_K"})
+    from pagedllm.models.layers.quantization.gguf_repack import row_bytes
+    with pytest.raises(ValueError, match="a Q4_K row of 576 features is not whole blocks of 256"):
+        row_bytes("Q4_K", 576)
+
+
 def test_bad_flags_are_value_errors():
     with pytest.raises(ValueError, match="quantization must be one of"):
         validate_quantization("int3", None, "cpu", "float32")
@@ -281,24 +309,36 @@ def float32_greedy(model_dir, agreement_prompts):
     return _greedy(LLM(model_dir, enable_prefix_caching=False, kv_cache_memory=2**28), agreement_prompts)
 
 
-def _quantized_agreement(model, quant, prompts, ref) -> float:
+def _quantized_agreement(model, quant, prompts, ref):
+    """-> (share of float32's greedy tokens before the first divergence, the engine's model)"""
     from pagedllm import LLM
     require_built(cpu_ops())
-    # 8 requests at a time: the decode steps have 8 rows, the integer kernel's (int16 activations);
-    # 16 would take the dequantised tiles (float activations) and leave that kernel unmeasured.
+    # 8 requests at a time: the decode steps have 8 rows, the int8 layout's integer kernel's (int16
+    # activations); 16 would take its dequantised tiles (float activations) and leave it unmeasured.
     llm = LLM(model, quantization=quant, enable_prefix_caching=False, kv_cache_memory=2**28,
               max_num_seqs=DECODE_ROWS)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.decode_loop is not None, "the C++ decode loop runs quantized linears"
     agree = _agreement(_greedy(llm, prompts), ref)
     print(f"{quant}: {agree:.1%} of float32's greedy tokens before the first divergence")
-    return agree
+    return agree, runner.model
 
 
 @pytest.mark.model
 def test_gguf_greedy_agrees_with_float32(agreement_prompts, float32_greedy):
-    """The default model's float32 directory was dequantised from this very Q4_1 file."""
-    assert _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy) >= 0.95
+    """The default model's float32 directory was dequantised from this very Q4_1 file. Its
+    weights are held in the file's blocks: the Q8_0 token embedding too, shared by the tied LM
+    head, so the resident weights are the file's bytes (its metadata, the vocabulary, aside)."""
+    import os
+
+    from pagedllm.models.download import find_gguf
+    from pagedllm.models.layers.quantization.layouts import weight_bytes
+    agree, model = _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy)
+    assert agree >= 0.95
+    assert model.embed_tokens.weight is None and model.lm_head.qweight is model.embed_tokens.qweight
+    held, file_bytes = weight_bytes(model), os.path.getsize(find_gguf())
+    print(f"gguf: weights held {held / 1e6:.1f} MB, file {file_bytes / 1e6:.1f} MB")
+    assert held <= 1.1 * file_bytes
 
 
 @pytest.mark.model
@@ -307,4 +347,4 @@ def test_int8_greedy_agrees_with_float32(model_dir, agreement_prompts, float32_g
     default model's weights are Q4_1 values, 16 evenly spaced levels, which 255 = 15 x 17 steps
     hold exactly (symmetric scales over [-amax, amax] blur them; 254 steps from the midpoint
     agreed on 80 %)."""
-    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy) >= 0.95
+    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy)[0] >= 0.95
