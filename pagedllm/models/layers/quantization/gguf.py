@@ -5,10 +5,11 @@ The config and tokenizer (with the chat template) come from the file's metadata 
 transformers' GGUF reader, saved once into a small directory under $PAGEDLLM_HOME/gguf
 (`gguf_model_dir`), which names the file in gguf.json; the rest of the engine reads that
 directory as any model directory. The weights are read from the file itself (`iter_weights`): each
-Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensor (the linears, the token embedding, an untied head) as
-row blobs of the file's bytes, repacked after loading into csrc/gguf_linear.cpp's layout
-(gguf_method.py, gguf_repack.py) and held so: a row dequantises to the gguf package's values
-exactly, and the resident weights are the file's bytes (Q4_K: 148 a 144). A tied LM head is the
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensor (the linears, the token
+embedding, an untied head) as row blobs of the file's bytes, repacked after loading into
+csrc/gguf_linear.cpp's layout (gguf_method.py, gguf_repack.py) and held so: a row dequantises to
+the gguf package's values exactly, and the resident weights are the file's bytes (Q4_K / Q5_K:
+4 more a block of 256). A tied LM head is the
 embedding's packed weight; an embedding of another type is dequantised to float32 (its tied
 head then re-quantized to int8 in groups of 32).
 Llama-architecture files (llama.cpp's Q/K row order undone as transformers does).
