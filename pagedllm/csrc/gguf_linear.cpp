@@ -419,17 +419,17 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   if (T == 0) return out;
   const Acts a = quantize_acts(x.data_ptr<float>(), T, K);
   float* op = out.data_ptr<float>();
-  // Activation rows in chunks whose int16 codes (~256 KiB) stay in a core's L2 while every group
-  // passes over them: otherwise each group streams all T rows from memory again.
+  // Each thread passes its groups over the activation rows a chunk at a time: a chunk's int16
+  // codes (~256 KiB) stay in the core's L2 instead of every group streaming all T rows again.
+  // One parallel region (no barrier per chunk: on a busy machine each costs a time slice).
   const int64_t chunk = std::max<int64_t>(TILE, (int64_t{1} << 17) / K / TILE * TILE);
-  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
-    at::parallel_for(0, gs.G, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, gs.G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t0 = 0; t0 < T; t0 += chunk)
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t* e = gs.meta + 4 * g;
         run_group(gs.base + e[0], e[1], a, t0, std::min(T, t0 + chunk), e[2], (int)e[3], b, op, gs.N);
       }
-    });
-  }
+  });
   return out;
 }
 
