@@ -40,6 +40,8 @@ VARIABLES: dict[str, EnvVar] = {
                                                    "/v1/unload_lora_adapter)"),
     "PAGEDLLM_NO_CPU_KERNELS": EnvVar(_switch(False),
                                       "1: never build or use the C++ CPU kernels (the torch code instead)"),
+    "PAGEDLLM_CPU_ISA": EnvVar(_text(None), "avx2: use the C++ kernels' AVX2 build on an AVX-512 machine "
+                               "(unset: the best build the CPU runs; csrc/build.py VARIANTS)"),
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),
     "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of small decode steps"),
     "PAGEDLLM_PP_BATCH_QUEUE": EnvVar(_switch(True), "0: one pipeline-parallel step in flight, not several"),

@@ -7,6 +7,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from pagedllm.csrc.build import runnable_isas
+
 # Without a GPU the Triton kernels run under the interpreter (test_triton_kernels.py,
 # test_triton_runner.py). Triton reads this when a kernel is decorated, so it is set before
 # any test module is collected, whichever imports the kernels first.
@@ -56,6 +58,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.model)
     # A test that stops a shared server runs after every other test (which may share it).
     items.sort(key=lambda item: item.get_closest_marker("stops_server") is not None)   # stable
+
+
+@pytest.fixture(params=runnable_isas())
+def cpu_isa(request, monkeypatch):
+    """Each build of the C++ kernels this CPU runs (csrc/build.py VARIANTS: avx512 and avx2 on an
+    AVX-512 machine): a test using it runs once per variant, its kernels from that build."""
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ BENCHMARKS = [
     ("structured", "structured", "requests with a JSON schema vs the same requests unconstrained", True),
     ("lora", "lora", "requests over N LoRA adapters vs the same requests on the base model", True),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),
+    ("gguf-kernel", "gguf_kernel", "a GGUF matrix in its blocks vs the int4/int8 layout and float32, each ISA build", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
     ("kv-memory", "kv_memory", "KV cache held by one long request, sliding groups freeing vs one table", True),
 ]

@@ -9,6 +9,18 @@
 
 #include "ops.h"
 
+// The ISA level the compiler's flags enabled in this build (csrc/build.py VARIANTS): the tests
+// check each variant is what its name says.
+static const char* compiled_isa() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
+#else
+  return "native";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // k_scale / v_scale: only with an int8 / fp8 cache (None otherwise, the default)
   m.def("paged_decode", torch::wrap_pybind_function_no_gil(paged_decode), "paged_decode", py::arg("q"),
@@ -22,5 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", torch::wrap_pybind_function_no_gil(quant_linear), "quant_linear");
   m.def("quant_dequantize", torch::wrap_pybind_function_no_gil(quant_dequantize), "quant_dequantize");
   m.def("quant_activations", torch::wrap_pybind_function_no_gil(quant_activations), "quant_activations");
+  m.def("gguf_linear", torch::wrap_pybind_function_no_gil(gguf_linear), "gguf_linear");
+  m.def("gguf_dequantize_rows", torch::wrap_pybind_function_no_gil(gguf_dequantize_rows),
+        "gguf_dequantize_rows");
+  m.def("compiled_isa", compiled_isa, "compiled_isa");
   m.def("decode_layers", torch::wrap_pybind_function_no_gil(decode_layers), "decode_layers");
 }

@@ -7,6 +7,12 @@ edit builds a fresh extension and an old build is never loaded for new code (no 
 and installs of the same code share one build instead of rebuilding for each path. If the
 build fails (no compiler or ninja, a compile error) or PAGEDLLM_NO_CPU_KERNELS is set, the
 result is None, with a warning: callers keep their torch path, and `build_failures` says why.
+
+One build per ISA level (`VARIANTS`, as vLLM's _C_AVX2 / _C_AVX512 and ggml's CPU variants):
+the kernels' `#ifdef __AVX512F__` / `__AVX2__` paths are each compiled by the variant whose flags
+enable them, so an AVX-512 machine builds (and its tests run) the AVX2 path too. The variant a
+process uses is the best the CPU runs (`runnable_isas`, from /proc/cpuinfo's flags), or
+$PAGEDLLM_CPU_ISA; a non-x86 machine has one variant, "native" (-march=native).
 """
 from __future__ import annotations
 
@@ -15,16 +21,36 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp", "bindings.cpp")
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp", "gguf_linear.cpp",
+           "bindings.cpp")
+BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
+CFLAGS = BASE_CFLAGS + ("-march=native",)
+
+
+class Variant(NamedTuple):
+    flags: tuple      # the compiler's ISA flags
+    cpu_flags: tuple  # /proc/cpuinfo flags the code compiled so needs
+
+
+# Best first. x86-64-v3: AVX2, FMA, F16C, BMI1/2 (Haswell, Zen 1); x86-64-v4: AVX-512 F/BW/CD/
+# DQ/VL, and VNNI (vpdpwssd) and BF16 (vdpbf16ps) on top (Cooper Lake, Sapphire Rapids, Zen 4).
+VARIANTS = {
+    "avx512": Variant(("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+                      ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                       "avx512vl", "avx512_vnni", "avx512_bf16")),
+    "avx2": Variant(("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi1", "bmi2")),
+}
+NATIVE = "native"   # a CPU that runs none of VARIANTS (not x86): one build for the machine at hand
 
 # Why each extension that was tried is not built (name -> reason): the tests fail with it
 # where a compiler exists, instead of passing on the torch fallback.
@@ -88,15 +114,60 @@ def build_extension(prefix: str, src_dir: Path, sources, cflags=CFLAGS):
 
 
 @functools.cache
+def _cpu_flags() -> frozenset:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_isas() -> list[str]:
+    """The variants this CPU can run, best first (["native"] off x86 or without /proc/cpuinfo)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [NATIVE]
+    flags = _cpu_flags()
+    isas = [name for name, v in VARIANTS.items() if flags.issuperset(v.cpu_flags)]
+    return isas or [NATIVE]
+
+
+def selected_isa() -> str:
+    """$PAGEDLLM_CPU_ISA, else the best variant this CPU runs; ValueError for one it cannot run."""
+    isas = runnable_isas()
+    forced = envs.PAGEDLLM_CPU_ISA
+    if forced is None:
+        return isas[0]
+    if forced not in isas:
+        raise ValueError(f"PAGEDLLM_CPU_ISA={forced!r}: this CPU runs {', '.join(isas)} "
+                         f"(the variants: {', '.join(list(VARIANTS) + [NATIVE])})")
+    return forced
+
+
+def isa_cflags(isa: str) -> tuple:
+    return CFLAGS if isa == NATIVE else BASE_CFLAGS + VARIANTS[isa].flags
+
+
+@functools.cache
+def isa_extension(isa: str):
+    return build_extension(f"pagedllm_cpu_{isa}", SOURCE_DIR, SOURCES, isa_cflags(isa))
+
+
 def cpu_extension():
-    """The one extension of pagedllm/csrc (paged_decode, rms_norm, silu_and_mul,
-    rotary_embedding_, linear_small, quant_linear, decode_layers), or None; built at most once a process."""
-    return build_extension("pagedllm_cpu", SOURCE_DIR, SOURCES)
+    """The extension of pagedllm/csrc (paged_decode, rms_norm, silu_and_mul, rotary_embedding_,
+    linear_small, quant_linear, decode_layers) built for `selected_isa()`, or None; each variant is
+    built at most once a process."""
+    return isa_extension(selected_isa())
 
 
 if __name__ == "__main__":
     # `make test` / `make serve` build the kernels ahead, so the first engine (or test) does not
     # wait for the compiler; a failed build is reported, not fatal (the engine has its torch path).
+    # Every variant this CPU runs: the tests run each of them.
     logging.basicConfig(level=logging.INFO)
-    ext = cpu_extension()
-    print(f"C++ kernels: {ext.__name__ if ext is not None else 'not built: ' + '; '.join(build_failures.values())}")
+    for isa in runnable_isas():
+        ext = isa_extension(isa)
+        print(f"C++ kernels ({isa}): {ext.__name__ if ext is not None else 'not built: ' + '; '.join(build_failures.values())}")

@@ -9,11 +9,13 @@ static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
 }
 
 // One linear of the loop: a float weight (linear_small), or a quantized one with its scales and
-// mins (quant_linear, float32 activations).
+// mins (quant_linear, float32 activations), or GGUF blocks with their int64 group table in the
+// scales' place (gguf_linear).
 struct Linear {
   const torch::Tensor *w, *b, *s, *m;
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (s == nullptr) return linear_small(x, *w, opt(*b));
+    if (s->scalar_type() == torch::kLong) return gguf_linear(x, *w, *s, opt(*b));
     return quant_linear(x, *w, *s, *m, opt(*b));
   }
 };

@@ -26,6 +26,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins);
 std::tuple<torch::Tensor, torch::Tensor> quant_activations(torch::Tensor x);
 
+// gguf_linear.cpp
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor meta,
+                          c10::optional<torch::Tensor> bias);
+torch::Tensor gguf_dequantize_rows(torch::Tensor packed, torch::Tensor meta, int64_t K, torch::Tensor rows);
+
 // decode_loop.cpp
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,

@@ -13,6 +13,7 @@ from pagedllm.attention.torch_backend import paged_attention
 @pytest.mark.parametrize("H, Hkv, D, bs, window", [(9, 3, 64, 16, None), (4, 4, 32, 4, None),
                                                    (16, 2, 64, 32, None), (8, 2, 128, 16, None),
                                                    (8, 2, 128, 16, 21), (4, 1, 256, 4, 7)])
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
     """window: a sliding-window layer's metadata (AttentionMetadata.windowed); the blocks
     before each window are poisoned with NaN, as if freed and reused: neither path reads them."""
@@ -63,6 +64,7 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
                 t += 1
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_fused_cpu_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
     partial rotary dim): the fused ops equal the torch code of models/layers/."""
@@ -91,6 +93,7 @@ def test_fused_cpu_ops_match_the_torch_layers():
         check_rope_in_place(ops, torch.randn, lambda m: m, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 128, 600])
 def test_packed_linear_matches_f_linear(rows):
     """oneDNN on the packed weight, and (1-8 rows) the row-streaming kernel, equal F.linear;
@@ -109,6 +112,7 @@ def test_packed_linear_matches_f_linear(rows):
                 torch.testing.assert_close(packed_linear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_linear_small_rows_do_not_depend_on_each_other():
     """Each of 1-8 rows comes out bit for bit as that row alone (its sum in the same order): a
     verification of k + 1 tokens equals k + 1 one-token steps. Float32 and bfloat16."""
@@ -232,3 +236,37 @@ def test_a_kernel_that_did_not_build_fails_where_a_compiler_exists(monkeypatch):
     with pytest.raises(pytest.skip.Exception, match=r"PAGEDLLM_NO_CPU_KERNELS=1"):
         require_built(None)
     assert require_built(build) is build
+
+
+def test_each_isa_build_is_compiled_for_its_level(cpu_isa):
+    """The build a process loads is the variant asked for ($PAGEDLLM_CPU_ISA, set by the
+    fixture), compiled with that level's instruction set and no higher: the AVX2 build has no
+    AVX-512 path in it, so its tests test the AVX2 code."""
+    from pagedllm.csrc import build
+    from pagedllm.models.cpu_ops import cpu_ops
+    assert build.selected_isa() == cpu_isa
+    ext = require_built(cpu_ops())
+    assert ext.__name__.startswith(f"pagedllm_cpu_{cpu_isa}_")
+    assert ext.compiled_isa() == cpu_isa
+
+
+def test_isa_variants_this_cpu_runs(monkeypatch):
+    """x86-64 CPUs with AVX2 run the avx2 build, those with AVX-512 VNNI and BF16 both (read from
+    /proc/cpuinfo's flags, here against torch's own CPU detection); one the CPU cannot run is
+    refused by name."""
+    import platform
+
+    from pagedllm.csrc import build
+    isas = build.runnable_isas()
+    if platform.machine() != "x86_64":
+        assert isas == ["native"]
+        return
+    torch_level = torch.backends.cpu.get_cpu_capability()   # "AVX2", "AVX512", "DEFAULT"
+    assert ("avx2" in isas) == (torch_level in ("AVX2", "AVX512"))
+    if "avx512" in isas:
+        assert torch_level == "AVX512" and isas == ["avx512", "avx2"]
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA", raising=False)
+    assert build.selected_isa() == isas[0]
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "avx10")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA='avx10': this CPU runs"):
+        build.selected_isa()

@@ -118,6 +118,7 @@ def dense_reference(q, kc, vc, ks, vs, qsl, seq_lens, table, bs, scale):
     return out
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("H,Hkv,D,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 80, 16)])
 def test_torch_and_cpp_paths_on_quantized_pages(dtype, H, Hkv, D, bs):

@@ -26,6 +26,7 @@ def _bf16(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).bfloat16()
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("in_features", [576, 1536, 100, 40])
 def test_bf16_linear_small_matches_float32_reference(rows, in_features):
@@ -41,6 +42,7 @@ def test_bf16_linear_small_matches_float32_reference(rows, in_features):
         torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("rows", [1, 3, 7, 128])
 def test_bf16_packed_linear_matches_float32_reference(rows):
     """The CPU packed linear method in bfloat16: the kernel at 1-3 rows, oneDNN's bf16 linear
@@ -61,6 +63,7 @@ def test_bf16_packed_linear_matches_float32_reference(rows):
     torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_bf16_fused_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE in bfloat16 (strided q/k views of a fused QKV output, a
     partial rotary dim, the RoPE tables cast with the model): the fused ops equal the bfloat16
@@ -92,6 +95,7 @@ def test_bf16_fused_ops_match_the_torch_layers():
         check_rope_in_place(ops, _bf16, lambda m: m.bfloat16(), **close)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 4)])
 def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     """The decode kernel on a bfloat16 paged cache (through paged_attention, as the runner calls

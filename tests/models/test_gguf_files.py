@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from pagedllm.models.gguf.writer import write_gguf
-from pagedllm.models.layers.quantization.gguf import GGUFLayout, gguf_model_dir, gguf_tensor_quantized
-from pagedllm.models.layers.quantization.layouts import dequantize_reference
+from pagedllm.models.layers.quantization.gguf import gguf_model_dir
 
 TEXTS = ["Hello world, <|im_start|>user\nhi<|im_end|>", "  two  spaces\tand\ttabs\n\n",
          "naïve café 日本語 🙂 1234567", "<start_of_turn>user\nWhat is 2+2?<end_of_turn>", "<bos>x</s><eos>",
@@ -200,24 +199,6 @@ def test_every_architecture_agrees_with_its_dequantised_hf_model(model_type, qty
     ref = _quantize_like_the_file(model, qtype)
     _check_written_file(path, ref, f"{model_type} {qtype}")
 
-
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
-def test_five_bit_blocks_repack_exactly(type_name):
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-    rows, k, rng = 5, 512, np.random.default_rng(0)
-    qtype = GGMLQuantizationType[type_name]
-    if type_name == "Q5_K":   # the package cannot quantize it: random blocks, finite d and dmin
-        block, nbytes = GGML_QUANT_SIZES[qtype]
-        data = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
-        data[:, :, 0:4] = rng.uniform(0.001, 0.1, (rows, k // block, 2)).astype(np.float16).view(np.uint8)
-        data = data.reshape(rows, -1)
-    else:
-        data = quantize(rng.standard_normal((rows, k)).astype(np.float32), qtype)
-    expected = torch.from_numpy(dequantize(data, qtype).astype(np.float32))
-    for layout in (GGUFLayout(False, 16), GGUFLayout(False, 32)):
-        q, s, m = layout.split(torch.from_numpy(layout.blob(*gguf_tensor_quantized(data, type_name))))
-        assert torch.equal(dequantize_reference(q, s, m), expected), (type_name, layout.group)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])

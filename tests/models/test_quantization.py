@@ -14,7 +14,7 @@ from kernel_utils import require_built
 
 from pagedllm.models.cpu_ops import cpu_ops
 from pagedllm.models.layers.quantization import validate_quantization
-from pagedllm.models.layers.quantization.gguf import INT4_TYPES, GGUFLayout, gguf_tensor_quantized
+from pagedllm.models.layers.quantization.gguf_repack import pack_segments
 from pagedllm.models.layers.quantization.layouts import (dequantize_reference, pack_int4, quantize_int4,
                                                          quantize_int8, quantize_int8_offset, unpack_int4)
 
@@ -44,6 +44,7 @@ def _quantized(kind, n, k, g, gen):
     return q, s, torch.empty(0)
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("kind,n,k,g", CASES)
 def test_quant_linear_matches_float_reference(kind, n, k, g):
     ops = require_built(cpu_ops())
@@ -89,6 +90,7 @@ def _check_integer_kernel(ops, x, q, s, m, bias, out, ref, msg):
     assert ((out.double() - ref).abs() <= bound + 2e-5 + 1e-5 * ref.abs()).all(), msg
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_tile_path_under_inference_mode_in_threads():
     """The runner calls the kernel under inference_mode; the dequantised-tile path writes from the
     thread pool, whose threads must see that mode (they refused the write: a crash at prefill)."""
@@ -106,6 +108,7 @@ def test_tile_path_under_inference_mode_in_threads():
     assert out.shape == (37, 96) and torch.isfinite(out).all()
 
 
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_integer_sums_exact(kind):
     """Integer inputs, unit scales, zero mins: every sum is an exact float32 integer (below 2^24)."""
@@ -155,28 +158,113 @@ def _random_blocks(type_name, rows, k, rng):
         block, nbytes = GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
         f16 = lambda n: rng.uniform(0.001, 0.1, (rows, k // block, n)).astype(np.float16).view(np.uint8)  # noqa: E731
-        if type_name == "Q4_K":
+        if type_name in ("Q4_K", "Q5_K"):
             data[:, :, 0:4] = f16(2)      # d, dmin
         else:
             data[:, :, 208:210] = f16(1)  # Q6_K's d
         return data.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
-def test_gguf_blocks_repack_exactly(type_name):
-    """Each type, into each layout it can take, dequantises to the gguf package's values exactly."""
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _gguf_weight(type_name, rng):
+    """A weight of 37 rows of type_name then 5 of Q8_0 (two segments, neither whole groups of
+    16), K = 96 (legacy types: not a multiple of 256) or 512 -> (packed, meta, float32 [42, K] as
+    the gguf package dequantises it)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    rows, k = 5, 512
-    data = _random_blocks(type_name, rows, k, np.random.default_rng(0))
-    expected = torch.from_numpy(dequantize(data, GGMLQuantizationType[type_name]).astype(np.float32))
-    layouts = [GGUFLayout(False, 16)] + ([GGUFLayout(False, 32)] if type_name != "Q6_K" else [])
-    if type_name in INT4_TYPES:
-        layouts.append(GGUFLayout(True, 32))
-    for layout in layouts:
-        blob = torch.from_numpy(layout.blob(*gguf_tensor_quantized(data, type_name)))
-        q, s, m = layout.split(blob)
-        assert torch.equal(dequantize_reference(q, s, m), expected), (type_name, layout.int4, layout.group)
+    k = 512 if type_name.endswith("_K") else 96
+    segments = [(type_name, _random_blocks(type_name, 37, k, rng)), ("Q8_0", _random_blocks("Q8_0", 5, k, rng))]
+    packed, meta = pack_segments(segments)
+    w = np.concatenate([dequantize(d, GGMLQuantizationType[t]) for t, d in segments]).astype(np.float32)
+    return packed, meta, torch.from_numpy(w)
+
+
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_repack_exactly(type_name):
+    """Each type's repacked rows dequantise to the gguf package's values bit for bit (in any
+    order, a row at a time: the embedding's lookup)."""
+    ops = require_built(cpu_ops())
+    packed, meta, w = _gguf_weight(type_name, np.random.default_rng(0))
+    assert torch.equal(ops.gguf_dequantize_rows(packed, meta, w.shape[1], torch.arange(42)), w)
+    rows = torch.tensor([41, 0, 36, 37, 17, 17])
+    assert torch.equal(ops.gguf_dequantize_rows(packed, meta, w.shape[1], rows), w[rows])
+    # a row holds the file's bytes (Q4_K / Q5_K: their 6-bit scales as bytes, 4 more a block); each
+    # segment is padded to whole groups of 16 rows (37 -> 48, 5 -> 16)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    row = w.shape[1] // block * (nbytes + 4 if type_name in ("Q4_K", "Q5_K") else nbytes)
+    assert packed.numel() == 48 * row + 16 * (w.shape[1] // 32 * 34)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_linear_matches_float_reference(type_name):
+    """The kernel (1-8 rows: one tile; more: tiles of 8 over each group of weight rows) against
+    float64 on the gguf package's dequantised weight: within the int16 activations' rounding
+    (|x - q d| <= d / 2, d = amax / 32767 a block of 32) and float32 accumulation."""
+    ops = require_built(cpu_ops())
+    gen = torch.Generator().manual_seed(5)
+    packed, meta, w = _gguf_weight(type_name, np.random.default_rng(1))
+    w = w.double()
+    bias = torch.randn(42, generator=gen)
+    for rows in (1, 2, 3, 5, 8, 9, 17, 64):
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        x[0, :40] *= 100   # blocks of very different steps
+        ref = x.double() @ w.T + bias.double()
+        out = ops.gguf_linear(x, packed, meta, bias).double()
+        step = x.view(rows, -1, QBLOCK).abs().amax(2).double().repeat_interleave(QBLOCK, dim=1) / QMAX
+        magnitude = x.double().abs() @ w.abs().T + bias.double().abs()
+        bound = (step / 2) @ w.abs().T + 1e-5 * magnitude
+        assert ((out - ref).abs() <= bound).all(), (type_name, rows, ((out - ref).abs() / bound).max())
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_linear_integer_sums_exact(type_name):
+    """Activations the int16 codes hold exactly (integers, each block's largest 32767: d = 1):
+    the kernel's only error is float32 accumulation of exact block sums, so it is that close to
+    float64 (a wrong code, pair or scale is off by far more)."""
+    ops = require_built(cpu_ops())
+    gen = torch.Generator().manual_seed(9)
+    packed, meta, w = _gguf_weight(type_name, np.random.default_rng(2))
+    for rows in (1, 4, 8, 11):
+        x = torch.randint(-300, 301, (rows, w.shape[1]), generator=gen).float()
+        x[:, ::QBLOCK] = QMAX
+        ref = x.double() @ w.double().T
+        magnitude = x.double().abs() @ w.double().abs().T
+        out = ops.gguf_linear(x, packed, meta, None).double()
+        assert ((out - ref).abs() <= 2e-6 * magnitude).all(), (type_name, rows)
+
+
+def test_gguf_layer_without_the_extension_holds_the_dequantised_weight():
+    """No C++ kernels (no compiler): a GGUF linear loads the same row blobs and computes with
+    the gguf package's dequantised weight."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from pagedllm.models.layers.linear import ReplicatedLinear
+    from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, row_blob
+    data = _random_blocks("Q4_K", 20, 256, np.random.default_rng(3))
+    method = GGUFLinearMethod(["Q4_K", "Q6_K"], {})
+    method.ops = None
+    layer = ReplicatedLinear(256, 20, False, method)
+    layer.weight.weight_loader(layer.weight, torch.from_numpy(row_blob(data, "Q4_K", method.types)))
+    method.process_weights_after_loading(layer)
+    x = torch.randn(3, 256)
+    w = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_K).astype(np.float32))
+    torch.testing.assert_close(layer(x), x @ w.T)
+
+
+def test_gguf_types_without_a_kernel_are_refused_by_name():
+    from pagedllm.models.layers.quantization.gguf import GGUFConfig
+    with pytest.raises(ValueError, match="linear weights of type IQ2_XS are not served"):
+        GGUFConfig("m.gguf", {"blk.0.attn_q.weight": "IQ2_XS", "blk.0.attn_k.weight": "Q4_K"})
+    from pagedllm.models.layers.quantization.gguf_repack import row_bytes
+    with pytest.raises(ValueError, match="a Q4_K row of 576 features is not whole blocks of 256"):
+        row_bytes("Q4_K", 576)
 
 
 def test_bad_flags_are_value_errors():
@@ -221,24 +309,36 @@ def float32_greedy(model_dir, agreement_prompts):
     return _greedy(LLM(model_dir, enable_prefix_caching=False, kv_cache_memory=2**28), agreement_prompts)
 
 
-def _quantized_agreement(model, quant, prompts, ref) -> float:
+def _quantized_agreement(model, quant, prompts, ref):
+    """-> (share of float32's greedy tokens before the first divergence, the engine's model)"""
     from pagedllm import LLM
     require_built(cpu_ops())
-    # 8 requests at a time: the decode steps have 8 rows, the integer kernel's (int16 activations);
-    # 16 would take the dequantised tiles (float activations) and leave that kernel unmeasured.
+    # 8 requests at a time: the decode steps have 8 rows, the int8 layout's integer kernel's (int16
+    # activations); 16 would take its dequantised tiles (float activations) and leave it unmeasured.
     llm = LLM(model, quantization=quant, enable_prefix_caching=False, kv_cache_memory=2**28,
               max_num_seqs=DECODE_ROWS)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.decode_loop is not None, "the C++ decode loop runs quantized linears"
     agree = _agreement(_greedy(llm, prompts), ref)
     print(f"{quant}: {agree:.1%} of float32's greedy tokens before the first divergence")
-    return agree
+    return agree, runner.model
 
 
 @pytest.mark.model
 def test_gguf_greedy_agrees_with_float32(agreement_prompts, float32_greedy):
-    """The default model's float32 directory was dequantised from this very Q4_1 file."""
-    assert _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy) == 1.0   # README: 100 %
+    """The default model's float32 directory was dequantised from this very Q4_1 file. Its
+    weights are held in the file's blocks: the Q8_0 token embedding too, shared by the tied LM
+    head, so the resident weights are the file's bytes (its metadata, the vocabulary, aside)."""
+    import os
+
+    from pagedllm.models.download import find_gguf
+    from pagedllm.models.layers.quantization.layouts import weight_bytes
+    agree, model = _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy)
+    assert agree == 1.0   # README: 100 %
+    assert model.embed_tokens.weight is None and model.lm_head.qweight is model.embed_tokens.qweight
+    held, file_bytes = weight_bytes(model), os.path.getsize(find_gguf())
+    print(f"gguf: weights held {held / 1e6:.1f} MB, file {file_bytes / 1e6:.1f} MB")
+    assert held <= 1.1 * file_bytes
 
 
 @pytest.mark.model
@@ -247,4 +347,4 @@ def test_int8_greedy_agrees_with_float32(model_dir, agreement_prompts, float32_g
     default model's weights are Q4_1 values, 16 evenly spaced levels, which 255 = 15 x 17 steps
     hold exactly (symmetric scales over [-amax, amax] blur them; 254 steps from the midpoint
     agreed on 80 %)."""
-    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy) == 1.0   # README: 100 %
+    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy)[0] == 1.0   # README: 100 %

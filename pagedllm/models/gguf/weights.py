@@ -49,9 +49,10 @@ def unpermute_qk(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, -1, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def gguf_weights(path: str, hf: dict, repack: Repack) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the file at `path` under its HF name: quantized linears as repack makes
-    them, everything else dequantised to float32; stacked experts one expert at a time."""
+def gguf_weights(path: str, hf: dict, repack: Repack, also_blocks=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the file at `path` under its HF name: quantized linears (and the tensors
+    named in also_blocks: an embedding, an untied head) as repack makes them, everything else
+    dequantised to float32; stacked experts one expert at a time."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     tmap = TensorMap(hf)
@@ -59,7 +60,7 @@ def gguf_weights(path: str, hf: dict, repack: Repack) -> Iterator[tuple[str, tor
         target = tmap.target(t.name)
         if target is None:
             continue
-        if target.quantized:
+        if target.quantized or t.name in also_blocks:
             arr = repack(np.asarray(t.data), t.tensor_type.name)
         else:
             arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -142,7 +142,8 @@ class RowParallelLinear(LinearBase):
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param is self.bias:
+        # A GGUF row blob's columns are bytes, not features: it is loaded whole (one rank only).
+        if param is self.bias or getattr(param, "gguf_features", None) is not None:
             copy_weight(param.data, loaded)
         else:
             copy_weight(param.data, loaded[:, self.input_range.start:self.input_range.stop])

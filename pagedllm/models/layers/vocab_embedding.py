@@ -17,25 +17,40 @@ from torch import nn
 from pagedllm.distributed.sharding import split_range
 from pagedllm.models.layers.linear import default_linear_method, multi_rank
 from pagedllm.models.layers.linear_method import LinearMethodBase
+from pagedllm.models.layers.quantization import current_quant_config
 from pagedllm.models.layers.weight_utils import copy_weight
 
 
 class VocabParallelEmbedding(nn.Module):
+    """A quantization config with an embedding method (GGUF: the table held in its blocks)
+    gives the weight's form and the lookup; the loader processes it as a linear's."""
+
     def __init__(self, vocab: range, hidden_size: int, comm=None) -> None:
         super().__init__()
         self.vocab = vocab
-        self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size), requires_grad=False)  # [V_rank, H]
+        quant = current_quant_config()
+        method = quant.get_embedding_method() if hasattr(quant, "get_embedding_method") else None
+        if method is not None:
+            self.linear_method = method
+            method.create_weights(self, hidden_size, len(vocab))
+        else:
+            self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size), requires_grad=False)  # [V_rank, H]
         self.weight.weight_loader = self.weight_loader
         self.comm = multi_rank(comm)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:   # held quantized
+            return self.linear_method.embed(self, ids)
+        return F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded[self.vocab.start:self.vocab.stop])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         inside = (input_ids >= self.vocab.start) & (input_ids < self.vocab.stop)
-        out = F.embedding(torch.where(inside, input_ids - self.vocab.start, 0), self.weight)
+        out = self._lookup(torch.where(inside, input_ids - self.vocab.start, 0))
         out.masked_fill_(~inside[:, None], 0)
         return self.comm.all_reduce(out)
 

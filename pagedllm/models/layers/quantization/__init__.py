@@ -5,12 +5,12 @@ model_executor/layers/quantization/).
   (default) / 64 / 128 input features, or per output channel (group size -1), made at load time.
 - int4 (int4.py): groups of 32/64/128 input features, each with a scale and a min (w = q s + m,
   q in 0..15), made at load time.
-- gguf (gguf.py): a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K tensors repacked, without loss,
-  into the int4 or int8 layout (layouts.py).
+- gguf (gguf.py): a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors
+  held in their own blocks, 16 rows interleaved (gguf_method.py, gguf_repack.py).
 
 The loader makes the model's config current while it builds the model
 (`set_current_quant_config`); linear.py `default_linear_method` asks it for each layer's method.
-The kernels are csrc/quant_ops.cpp (float32 activations).
+The kernels are csrc/quant_ops.cpp and csrc/gguf_linear.cpp (float32 activations).
 """
 from __future__ import annotations
 

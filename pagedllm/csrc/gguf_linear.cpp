@@ -1,0 +1,458 @@
+// Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) held in the
+// file's bytes, repacked at load (models/layers/quantization/gguf_repack.py) so that one SIMD lane is one
+// weight row: y = x W^T + b, float32 activations, any number of rows.
+//
+// Layout. Output rows in groups of 16; a group's bytes, for each super-block of its type (32
+// features: Q4_0 / Q4_1 / Q8_0; 256: Q4_K / Q6_K), are the 16 rows' per-row fields (float16 d,
+// m, dmin; 8-bit sub-block scales) as arrays of 16, then the integer codes in chunks of 32
+// bytes: byte 2i + j of a chunk belongs to row i, feature 2p + j of a 32-feature block (p the
+// chunk's feature pair). A chunk widened to int16 (vpmovzxbw) is 16 rows x 2 features: one
+// vpdpwssd with the pair of int16 activations broadcast adds 2 products to each row's sum. 4-bit
+// codes: chunk c (0..7) holds pair c in its low nibbles and pair c + 8 in its high ones. 8-bit:
+// chunk p holds pair p. 5-bit: 4-bit chunks for the low bits, then 2 chunks of 1-bit fields (chunk
+// c, bit f: pair c + 2 f). Q6_K: 4-bit chunks, then 4 chunks of 2-bit fields (chunk c, field f:
+// pair c + 4 f). Bytes a row: the file's (Q4_K: 148 for 144, Q5_K 180 for 176).
+//
+// A weight tensor is a run of groups, each with its own type (a fused QKV may mix Q4_K and
+// Q6_K), described by `meta` [G, 4] int64: byte offset, GGML type, first output row, rows (<= 16;
+// the last group of a segment is padded with zero rows).
+//
+// Activations: each input row quantized to int16 in blocks of 32 (d = amax / 32767; int8 ones,
+// llama.cpp's Q8 scheme, cost the default model's greedy agreement: docs/design.md) with the
+// float sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's
+// -32 d sc, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
+// 128, |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
+//
+// Threads over row groups; within a group the activation rows in tiles of 8 (each tile reuses
+// the group's codes from L1), so 1-8 rows (decode) and prefill share one kernel; many rows in
+// chunks that stay in L2 while every group passes. AVX-512 (VNNI):
+// 16 rows a vector; AVX2: 8, each group in two halves (madd + add for vpdpwssd). Others: scalar.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_types.h"
+#include "ops.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// GGML type numbers (gguf.GGMLQuantizationType).
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+constexpr int GROUP = 16;  // weight rows a group
+constexpr int QB = 32;     // features a block (an activation scale)
+constexpr int TILE = 8;    // activation rows a tile
+constexpr float QMAX = 32767.f;
+
+// Bytes of one super-block of a group, and its features.
+int64_t superblock_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return 32 + 256;
+    case Q4_1: return 64 + 256;
+    case Q5_0: return 32 + 256 + 64;
+    case Q5_1: return 64 + 256 + 64;
+    case Q5_K: return 64 + 256 + 8 * 256 + 8 * 64;
+    case Q8_0: return 32 + 512;
+    case Q4_K: return 64 + 256 + 8 * 256;
+    case Q6_K: return 32 + 256 + 8 * 256 + 8 * 128;
+  }
+  TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  return 0;
+}
+int64_t superblock_features(int64_t type) {
+  return (type == Q4_K || type == Q5_K || type == Q6_K) ? 256 : 32;
+}
+
+inline float h2f(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// One row's code of feature k (0..31) of a block's chunks (4-bit: the low/high nibble rule above).
+inline int u4_code(const uint8_t* chunks, int row, int k) {
+  const int p = k / 2, j = k % 2;
+  const uint8_t b = chunks[(p % 8) * 32 + 2 * row + j];
+  return p < 8 ? (b & 15) : (b >> 4);
+}
+inline int u5_code(const uint8_t* lo, const uint8_t* hi, int row, int k) {
+  const int p = k / 2, j = k % 2;
+  return u4_code(lo, row, k) | (((hi[(p % 2) * 32 + 2 * row + j] >> (p / 2)) & 1) << 4);
+}
+inline int q6_code(const uint8_t* lo, const uint8_t* hi, int row, int k) {
+  const int p = k / 2, j = k % 2;
+  return u4_code(lo, row, k) | (((hi[(p % 4) * 32 + 2 * row + j] >> (2 * (p / 4))) & 3) << 4);
+}
+
+// Row `row` of a group as float32 (w = code s + m), `features` of them: the reference the scalar
+// kernel and the embedding lookup use.
+void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, float* out) {
+  const int64_t sb = superblock_bytes(type), sf = superblock_features(type);
+  for (int64_t s = 0; s < K / sf; ++s) {
+    const uint8_t* p = g + s * sb;
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    float* o = out + s * sf;
+    if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0) {
+      const bool with_m = type == Q4_1 || type == Q5_1;
+      const float d = h2f(h[row]);
+      const float m = with_m ? h2f(h[16 + row]) : (type == Q4_0 ? -8.f * d : type == Q5_0 ? -16.f * d : 0.f);
+      const uint8_t* c = p + (with_m ? 64 : 32);
+      for (int k = 0; k < QB; ++k) {
+        const int q = type == Q8_0                     ? (int8_t)c[(k / 2) * 32 + 2 * row + k % 2]
+                      : (type == Q5_0 || type == Q5_1) ? u5_code(c, c + 256, row, k)
+                                                       : u4_code(c, row, k);
+        o[k] = q * d + m;
+      }
+    } else if (type == Q4_K || type == Q5_K) {
+      const float d = h2f(h[row]), dmin = h2f(h[16 + row]);
+      for (int j = 0; j < 8; ++j) {
+        const float sc = d * p[64 + j * 16 + row], mn = dmin * p[192 + j * 16 + row];
+        const uint8_t* lo = p + 320 + j * 256;
+        for (int k = 0; k < QB; ++k)
+          o[j * QB + k] =
+              (type == Q4_K ? u4_code(lo, row, k) : u5_code(lo, p + 2368 + j * 64, row, k)) * sc - mn;
+      }
+    } else {  // Q6_K
+      const float d = h2f(h[row]);
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t *lo = p + 288 + j * 256, *hi = p + 288 + 2048 + j * 128;
+        for (int k = 0; k < QB; ++k) {
+          const float sc = d * (int8_t)p[32 + (2 * j + k / 16) * 16 + row];
+          o[j * QB + k] = (q6_code(lo, hi, row, k) - 32) * sc;
+        }
+      }
+    }
+  }
+}
+
+// The activations of T rows: int16 codes in blocks of 32 (as int32 pairs), each block's step,
+// the float sums of each 16 features.
+struct Acts {
+  std::vector<int16_t> q;  // [T, K]
+  std::vector<float> d;    // [T, K/32]
+  std::vector<float> sum;  // [T, K/16]
+  int64_t K;
+  const int32_t* pairs(int64_t t, int64_t block) const {
+    return reinterpret_cast<const int32_t*>(q.data() + t * K + block * QB);
+  }
+};
+
+Acts quantize_acts(const float* x, int64_t T, int64_t K) {
+  Acts a{std::vector<int16_t>(T * K), std::vector<float>(T * K / QB), std::vector<float>(T * K / 16), K};
+  at::parallel_for(0, T * K / QB, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * QB;
+      float amax = 0.f, s0 = 0.f, s1 = 0.f;
+      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int i = 0; i < 16; ++i) s0 += xb[i], s1 += xb[16 + i];
+      const float d = amax / QMAX, inv = d > 0.f ? 1.f / d : 0.f;
+      a.d[b] = d;
+      a.sum[2 * b] = s0, a.sum[2 * b + 1] = s1;
+      for (int i = 0; i < QB; ++i) a.q[b * QB + i] = (int16_t)std::nearbyint(xb[i] * inv);
+    }
+  });
+  return a;
+}
+
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr int L = 16;  // rows a vector
+using VI = __m512i;
+using VF = __m512;
+inline VI widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+inline VI widen_s8(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+inline VI and_(VI v, int16_t m) { return _mm512_and_si512(v, _mm512_set1_epi16(m)); }
+inline VI or_(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI srl(VI v, int n) { return _mm512_srli_epi16(v, n); }
+inline VI sll(VI v, int n) { return _mm512_slli_epi16(v, n); }
+inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VI dot(VI acc, VI w, int32_t x) { return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x)); }
+inline VF f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline VF u8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline VF s8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline VF cvt(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF set1(float f) { return _mm512_set1_ps(f); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(float* p, VF v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+#else
+constexpr int L = 8;
+using VI = __m256i;
+using VF = __m256;
+inline VI widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+inline VI widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+inline VI and_(VI v, int16_t m) { return _mm256_and_si256(v, _mm256_set1_epi16(m)); }
+inline VI or_(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI srl(VI v, int n) { return _mm256_srli_epi16(v, n); }
+inline VI sll(VI v, int n) { return _mm256_slli_epi16(v, n); }
+inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VI dot(VI acc, VI w, int32_t x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
+}
+inline VF f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline VF u8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline VF s8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline VF cvt(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF set1(float f) { return _mm256_set1_ps(f); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(float* p, VF v, int n) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  std::memcpy(p, t, n * sizeof(float));
+}
+#endif
+
+// One 32-feature block of 4-bit codes (chunks c: pairs c, c + 8) into M rows' sums.
+template <int M>
+inline void dot_u4(const uint8_t* chunks, const Acts& a, int64_t t0, int64_t b, VI* acc) {
+  const int32_t* xp[M];
+  for (int r = 0; r < M; ++r) xp[r] = a.pairs(t0 + r, b), acc[r] = zero_i();
+  for (int c = 0; c < 8; ++c) {
+    const VI v = widen_u8(chunks + c * 32), lo = and_(v, 15), hi = srl(v, 4);
+    for (int r = 0; r < M; ++r) acc[r] = dot(dot(acc[r], lo, xp[r][c]), hi, xp[r][c + 8]);
+  }
+}
+
+// Bit f of each byte of v moved to bit 4 (the 5-bit codes' high bit).
+inline VI bit_to_4(VI v, int f) { return and_(f <= 4 ? sll(v, 4 - f) : srl(v, f - 4), 0x10); }
+
+// One 32-feature block of 5-bit codes: the 4-bit chunks `lo`, the 1-bit chunks `hi` (pair p:
+// chunk p % 2, bit p / 2).
+template <int M>
+inline void dot_u5(const uint8_t* lo, const uint8_t* hi, const Acts& a, int64_t t0, int64_t b, VI* acc) {
+  const int32_t* xp[M];
+  for (int r = 0; r < M; ++r) xp[r] = a.pairs(t0 + r, b), acc[r] = zero_i();
+  const VI h[2] = {widen_u8(hi), widen_u8(hi + 32)};
+  for (int c = 0; c < 8; ++c) {
+    const VI v = widen_u8(lo + c * 32);
+    const VI c0 = or_(and_(v, 15), bit_to_4(h[c % 2], c / 2)),
+             c8 = or_(srl(v, 4), bit_to_4(h[c % 2], c / 2 + 4));
+    for (int r = 0; r < M; ++r) acc[r] = dot(dot(acc[r], c0, xp[r][c]), c8, xp[r][c + 8]);
+  }
+}
+
+// y[r] += (s dx) sum + m xsum for one block (m: a vector per row, or none).
+template <int M>
+inline void scale_into(VF* y, const VI* acc, VF s, const VF* m, const Acts& a, int64_t t0, int64_t b,
+                       int64_t half) {
+  for (int r = 0; r < M; ++r) {
+    y[r] = fma(mul(s, set1(a.d[(t0 + r) * (a.K / QB) + b])), cvt(acc[r]), y[r]);
+    if (m) {
+      const float* xs = a.sum.data() + (t0 + r) * (a.K / 16) + 2 * b;
+      y[r] = fma(*m, set1(half < 0 ? xs[0] + xs[1] : xs[half]), y[r]);
+    }
+  }
+}
+
+// M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M].
+template <int M>
+void group_rows(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int h, VF* y) {
+  const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type);
+  const int rb = h * L;  // this half's first row: per-row arrays at +rb, chunks at +2 rb bytes
+  for (int r = 0; r < M; ++r) y[r] = zero_f();
+  VI acc[M], acc2[M];
+  for (int64_t s = 0; s < K / sf; ++s) {
+    const uint8_t* p = g + s * sb;
+    if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
+      const bool with_m = type == Q4_1 || type == Q5_1;
+      const VF d = f16(p + 2 * rb);
+      const VF m = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(type == Q4_0 ? -8.f : -16.f));
+      const uint8_t* c = p + (with_m ? 64 : 32);
+      if (type == Q4_0 || type == Q4_1)
+        dot_u4<M>(c + 2 * rb, a, t0, s, acc);
+      else
+        dot_u5<M>(c + 2 * rb, c + 256 + 2 * rb, a, t0, s, acc);
+      scale_into<M>(y, acc, d, &m, a, t0, s, -1);
+    } else if (type == Q8_0) {
+      const uint8_t* c = p + 32 + 2 * rb;
+      const int32_t* xp[M];
+      for (int r = 0; r < M; ++r) xp[r] = a.pairs(t0 + r, s), acc[r] = zero_i();
+      for (int q = 0; q < 16; ++q) {
+        const VI w = widen_s8(c + q * 32);
+        for (int r = 0; r < M; ++r) acc[r] = dot(acc[r], w, xp[r][q]);
+      }
+      scale_into<M>(y, acc, f16(p + 2 * rb), nullptr, a, t0, s, -1);
+    } else if (type == Q4_K || type == Q5_K) {
+      const VF d = f16(p + 2 * rb), dmin = mul(f16(p + 32 + 2 * rb), set1(-1.f));
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = s * 8 + j;
+        if (type == Q4_K)
+          dot_u4<M>(p + 320 + j * 256 + 2 * rb, a, t0, b, acc);
+        else
+          dot_u5<M>(p + 320 + j * 256 + 2 * rb, p + 2368 + j * 64 + 2 * rb, a, t0, b, acc);
+        const VF m = mul(dmin, u8f(p + 192 + j * 16 + rb));
+        scale_into<M>(y, acc, mul(d, u8f(p + 64 + j * 16 + rb)), &m, a, t0, b, -1);
+      }
+    } else {  // Q6_K: per 32 features, pairs 0-7 (acc) and 8-15 (acc2) have their own scales
+      const VF d = f16(p + 2 * rb);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = s * 8 + j;
+        const uint8_t *lo = p + 288 + j * 256 + 2 * rb, *hi = p + 288 + 2048 + j * 128 + 2 * rb;
+        const int32_t* xp[M];
+        for (int r = 0; r < M; ++r) xp[r] = a.pairs(t0 + r, b), acc[r] = zero_i(), acc2[r] = zero_i();
+        for (int cc = 0; cc < 4; ++cc) {
+          const VI hb = widen_u8(hi + cc * 32);
+          // field f of hb (pair cc + 4 f) moved to bits 4-5
+          const VI f0 = and_(sll(hb, 4), 0x30), f1 = and_(sll(hb, 2), 0x30), f2 = and_(hb, 0x30),
+                   f3 = and_(srl(hb, 2), 0x30);
+          const VI v0 = widen_u8(lo + cc * 32), v1 = widen_u8(lo + (cc + 4) * 32);
+          const VI c0 = or_(and_(v0, 15), f0), c8 = or_(srl(v0, 4), f2);   // pairs cc, cc + 8
+          const VI c4 = or_(and_(v1, 15), f1), c12 = or_(srl(v1, 4), f3);  // pairs cc + 4, cc + 12
+          for (int r = 0; r < M; ++r) {
+            acc[r] = dot(dot(acc[r], c0, xp[r][cc]), c4, xp[r][cc + 4]);
+            acc2[r] = dot(dot(acc2[r], c8, xp[r][cc + 8]), c12, xp[r][cc + 12]);
+          }
+        }
+        const VF s0 = mul(d, s8f(p + 32 + (2 * j) * 16 + rb)),
+                 s1 = mul(d, s8f(p + 32 + (2 * j + 1) * 16 + rb));
+        const VF m0 = mul(s0, set1(-32.f)), m1 = mul(s1, set1(-32.f));
+        scale_into<M>(y, acc, s0, &m0, a, t0, b, 0);
+        scale_into<M>(y, acc2, s1, &m1, a, t0, b, 1);
+      }
+    }
+  }
+}
+
+// Output rows [row0, row0 + rows) of one group for every activation row.
+template <int M>
+void group_tile(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int64_t row0, int rows,
+                const float* bias, float* out, int64_t N) {
+  for (int h = 0; h * L < rows; ++h) {
+    VF y[M];
+    group_rows<M>(g, type, a, t0, h, y);
+    const int n = std::min(L, rows - h * L);
+    alignas(64) float t[L];
+    for (int r = 0; r < M; ++r) {
+      float* o = out + (t0 + r) * N + row0 + h * L;
+      store(t, y[r], L);
+      for (int i = 0; i < n; ++i) o[i] = t[i] + (bias ? bias[row0 + h * L + i] : 0.f);
+    }
+  }
+}
+
+void run_group(const uint8_t* g, int64_t type, const Acts& a, int64_t t_begin, int64_t T, int64_t row0,
+               int rows, const float* bias, float* out, int64_t N) {
+  for (int64_t t0 = t_begin; t0 < T; t0 += TILE) {
+    switch (std::min<int64_t>(TILE, T - t0)) {
+      case 1: group_tile<1>(g, type, a, t0, row0, rows, bias, out, N); break;
+      case 2: group_tile<2>(g, type, a, t0, row0, rows, bias, out, N); break;
+      case 3: group_tile<3>(g, type, a, t0, row0, rows, bias, out, N); break;
+      case 4: group_tile<4>(g, type, a, t0, row0, rows, bias, out, N); break;
+      case 5: group_tile<5>(g, type, a, t0, row0, rows, bias, out, N); break;
+      case 6: group_tile<6>(g, type, a, t0, row0, rows, bias, out, N); break;
+      case 7: group_tile<7>(g, type, a, t0, row0, rows, bias, out, N); break;
+      default: group_tile<8>(g, type, a, t0, row0, rows, bias, out, N); break;
+    }
+  }
+}
+#else
+// No SIMD: each row dequantised, then float dot products with the int16 activations.
+void run_group(const uint8_t* g, int64_t type, const Acts& a, int64_t t_begin, int64_t T, int64_t row0,
+               int rows, const float* bias, float* out, int64_t N) {
+  const int64_t K = a.K;
+  std::vector<float> w(K);
+  for (int i = 0; i < rows; ++i) {
+    dequantize_group_row(g, type, K, i, w.data());
+    for (int64_t t = t_begin; t < T; ++t) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.d[(t * K + k) / QB];
+      out[t * N + row0 + i] = acc + (bias ? bias[row0 + i] : 0.f);
+    }
+  }
+}
+#endif
+
+struct Groups {
+  const uint8_t* base;
+  const int64_t* meta;  // [G, 4]: byte offset, type, first row, rows
+  int64_t G, N;
+};
+
+Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int64_t K) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous(), "packed: contiguous uint8");
+  TORCH_CHECK(
+      meta.scalar_type() == torch::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
+      "meta: int64 [groups, 4]");
+  const int64_t G = meta.size(0);
+  const int64_t* m = meta.data_ptr<int64_t>();
+  int64_t N = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t* e = m + 4 * g;
+    TORCH_CHECK(K % superblock_features(e[1]) == 0, "K ", K, " is not whole super-blocks of type ", e[1]);
+    TORCH_CHECK(e[0] >= 0 &&
+                    e[0] + K / superblock_features(e[1]) * superblock_bytes(e[1]) <= packed.numel() &&
+                    e[3] >= 1 && e[3] <= GROUP,
+                "meta row ", g, " is outside the packed bytes");
+    N = std::max(N, e[2] + e[3]);
+  }
+  return Groups{packed.data_ptr<uint8_t>(), m, G, N};
+}
+
+}  // namespace
+
+// x [T, K] float32; packed uint8 and meta [G, 4] int64 (the layout above) -> [T, N] float32.
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor meta,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % QB == 0, "x: float32 [T, K]");
+  x = x.contiguous();
+  const int64_t T = x.size(0), K = x.size(1);
+  const Groups gs = check_groups(packed, meta, K);
+  TORCH_CHECK(!bias.has_value() ||
+              (bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == gs.N));
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto out = torch::empty({T, gs.N}, x.options());
+  if (T == 0) return out;
+  const Acts a = quantize_acts(x.data_ptr<float>(), T, K);
+  float* op = out.data_ptr<float>();
+  // Each thread passes its groups over the activation rows a chunk at a time: a chunk's int16
+  // codes (~256 KiB) stay in the core's L2 instead of every group streaming all T rows again.
+  // One parallel region (no barrier per chunk: on a busy machine each costs a time slice).
+  const int64_t chunk = std::max<int64_t>(TILE, (int64_t{1} << 17) / K / TILE * TILE);
+  at::parallel_for(0, gs.G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t0 = 0; t0 < T; t0 += chunk)
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t* e = gs.meta + 4 * g;
+        run_group(gs.base + e[0], e[1], a, t0, std::min(T, t0 + chunk), e[2], (int)e[3], b, op, gs.N);
+      }
+  });
+  return out;
+}
+
+// Rows `rows` [R] int64 of the packed weight as float32 [R, K] (the token embedding's lookup;
+// tests: the whole weight).
+torch::Tensor gguf_dequantize_rows(torch::Tensor packed, torch::Tensor meta, int64_t K, torch::Tensor rows) {
+  const Groups gs = check_groups(packed, meta, K);
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows: int64 [R]");
+  rows = rows.contiguous();
+  // Output row -> group: groups are in row order (first rows ascending).
+  std::vector<int64_t> first(gs.G);
+  for (int64_t g = 0; g < gs.G; ++g) first[g] = gs.meta[4 * g + 2];
+  auto out = torch::empty({rows.size(0), K}, torch::TensorOptions().dtype(torch::kFloat));
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < gs.N, "row ", rp[i], " is outside the weight's ", gs.N, " rows");
+  at::parallel_for(0, rows.size(0), 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = std::upper_bound(first.begin(), first.end(), rp[i]) - first.begin() - 1;
+      const int64_t* e = gs.meta + 4 * g;
+      dequantize_group_row(gs.base + e[0], e[1], K, (int)(rp[i] - e[2]), op + i * K);
+    }
+  });
+  return out;
+}
