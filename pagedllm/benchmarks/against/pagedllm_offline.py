@@ -1,0 +1,42 @@
+"""Runs a job (job.py) through pagedllm's LLM.generate in a process of its own, as vLLM's runs.
+
+`python -m pagedllm.benchmarks.against.pagedllm_offline JOB.json RESULT.json ENGINE_ARGS.json`:
+the engine flags of the bench command, with the job's model, dtype and budget over them.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from pagedllm.benchmarks.against import job as J
+
+
+def main(job_path: str, result_path: str, engine_args_path: str) -> None:
+    import pagedllm
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    job = J.read_job(job_path)
+    with open(engine_args_path) as f:
+        kwargs = json.load(f)
+    kwargs.update(model=job["model"], dtype=job["dtype"], seed=job["seed"], enable_prefix_caching=False,
+                  max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
+                  max_model_len=job["max_model_len"])
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t0
+    prompts, lengths = J.prompts_and_lengths(job)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+
+    def generate(p, sp):
+        return llm.generate(p, sp, use_tqdm=False)
+
+    generate(J.warmup_prompts(job), SamplingParams(temperature=0, max_tokens=J.WARMUP_OUTPUT_LEN, ignore_eos=True))
+    outs, elapsed, cpu = J.timed(generate, prompts, params)
+    J.write_result(result_path, J.result("pagedllm", getattr(pagedllm, "__version__", "dev"), outs, elapsed,
+                                         cpu, load_s))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
