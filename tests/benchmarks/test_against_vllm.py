@@ -119,7 +119,7 @@ def test_summary_median_and_spread():
 
 
 def _ns(**over):
-    base = dict(against="vllm", repeat=3, dtype="bfloat16", device="cpu", tensor_parallel_size=1,
+    base = dict(against="vllm", repeat=3, profile=False, py_spy=None, dtype="bfloat16", device="cpu", tensor_parallel_size=1,
                 pipeline_parallel_size=1, data_parallel_size=1, quantization=None, speculative_config=None,
                 kv_transfer_config=None, kv_cache_dtype="auto", enable_lora=False)
     return argparse.Namespace(**{**base, **over})

@@ -4,6 +4,8 @@ Stdlib only: the vLLM side imports it from its own venv, where pagedllm is not i
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 
 # Before the timed run, on prompts no request starts with (a repeated last token), so that first-
@@ -42,7 +44,9 @@ def warmup_prompts(job: dict) -> list[dict]:
 
 
 def timed(generate, prompts, params) -> tuple[list, float, float]:
-    """-> (outputs, wall seconds, this process's CPU seconds) of one generate call."""
+    """-> (outputs, wall seconds, this process's CPU seconds) of one generate call. The line on
+    stderr lets a sampling profiler (py-spy) attach to the engine's processes for this part only."""
+    print(f"timed run starts: pid {os.getpid()}", file=sys.stderr, flush=True)
     t0, c0 = time.perf_counter(), time.process_time()
     outs = generate(prompts, params)
     return outs, time.perf_counter() - t0, time.process_time() - c0

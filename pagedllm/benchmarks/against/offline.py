@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,13 +47,31 @@ def check_args(ns: argparse.Namespace) -> None:
         raise ValueError("enable_lora is not compared with --against vllm: leave it unset")
 
 
-def _run(cmd: list, env: dict | None, result_path: Path, label: str) -> dict:
+def _run(cmd: list, env: dict | None, result_path: Path, label: str, py_spy: Path | None = None) -> dict:
+    """One runner process (its logs to stderr: stdout is the table). With py_spy, a py-spy record
+    (raw collapsed stacks, the runner and its child processes) of the timed run goes to that file."""
     print(f"running {label} ...", file=sys.stderr, flush=True)
-    done = subprocess.run([str(c) for c in cmd], env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{label} failed (exit {done.returncode}): {' '.join(map(str, cmd))}")
+    proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    spy = None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if py_spy is not None and spy is None and line.startswith("timed run starts"):
+            spy = subprocess.Popen([_py_spy(), "record", "--pid", str(proc.pid), "--subprocesses", "--nonblocking",
+                                    "--format", "raw", "--output", str(py_spy)], stdout=sys.stderr, stderr=sys.stderr)
+    rc = proc.wait()
+    if spy is not None:
+        spy.wait()
+    if rc != 0:
+        raise RuntimeError(f"{label} failed (exit {rc}): {' '.join(map(str, cmd))}")
     with open(result_path) as f:
         return json.load(f)
+
+
+def _py_spy() -> str:
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if not found:
+        raise ValueError("py_spy needs the py-spy command (pip install py-spy)")
+    return found
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -79,6 +98,9 @@ def main(ns: argparse.Namespace) -> int:
     from pagedllm.models.download import resolve_model
 
     check_args(ns)
+    if ns.py_spy:
+        _py_spy()
+        os.makedirs(ns.py_spy, exist_ok=True)
     eargs = engine_args_from(ns)
     model_dir = str(resolve_model(ns.model, None))
     dtype = ns.dtype
@@ -107,12 +129,15 @@ def main(ns: argparse.Namespace) -> int:
         (tmp / "engine.json").write_text(json.dumps(engine_kwargs))
         runs = {"pagedllm": [], "vllm": []}
         for i in range(ns.repeat):
+            profile = ["--profile"] if ns.profile and i == 0 else []
+            spy = Path(ns.py_spy) if ns.py_spy and i == 0 else None
             runs["pagedllm"].append(_run([sys.executable, "-m", "pagedllm.benchmarks.against.pagedllm_offline",
-                                          tmp / "job.json", tmp / "p.json", tmp / "engine.json"],
-                                         None, tmp / "p.json", f"pagedllm ({i + 1}/{ns.repeat})"))
+                                          tmp / "job.json", tmp / "p.json", tmp / "engine.json"] + profile,
+                                         None, tmp / "p.json", f"pagedllm ({i + 1}/{ns.repeat})",
+                                         spy and spy / "pagedllm.txt"))
             runs["vllm"].append(_run([vllm_py, Path(__file__).parent / "vllm_offline.py", tmp / "job.json",
                                       tmp / "v.json"], V.vllm_env(venv_dir, cpus), tmp / "v.json",
-                                     f"vLLM ({i + 1}/{ns.repeat})"))
+                                     f"vLLM ({i + 1}/{ns.repeat})", spy and spy / "vllm.txt"))
 
     rows = [summarize(runs["pagedllm"]), summarize(runs["vllm"])]
     print()
@@ -124,6 +149,12 @@ def main(ns: argparse.Namespace) -> int:
     per_run = [p["output_tok_s"] / v["output_tok_s"] for p, v in zip(runs["pagedllm"], runs["vllm"])]
     print(f"ratio (pagedllm / vLLM, medians): {ratio:.2f}× (per interleaved pair: "
           + ", ".join(f"{r:.2f}" for r in per_run) + ")")
+    if ns.profile:
+        from pagedllm.benchmarks.latency import print_profile
+        prof = runs["pagedllm"][0]["profile"]
+        print_profile("pagedllm, first run, decode-only steps", prof["decode"])
+        print_profile("pagedllm, first run, steps with a prefill", prof["with_prefill"])
+        print_profile("pagedllm, first run, all steps", prof["all"])
     print(f"identical greedy outputs: {same_outputs(runs['pagedllm'][0], runs['vllm'][0])} of {len(requests)} requests")
     if ns.output_json:
         for rs in runs.values():
