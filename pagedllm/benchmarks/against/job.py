@@ -43,6 +43,18 @@ def warmup_prompts(job: dict) -> list[dict]:
             for r in job["requests"][:WARMUP_REQUESTS]]
 
 
+def run_job(job: dict, generate, sampling_params, before_timed=None) -> tuple[list, float, float]:
+    """Warm-up, then all requests in one timed generate call -> timed()'s result. generate(prompts,
+    params) is the engine's; sampling_params its SamplingParams class (both engines' take these
+    keywords); before_timed() runs between the two (a profiler's start)."""
+    prompts, lengths = prompts_and_lengths(job)
+    params = [sampling_params(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    generate(warmup_prompts(job), sampling_params(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))
+    if before_timed is not None:
+        before_timed()
+    return timed(generate, prompts, params)
+
+
 def timed(generate, prompts, params) -> tuple[list, float, float]:
     """-> (outputs, wall seconds, this process's CPU seconds) of one generate call. The line on
     stderr lets a sampling profiler (py-spy) attach to the engine's processes for this part only."""

@@ -64,7 +64,9 @@ def _run(cmd: list, env: dict | None, result_path: Path, label: str, py_spy: Pat
     if rc != 0:
         raise RuntimeError(f"{label} failed (exit {rc}): {' '.join(map(str, cmd))}")
     with open(result_path) as f:
-        return json.load(f)
+        row = json.load(f)
+    print(f"{label}: {row['elapsed_s']:.2f} s, {row['output_tok_s']:.1f} output tok/s", file=sys.stderr, flush=True)
+    return row
 
 
 def _py_spy() -> str:

@@ -28,16 +28,8 @@ def main(job_path: str, result_path: str, engine_args_path: str, profile: bool =
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
-    prompts, lengths = J.prompts_and_lengths(job)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-
-    def generate(p, sp):
-        return llm.generate(p, sp, use_tqdm=False)
-
-    generate(J.warmup_prompts(job), SamplingParams(temperature=0, max_tokens=J.WARMUP_OUTPUT_LEN, ignore_eos=True))
-    if profile:
-        PROFILER.start()
-    outs, elapsed, cpu = J.timed(generate, prompts, params)
+    outs, elapsed, cpu = J.run_job(job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams,
+                                   PROFILER.start if profile else None)
     row = J.result("pagedllm", getattr(pagedllm, "__version__", "dev"), outs, elapsed, cpu, load_s)
     if profile:
         steps = PROFILER.stop()

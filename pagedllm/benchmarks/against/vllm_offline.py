@@ -22,14 +22,7 @@ def main(job_path: str, result_path: str) -> None:
               max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
               max_model_len=job["max_model_len"])
     load_s = time.perf_counter() - t0
-    prompts, lengths = J.prompts_and_lengths(job)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-
-    def generate(p, sp):
-        return llm.generate(p, sp, use_tqdm=False)
-
-    generate(J.warmup_prompts(job), SamplingParams(temperature=0, max_tokens=J.WARMUP_OUTPUT_LEN, ignore_eos=True))
-    outs, elapsed, cpu = J.timed(generate, prompts, params)
+    outs, elapsed, cpu = J.run_job(job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams)
     J.write_result(result_path, J.result("vllm", vllm.__version__, outs, elapsed, cpu, load_s))
 
 
