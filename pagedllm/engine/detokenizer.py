@@ -83,8 +83,7 @@ class _WindowDecoder:
 
 class _StreamDecoder:
     """tokenizers' DecodeStream over the fast tokenizer's Rust backend. It keeps its own window;
-    the ids it has not turned into text yet (`pending`) and the last ones it has (`context`)
-    are kept here only for the flush of a character that never completes."""
+    the ids fed to it are kept here only for the flush of a character that never completes."""
 
     def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         from tokenizers.decoders import DecodeStream
@@ -102,8 +101,8 @@ class _StreamDecoder:
                 break
         for tid in ctx:
             self._step(tid)
-        self.context: list[int] = ctx[-_PROMPT_CONTEXT_TOKENS:]
-        self.pending: list[int] = []
+        self.ids: list[int] = list(ctx)   # every id fed to the stream
+        self.emitted = len(ctx)           # ids[:emitted] are text already
 
     def _step(self, token_id: int) -> Optional[str]:
         try:
@@ -119,20 +118,29 @@ class _StreamDecoder:
         if not 0 <= token_id < self.vocab_size:   # past the vocabulary (padded logits): no text
             return ""
         text = self._step(token_id)
-        self.pending.append(token_id)
+        self.ids.append(token_id)
         if not text:
             return ""
-        self.context = (self.context + self.pending)[-_PROMPT_CONTEXT_TOKENS:]
-        self.pending = []
+        self.emitted = len(self.ids)
         return text
 
+    @property
+    def pending(self) -> list[int]:
+        """Ids the stream has not turned into text yet (a character still incomplete)."""
+        return self.ids[self.emitted:]
+
+    @property
+    def context(self) -> list[int]:
+        """The last ids already turned into text, the context a flush decodes pending after."""
+        return self.ids[max(self.emitted - _PROMPT_CONTEXT_TOKENS, 0):self.emitted]
+
     def flush(self) -> str:
-        if not self.pending:
+        if self.emitted == len(self.ids):
             return ""
-        decode = self.backend.decode
-        prefix = decode(self.context, skip_special_tokens=self.skip)
-        text = decode(self.context + self.pending, skip_special_tokens=self.skip)[len(prefix):]
-        self.context, self.pending = (self.context + self.pending)[-_PROMPT_CONTEXT_TOKENS:], []
+        decode, context = self.backend.decode, self.context
+        prefix = decode(context, skip_special_tokens=self.skip)
+        text = decode(context + self.pending, skip_special_tokens=self.skip)[len(prefix):]
+        self.emitted = len(self.ids)
         return text
 
 
