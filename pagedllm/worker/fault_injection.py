@@ -1,11 +1,12 @@
 """Test-only faults in the model runner, so that real server processes can be tested failing.
 
-    PAGEDLLM_FAULT_INJECTION="raise:500,reject:501,exit:502"
+    PAGEDLLM_FAULT_INJECTION="raise:500,reject:501,exit:502,slow:503"
 
 is read once, when a ModelRunner is made. In a step where a scheduled request's prompt
 holds the token id: `raise` raises RuntimeError (a bug in the engine: HTTP 500 for that
 request), `reject` raises ValueError (the request's own fault: HTTP 400), `exit` ends the
-engine-core process at once with os._exit (as a segfault or the OOM killer would). The
+engine-core process at once with os._exit (as a segfault or the OOM killer would), `slow`
+sleeps SLOW_STEP_S (a big model's step, so that a test's requests overlap on any machine). The
 check runs after the runner's rows were brought in step with the scheduler and before the
 forward, so the step fails half done, as a real fault would leave it. Unset: no cost.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Iterable, Optional
 
 from pagedllm import envs
@@ -21,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 ENV = "PAGEDLLM_FAULT_INJECTION"
 EXIT_CODE = 70   # what an injected `exit` ends the process with
-ACTIONS = ("raise", "reject", "exit")
+ACTIONS = ("raise", "reject", "exit", "slow")
+SLOW_STEP_S = 0.005
 
 
 class FaultInjector:
@@ -44,15 +47,20 @@ class FaultInjector:
         return cls(triggers)
 
     def check(self, states: Iterable) -> None:
-        """Fail the step if a scheduled request's prompt holds a trigger token."""
+        """Fail (or slow) the step if a scheduled request's prompt holds a trigger token."""
+        slow = False
         for state in states:
             hit = self.triggers.keys() & set(state.token_ids[:state.num_prompt_tokens])
-            if not hit:
+            faults = sorted(t for t in hit if self.triggers[t] != "slow")
+            slow |= len(faults) < len(hit)
+            if not faults:
                 continue
-            token = min(hit)
+            token = faults[0]
             action = self.triggers[token]
             if action == "exit":
                 logger.error("fault injection: request %s holds token %d: exiting", state.req_id, token)
                 os._exit(EXIT_CODE)
             error = ValueError if action == "reject" else RuntimeError
             raise error(f"injected fault: the prompt holds token {token}")
+        if slow:
+            time.sleep(SLOW_STEP_S)

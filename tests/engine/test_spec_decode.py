@@ -55,7 +55,9 @@ def test_greedy_equals_transformers(model_dir, prompts, reference, mode, policy)
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     stats = llm.llm_engine.core.scheduler.spec_decoding_stats
     assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
-    assert stats.num_accepted_tokens >= 10, stats
+    # The fixed policy drafts every step, so this text must have accepted many; the adaptive one
+    # drafts by the step times this machine measures (fewer on a loaded one), so only some.
+    assert stats.num_accepted_tokens >= (10 if policy == "fixed" else 1), stats
     assert_greedy_equal(outs, reference, f"ngram {policy}, {mode} x{llm.llm_engine.num_preemptions}, {stats}")
     assert_no_block_in_use(llm)
 

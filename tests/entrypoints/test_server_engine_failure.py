@@ -26,10 +26,12 @@ import pytest
 
 from server_utils import RemoteServer, assert_error, wait_idle, wait_session_gone
 
-RAISE, REJECT, EXIT = 500, 501, 502        # token ids that trigger each injected fault
-FAULTS = f"raise:{RAISE},reject:{REJECT},exit:{EXIT}"
+RAISE, REJECT, EXIT, SLOW = 500, 501, 502, 503        # token ids that trigger each injected fault
+FAULTS = f"raise:{RAISE},reject:{REJECT},exit:{EXIT},slow:{SLOW}"
 ARGS = ["--model", "random:tiny", "--max-model-len", "1024", "--max-num-seqs", "8"]
-INNOCENT = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]]
+# Each step that holds an innocent sleeps 5 ms (`slow`): a tiny model's request of LONG tokens
+# then runs for seconds on any machine, long enough for the test to act while it runs.
+INNOCENT = [[5, 6, 7, 8, 9, SLOW], [10, 11, 12, SLOW], [13, 14, 15, 16, 17, 18, 19, 20, 21, SLOW]]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 LONG = 900   # tokens: a request still running when the test acts (hundreds of steps)
 
@@ -181,7 +183,7 @@ def test_core_killed_server_exits_nonzero():
         t.start()
         assert started.wait(60), events
         result = {}
-        waiter = threading.Thread(target=lambda: result.setdefault("r", post(srv, {"prompt": [5], "max_tokens": LONG, "ignore_eos": True})))
+        waiter = threading.Thread(target=lambda: result.setdefault("r", post(srv, {"prompt": [5, SLOW], "max_tokens": LONG, "ignore_eos": True})))
         waiter.start()
         wait_until(lambda: srv.metrics()["pagedllm:num_requests_running"] >= 2, 30, "both running")
         os.kill(srv.core_pid(), signal.SIGKILL)
