@@ -75,8 +75,9 @@ def workload_requests(tokenizer, ns) -> list[Req]:
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (key, header, format spec); right-aligned except the first."""
-    cells = [[h for _, h, _ in columns]] + [[format(r[k], f) for k, _, f in columns] for r in rows]
+    """columns: (key, header, format spec); right-aligned except the first; a key a row lacks
+    leaves its cell blank."""
+    cells = [[h for _, h, _ in columns]] + [[format(r[k], f) if k in r else "" for k, _, f in columns] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     for j, row in enumerate(cells):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))

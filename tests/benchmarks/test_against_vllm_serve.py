@@ -3,15 +3,15 @@ GBs and is the benchmark itself, BENCHMARKS.md): both servers get the same engin
 medians and ratios by hand, the flags refused; and the pagedllm half for real: its server command
 started on 127.0.0.1, waited for, loaded by the same code path, stopped with its engine core."""
 import argparse
-import os
 import subprocess
 import sys
 
 import pytest
 
-from pagedllm.benchmarks.against.serve import check_args, compare, median_rows, server_commands
+from pagedllm.benchmarks.against.serve import check_args, compare, median_rows, print_comparison, server_commands
 from pagedllm.benchmarks.serve import measure, request_bodies
 from pagedllm.entrypoints.server_process import ServerProcess, free_port
+from server_utils import session_pids
 
 
 def _ns(**over):
@@ -42,7 +42,7 @@ def _row(rate, ttft, failed=0):
             "p99_itl_ms": 30.0, "failed": failed, "rejected": 0}
 
 
-def test_medians_and_ratios_by_hand():
+def test_medians_and_ratios_by_hand(capsys):
     m = median_rows([_row(100, 5), _row(80, 7), _row(120, 6, failed=1)])
     assert m["output_throughput"] == 100 and m["p50_ttft_ms"] == 6
     assert m["spread_pct"] == pytest.approx(40.0) and m["failed"] == 1
@@ -50,6 +50,10 @@ def test_medians_and_ratios_by_hand():
     ratio = [r for r in table if r["system"] == "pagedllm / vLLM"][0]
     assert ratio["output_throughput"] == pytest.approx(1.2) and ratio["p50_ttft_ms"] == pytest.approx(0.75)
     assert ratio["p50_tpot_ms"] == pytest.approx(1.0)
+    print_comparison(table)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[3:6]] == ["pagedllm", "vllm", "pagedllm"]
+    assert lines[5].split()[2:5] == ["/", "vLLM", "1.20"]
 
 
 @pytest.mark.parametrize("over, field", [
@@ -90,5 +94,4 @@ def test_pagedllm_server_started_loaded_and_stopped():
     finally:
         code = server.stop()
     assert code is not None
-    with pytest.raises(ProcessLookupError):   # the session (the server and its engine core) is gone
-        os.killpg(server.proc.pid, 0)
+    assert session_pids(server.proc.pid) == []   # the session (the server and its engine core) is gone

@@ -70,8 +70,19 @@ def compare(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
     return table
 
 
+def print_comparison(table: list[dict]) -> None:
+    from pagedllm.benchmarks.common import print_table
+    print()
+    print_table(table, [("concurrency", "conc", "d"), ("system", "system", ""),
+                        ("output_throughput", "out tok/s", ".2f"), ("p50_ttft_ms", "TTFT p50", ".2f"),
+                        ("p50_tpot_ms", "TPOT p50", ".2f"), ("p50_itl_ms", "ITL p50", ".2f"),
+                        ("p99_itl_ms", "ITL p99", ".2f"), ("spread_pct", "spread %", ".1f")])
+    print("(medians; latencies in ms; the ratio rows divide pagedllm's by vLLM's: above 1 is better for "
+          "out tok/s, below 1 for latencies)")
+
+
 def main(ns: argparse.Namespace) -> int:
-    from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
+    from pagedllm.benchmarks.common import command_line, machine_info, write_json
     from pagedllm.benchmarks.serve import _model_name, measure, print_run, request_bodies
     from pagedllm.models.download import resolve_model
     from transformers import AutoTokenizer
@@ -110,17 +121,11 @@ def main(ns: argparse.Namespace) -> int:
                 server.stop()
 
     table = compare(runs)
-    print()
-    print_table(table, [("concurrency", "conc", "d"), ("system", "system", ""),
-                        ("output_throughput", "out tok/s", ".2f"), ("p50_ttft_ms", "TTFT p50", ".2f"),
-                        ("p50_tpot_ms", "TPOT p50", ".2f"), ("p50_itl_ms", "ITL p50", ".2f"),
-                        ("p99_itl_ms", "ITL p99", ".2f"), ("spread_pct", "spread %", ".1f")])
-    print("(medians; latencies in ms; the ratio rows divide pagedllm's by vLLM's: above 1 is better for "
-          "out tok/s, below 1 for latencies)")
     failed = sum(r.get("failed", 0) for r in table)
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "machine": machine, "model": model_dir,
                                     "dtype": ns.dtype, "vllm_cpus": V.cpu_list(cpus), "table": table,
                                     "runs": {s: {str(c): rs for c, rs in r.items()} for s, r in runs.items()}})
         print(f"saved {ns.output_json}")
+    print_comparison(table)
     return 0 if failed == 0 else 1
