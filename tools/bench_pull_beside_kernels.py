@@ -9,7 +9,6 @@ csrc/bindings.cpp) the pulls crawl; with kernels that release it they run at ZMQ
     PYTHONPATH=. .venv/bin/python tools/bench_pull_beside_kernels.py [--pulls 40]
 """
 import argparse
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

@@ -21,7 +21,6 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-import triton
 
 from pagedllm.attention.kv_quant import QMAX, is_quantized
 from pagedllm.attention.triton_kernels import (reduce_splits_kernel, reshape_and_cache_kernel,

@@ -15,6 +15,7 @@ float64. Perplexity = exp(mean NLL).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -151,18 +152,19 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
         config, model = load_pagedllm(model_dir, dtype, window)
         for kv in kv_cache_dtypes:
             rows.append({"system": "pagedllm", "dtype": dtype, "kv_cache_dtype": kv,
-                         **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f, kv), ids, spans)})
+                         **perplexity(functools.partial(pagedllm_window_logits, config, model, kv_cache_dtype=kv),
+                                     ids, spans)})
         del model
     for quant in quantizations:
         qdir = str(resolve_model(None, "gguf")) if quant == "gguf" else model_dir
         config, model = load_pagedllm(qdir, "float32", window, quant, group_size if quant in ("int4", "int8") else None)
         rows.append({"system": f"pagedllm {quant}", "dtype": "float32", "kv_cache_dtype": "auto",
-                     **perplexity(lambda w, f: pagedllm_window_logits(config, model, w, f), ids, spans)})
+                     **perplexity(functools.partial(pagedllm_window_logits, config, model), ids, spans)})
         del model
     for dtype in hf_dtypes:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         rows.append({"system": "transformers", "dtype": dtype, "kv_cache_dtype": "auto",
-                     **perplexity(lambda w, f: hf_window_logits(hf, w, f), ids, spans)})
+                     **perplexity(functools.partial(hf_window_logits, hf), ids, spans)})
         del hf
     # pagedllm's float32 with its float cache when it ran
     base = next((r for r in rows if r["dtype"] == "float32" and r["kv_cache_dtype"] == "auto"

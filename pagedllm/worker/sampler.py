@@ -134,7 +134,9 @@ def _logit_bias(params: Sequence[SamplingParams], V: int, device):
     for i, p in enumerate(params):
         for t, v in (p.logit_bias or {}).items():
             if 0 <= t < V:
-                rows.append(i); ids.append(t); values.append(v)
+                rows.append(i)
+                ids.append(t)
+                values.append(v)
     return (_i64(rows, device), _i64(ids, device), _f32(values, device)) if rows else None
 
 
@@ -146,7 +148,8 @@ def _min_tokens_mask(params: Sequence[SamplingParams], output_token_ids: Sequenc
         if len(out) < p.min_tokens:
             for t in stops:
                 if 0 <= t < V:
-                    rows.append(i); ids.append(t)
+                    rows.append(i)
+                    ids.append(t)
     return (_i64(rows, device), _i64(ids, device)) if rows else None
 
 

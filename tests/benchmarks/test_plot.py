@@ -5,8 +5,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
-import pytest
 
 
 def run_cli(*args):

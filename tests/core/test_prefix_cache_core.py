@@ -111,7 +111,7 @@ def test_scheduler_forks_parallel_samples_over_shared_prompt_blocks():
     step = 0
     while sched.has_unfinished_requests():
         ids = list(so.num_scheduled_tokens)
-        outs = sched.update_from_output(so, ModelRunnerOutput(ids, [[50 + step] for _ in ids]))
+        sched.update_from_output(so, ModelRunnerOutput(ids, [[50 + step] for _ in ids]))
         step += 1
         so = sched.schedule()
     assert step == 3

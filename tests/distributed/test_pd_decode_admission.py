@@ -66,7 +66,10 @@ def _simulate(max_num_seqs: int, rate: float, seed: int = 0, jitter: float = 0.0
         decode.limit = LoadLimit(start=1 << 30, misses=1 << 30)   # never binds, never falls
     slo = SloFeedback(SLO)
     events, seq = [], itertools.count()       # (time, seq, kind, request)
-    push = lambda t, kind, r=None: heapq.heappush(events, (t, next(seq), kind, r))
+
+    def push(t, kind, r=None):
+        heapq.heappush(events, (t, next(seq), kind, r))
+
     p_free, waiting, running, stepping = 0.0, [], [], False
     admitted, refused = [], 0                 # admitted: (arrival, ttft)
     push(rng.expovariate(rate), "arrive")

@@ -6,7 +6,6 @@ The helpers here (a random-weight directory made with transformers' own class, i
 reference, the engine run) are shared by test_moe_models.py; the comparison is
 test_greedy_equality.py's. Biases and norm weights are drawn at random too (transformers
 initialises them to 0 and 1, which would hide a bias or norm that is not loaded)."""
-import pytest
 import torch
 
 from engine.test_greedy_equality import assert_greedy_equal   # ties as DESIGN.md allows them

@@ -7,7 +7,6 @@ import json
 import re
 
 import jsonschema
-import openai
 import pytest
 from openai.lib._parsing._completions import type_to_response_format_param
 from schemas import MODELS
