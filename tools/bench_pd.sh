@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# P/D disaggregation benchmarks of issue 21, in one run (about 4-6 minutes on a quiet machine):
+# P/D disaggregation benchmarks in one run (about 4-6 minutes on a quiet machine):
 #   1. mixed workload (short chats, every 8th request a long prompt) against
 #      (a) one colocated instance with chunked prefill, 2 threads, and
 #      (b) 1 prefill + 1 decode instance (1 thread each) behind `pagedllm proxy`;

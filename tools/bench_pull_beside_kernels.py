@@ -1,4 +1,4 @@
-"""KV pulls beside a busy step loop, in one process (issue 21; BENCHMARKS.md, eighth session).
+"""KV pulls beside a busy step loop, in one process (docs/history/benchmarks.md, 2026-11-23 22:35 UTC).
 
 The main thread calls the C++ `linear_small` kernel back to back (one torch thread, a step's
 kernels) while 4 pool threads pull 2-block requests over ZMQ from a `KVServer` thread (a

@@ -58,7 +58,7 @@ def random_requests(tokenizer, num: int, in_range: tuple[int, int], out_range: t
 
 
 def add_workload_args(p) -> None:
-    """The offline throughput workload of the core-engine issue (shared by throughput / roofline)."""
+    """The offline throughput workload of BENCHMARKS.md (shared by throughput / roofline)."""
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--min-input-len", type=int, default=16)
     p.add_argument("--max-input-len", type=int, default=512)

@@ -21,7 +21,7 @@ STACK = ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    
          "    def __len__(self):\n        return len(self.items)\n")
 # The repeating workload: copying and editing tasks whose answer repeats the given text with few
 # changes (the default model does repeat these; asked to copy a merge function it rewrites it as
-# `sorted(a + b)` and explains, which is not this workload: BENCHMARKS.md, fifth session).
+# `sorted(a + b)` and explains, which is not this workload: docs/history/benchmarks.md).
 EDIT_TASKS = [
     "Copy the following exactly, changing nothing:\n\n" + STORY,
     "Copy the following exactly, changing nothing:\n\n" + STACK,

@@ -1,4 +1,4 @@
-"""A seeded workload fuzzer on the real engine (issue 13, part 2).
+"""A seeded workload fuzzer on the real engine.
 
 Each case is a random mix of requests (tests/fuzz_workload.py) arriving at random steps of an
 LLMEngine over `random:tiny` with a tiny KV cache; beam searches run through a BeamSearchDriver

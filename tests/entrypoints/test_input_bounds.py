@@ -1,4 +1,4 @@
-"""Bounded input before work (issue 13, part 4): a body over --max-request-body-bytes is refused
+"""Bounded input before work: a body over --max-request-body-bytes is refused
 with 413 before it is read whole; a prompt (or chat messages) with more characters than
 max_model_len tokens could hold is refused before the tokenizer runs; n, best_of, logprobs, the
 stop list, stop_token_ids and logit_bias are bounded, offline (ValueError naming the field) and

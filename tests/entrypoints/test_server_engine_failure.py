@@ -1,4 +1,4 @@
-"""The server never dies of one request (issue 13, part 3), on real servers (`random:tiny`) with
+"""The server never dies of one request, on real servers (`random:tiny`) with
 faults injected in the engine core's model runner (PAGEDLLM_FAULT_INJECTION):
 
 - a request whose step raises gets its own 500 (400 when the engine calls it invalid) while the

@@ -1,4 +1,4 @@
-"""The workload fuzzer on the real server (issue 13, part 5).
+"""The workload fuzzer on the real server.
 
 A real `pagedllm serve` of `random:tiny` on 127.0.0.1 with few sequences and a tiny KV cache;
 concurrent clients (the official `openai` client) send a fixed number of the engine fuzzer's

@@ -1,4 +1,4 @@
-"""Every sampling field the server takes does what it does offline (issue 13, part 6): for each of
+"""Every sampling field the server takes does what it does offline: for each of
 top_k, min_p, the presence / frequency / repetition penalties, logit_bias, stop_token_ids and
 seed, the server's output equals the offline LLM's for the same parameters on the same model,
 token for token (seeded sampling included), and the field changes the output compared with the

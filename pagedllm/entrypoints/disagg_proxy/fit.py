@@ -111,7 +111,7 @@ class TailMargin(_Window):
     `bin_width` loads (adjacent bins pooled, from the highest load down, until each group holds
     `min_count` requests), made non-decreasing in the load (isotonic: a tail does not shrink as
     the batch grows; it smooths the groups' noise). Added to the prediction before the SLO check,
-    so that the SLO holds for the tail (the issue's goal is the admitted requests' p99), not for
+    so that the SLO holds for the tail (the goal is the admitted requests' p99), not for
     the mean. By load because the tail is not one size: at 2x
     overload on the 2-core machine the decode side's first-token p99 was 1.2 s at 40-80 streams
     and 2.2-2.6 s at 100-140 (BENCHMARKS.md), so one margin for all refused too much at low load

@@ -3,7 +3,7 @@ measured: a concurrency limit by additive increase and multiplicative decrease, 
 (TCP's congestion window, on TTFT instead of losses).
 
 Why beside the predictions: at 2x overload on the 2-core machine the TTFT tail came in bursts at
-high decode load (BENCHMARKS.md, ninth session): the cores saturated, every process's event loop
+high decode load (docs/history/benchmarks.md, 2026-11-24): the cores saturated, every process's event loop
 fell behind (the decode server took up to 2 s to read a new request), and the requests admitted
 meanwhile all missed; the first-token fit and the tail margin learn such a load only after its
 requests come back, and forget it 30 s after admission stops going there, so the bursts came

@@ -1,4 +1,4 @@
-"""FP8 weights on the GPU (issue 16 item 4): `Fp8LinearMethod` keeps a linear's weight as
+"""FP8 weights on the GPU: `Fp8LinearMethod` keeps a linear's weight as
 float8_e4m3fn [N, K] with one float32 factor per [bn, bk] block (DeepSeek-V3's
 `weight_scale_inv` layout, models/fp8_weights.py) and computes with a Triton block-FP8 GEMM:
 each program takes a [BLOCK_M, BLOCK_N] tile of the output, streams K in BLOCK_K steps

@@ -85,7 +85,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 def _tiles(dtype: torch.dtype) -> dict:
-    # float32 dots run as ieee FMAs with operands in registers: smaller tiles (see design.md's
+    # float32 dots run as ieee FMAs with operands in registers: smaller tiles (see docs/gpu.md's
     # triton_aot notes); 16-bit types take tensor-core tiles.
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, DOT_PRECISION="ieee")
