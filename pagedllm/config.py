@@ -56,13 +56,13 @@ class ModelConfig:
     # "generate" (sampling) or "pooling" (an embedding per prompt, no sampling: /v1/embeddings).
     runner: str = "generate"
     pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
-    quantization: Optional[str] = None             # "int8", "int4", "gguf" (CPU weights)
+    quantization: Optional[str] = None             # CPU weights: models/layers/quantization/registry.py
     quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
 
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
         is always served as "gguf"."""
-        from pagedllm.models.layers.quantization import validate_quantization
+        from pagedllm.models.layers.quantization.registry import validate_quantization
         from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
         if is_gguf_dir(self.model):
             if method not in (None, "gguf"):
