@@ -56,13 +56,13 @@ class ModelConfig:
     # "generate" (sampling) or "pooling" (an embedding per prompt, no sampling: /v1/embeddings).
     runner: str = "generate"
     pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
-    quantization: Optional[str] = None             # "int8", "int4", "gguf" (CPU weights)
+    quantization: Optional[str] = None             # CPU weights: models/layers/quantization/registry.py
     quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
 
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
         is always served as "gguf"."""
-        from pagedllm.models.layers.quantization import validate_quantization
+        from pagedllm.models.layers.quantization.registry import validate_quantization
         from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
         if is_gguf_dir(self.model):
             if method not in (None, "gguf"):
@@ -277,8 +277,8 @@ class EngineConfig:
                              "pipeline_parallel_size and data_parallel_size 1, runner 'generate'")
         if self.kv_transfer_config is not None or (self.speculative_config is not None
                                                     and self.speculative_config.method == "draft_model"):
-            from pagedllm.core.kv_cache_utils import kv_cache_config_of
-            if kv_cache_config_of(m.hf_config, p.pipeline_parallel_size).is_hybrid:
+            from pagedllm.models.hf_config import mixes_attention_windows
+            if p.pipeline_parallel_size == 1 and mixes_attention_windows(m.hf_config):
                 # Both move or reuse one block table's K/V; a hybrid model (Gemma 3) has one per group.
                 what = "kv_transfer_config" if self.kv_transfer_config is not None else "speculative_config 'draft_model'"
                 raise ValueError(f"{what} is not supported for a model with several KV cache groups "

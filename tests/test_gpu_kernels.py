@@ -134,7 +134,7 @@ def test_quantized_kv_cache(cache_dtype, dtype, num_splits):
 def test_block_fp8_linear(dtype, M, N, K, block):
     """Fp8LinearMethod's GEMM: block-FP8 weights (DeepSeek-V3's checkpoints) times activations of
     the model's dtype, against float64 math on the dequantized weight."""
-    from pagedllm.models.fp8_weights import dequantize_block_fp8
+    from pagedllm.models.layers.quantization.fp8 import dequantize_block_fp8
     from pagedllm.models.layers.fp8_linear import block_fp8_linear, quantize_block_fp8
     g = torch.Generator().manual_seed(M + N)
     w, s = quantize_block_fp8(torch.randn(N, K, generator=g) * 0.05, block)

@@ -62,3 +62,17 @@ def test_core_and_config_import_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_core_imports_neither_torch_nor_models():
+    """Every module of pagedllm.core imports without torch or pagedllm.models: the KV cache
+    layout reaches the scheduler from the worker, which built the layers."""
+    import pkgutil
+
+    import pagedllm.core
+    modules = [f"pagedllm.core.{m.name}" for m in pkgutil.iter_modules(pagedllm.core.__path__)]
+    assert "pagedllm.core.scheduler" in modules and "pagedllm.core.kv_cache_utils" in modules
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(k for k in ('torch', 'pagedllm.models') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

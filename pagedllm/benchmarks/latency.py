@@ -14,6 +14,7 @@ import sys
 import time
 
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, random_requests, write_json
+from pagedllm.models.layers.quantization.registry import quantization_choices, takes_group_size
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "(those rounded to bfloat16, as pagedllm's --dtype bfloat16 rounds them) "
                         "and/or q4_1 (the file as shipped)")
     p.add_argument("--compare-quantization", nargs="+", default=None, metavar="QUANT",
-                   choices=["none", "int8", "int4", "gguf"],
+                   choices=["none", *quantization_choices()],
                    help="run the same batches again with these --quantization values (none: float "
                         "weights), side by side with the first engine's")
     p.add_argument("--compare-enforce-eager", action="store_true",
@@ -242,7 +243,7 @@ def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
     for quant in ns.compare_quantization:
         q = None if quant == "none" else quant
         rows += _variant_rows(eargs, batches, ns, f"pagedllm {q}" if q else "pagedllm", quantization=q,
-                              quantization_group_size=eargs.quantization_group_size if q in ("int4", "int8") else None)
+                              quantization_group_size=eargs.quantization_group_size if takes_group_size(q) else None)
     return rows
 
 

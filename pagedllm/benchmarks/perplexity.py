@@ -21,10 +21,11 @@ import os
 import time
 
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
+from pagedllm.models.layers.quantization.registry import METHODS, quantization_choices, takes_group_size
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
 DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("int8", "int4", "gguf")
+QUANTIZATIONS = tuple(quantization_choices())
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -156,8 +157,8 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
                                      ids, spans)})
         del model
     for quant in quantizations:
-        qdir = str(resolve_model(None, "gguf")) if quant == "gguf" else model_dir
-        config, model = load_pagedllm(qdir, "float32", window, quant, group_size if quant in ("int4", "int8") else None)
+        qdir = str(resolve_model(None, quant)) if METHODS[quant].ready_files else model_dir
+        config, model = load_pagedllm(qdir, "float32", window, quant, group_size if takes_group_size(quant) else None)
         rows.append({"system": f"pagedllm {quant}", "dtype": "float32", "kv_cache_dtype": "auto",
                      **perplexity(functools.partial(pagedllm_window_logits, config, model), ids, spans)})
         del model

@@ -90,7 +90,7 @@ class KVCacheManager:
                  num_cpu_blocks: int = 0, sliding_window: Optional[int] = None,
                  kv_cache_config: Optional[KVCacheConfig] = None) -> None:
         """sliding_window: every layer attends to the last `sliding_window` tokens only
-        (models/hf_config.kv_cache_sliding_window); None: keep every block. kv_cache_config
+        None: keep every block. kv_cache_config
         (core/kv_cache_utils.py): the model's KV cache groups, each with its own block table;
         with one group its window is used."""
         self.block_size = block_size

@@ -11,12 +11,14 @@ group shares cache tensor i. A block then costs group_size layers' pages, not ev
 Gemma 3 270M (15 local, 3 global layers): 6 groups of 3 layers over 3 tensors; a long request
 holds all its blocks in the global group and about window / block_size in each local one.
 
-Torch-free: the engine core, the frontend's admission check and the runner all derive the same
-layout from config.json's per-layer windows (`kv_cache_config_of`).
+Computed once, from the layers: the worker builds the model, reads each attention layer's
+KVCacheSpec (attention/kv_cache_spec.py) and makes the layout here (`kv_cache_config_from_windows`);
+the executor hands it to the engine core, which gives it to the KV cache manager and, with the
+block count, to the frontend's admission check. Torch-free (the frontend and the core read it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 
@@ -84,11 +86,25 @@ def make_kv_cache_config(layer_windows: Sequence[Optional[int]]) -> KVCacheConfi
     return KVCacheConfig(tuple(groups), num_tensors=group_size, tensor_of_layer=tuple(tensor_of_layer))
 
 
-def kv_cache_config_of(hf_config: dict, pipeline_parallel_size: int = 1) -> KVCacheConfig:
-    """The model's layout from config.json. A pipeline stage holds only some layers, so a
-    split model keeps one group (its sliding layers then keep every block, as before groups)."""
-    from pagedllm.models.hf_config import kv_cache_sliding_window, layer_sliding_windows
-    windows = layer_sliding_windows(hf_config)
-    if pipeline_parallel_size > 1:
-        windows = [kv_cache_sliding_window(hf_config)] * len(windows)
-    return make_kv_cache_config(windows)
+def kv_cache_config_from_windows(layer_windows: Sequence[Optional[int]], one_group: bool = False) -> KVCacheConfig:
+    """The layout of layers with these sliding windows (None: full attention). one_group: a
+    pipeline stage, which holds only some of the model's layers, keeps one group (its sliding
+    layers then keep every block, as before groups; merge_stage_configs joins the stages)."""
+    if one_group:
+        kinds = set(layer_windows)
+        layer_windows = [kinds.pop() if len(kinds) == 1 else None] * len(layer_windows)
+    return make_kv_cache_config(layer_windows)
+
+
+def merge_stage_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
+    """The layout the scheduler keeps for the ranks' layouts (rank 0's first). Tensor-parallel
+    ranks hold the same layers: one layout. Pipeline stages keep one group each, over one block
+    table that may drop blocks behind a window only when every stage's layers slide by it; the
+    scheduler reads the groups' windows only, so the layer ids stay rank 0's."""
+    if all(c == configs[0] for c in configs):
+        return configs[0]
+    if any(c.is_hybrid for c in configs):
+        raise ValueError(f"ranks with different KV cache layouts must keep one group each, got {list(configs)}")
+    windows = {c.kv_cache_groups[0].sliding_window for c in configs}
+    group = KVCacheGroupSpec(configs[0].kv_cache_groups[0].layer_ids, windows.pop() if len(windows) == 1 else None)
+    return replace(configs[0], kv_cache_groups=(group,))

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
 from pagedllm.core.remote_kv import RemoteKV
 from pagedllm.core.scheduler_output import (
@@ -20,6 +19,9 @@ from pagedllm.core.scheduler_output import (
 from pagedllm.request import FinishReason, Request, RequestStatus
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.spec_decode.scheduling import trim_spec_tokens
+
+if TYPE_CHECKING:   # the engine's config module reads config.json (pagedllm.models)
+    from pagedllm.config import SchedulerConfig
 
 
 @dataclass

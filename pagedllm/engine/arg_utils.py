@@ -42,7 +42,7 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None   # adapters kept in host memory (None: max_loras)
     # P/D disaggregation: vLLM's --kv-transfer-config (JSON text, a dict, or a KVTransferConfig).
     kv_transfer_config: Optional[object] = None
-    quantization: Optional[str] = None  # CPU weights: "int8", "int4", "gguf" (models/layers/quantization)
+    quantization: Optional[str] = None  # CPU weights: models/layers/quantization/registry.py
     quantization_group_size: Optional[int] = None   # int4's / int8's group (32 by default; int8 -1: per channel)
     speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
     kv_cache_dtype: str = "auto"        # "auto", "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (vLLM's)

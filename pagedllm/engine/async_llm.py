@@ -89,7 +89,8 @@ class AsyncLLM:
             raise
         self.num_blocks = ready.num_blocks
         self.core_pid = ready.pid
-        self.processor = Processor(self.config, self.tokenizer, self.eos, self.extra_eos, self.num_blocks)
+        self.processor = Processor(self.config, self.tokenizer, self.eos, self.extra_eos, self.num_blocks,
+                                   ready.kv_cache_config)
         self.metrics.kv_num_blocks.set(self.num_blocks)
         loop = asyncio.get_running_loop()
         for fd in self.client.sentinels():

@@ -15,7 +15,6 @@ from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_cache_utils import kv_cache_config_of
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.distributed.kv_transfer.base import KVConnectorRole
@@ -50,6 +49,9 @@ class EngineCore:
 
     def _init_cache(self, config: EngineConfig) -> None:
         executor = self.model_executor
+        # The layout the layers declared (the worker computed it; core/kv_cache_utils.py): the
+        # KV cache manager keeps it, and the frontend's admission check reads it.
+        self.kv_cache_config = executor.get_kv_cache_config()
         self.num_blocks = self._num_blocks()
         cc = config.cache_config
         self.num_cpu_blocks = 0
@@ -58,9 +60,7 @@ class EngineCore:
                                    else int(cc.swap_space * 2**30) // executor.kv_bytes_per_block())
         executor.init_kv_cache(self.num_blocks, self.num_cpu_blocks)
         kv = KVCacheManager(self.num_blocks, cc.block_size, enable_caching=cc.enable_prefix_caching,
-                            num_cpu_blocks=self.num_cpu_blocks,
-                            kv_cache_config=kv_cache_config_of(config.model_config.hf_config,
-                                                               config.parallel_config.pipeline_parallel_size))
+                            num_cpu_blocks=self.num_cpu_blocks, kv_cache_config=self.kv_cache_config)
         scheduler_class = Scheduler
         if config.scheduler_config.async_scheduling:   # output placeholders (core/async_scheduler.py)
             from pagedllm.core.async_scheduler import AsyncScheduler as scheduler_class
@@ -101,9 +101,7 @@ class EngineCore:
             return int(by_memory)
         # On the CPU: enough for every sequence at full length (a sliding group's: its window),
         # capped by the memory budget.
-        groups = kv_cache_config_of(self.config.model_config.hf_config,
-                                    self.config.parallel_config.pipeline_parallel_size)
-        useful = sc.max_num_seqs * groups.max_num_blocks(sc.max_model_len, cc.block_size,
+        useful = sc.max_num_seqs * self.kv_cache_config.max_num_blocks(sc.max_model_len, cc.block_size,
                                                          sc.max_num_batched_tokens) + 1
         return int(min(useful, by_memory))
 

@@ -87,7 +87,7 @@ def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_p
             code = 1
         if core is not None:
             freeze_gc_heap("engine core")
-            out_sock.send(m.encode_output(m.EngineCoreReady(core.num_blocks, os.getpid())))
+            out_sock.send(m.encode_output(m.EngineCoreReady(core.num_blocks, os.getpid(), core.kv_cache_config)))
             EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
     except _Stop:
         logger.info("engine core: SIGTERM, exiting")

@@ -75,7 +75,8 @@ class DPCoreClient(EngineCoreClient):
                                              max_load=self.max_load)
         logger.info("data parallel: %d replicas (pids %s), %s KV blocks each",
                     len(self.clients), [r.pid for r in readies], blocks)
-        return m.EngineCoreReady(num_blocks=min(blocks), pid=readies[0].pid)
+        return m.EngineCoreReady(num_blocks=min(blocks), pid=readies[0].pid,
+                                 kv_cache_config=readies[0].kv_cache_config)
 
     # ------------------------------------------------------------ requests
     def _route(self, req: m.EngineCoreRequest) -> int:

@@ -60,7 +60,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         eos, extra = eos_token_ids(model_dir, self.tokenizer)
         self.core = EngineCore(config, eos_ids=({eos} if eos is not None else set()) | extra)
-        self.processor = Processor(config, self.tokenizer, eos, extra, self.core.num_blocks)
+        self.processor = Processor(config, self.tokenizer, eos, extra, self.core.num_blocks,
+                                   self.core.kv_cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -12,7 +12,8 @@ Struct (one Decoder per type, built once):
 core -> server: one frame, a tagged union (the tag is the array's first item) read by one
 Decoder:
 
-  EngineCoreReady(num_blocks, pid)            once, when the core has started
+  EngineCoreReady(num_blocks, pid, kv_cache_config)
+                                              once, when the core has started
   EngineCoreOutputs(outputs, scheduler_stats, queue_times, beam_results, failed)
                                               after every step, and after messages that changed
                                               the scheduler while idle (then only the stats)
@@ -32,6 +33,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.beam_search import BeamSearchOutput
 from pagedllm.lora.request import LoRARequest
@@ -168,6 +170,7 @@ class FailedRequest(msgspec.Struct, array_like=True):
 class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     pid: int
+    kv_cache_config: KVCacheConfig   # the layout the core's KV cache manager keeps
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):

@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import check_fits_kv_cache
-from pagedllm.core.kv_cache_utils import kv_cache_config_of
+from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -24,11 +24,11 @@ def check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
 
 class Processor:
     def __init__(self, config: EngineConfig, tokenizer, eos_token_id: Optional[int],
-                 extra_eos_ids: set[int], num_blocks: int) -> None:
+                 extra_eos_ids: set[int], num_blocks: int, kv_cache_config: KVCacheConfig) -> None:
+        """num_blocks, kv_cache_config: the engine core's KV cache, for the admission check (a
+        sliding group holds its window only)."""
         self.config = config
-        # The KV cache groups, for the admission check (a sliding group holds its window only).
-        self.kv_cache_config = kv_cache_config_of(config.model_config.hf_config,
-                                                  config.parallel_config.pipeline_parallel_size)
+        self.kv_cache_config = kv_cache_config
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.extra_eos_ids = extra_eos_ids

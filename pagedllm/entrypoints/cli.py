@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.models.layers.quantization.registry import quantization_choices
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, LRU (default: --max-loras)")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "gguf"],
+    p.add_argument("--quantization", "-q", default=None, choices=quantization_choices(),
                    help="CPU weight-only quantization: int8, int4 (groups), gguf (the "
                         "default model's shipped Q4_1 file, or --model FILE.gguf, served as it is)")
     p.add_argument("--quantization-group-size", type=int, default=None,

@@ -16,6 +16,7 @@ import importlib
 from typing import Any, Iterable
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -54,6 +55,10 @@ class Executor:
     # ------------------------------------------------------------ the KV cache
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block takes on a rank (the largest shard's: every rank gets as many)."""
+        raise NotImplementedError
+
+    def get_kv_cache_config(self) -> KVCacheConfig:
+        """The KV cache layout the ranks' layers declare, as the scheduler keeps it."""
         raise NotImplementedError
 
     def determine_available_memory(self) -> int:

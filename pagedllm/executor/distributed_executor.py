@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig, merge_stage_configs
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorError
 from pagedllm.worker.worker import Worker
@@ -95,8 +96,10 @@ class DistributedExecutor(Executor):
             self.stats = self.driver_worker.parallel.stats
             self._stats_box.append(self.stats)
             # Every rank gets the same number of blocks: the memory budget binds the largest shard.
-            self._kv_bytes_per_block = max(self.collective_rpc(
-                "load_model", timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S, what="loading the model"))
+            loaded = self.collective_rpc("load_model", timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S,
+                                         what="loading the model")
+            self._kv_bytes_per_block = max(nbytes for nbytes, _ in loaded)
+            self._kv_cache_config = merge_stage_configs([layout for _, layout in loaded])
         except BaseException as e:
             self.shutdown()
             if isinstance(e, ExecutorError):
@@ -147,6 +150,9 @@ class DistributedExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self._kv_bytes_per_block
+
+    def get_kv_cache_config(self) -> KVCacheConfig:
+        return self._kv_cache_config
 
     def determine_available_memory(self) -> int:
         return min(self.collective_rpc("determine_available_memory", what="profiling the memory"))

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.worker.worker import Worker
@@ -35,6 +36,9 @@ class UniProcExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self.driver_worker.kv_bytes_per_block()
+
+    def get_kv_cache_config(self) -> KVCacheConfig:
+        return self.driver_worker.model_runner.kv_cache_config
 
     def determine_available_memory(self) -> int:
         return self.driver_worker.determine_available_memory()

@@ -348,13 +348,15 @@ def resolve_model(model: str | os.PathLike | None, quantization: str | None = No
     gemma3-270m's Q4_K_M), → the GGUF model directory that serves the file as it is
     (models/layers/quantization/gguf.py)."""
     from pagedllm.models.layers.quantization.gguf import gguf_model_dir
+    from pagedllm.models.layers.quantization.registry import METHODS
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a name or a path, not {type(model).__name__}")
-    if quantization == "gguf" and (model is None or model in DEFAULT_MODEL_ALIASES):
+    ready_files = quantization in METHODS and METHODS[quantization].ready_files   # the GGUF files
+    if ready_files and (model is None or model in DEFAULT_MODEL_ALIASES):
         return gguf_model_dir(find_gguf(), pagedllm_home())
-    if quantization == "gguf" and model in GEMMA3_ALIASES:
+    if ready_files and model in GEMMA3_ALIASES:
         return gguf_model_dir(find_gemma3_gguf(), pagedllm_home())
     if model is not None and model.endswith(".gguf"):
         path = Path(model).expanduser()

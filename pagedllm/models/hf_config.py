@@ -32,9 +32,9 @@ def layer_sliding_windows(hf_config: dict) -> list:
     return [window] * n
 
 
-def kv_cache_sliding_window(hf_config: dict):
-    """The window the KV cache manager may free blocks behind: the one window of a model whose
-    every layer slides (Mistral); None when any layer attends to everything (Gemma 3: its
-    global layers need every block, and all layers share one block table)."""
-    windows = set(layer_sliding_windows(hf_config))
-    return windows.pop() if len(windows) == 1 else None
+def mixes_attention_windows(hf_config: dict) -> bool:
+    """Whether the layers attend over different windows (Gemma 3's sliding and full layers), so
+    that their KV cache keeps several groups (the layers declare them: core/kv_cache_utils.py);
+    config validation refuses what reads one block table for such a model before it is built."""
+    return len(set(layer_sliding_windows(hf_config))) > 1
+

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from pagedllm.attention.selector import get_attn_backend, set_current_attn_backend
 from pagedllm.config import ModelConfig
-from pagedllm.models.layers.quantization import get_quant_config, set_current_quant_config
-from pagedllm.models.fp8_weights import fp8_block_size, upcast_fp8_weights, use_fp8_gemm
+from pagedllm.models.layers.quantization import set_current_quant_config
+from pagedllm.models.layers.quantization.registry import checkpoint_quant_config, get_quant_config
 from pagedllm.models.registry import get_model_class
 
 
@@ -72,15 +72,14 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     cls = model_cls or get_model_class(config.hf_config)
     dtype = _dtype(config)
     backend = get_attn_backend(device, dtype, attention_backend)
-    quant = get_quant_config(config.quantization, config.quantization_group_size, config.model)
+    quant = get_quant_config(config.quantization, config.quantization_group_size, config.model, config.hf_config)
     with (torch.device(device), _default_dtype(dtype), set_current_attn_backend(backend),
           set_current_quant_config(quant)):
         model = cls(config.hf_config, config.max_model_len, parallel)
     weights = quant.iter_weights(config.model) if hasattr(quant, "iter_weights") else iter_weights(config.model)
-    fp8_block = fp8_block_size(config.hf_config)
-    if fp8_block is not None:   # DeepSeek-style FP8 blocks: upcast as they stream past
-        fp8_gemm = use_fp8_gemm(model, fp8_block, torch.device(device))
-        weights = upcast_fp8_weights(weights, fp8_block, torch.float32 if fp8_gemm else dtype)
+    stored = checkpoint_quant_config(config.hf_config, config.model)
+    if stored is not None:   # e.g. DeepSeek-style FP8 blocks: upcast as they stream past
+        weights = stored.process_weights(weights, model, device, dtype)
     load_weights(model, weights, config.model)
     model = model.eval().requires_grad_(False)
     return model

@@ -29,7 +29,7 @@ def check_speculative_config(config) -> None:
 def check_draft_dir(config, path: str) -> None:
     """A draft model directory must share the target's vocabulary, reach its max_model_len and
     keep one KV cache group (its cache pages through the target's one block table)."""
-    from pagedllm.core.kv_cache_utils import kv_cache_config_of
+    from pagedllm.models.hf_config import mixes_attention_windows
     target = config.model_config
     try:   # the target's ModelConfig class: no import of pagedllm.config (it imports this module)
         draft = type(target).from_dir(path).hf_config
@@ -41,6 +41,6 @@ def check_draft_dir(config, path: str) -> None:
     if int(draft.get("max_position_embeddings", 2048)) < target.max_model_len:
         raise ValueError(f"speculative_config.model {path!r}: the draft's max_position_embeddings "
                          f"{draft.get('max_position_embeddings')} is below max_model_len {target.max_model_len}")
-    if kv_cache_config_of(draft).is_hybrid:
+    if mixes_attention_windows(draft):
         raise ValueError(f"speculative_config.model {path!r}: a draft with sliding and full attention "
                          "layers (several KV cache groups) is not supported")

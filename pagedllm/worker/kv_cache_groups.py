@@ -1,5 +1,6 @@
-"""The runner's side of KV cache groups (core/kv_cache_utils.py): which cache tensor and which
-group's block table each attention layer uses, and one attention metadata per group.
+"""The runner's side of KV cache groups (core/kv_cache_utils.py): the layout from the layers'
+specs, which cache tensor and which group's block table each attention layer uses, and one
+attention metadata per group.
 
 With one group nothing here runs: every layer has its own tensors and the step has one
 metadata, as before groups. With several (Gemma 3), layer i reads and writes cache tensor
@@ -13,26 +14,25 @@ from torch import nn
 
 from pagedllm.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.attention.layer import attention_layers
-from pagedllm.core.kv_cache_utils import KVCacheConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig, kv_cache_config_from_windows
+
+
+def kv_cache_config_of_specs(specs: list[KVCacheSpec], pipeline_stage: bool) -> KVCacheConfig:
+    """The layout from the layers' specs (each layer's, in layer order): their sliding windows
+    (None: full attention) group them. pipeline_stage: this rank holds a stage of a split model,
+    which keeps one group (core/kv_cache_utils.merge_stage_configs joins the stages)."""
+    return kv_cache_config_from_windows([getattr(spec, "sliding_window", None) for spec in specs],
+                                        one_group=pipeline_stage)
 
 
 def assign_kv_cache_groups(model: nn.Module, config: KVCacheConfig, specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
     """Tell each attention layer its group and tensor -> the spec of each shared tensor (what
     the runner allocates and sizes blocks by). specs: each layer's, in layer order."""
-    layers = list(attention_layers(model).values())
-    windows = [getattr(layer, "sliding_window", None) for layer in layers]
-    expected = [None] * len(config.tensor_of_layer)
-    for group in config.kv_cache_groups:
-        for i in group.layer_ids:
-            expected[i] = group.sliding_window
-    if windows != expected:
-        raise RuntimeError(f"the model's attention layers (windows {windows}) do not match the KV cache "
-                           f"groups read from its config ({expected})")
     pages = {spec.page_size_bytes for spec in specs}
     if len(pages) != 1:
         raise RuntimeError(f"KV cache groups need one page size for every layer, got {sorted(pages)}")
     tensor_specs: list = [None] * config.num_tensors
-    for i, (layer, group) in enumerate(zip(layers, config.group_of_layer())):
+    for i, (layer, group) in enumerate(zip(attention_layers(model).values(), config.group_of_layer())):
         layer.kv_cache_group_id = group
         layer.kv_cache_tensor_id = config.tensor_of_layer[i]
         tensor_specs[layer.kv_cache_tensor_id] = tensor_specs[layer.kv_cache_tensor_id] or specs[i]

@@ -12,7 +12,6 @@ from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
 from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_utils import kv_cache_config_of
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.lora.worker_manager import make_lora_manager
@@ -23,7 +22,7 @@ from pagedllm.worker.async_output import AsyncOutputs
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.runner_output import to_runner_output
-from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_group_metadata
+from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_group_metadata, kv_cache_config_of_specs
 from pagedllm.worker.memory import MemorySnapshot
 from pagedllm.worker.pinned_staging import PinnedStaging
 from pagedllm.worker.pooler import Pooler
@@ -65,9 +64,11 @@ class ModelRunner:
         # --kv-cache-dtype int8 / fp8: quantized K/V with per-token scales (attention/kv_quant.py).
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.cache_dtype, self.dtype)
         self.kv_cache_spec = list(get_kv_cache_spec(self.model, cc.block_size, self.kv_cache_dtype).values())
-        # KV cache groups (core/kv_cache_utils.py): with several, kv_cache_spec is one spec per
-        # shared tensor, and every attention layer knows its tensor and group.
-        self.kv_cache_config = kv_cache_config_of(mc.hf_config, config.parallel_config.pipeline_parallel_size)
+        # KV cache groups (core/kv_cache_utils.py), from the layers' specs; the executor hands
+        # this layout to the engine core. With several, kv_cache_spec is one spec per shared
+        # tensor, and every attention layer knows its tensor and group.
+        self.kv_cache_config = kv_cache_config_of_specs(self.kv_cache_spec,
+                                                        config.parallel_config.pipeline_parallel_size > 1)
         if self.kv_cache_config.is_hybrid:
             self.kv_cache_spec = assign_kv_cache_groups(self.model, self.kv_cache_config, self.kv_cache_spec)
         self.num_kv_cache_groups = len(self.kv_cache_config.kv_cache_groups)

@@ -53,14 +53,15 @@ class Worker:
             self.config.model_config.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size,
             self.rank, self.master_addr, self.master_port, self.host, store=store)
 
-    def load_model(self) -> int:
-        """Build this rank's runner (it loads the weights); -> its KV bytes per block."""
+    def load_model(self):
+        """Build this rank's runner (it loads the weights); -> its KV bytes per block and its
+        layers' KV cache layout (core/kv_cache_utils.KVCacheConfig)."""
         if self.parallel is None:
             self.model_runner = ModelRunner(self.config, eos_token_ids=self.eos_token_ids)
         else:
             from pagedllm.worker.parallel_model_runner import ParallelModelRunner
             self.model_runner = ParallelModelRunner(self.config, self.parallel, self.eos_token_ids)
-        return self.model_runner.kv_bytes_per_block()
+        return self.model_runner.kv_bytes_per_block(), self.model_runner.kv_cache_config
 
     def kv_bytes_per_block(self) -> int:
         return self.model_runner.kv_bytes_per_block()

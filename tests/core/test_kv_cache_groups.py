@@ -3,7 +3,7 @@ manager over the shared pool, prefix-cache hits that need every group, the admis
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, check_fits_kv_cache
-from pagedllm.core.kv_cache_utils import kv_cache_config_of, make_kv_cache_config
+from pagedllm.core.kv_cache_utils import kv_cache_config_from_windows, make_kv_cache_config, merge_stage_configs
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.single_type_kv_cache_manager import SlidingWindowManager
 from pagedllm.request import Request
@@ -25,8 +25,8 @@ def step(kv, r, n, hits=None):
 
 def test_layout_of_gemma3_270m():
     """15 local and 3 global layers: groups of 3 layers, 3 shared tensors, the global group first."""
-    gemma = {"model_type": "gemma3_text", "num_hidden_layers": 18, "sliding_window": 512}
-    cfg = kv_cache_config_of(gemma)
+    gemma = [None if i % 6 == 5 else 512 for i in range(18)]   # the windows its layers declare
+    cfg = kv_cache_config_from_windows(gemma)
     assert cfg.is_hybrid and cfg.num_tensors == 3 and len(cfg.kv_cache_groups) == 6
     assert cfg.kv_cache_groups[0].layer_ids == (5, 11, 17) and cfg.kv_cache_groups[0].sliding_window is None
     assert [g.layer_ids for g in cfg.kv_cache_groups[1:3]] == [(0, 1, 2), (3, 4, 6)]
@@ -35,9 +35,23 @@ def test_layout_of_gemma3_270m():
     for g in cfg.kv_cache_groups:
         assert sorted(cfg.tensor_of_layer[i] for i in g.layer_ids) == [0, 1, 2]
     # One kind of layer (Mistral, Llama) or a pipeline split: one group, a tensor per layer.
-    one = kv_cache_config_of({"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 8})
+    one = kv_cache_config_from_windows([8, 8, 8])
     assert not one.is_hybrid and one.kv_cache_groups[0].sliding_window == 8 and one.num_tensors == 3
-    assert not kv_cache_config_of(gemma, pipeline_parallel_size=2).is_hybrid
+    stage = kv_cache_config_from_windows(gemma[:9], one_group=True)
+    assert not stage.is_hybrid and stage.kv_cache_groups[0].sliding_window is None and stage.num_tensors == 9
+
+
+def test_pipeline_stages_merge_into_one_group():
+    """The scheduler's layout of a split model: tensor-parallel ranks agree; stages keep one
+    block table, freed behind a window only when every stage's layers slide by the same one."""
+    full, sliding = kv_cache_config_from_windows([None] * 2), kv_cache_config_from_windows([8] * 2)
+    assert merge_stage_configs([sliding, sliding]) == sliding
+    assert merge_stage_configs([sliding, kv_cache_config_from_windows([8] * 3)]).kv_cache_groups[0].sliding_window == 8
+    merged = merge_stage_configs([sliding, full])
+    assert merged.kv_cache_groups[0].sliding_window is None and not merged.is_hybrid
+    assert merge_stage_configs([sliding, kv_cache_config_from_windows([4] * 2)]).kv_cache_groups[0].sliding_window is None
+    with pytest.raises(ValueError, match="one group each"):
+        merge_stage_configs([make_kv_cache_config(LAYERS), full])
 
 
 def test_sliding_group_frees_while_the_full_group_keeps_everything():

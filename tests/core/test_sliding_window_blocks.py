@@ -1,7 +1,8 @@
 """The KV cache manager with a sliding window on every layer frees the blocks a request's
 remaining queries cannot see, while it runs (no torch, no model)."""
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.models.hf_config import kv_cache_sliding_window, layer_sliding_windows
+from pagedllm.core.kv_cache_utils import kv_cache_config_from_windows
+from pagedllm.models.hf_config import layer_sliding_windows, mixes_attention_windows
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -67,10 +68,19 @@ def test_prefix_cache_hits_of_a_sliding_request_stay_correct():
 
 def test_which_configs_free_blocks():
     mistral = {"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4096}
-    assert layer_sliding_windows(mistral) == [4096] * 3 and kv_cache_sliding_window(mistral) == 4096
-    assert kv_cache_sliding_window({**mistral, "sliding_window": None}) is None
+    assert layer_sliding_windows(mistral) == [4096] * 3 and not mixes_attention_windows(mistral)
+    assert kv_cache_window(mistral) == 4096
+    assert kv_cache_window({**mistral, "sliding_window": None}) is None
     qwen2 = {"model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": 4096}
     assert layer_sliding_windows(qwen2) == [None, None]          # use_sliding_window is off
     gemma = {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512}
     assert layer_sliding_windows(gemma) == [512] * 5 + [None, 512]   # every 6th layer global
-    assert kv_cache_sliding_window(gemma) is None                 # global layers keep every block
+    assert mixes_attention_windows(gemma)
+    assert kv_cache_window(gemma, pipeline_stage=True) is None    # one group: global layers keep every block
+
+
+def kv_cache_window(hf_config, pipeline_stage=False):
+    """The window the KV cache manager frees blocks behind, for a model of one group."""
+    cfg = kv_cache_config_from_windows(layer_sliding_windows(hf_config), one_group=pipeline_stage)
+    assert not cfg.is_hybrid
+    return cfg.kv_cache_groups[0].sliding_window

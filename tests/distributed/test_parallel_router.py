@@ -147,8 +147,9 @@ class FakeCoreClient:
         self.inbox = asyncio.Queue()
 
     async def wait_ready(self, timeout):
+        from pagedllm.core.kv_cache_utils import make_kv_cache_config
         from pagedllm.engine.messages import EngineCoreReady
-        return EngineCoreReady(num_blocks=64, pid=0)
+        return EngineCoreReady(num_blocks=64, pid=0, kv_cache_config=make_kv_cache_config([None] * 2))
 
     def add_requests(self, requests):
         self.sent.append(("add", [r.request_id for r in requests]))

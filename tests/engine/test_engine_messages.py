@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.core.kv_cache_utils import make_kv_cache_config
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine import messages as m
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSequence
@@ -48,7 +49,7 @@ REQUESTS = [
 _BEAMS = BeamSearchOutput([1, 2], [BeamSequence([5, 2], -0.5, -0.25, finish_reason="stop", logprobs=[-0.2, -0.3]),
                                    BeamSequence([6, 7], -0.9, -0.45)], "r-2", 16)
 OUTPUTS = [
-    m.EngineCoreReady(num_blocks=63, pid=1234),
+    m.EngineCoreReady(num_blocks=63, pid=1234, kv_cache_config=make_kv_cache_config([None, 4, 4, None, 4])),
     m.EngineCoreOutputs(
         outputs=[EngineCoreOutput("r-1", [5, 6], "stop", "bc", [([5, 7], [-0.1, -2.0], 1), ([6], [-0.5], 2)], 4),
                  EngineCoreOutput("0_r-3", [9], None, None, None, 0),

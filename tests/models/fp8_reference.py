@@ -1,6 +1,6 @@
 """Block-FP8 dequantization written out block by block, as DeepSeek-V3's checkpoint format
 defines it (each [bn, bk] block of e4m3 values times its `weight_scale_inv`): the reference the
-FP8 tests compare pagedllm's kernels and loader with (independent of models/fp8_weights.py)."""
+FP8 tests compare pagedllm's kernels and loader with (independent of models/layers/quantization/fp8.py)."""
 import torch
 
 

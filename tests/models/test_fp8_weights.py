@@ -11,7 +11,7 @@ from fp8_reference import dequantize_blocks
 from greedy_utils import assert_greedy_equal, hf_greedy
 from safetensors.torch import load_file, save_file
 
-from pagedllm.models.fp8_weights import dequantize_block_fp8, fp8_block_size, upcast_fp8_weights
+from pagedllm.models.layers.quantization.fp8 import dequantize_block_fp8, fp8_block_size, upcast_fp8_weights
 from pagedllm.models.layers.fp8_linear import quantize_block_fp8
 
 BLOCK = (128, 128)

@@ -13,7 +13,7 @@ from engine.test_greedy_equality import greedy_equality_prompts
 from kernel_utils import require_built
 
 from pagedllm.models.cpu_ops import cpu_ops
-from pagedllm.models.layers.quantization import validate_quantization
+from pagedllm.models.layers.quantization.registry import validate_quantization
 from pagedllm.models.layers.quantization.gguf_repack import pack_segments
 from pagedllm.models.layers.quantization.layouts import (dequantize_reference, pack_int4, quantize_int4,
                                                          quantize_int8, quantize_int8_offset, unpack_int4)

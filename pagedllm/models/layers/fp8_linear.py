@@ -1,6 +1,6 @@
 """FP8 weights on the GPU: `Fp8LinearMethod` keeps a linear's weight as
 float8_e4m3fn [N, K] with one float32 factor per [bn, bk] block (DeepSeek-V3's
-`weight_scale_inv` layout, models/fp8_weights.py) and computes with a Triton block-FP8 GEMM:
+`weight_scale_inv` layout, models/layers/quantization/fp8.py) and computes with a Triton block-FP8 GEMM:
 each program takes a [BLOCK_M, BLOCK_N] tile of the output, streams K in BLOCK_K steps
 (BLOCK_K divides bk, BLOCK_N divides bn, so one factor per output column and step), widens
 the FP8 weight tile to the activations' dtype (exact), `tl.dot`s it in float32 and scales the
@@ -101,7 +101,7 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, 
 
 def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (float8_e4m3fn [N, K], scale_inv [ceil(N / bn), ceil(K / bk)] float32): each
-    block's largest magnitude becomes 448 (fp8_weights.dequantize_block_fp8 inverts it)."""
+    block's largest magnitude becomes 448 (quantization/fp8.dequantize_block_fp8 inverts it)."""
     N, K = w.shape
     bn, bk = block
     nb, kb = -(-N // bn), -(-K // bk)

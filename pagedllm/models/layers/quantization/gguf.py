@@ -82,6 +82,10 @@ class GGUFConfig:
         self.shared: dict = {}   # packed weights by Parameter: a tied head is the embedding
 
     @classmethod
+    def from_quant_args(cls, group_size, model_dir: str, hf_config) -> "GGUFConfig":   # registry.py
+        return cls.from_model_dir(model_dir)
+
+    @classmethod
     def from_model_dir(cls, model_dir: str) -> "GGUFConfig":
         info = gguf_info(model_dir)
         return cls(info["gguf_file"], info["tensor_types"])

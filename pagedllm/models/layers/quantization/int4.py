@@ -26,6 +26,10 @@ class Int4LinearMethod(QuantizedLinearMethod):
 class Int4Config:
     name = "int4"
 
+    @classmethod
+    def from_quant_args(cls, group_size: int, model_dir, hf_config) -> "Int4Config":
+        return cls(group_size)
+
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 

@@ -38,6 +38,10 @@ class Int8LinearMethod(QuantizedLinearMethod):
 class Int8Config:
     name = "int8"
 
+    @classmethod
+    def from_quant_args(cls, group_size: int, model_dir, hf_config) -> "Int8Config":
+        return cls(group_size)
+
     def __init__(self, group_size: int) -> None:
         self.group_size = None if group_size == -1 else group_size   # -1: per output channel
 

@@ -8,7 +8,8 @@ the checkpoint's float dtype.
 Loading upcasts each such weight once, as it streams past (one log line says so): on the
 CPU (or a GPU before compute capability 8.9) to the model's dtype, for every linear method;
 on an sm_89+ GPU to float32, for the projections that then quantize back to the same blocks
-and compute in FP8 (models/layers/fp8_linear.py, `use_fp8_gemm`).
+and compute in FP8 (models/layers/fp8_linear.py, `use_fp8_gemm`). `Fp8Config` is the method's
+registry class (registry.py: "fp8", read from config.json, with any --quantization).
 """
 from __future__ import annotations
 
@@ -85,3 +86,22 @@ def use_fp8_gemm(model, block: tuple[int, int], device: torch.device) -> bool:
     logger.info("FP8 checkpoint: %d linears compute with block-FP8 weights (Triton GEMM)",
                 use_fp8_linears(model, block))
     return True
+
+
+class Fp8Config:
+    """The checkpoint's own quantization (registry.py: from config.json, any --quantization):
+    its FP8 weights are upcast as they stream past, the projections then computed by whatever
+    LinearMethod the layers have (or in FP8 on an sm_89+ GPU)."""
+    name = "fp8"
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+
+    @classmethod
+    def from_quant_args(cls, group_size, model_dir, hf_config: dict) -> "Fp8Config":
+        return cls(fp8_block_size(hf_config))
+
+    def process_weights(self, weights: Iterable[tuple[str, torch.Tensor]], model, device: str,
+                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        fp8_gemm = use_fp8_gemm(model, self.block, torch.device(device))
+        return upcast_fp8_weights(weights, self.block, torch.float32 if fp8_gemm else dtype)
