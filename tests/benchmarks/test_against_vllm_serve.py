@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pagedllm.benchmarks.against.serve import check_args, compare, median_rows, print_comparison, server_commands
-from pagedllm.benchmarks.serve import measure, request_bodies
+from pagedllm.benchmarks.load import measure, request_bodies
 from pagedllm.entrypoints.server_process import ServerProcess, free_port
 from server_utils import session_pids
 

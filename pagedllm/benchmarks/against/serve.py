@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from pagedllm.benchmarks.against import venv as V
+from pagedllm.benchmarks.load import measure, model_name, print_run, request_bodies
 from pagedllm.entrypoints.server_process import ServerProcess, free_port
 
 SYSTEMS = ("pagedllm", "vllm")
@@ -83,7 +84,6 @@ def print_comparison(table: list[dict]) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     from pagedllm.benchmarks.common import command_line, machine_info, write_json
-    from pagedllm.benchmarks.serve import _model_name, measure, print_run, request_bodies
     from pagedllm.models.download import resolve_model
     from transformers import AutoTokenizer
 
@@ -111,7 +111,7 @@ def main(ns: argparse.Namespace) -> int:
             server = ServerProcess(cmd, f"http://127.0.0.1:{port}", env=envs[system], name=system)
             try:
                 server.wait_ready(ns.start_timeout)
-                model = _model_name(server.url, {})
+                model = model_name(server.url, {})
                 for j, c in enumerate(ns.concurrency):
                     row = measure(ns, server.url, {}, request_bodies(tok, ns, model, ns.seed + j), c)
                     print(f"{system} ({i + 1}/{ns.repeat}) ", end="")
