@@ -64,12 +64,13 @@ def parse_batched_bench(stdout: str, batch: int) -> dict:
     raise ValueError(f"llama-batched-bench printed no result for {batch} sequences: {stdout[:300]!r}")
 
 
-def run_tool(cmd: list[str]) -> str:
-    """Run a llama.cpp tool -> its stdout; RuntimeError with its stderr's end when it fails."""
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def run_tool(cmd: list[str], with_stderr: bool = False) -> str:
+    """Run a llama.cpp tool -> its stdout (and its log, stderr, after it); RuntimeError with the
+    log's end when it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    return proc.stdout
+    return proc.stdout + proc.stderr if with_stderr else proc.stdout
 
 
 def llama_cpp_figures(path, threads: int, prefills, n_gen: int, batch: int, repetitions: int) -> dict:
