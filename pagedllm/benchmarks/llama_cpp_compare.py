@@ -89,7 +89,9 @@ def pagedllm_figures(llm, tok, prefills, n_gen: int, batch: int, seed: int) -> d
     from pagedllm.benchmarks.latency import run_pagedllm
 
     def prompts(n: int, length: int) -> list[list[int]]:
-        return [r.prompt_token_ids for r in random_requests(tok, n, (length, length), (n_gen, n_gen), seed + n)]
+        # a seed per (n, length): no prompt is another's prefix, so none is served from the prefix cache
+        return [r.prompt_token_ids for r in random_requests(tok, n, (length, length), (n_gen, n_gen),
+                                                            seed + 7919 * n + length)]
 
     one = run_pagedllm(llm, prompts(1, prefills[0]), n_gen, False)
     out = {DECODE_1: one["decode_tok_s"], f"prefill_{prefills[0]}": prefills[0] / one["ttft_s"]}
@@ -111,7 +113,7 @@ def compare(llm, tok, path, threads_list, prefills, n_gen: int, batch: int, repe
         theirs = llama_cpp_figures(path, threads, prefills, n_gen, batch, repetitions)
         torch.set_num_threads(threads)
         print(f"running pagedllm with {threads} threads ...", file=sys.stderr, flush=True)
-        ours = pagedllm_figures(llm, tok, prefills, n_gen, batch, seed)
+        ours = pagedllm_figures(llm, tok, prefills, n_gen, batch, seed + 1_000_003 * len(rows))   # new prompts a turn
         for key, what in figure_names(prefills, n_gen, batch):
             rows.append({"threads": threads, "figure": what, "llama.cpp": theirs[key], "pagedllm": ours[key],
                          "ratio": ours[key] / theirs[key]})
