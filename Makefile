@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install kernels run serve test test-fast download bench bench-deps gpu-wheels clean
+.PHONY: install kernels run serve test test-fast download bench bench-deps llama-cpp gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: $(STAMP)
 # llama-cpp-python for `pagedllm bench latency --llama-cpp f32 q4_1`; kept out of `make test`.
 bench-deps: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install -q 'llama-cpp-python'
+
+# llama.cpp's own tools (llama-bench, llama-batched-bench, llama-quantize, llama-perplexity,
+# llama-tokenize) from the llama-cpp-python sdist's vendor/llama.cpp, built once into
+# $$PAGEDLLM_HOME/llama.cpp-<version>/ (~15 min on 2 cores; needs cmake and a C++ compiler).
+llama-cpp: $(STAMP)
+	$(BIN)/python -m pagedllm.benchmarks.llama_cpp_tools
 
 # The wheels a lent GPU machine (Python 3.12, no network) lacks; tools/gpu_session.sh installs them there.
 gpu-wheels: $(STAMP)

@@ -1,6 +1,7 @@
 """`pagedllm bench latency`: time to first token and time per output token of a batch of
-B requests (B = 1, 64, ...), a per-phase step profile (`--profile`), and at batch 1 the same
-single stream through llama-cpp-python (`--llama-cpp`), on the same weights and threads.
+B requests (B = 1, 64, ...), a per-phase step profile (`--profile`), and llama.cpp on the same
+weights and threads: its own tools on a GGUF file (`--llama-cpp FILE.gguf`, llama_cpp_compare.py)
+or, at batch 1, llama-cpp-python on the default model's GGUF (`--llama-cpp f32 bf16 q4_1`).
 
 pagedllm runs through LLMEngine with streaming outputs (what the server does), one
 `step()` at a time, so that prefill steps and decode steps are timed apart.
@@ -23,11 +24,21 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print where a step's time goes, phase by phase")
-    p.add_argument("--llama-cpp", nargs="+", default=None, metavar="PRECISION", choices=["f32", "bf16", "q4_1"],
-                   help="also run llama-cpp-python at batch 1 on the default model's GGUF, in these "
-                        "weight precisions: f32 (the same weights as pagedllm's, dequantised), bf16 "
-                        "(those rounded to bfloat16, as pagedllm's --dtype bfloat16 rounds them) "
-                        "and/or q4_1 (the file as shipped)")
+    p.add_argument("--llama-cpp", nargs="+", default=None, metavar="FILE|PRECISION",
+                   help="FILE.gguf: llama.cpp's own llama-bench and llama-batched-bench on that file (give "
+                        "the --model file) beside the engine's batch-1 decode, prefills and batch-16 decode, "
+                        "per --threads (instead of the --batch-size runs; `make llama-cpp` builds the tools). "
+                        "PRECISION: llama-cpp-python at batch 1 on the default model's GGUF: f32 (the same "
+                        "weights as pagedllm's, dequantised), bf16 (those rounded to bfloat16, as pagedllm's "
+                        "--dtype bfloat16 rounds them) and/or q4_1 (the file as shipped)")
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="--llama-cpp FILE: the thread counts, each run by both sides in turn (default: torch's)")
+    p.add_argument("--llama-cpp-prefill", type=int, nargs="+", default=[128, 512], metavar="TOKENS",
+                   help="--llama-cpp FILE: prompt lengths timed as prefill; the first is also the decode "
+                        "runs' prompt (default: 128 512)")
+    p.add_argument("--llama-cpp-batch", type=int, default=16, help="--llama-cpp FILE: the batched decode's batch")
+    p.add_argument("--llama-cpp-repetitions", type=int, default=3,
+                   help="--llama-cpp FILE: llama-bench's repetitions (-r) after its warm-up run")
     p.add_argument("--compare-quantization", nargs="+", default=None, metavar="QUANT",
                    choices=["none", *quantization_choices()],
                    help="run the same batches again with these --quantization values (none: float "
@@ -128,6 +139,24 @@ def torch_profile(llm, prompts: list[list[int]], steps: int, top: int = 30) -> d
     device_us = sum(getattr(e, key) for e in events if not cuda or e.device_type == torch.autograd.DeviceType.CUDA)
     return {"table": events.table(sort_by=key, row_limit=top), "steps": steps, "batch": len(prompts),
             "device_us_per_step": device_us / steps, "wall_us_per_step": 1e6 * wall / steps}
+
+
+LLAMA_CPP_PRECISIONS = ("f32", "bf16", "q4_1")
+
+
+def split_llama_cpp(values) -> tuple[list[str], list[str]]:
+    """--llama-cpp's values -> (GGUF files for llama.cpp's tools, llama-cpp-python precisions)."""
+    files, precisions = [], []
+    for v in values or ():
+        if v in LLAMA_CPP_PRECISIONS:
+            precisions.append(v)
+        elif v.endswith(".gguf"):
+            if not os.path.isfile(v):
+                raise ValueError(f"--llama-cpp file {v!r} does not exist")
+            files.append(v)
+        else:
+            raise ValueError(f"--llama-cpp takes a .gguf file or one of {', '.join(LLAMA_CPP_PRECISIONS)}, got {v!r}")
+    return files, precisions
 
 
 # --llama-cpp precision -> (the file name's type, llama.cpp's file type: ALL_F32 = 0,
@@ -247,6 +276,30 @@ def _quantization_rows(eargs, batches: dict, ns) -> list[dict]:
     return rows
 
 
+def _against_llama_cpp(llm, tok, files: list[str], ns) -> int:
+    """--llama-cpp FILE: the comparison table per file (llama_cpp_compare.py)."""
+    import torch
+    from pagedllm.benchmarks.llama_cpp_compare import compare, print_comparison
+    threads = ns.threads or [torch.get_num_threads()]
+    for name, values in (("threads", threads), ("llama_cpp_prefill", ns.llama_cpp_prefill),
+                         ("llama_cpp_batch", [ns.llama_cpp_batch]), ("llama_cpp_repetitions", [ns.llama_cpp_repetitions])):
+        if min(values) < 1:
+            raise ValueError(f"{name} must be >= 1, got {values}")
+    if llm.llm_engine.config.scheduler_config.async_scheduling:
+        raise ValueError("--llama-cpp FILE sets each run's thread count in this thread: not with --async-scheduling")
+    results = {}
+    for path in files:
+        rows = compare(llm, tok, path, threads, ns.llama_cpp_prefill, ns.output_len, ns.llama_cpp_batch,
+                       ns.llama_cpp_repetitions, ns.dataset_seed)
+        print_comparison(rows, path)
+        results[path] = rows
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "machine": machine_info(),
+                                    "settings": {k: v for k, v in vars(ns).items() if k != "func"},
+                                    "against_llama_cpp": results})
+    return 0
+
+
 def main(ns: argparse.Namespace) -> int:
     import torch
     from pagedllm.entrypoints.cli import engine_args_from
@@ -256,6 +309,7 @@ def main(ns: argparse.Namespace) -> int:
     for name, v in (("input_len", ns.input_len), ("output_len", ns.output_len), *(("batch_size", b) for b in ns.batch_size)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
+    llama_files, llama_precisions = split_llama_cpp(ns.llama_cpp)
     eargs = engine_args_from(ns)
     if ns.compare_quantization and (ns.compare_enforce_eager or ns.torch_profile):
         raise ValueError("--compare-quantization runs on the CPU: not with --compare-enforce-eager or --torch-profile")
@@ -276,6 +330,8 @@ def main(ns: argparse.Namespace) -> int:
           f"bytes per token, {core.num_blocks} blocks")
     warm = [[tok.eos_token_id or 0] * 8]
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    if llama_files:
+        return _against_llama_cpp(llm, tok, llama_files, ns)
     batches = {b: [r.prompt_token_ids for r in random_requests(
         tok, b, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len), ns.dataset_seed + b)]
         for b in ns.batch_size}
@@ -307,11 +363,11 @@ def main(ns: argparse.Namespace) -> int:
         rows += _variant_rows(eargs, batches, ns, async_label, async_scheduling=not eargs.async_scheduling)
     if ns.compare_enforce_eager:
         rows += _variant_rows(eargs, batches, ns, EAGER, enforce_eager=True)
-    if ns.llama_cpp:
+    if llama_precisions:
         prompt = random_requests(tok, 1, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
                                  ns.dataset_seed + 1)[0].prompt_token_ids
         del llm
-        for precision in ns.llama_cpp:
+        for precision in llama_precisions:
             print(f"running llama.cpp ({precision}) at batch 1 ...", file=sys.stderr, flush=True)
             rows.append(run_llama_cpp(precision, prompt, ns.output_len, torch.get_num_threads()))
     print()

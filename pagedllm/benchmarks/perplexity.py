@@ -47,6 +47,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (default 1024)")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="with --model FILE.gguf: llama.cpp's llama-perplexity beside pagedllm serving the file, "
+                        "on llama.cpp's chunks of --window tokens (llama_cpp_perplexity.py; `make llama-cpp`)")
+    p.add_argument("--threads", type=int, default=None, help="--llama-cpp: both sides' threads (default: torch's)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
 
 
@@ -175,10 +179,37 @@ def run(model_dir: str, dtypes, hf_dtypes, text: str, max_tokens, window: int, s
     return rows, len(ids)
 
 
+def _against_llama_cpp(ns: argparse.Namespace) -> int:
+    import torch
+    from pagedllm.benchmarks import llama_cpp_perplexity
+    if not (ns.model or "").endswith(".gguf"):
+        raise ValueError(f"--llama-cpp compares on a GGUF file: --model must be a .gguf file, got {ns.model!r}")
+    threads = ns.threads or torch.get_num_threads()
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    got = llama_cpp_perplexity.run(ns.model, ns.text, ns.window, threads)
+    machine = machine_info()
+    print(f"command: {command_line()}")
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, {threads} threads")
+    print(f"model: {ns.model}; text: {ns.text} ({got['text_tokens']} tokens; llama-tokenize: "
+          f"{got['llama_cpp_tokens']}, ids {'identical' if got['ids_equal'] else 'DIFFERENT'}), "
+          f"chunks of {ns.window}, the second half of each scored")
+    print()
+    print_table(got["rows"], [("system", "system", ""), ("tokens", "scored tokens", "d"),
+                              ("perplexity", "perplexity", ".4f"), ("error", "+/-", ".4f"),
+                              ("ratio", "ratio to llama.cpp", ".4f")])
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "machine": machine,
+                                    "settings": {k: v for k, v in vars(ns).items() if k != "func"}, **got})
+    return 0
+
+
 def main(ns: argparse.Namespace) -> int:
     from pagedllm.models.download import ensure_default_model, resolve_model
     if ns.max_tokens is not None and ns.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {ns.max_tokens}")
+    if ns.llama_cpp:
+        return _against_llama_cpp(ns)
     # a name (a ready model, random:<shape>) as --model takes it elsewhere, or a directory
     model_dir = str(resolve_model(ns.model)) if ns.model else str(ensure_default_model(progress=True))
     machine = machine_info()

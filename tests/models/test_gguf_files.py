@@ -6,10 +6,13 @@ dequantised weights; the 5-bit blocks repack exactly against the gguf package's 
 a file the engine cannot serve is refused before any weight is read."""
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 
+from pagedllm.benchmarks.llama_cpp_tools import missing_tools, tool_path
 from pagedllm.models.gguf.writer import write_gguf
 from pagedllm.models.layers.quantization.gguf import gguf_model_dir
 
@@ -285,3 +288,25 @@ def test_make_gguf_cli_writes_the_shape(tmp_path, monkeypatch):
         "llama", spec["hidden_size"], spec["num_hidden_layers"], spec["num_key_value_heads"], spec["vocab_size"])
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.attn_q.weight"] == types["output.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"
+
+
+@pytest.mark.skipif(bool(missing_tools(["llama-quantize"])),
+                    reason=f"llama.cpp's llama-quantize is not built on this machine (looked for "
+                           f"{tool_path('llama-quantize')}); `make llama-cpp` builds it (~15 min on 2 cores), "
+                           "which CI does not do")
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q4_0", "Q8_0"])
+def test_llama_quantize_files_agree_with_transformers(qtype, tmp_path, monkeypatch):
+    """The writer's F16 file quantized by llama.cpp's own llama-quantize (its type per tensor:
+    Q4_K_M's Q4_K and Q6_K, Q4_0's Q6_K embedding), as transformers reads it, against the engine."""
+    from transformers import AutoModelForCausalLM
+    quantize = str(tool_path("llama-quantize"))
+    monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
+    (tmp_path / "src").mkdir()   # kept apart: transformers reads the one file in tmp_path
+    f16 = write_gguf(_tiny_hf("llama"), tmp_path / "src" / "f16.gguf", "F16")
+    path = tmp_path / f"llama.{qtype}.gguf"
+    subprocess.run([quantize, str(f16), str(path), qtype], check=True, capture_output=True, timeout=300)
+    from gguf import GGUFReader
+    types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert types == {"F32", *{"Q4_K_M": ["Q4_K", "Q6_K"], "Q4_0": ["Q4_0", "Q6_K"], "Q8_0": ["Q8_0"]}[qtype]}, types
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    _check_written_file(path, ref, f"llama-quantize {qtype}")
