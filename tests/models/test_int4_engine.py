@@ -6,9 +6,7 @@ a scale (max - min) / 15 and a min per group, q = round((w - min) / scale) in 0.
 + min; the LM head symmetric int8 in groups of 32 (scale amax / 127, q in -127..127). Those float
 weights go into transformers, whose greedy tokens the engine's int4 model must give.
 """
-import pytest
 import torch
-
 from greedy_utils import assert_greedy_equal, hf_greedy
 
 MAX_TOKENS = 12
