@@ -7,6 +7,7 @@ a scale (max - min) / 15 and a min per group, q = round((w - min) / scale) in 0.
 weights go into transformers, whose greedy tokens the engine's int4 model must give.
 """
 import torch
+
 from greedy_utils import assert_greedy_equal, hf_greedy
 
 MAX_TOKENS = 12
