@@ -270,6 +270,15 @@ def wait_idle(server, timeout=60.0) -> dict:
                         "blocks freed, nothing running or waiting", timeout)
 
 
+def assert_exits(server, code: int, timeout: float = 30.0) -> None:
+    """The server process exits by itself with `code` (a bound for a hang, not a clock)."""
+    try:
+        got = server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the server did not exit within {timeout} s") from None
+    assert got == code, server.log_text()[-3000:]
+
+
 def wait_session_gone(server, timeout=60.0) -> None:
     """Wait until no process of the server's session is left (the server, its engine core)."""
     deadline = time.monotonic() + timeout
