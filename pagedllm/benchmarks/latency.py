@@ -289,7 +289,7 @@ def _against_llama_cpp(llm, tok, files: list[str], ns) -> int:
         raise ValueError("--llama-cpp FILE sets each run's thread count in this thread: not with --async-scheduling")
     results = {}
     for path in files:
-        rows = compare(llm, tok, path, threads, ns.llama_cpp_prefill, ns.output_len, ns.llama_cpp_batch,
+        rows = compare(llm, tok, run_pagedllm, path, threads, ns.llama_cpp_prefill, ns.output_len, ns.llama_cpp_batch,
                        ns.llama_cpp_repetitions, ns.dataset_seed)
         print_comparison(rows, path)
         results[path] = rows

@@ -83,10 +83,10 @@ def llama_cpp_figures(path, threads: int, prefills, n_gen: int, batch: int, repe
             DECODE_B: batched["decode"], WEIGHTS: bench["model_bytes"] / 1e6}
 
 
-def pagedllm_figures(llm, tok, prefills, n_gen: int, batch: int, seed: int) -> dict:
-    """The engine's batch-1 decode (prompt prefills[0]), each prefill's TTFT as tok/s, batch-B decode."""
+def pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen: int, batch: int, seed: int) -> dict:
+    """The engine's batch-1 decode (prompt prefills[0]), each prefill's TTFT as tok/s, batch-B decode;
+    run_pagedllm: latency.py's one batch through the engine (given, so this module needs no import of it)."""
     from pagedllm.benchmarks.common import random_requests
-    from pagedllm.benchmarks.latency import run_pagedllm
 
     def prompts(n: int, length: int) -> list[list[int]]:
         # a seed per (n, length): no prompt is another's prefix, so none is served from the prefix cache
@@ -102,7 +102,7 @@ def pagedllm_figures(llm, tok, prefills, n_gen: int, batch: int, seed: int) -> d
     return out
 
 
-def compare(llm, tok, path, threads_list, prefills, n_gen: int, batch: int, repetitions: int, seed: int) -> list[dict]:
+def compare(llm, tok, run_pagedllm, path, threads_list, prefills, n_gen: int, batch: int, repetitions: int, seed: int) -> list[dict]:
     """Per thread count: llama.cpp's figures, then pagedllm's -> one row per (threads, figure)."""
     import torch
     if not os.path.isfile(path):
@@ -113,7 +113,7 @@ def compare(llm, tok, path, threads_list, prefills, n_gen: int, batch: int, repe
         theirs = llama_cpp_figures(path, threads, prefills, n_gen, batch, repetitions)
         torch.set_num_threads(threads)
         print(f"running pagedllm with {threads} threads ...", file=sys.stderr, flush=True)
-        ours = pagedllm_figures(llm, tok, prefills, n_gen, batch, seed + 1_000_003 * len(rows))   # new prompts a turn
+        ours = pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen, batch, seed + 1_000_003 * len(rows))   # new prompts a turn
         for key, what in figure_names(prefills, n_gen, batch):
             rows.append({"threads": threads, "figure": what, "llama.cpp": theirs[key], "pagedllm": ours[key],
                          "ratio": ours[key] / theirs[key]})

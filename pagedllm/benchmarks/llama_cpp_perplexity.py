@@ -68,7 +68,7 @@ def run(path, text_path: str, ctx: int, threads: int) -> dict:
     """Both sides on the file -> {"rows": [llama.cpp, pagedllm gguf], "ids_equal", "text_tokens"}."""
     import torch
     from pagedllm.benchmarks.llama_cpp_tools import find_tool
-    from pagedllm.benchmarks.perplexity import load_pagedllm, pagedllm_window_logits, perplexity
+    from pagedllm.benchmarks.scoring import load_pagedllm, pagedllm_window_logits, perplexity
     from pagedllm.models.download import resolve_model
     from transformers import AutoTokenizer
     with open(text_path, encoding="utf-8") as f:
