@@ -143,6 +143,46 @@ void gemm_rows(const float* A, int64_t as, int64_t cs, int64_t na, const float* 
     }
 }
 
+#ifdef __AVX512BF16__
+// S^T [AB keys][NR vectors of rows] = K Q^T on bfloat16 pairs: vdpbf16ps multiplies 32 pairs
+// exactly and adds them into 16 float32 lanes, half the instructions of widening to float32.
+// krows[a]: key a's row as D / 2 pairs (straight from the cache page); Q2 [nc = D / 2][R] pairs.
+template <int NR>
+inline void qk_bf16_tile(const uint32_t* const* krows, const uint32_t* Q2, int64_t nc, float* C, int64_t R) {
+  __m512 acc[AB][NR];
+  for (int a = 0; a < AB; ++a)
+    for (int r = 0; r < NR; ++r) acc[a][r] = vzero();
+  for (int64_t c = 0; c < nc; ++c) {
+    __m512bh b[NR];
+    for (int r = 0; r < NR; ++r) b[r] = (__m512bh)_mm512_loadu_si512(Q2 + c * R + r * VL);
+    for (int a = 0; a < AB; ++a) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)krows[a][c]);
+      for (int r = 0; r < NR; ++r) acc[a][r] = _mm512_dpbf16_ps(acc[a][r], x, b[r]);
+    }
+  }
+  for (int a = 0; a < AB; ++a)
+    for (int r = 0; r < NR; ++r) vst(C + a * R + r * VL, acc[a][r]);
+}
+
+void qk_bf16(const uint32_t* const* krows, int64_t na, const uint32_t* Q2, int64_t nc, float* C, int64_t nrv) {
+  const int64_t R = nrv * VL;
+  for (int64_t a = 0; a < na; a += AB)
+    for (int64_t r = 0; r < nrv;) {
+      float* Cb = C + a * R + r * VL;
+      switch (std::min<int64_t>(nrv - r, 4)) {
+        case 4: qk_bf16_tile<4>(krows + a, Q2 + r * VL, nc, Cb, R); r += 4; break;
+        case 3: qk_bf16_tile<3>(krows + a, Q2 + r * VL, nc, Cb, R); r += 3; break;
+        case 2: qk_bf16_tile<2>(krows + a, Q2 + r * VL, nc, Cb, R); r += 2; break;
+        default: qk_bf16_tile<1>(krows + a, Q2 + r * VL, nc, Cb, R); r += 1; break;
+      }
+    }
+}
+constexpr bool BF16_DOT = true;
+#else
+constexpr bool BF16_DOT = false;
+void qk_bf16(const uint32_t* const*, int64_t, const uint32_t*, int64_t, float*, int64_t) {}
+#endif
+
 // Element T of q, the caches and out (float, uint16_t bfloat16 bits, c10::Half).
 template <typename T>
 struct Step {
@@ -159,8 +199,11 @@ struct Step {
 // Per-thread buffers, R rows at most.
 struct Scratch {
   std::vector<float> qt, o, s, kf, vf, m, l, alpha, qpos;
+  std::vector<uint32_t> zero;          // a key row of zeros (bfloat16 pairs), for padding keys
+  std::vector<const uint32_t*> krows;  // the tile's key rows in the cache (bfloat16 pairs)
   Scratch(int64_t D, int64_t R)
-      : qt(D * R), o(D * R), s(BK * R), kf(BK * D), vf(BK * D), m(R), l(R), alpha(R), qpos(R) {}
+      : qt(D * R), o(D * R), s(BK * R), kf(BK * D), vf(BK * D), m(R), l(R), alpha(R), qpos(R), zero(D / 2),
+        krows(BK) {}
 };
 
 // Widen key / value rows [j0, j0 + n) of KV head h of a request (block table bt) into float32
@@ -178,16 +221,23 @@ void gather_rows(const Step<T>& st, const T* base, int64_t stride, const int32_t
 
 template <typename T>
 void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& sc) {
+  // A bfloat16 cache's K Q^T on bfloat16 pairs (Qt then holds q's own pairs, unscaled: the
+  // scale is applied to the float32 scores).
+  constexpr bool DOT = BF16_DOT && std::is_same<T, uint16_t>::value;
   const int64_t D = st.D, G = st.G, ql = st.q_len[p], ctx = st.seq_len[p] - ql;
   const int64_t nq = std::min(st.BQ, ql - i0), rows = nq * G, nrv = (rows + VL - 1) / VL, R = nrv * VL;
   const int32_t* bt = st.tables + p * st.NB;
   float *qt = sc.qt.data(), *o = sc.o.data(), *s = sc.s.data(), *kf = sc.kf.data(), *vf = sc.vf.data();
   // Qt [D][R]: row r = token i0 + r / G, head h * G + r % G; padding rows are zero and sit at the
   // last token's position (their output is never written).
+  uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);  // DOT: [D / 2][R] pairs
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = std::min(r / G, nq - 1);
     const T* qr = st.q + (st.q_start[p] + i0 + i) * st.q_tok + (h * G + r % G) * st.q_head;
-    for (int64_t d = 0; d < D; ++d) qt[d * R + r] = r < rows ? to_f(qr[d]) * st.scale : 0.f;
+    if constexpr (DOT)
+      for (int64_t c = 0; c < D / 2; ++c) qt2[c * R + r] = r < rows ? reinterpret_cast<const uint32_t*>(qr)[c] : 0;
+    else
+      for (int64_t d = 0; d < D; ++d) qt[d * R + r] = r < rows ? to_f(qr[d]) * st.scale : 0.f;
     sc.qpos[r] = (float)(ctx + i0 + i);
     sc.m[r] = -1e30f;  // finite: exp(m - m_new) of a row whose keys were all masked so far is 1, not NaN
     sc.l[r] = 0.f;
@@ -200,10 +250,20 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
   const T* vh = st.v + h * st.vhs;
   for (int64_t j0 = k_lo; j0 <= last; j0 += BK) {
     const int64_t n = std::min(BK, last + 1 - j0), npad = (n + AB - 1) / AB * AB;
-    gather_rows(st, kh, st.ks, bt, j0, n, kf);
-    std::fill(kf + n * D, kf + npad * D, 0.f);
+    if constexpr (DOT) {
+      for (int64_t j = 0; j < npad; ++j) {
+        const int64_t kp = j0 + j;
+        sc.krows[j] = j < n ? reinterpret_cast<const uint32_t*>(
+                                  kh + ((int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size) * st.ks)
+                            : sc.zero.data();
+      }
+      qk_bf16(sc.krows.data(), npad, qt2, D / 2, s, nrv);  // S^T [npad][R], unscaled
+    } else {
+      gather_rows(st, kh, st.ks, bt, j0, n, kf);
+      std::fill(kf + n * D, kf + npad * D, 0.f);
+      gemm_rows(kf, D, 1, npad, qt, D, s, nrv, nullptr);  // S^T [npad][R]
+    }
     gather_rows(st, vh, st.vs, bt, j0, n, vf);
-    gemm_rows(kf, D, 1, npad, qt, D, s, nrv, nullptr);  // S^T [npad][R]
     // Padding keys (>= n) lie past the last row's position: the causal mask removes them.
     const bool masked = j0 + npad - 1 > first || (w > 0 && j0 <= last - w);
     for (int64_t rv = 0; rv < nrv; ++rv) {
@@ -213,10 +273,9 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
       for (int64_t j = 0; j < npad; ++j) {
         float* sj = s + j * R + rv * VL;
         vec x = vld(sj);
-        if (masked) {
-          x = vmask(x, qpos, (float)(j0 + j), (float)w);
-          vst(sj, x);
-        }
+        if constexpr (DOT) x = vmul(x, vset(st.scale));
+        if (masked) x = vmask(x, qpos, (float)(j0 + j), (float)w);
+        if (DOT || masked) vst(sj, x);
         mx = vmax(mx, x);
       }
       const vec alpha = vexp(vsub(m_old, mx));
