@@ -46,6 +46,10 @@ static inline uint16_t* bf_mut(torch::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
+// e^f = 1 + f + f^2 / 2 + ... + f^7 / 7!, Horner's coefficients from the highest power: the
+// exp512 / exp256 polynomial.
+static constexpr float EXP2_POLY[8] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
 #ifdef __AVX512F__
 // 16 values -> float32 lanes (a bfloat16 is widened by a shift into the upper half).
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -64,14 +68,8 @@ static inline __m512 exp512(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[i]));
   return _mm512_scalef_ps(p, n);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -88,14 +86,8 @@ static inline __m256 exp256(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(EXP2_POLY[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

@@ -7,7 +7,8 @@
 // Qt [D][R] float32 (pre-scaled), so that every product is a broadcast of one K or V element
 // times a vector of R rows: S^T [keys][R] = K Qt, O^T [D][R] += V^T P^T. The rows' running max,
 // sum and rescaling are then plain vector ops (online softmax, float32), and each K / V tile,
-// widened to float32 once, serves all G heads of all BQ tokens. Key tiles run from the first
+// widened to float32 once, serves all G heads of all BQ tokens (a bfloat16 cache's K is not
+// widened where AVX512-BF16 multiplies bfloat16 pairs: qk_bf16). Key tiles run from the first
 // key any row's window reaches to the last row's own position (causal with the chunk's offset:
 // query i of a chunk over c cached tokens is at position c + i); only the tiles that cross the
 // diagonal or the window's edge are masked.

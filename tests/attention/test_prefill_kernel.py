@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine.test_greedy_equality import greedy_equality_prompts
 from greedy_utils import assert_greedy_equal, hf_greedy_batched
-from kernel_utils import require_built, shuffled_block_table
+from kernel_utils import paged_step, require_built, shuffled_block_table
 
 from pagedllm.attention.cpu_kernels import prefill_kernel
 from pagedllm.attention.metadata import build_attention_metadata
@@ -94,11 +94,7 @@ def test_cpu_backend_prefill_equals_torch_path(window):
     rng = np.random.default_rng(5)
     q_lens = np.array([1, 17, 1, 40, 6])
     seq_lens = np.array([9, 17, 30, 120, 6], dtype=np.int32)
-    table, S = shuffled_block_table(seq_lens, bs, rng)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
-    req = np.repeat(np.arange(len(q_lens)), q_lens)
-    slots = torch.from_numpy(table[req, pos // bs].astype(np.int64) * bs + pos % bs)
+    table, S, qsl, slots = paged_step(q_lens, seq_lens, bs, rng)
     T = int(q_lens.sum())
     q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
     outs = []
