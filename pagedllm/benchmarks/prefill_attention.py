@@ -30,6 +30,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (median taken)")
+    p.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
     p.add_argument("--output-json", default=None, metavar="PATH")
 
 
@@ -96,6 +97,10 @@ def main(ns: argparse.Namespace) -> int:
     from pagedllm.attention.cpu_kernels import prefill_kernel
     from pagedllm.csrc.build import selected_isa
     shapes = [parse_heads(s) for s in ns.heads]
+    if ns.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {ns.threads}")
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     for name in ("head_dim", "block_size", "rounds"):
         if getattr(ns, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(ns, name)}")
