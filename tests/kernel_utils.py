@@ -15,6 +15,19 @@ def shuffled_block_table(seq_lens: np.ndarray, block_size: int, rng) -> tuple[np
     return table, int((nb.sum() + 1) * block_size)
 
 
+def paged_step(q_lens: np.ndarray, seq_lens: np.ndarray, block_size: int, rng):
+    """A step of requests with q_lens new tokens each (seq_lens in all) in shuffled blocks ->
+    (block_table, number of cache slots, query_start_loc [num_reqs + 1] int32, the new tokens'
+    slot_mapping [sum(q_lens)] int64 tensor)."""
+    import torch
+    table, S = shuffled_block_table(seq_lens, block_size, rng)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens, q_lens)])
+    req = np.repeat(np.arange(len(q_lens)), q_lens)
+    slots = torch.from_numpy(table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+    return table, S, qsl, slots
+
+
 def check_rope_in_place(ops, make, cast, **close) -> None:
     """The fused RoPE rotates q and k in place, as the torch path would, and leaves v alone;
     make(rows, cols) draws a tensor, cast(module) sets the dtype; full and partial rotary."""

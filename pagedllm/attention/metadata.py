@@ -3,7 +3,7 @@ per sliding window, for the layers that have one: `AttentionMetadata.windowed`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -20,6 +20,16 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillPages:
+    """The step's prefill chunks as the C++ prefill kernel reads them: through the block table
+    (csrc/prefill_attention.cpp), no slots or masks. [P] int32 each, one entry a chunk."""
+    q_start: torch.Tensor       # its first token in the step
+    q_len: torch.Tensor         # its new tokens
+    seq_lens: torch.Tensor      # cached + new tokens
+    block_table: torch.Tensor   # [P, max_blocks] int32
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                  # [num_tokens] where each new K/V is written
     # Requests with one new token (decodes), attended together in one batched call.
@@ -30,13 +40,23 @@ class AttentionMetadata:
     decode_block_table: Optional[torch.Tensor]  # [Bd, max_blocks] int32
     decode_seq_lens: Optional[torch.Tensor]     # [Bd] int32
     block_size: int
-    prefills: list[PrefillChunk]
     all_decode: bool
     sliding_window: Optional[int] = None        # the window the slots and masks are cut to
     max_decode_query_len: int = 1               # build_attention_metadata's
+    prefill_pages: Optional[PrefillPages] = None   # for the C++ prefill kernel (prefill_by_pages)
+    # The torch path's PrefillChunk list, or the function that builds it on first use (a step
+    # whose chunks the C++ kernel takes builds no masks).
+    prefill_chunks: Any = field(default=(), repr=False)
     # What it was built from, to build the same step for another window (once each).
     inputs: tuple = field(default=(), repr=False)
     by_window: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def prefills(self) -> list[PrefillChunk]:
+        """The prefill chunks' slots and masks for the torch path."""
+        if callable(self.prefill_chunks):
+            self.prefill_chunks = self.prefill_chunks()
+        return self.prefill_chunks
 
     def windowed(self, sliding_window: Optional[int]) -> "AttentionMetadata":
         """This step's metadata for a layer with that sliding window (None: self)."""
@@ -44,7 +64,8 @@ class AttentionMetadata:
             return self
         if sliding_window not in self.by_window:
             self.by_window[sliding_window] = build_attention_metadata(
-                *self.inputs, sliding_window=sliding_window, max_decode_query_len=self.max_decode_query_len)
+                *self.inputs, sliding_window=sliding_window, max_decode_query_len=self.max_decode_query_len,
+                prefill_by_pages=self.prefill_pages is not None)
         return self.by_window[sliding_window]
 
 
@@ -52,9 +73,12 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                              block_table: np.ndarray, block_size: int,
                              slot_mapping: torch.Tensor, decode_by_pages: bool = False,
                              sliding_window: Optional[int] = None,
-                             max_decode_query_len: int = 1) -> AttentionMetadata:
+                             max_decode_query_len: int = 1,
+                             prefill_by_pages: bool = False) -> AttentionMetadata:
     """query_start_loc [num_reqs+1], seq_lens [num_reqs], block_table [num_reqs, max_blocks].
     decode_by_pages: the decode kernel reads pages itself (no slot matrix needed).
+    prefill_by_pages: the prefill chunks' PrefillPages too, for the C++ prefill kernel (their
+    slot / mask list is then built only if a layer asks for it: a quantized cache).
     max_decode_query_len Q: a request with 2..Q new tokens over a past (a speculative
     verification step's k + 1) attends as that many decode queries, query j over the request's
     first computed + j + 1 keys (causal: its own K/V are written before any query reads); each
@@ -99,23 +123,35 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
         decode_kv_slots = torch.from_numpy(np.where(valid, slots_at(decode_rows, pos), 0))
         decode_mask = torch.from_numpy(valid)[:, None, None, :]
 
-    prefills = []
-    for row in np.nonzero(~as_decode)[0]:
-        start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
-        c, s = int(computed[row]), int(seq_lens[row])
-        if c == 0 and (not sliding_window or s <= sliding_window):
-            prefills.append(PrefillChunk(start, end, None, None))
-            continue
-        k0 = int(first_key(np.int64(c)))
-        kpos, qpos = np.arange(k0, s), np.arange(c, s)
-        mask = kpos[None, :] <= qpos[:, None]                                   # [q_len, s - k0]
-        if sliding_window:
-            mask &= kpos[None, :] > qpos[:, None] - sliding_window
-        # No past: the chunk's own K/V (k0 is 0), windowed by the mask.
-        kv_slots = None if c == 0 else torch.from_numpy(slots_at(np.array([row]), kpos[None, :])[0])
-        prefills.append(PrefillChunk(start, end, kv_slots, torch.from_numpy(mask)))
+    prefill_rows = np.nonzero(~as_decode)[0]
+    prefill_pages = None
+    if prefill_by_pages and len(prefill_rows):
+        nb = -(-int(seq_lens[prefill_rows].max()) // block_size)
+        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        prefill_pages = PrefillPages(i32(query_start_loc[prefill_rows]), i32(q_lens[prefill_rows]),
+                                     i32(seq_lens[prefill_rows]), i32(block_table[prefill_rows, :nb]))
+
+    def prefill_chunks() -> list[PrefillChunk]:
+        prefills = []
+        for row in prefill_rows:
+            start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
+            c, s = int(computed[row]), int(seq_lens[row])
+            if c == 0 and (not sliding_window or s <= sliding_window):
+                prefills.append(PrefillChunk(start, end, None, None))
+                continue
+            k0 = int(first_key(np.int64(c)))
+            kpos, qpos = np.arange(k0, s), np.arange(c, s)
+            mask = kpos[None, :] <= qpos[:, None]                               # [q_len, s - k0]
+            if sliding_window:
+                mask &= kpos[None, :] > qpos[:, None] - sliding_window
+            # No past: the chunk's own K/V (k0 is 0), windowed by the mask.
+            kv_slots = None if c == 0 else torch.from_numpy(slots_at(np.array([row]), kpos[None, :])[0])
+            prefills.append(PrefillChunk(start, end, kv_slots, torch.from_numpy(mask)))
+        return prefills
     inputs = (query_start_loc, seq_lens, block_table, block_size, slot_mapping, decode_by_pages)
     return AttentionMetadata(slot_mapping, decode_token_idx, decode_kv_slots, decode_mask,
-                             decode_bt, decode_sl, block_size, prefills, all_decode=not prefills,
+                             decode_bt, decode_sl, block_size, all_decode=not len(prefill_rows),
                              sliding_window=sliding_window, max_decode_query_len=max_decode_query_len,
+                             prefill_pages=prefill_pages,
+                             prefill_chunks=prefill_chunks if prefill_by_pages else prefill_chunks(),
                              inputs=inputs)

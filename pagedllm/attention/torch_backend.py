@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernels import decode_kernel
+from pagedllm.attention.cpu_kernels import decode_kernel, prefill_kernel
 from pagedllm.attention.kv_quant import read_kv, write_kv_quantized
 from pagedllm.attention.metadata import AttentionMetadata
 
@@ -36,7 +36,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         write_kv_quantized(k, v, caches, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D] contiguous
     if meta.decode_block_table is not None:   # the C++ kernel reads the pages directly
         out[meta.decode_token_idx] = decode_kernel()(q[meta.decode_token_idx], k_cache, v_cache,
                                                      meta.decode_block_table, meta.decode_seq_lens,
@@ -48,6 +48,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
                                             attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[meta.decode_token_idx] = od.squeeze(2)
+    pages = meta.prefill_pages
+    kernel = prefill_kernel(q.dtype, q.shape[2]) if pages is not None and kv_scales is None else None
+    if kernel is not None:   # every chunk in one call, through the block table, written into out
+        kernel(q, k_cache, v_cache, out, pages.q_start, pages.q_len, pages.seq_lens, pages.block_table,
+               meta.block_size, scale, meta.sliding_window or 0)
+        return out
     for p in meta.prefills:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)          # [1, H, q_len, D]
         if p.kv_slots is None and kv_scales is None:   # no past: the chunk's own K/V, plain causal

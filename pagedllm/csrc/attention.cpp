@@ -70,24 +70,6 @@ static void decode_task_scalar(const Task<T>& t) {
 }
 
 #ifdef __AVX512F__
-// e^x for x <= 0 (scores minus their max): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2, 2^f by its
-// degree-7 Taylor polynomial (relative error ~1e-8, below float rounding).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Blocks sit anywhere in the cache, so no hardware prefetcher runs ahead across a block
 // boundary: ask for block blk + 1's rows of this head while block blk is being read.
 template <typename T>

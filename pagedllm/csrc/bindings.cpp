@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
+  m.def("paged_prefill", torch::wrap_pybind_function_no_gil(paged_prefill), "paged_prefill");
   m.def("linear_small", torch::wrap_pybind_function_no_gil(linear_small), "linear_small");
   m.def("rms_norm", torch::wrap_pybind_function_no_gil(rms_norm), "rms_norm");
   m.def("silu_and_mul", torch::wrap_pybind_function_no_gil(silu_and_mul), "silu_and_mul");

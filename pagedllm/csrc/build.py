@@ -31,8 +31,8 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp", "gguf_linear.cpp",
-           "bindings.cpp")
+SOURCES = ("attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp",
+           "gguf_linear.cpp", "bindings.cpp")
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 CFLAGS = BASE_CFLAGS + ("-march=native",)
 
@@ -157,7 +157,7 @@ def isa_extension(isa: str):
 
 
 def cpu_extension():
-    """The extension of pagedllm/csrc (paged_decode, rms_norm, silu_and_mul, rotary_embedding_,
+    """The extension of pagedllm/csrc (paged_decode, paged_prefill, rms_norm, silu_and_mul, rotary_embedding_,
     linear_small, quant_linear, decode_layers) built for `selected_isa()`, or None; each variant is
     built at most once a process."""
     return isa_extension(selected_isa())

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from kernel_utils import check_rope_in_place, require_built, require_decode_loop, shuffled_block_table
+from kernel_utils import check_rope_in_place, paged_step, require_built, require_decode_loop
 
 from pagedllm.attention.cpu_kernels import decode_kernel
 from pagedllm.attention.metadata import build_attention_metadata
@@ -22,11 +22,7 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
     # A mixed batch: decodes (one new token) around a prefill chunk with a cached past.
     q_lens = np.array([1, 1, 5, 1, 1])
     seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1], dtype=np.int32)
-    table, S = shuffled_block_table(seq_lens, bs, rng)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    pos = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens, q_lens)])
-    req = np.repeat(np.arange(len(q_lens)), q_lens)
-    slots = torch.from_numpy(table[req, pos // bs].astype(np.int64) * bs + pos % bs)
+    table, S, qsl, slots = paged_step(q_lens, seq_lens, bs, rng)
     T = int(q_lens.sum())
     q, k, v = (torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D))
     outs = []

@@ -1,6 +1,8 @@
-"""The CPU backend: the torch backend whose decodes read K/V through the block table with the
-C++ `paged_decode` kernel (attention/cpu_kernels.py) instead of gathering slots. Chosen by the
-selector only where that kernel builds for the cache's dtype."""
+"""The CPU backend: the torch backend whose decodes and prefill chunks read K/V through the
+block table with the C++ `paged_decode` and `paged_prefill` kernels (attention/cpu_kernels.py)
+instead of gathering slots. Chosen by the selector only where the decode kernel builds for the
+cache's dtype; prefill chunks of a quantized cache (or a head_dim the prefill kernel does not
+take) keep SDPA."""
 from __future__ import annotations
 
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
@@ -9,6 +11,7 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 class CPUAttentionBackend(TorchSDPABackend):
     name = "cpu"
     decode_by_pages = True   # metadata carries the decodes' block table and lengths, no slot matrix
+    prefill_by_pages = True  # and the prefill chunks' (PrefillPages); their masks only on demand
     # A request with up to 1 + 16 (the most drafts) new tokens over a past, a speculative
     # verification above all, attends as one decode query per token (attention/metadata.py):
     # the calls its tokens' one-token decodes make, and the C++ decode loop can take the step.

@@ -14,6 +14,7 @@ from pagedllm.attention.torch_backend import paged_attention
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
     decode_by_pages = False   # decodes gather their slots into a [Bd, L] matrix
+    prefill_by_pages = False  # prefill chunks gather their slots, SDPA a chunk
     max_decode_query_len = 1  # a request with more new tokens attends as a prefill chunk
     supports_sliding_window = True
 
@@ -23,7 +24,8 @@ class TorchSDPABackend(AttentionBackend):
                        max_seq_len: Optional[int] = None) -> AttentionMetadata:
         return build_attention_metadata(query_start_loc.numpy(), seq_lens.numpy(), block_table.numpy(),
                                         block_size, slot_mapping, decode_by_pages=self.decode_by_pages,
-                                        max_decode_query_len=self.max_decode_query_len)
+                                        max_decode_query_len=self.max_decode_query_len,
+                                        prefill_by_pages=self.prefill_by_pages)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta.windowed(layer.sliding_window),
