@@ -35,8 +35,10 @@ static inline float to_f(uint16_t h) { return bf2f(h); }
 static inline float to_f(c10::Half h) { return (float)h; }
 template <typename T>
 static inline T from_f(float f) {
-  if constexpr (std::is_same<T, uint16_t>::value) return f2bf(f);
-  else return T(f);
+  if constexpr (std::is_same<T, uint16_t>::value)
+    return f2bf(f);
+  else
+    return T(f);
 }
 
 static inline const uint16_t* bf_ptr(const torch::Tensor& t) {
@@ -76,7 +78,8 @@ static inline __m512 exp512(__m512 x) {
 // The same 8 at a time.
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 static inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 

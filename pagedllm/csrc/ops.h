@@ -1,5 +1,6 @@
 // The extension's functions: defined in attention.cpp, prefill_attention.cpp, fused_ops.cpp and
-// decode_loop.cpp (which calls the others), bound to Python in bindings.cpp. Shapes and dtypes at each definition.
+// decode_loop.cpp (which calls the others), bound to Python in bindings.cpp. Shapes and dtypes at each
+// definition.
 #pragma once
 
 #include <torch/types.h>
@@ -15,8 +16,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 // prefill_attention.cpp
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
-                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor seq_lens, torch::Tensor block_table,
-                   int64_t block_size, double scale, int64_t window);
+                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor seq_lens,
+                   torch::Tensor block_table, int64_t block_size, double scale, int64_t window);
 
 // fused_ops.cpp
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

@@ -49,11 +49,13 @@ inline vec vmask(vec s, vec qpos, float kp, float w) {
 }
 // p, zero where s is -inf (a masked score: exp's clamp would leave e^-87)
 inline vec vkeep(vec p, vec s) {
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, vset(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ),
-                             p);
+  return _mm512_maskz_mov_ps(
+      _mm512_cmp_ps_mask(s, vset(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), p);
 }
 template <typename T>
-inline vec vload(const T* p) { return load16(p); }
+inline vec vload(const T* p) {
+  return load16(p);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int VL = 8;
 constexpr int AB = 2;  // AB x 4 accumulators of the 16 registers
@@ -77,7 +79,9 @@ inline vec vkeep(vec p, vec s) {
   return _mm256_and_ps(p, _mm256_cmp_ps(s, vset(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ));
 }
 template <typename T>
-inline vec vload(const T* p) { return load8(p); }
+inline vec vload(const T* p) {
+  return load8(p);
+}
 #else
 constexpr int VL = 1;
 constexpr int AB = 1;
@@ -97,7 +101,9 @@ inline vec vmask(vec s, vec qpos, float kp, float w) {
 }
 inline vec vkeep(vec p, vec s) { return s == -std::numeric_limits<float>::infinity() ? 0.f : p; }
 template <typename T>
-inline vec vload(const T* p) { return to_f(*p); }
+inline vec vload(const T* p) {
+  return to_f(*p);
+}
 #endif
 
 constexpr int64_t ROWS = 64;  // target rows (query tokens x G heads) a task: 4 AVX-512 vectors
@@ -106,8 +112,8 @@ constexpr int64_t BK = 32;    // keys a tile
 // C[a][r] = C[a][r] * alpha[r] (alpha null: 0) + sum_c A(a, c) B[c][r], for AB rows a and NR
 // vectors of r; A(a, c) = A[a * as + c * cs] is broadcast, B's and C's rows are R floats apart.
 template <int NR>
-inline void micro_tile(const float* A, int64_t as, int64_t cs, const float* B, int64_t nc, float* C, int64_t R,
-                       const float* alpha) {
+inline void micro_tile(const float* A, int64_t as, int64_t cs, const float* B, int64_t nc, float* C,
+                       int64_t R, const float* alpha) {
   vec acc[AB][NR];
   for (int r = 0; r < NR; ++r) {
     const vec al = alpha ? vld(alpha + r * VL) : vzero();
@@ -136,10 +142,22 @@ void gemm_rows(const float* A, int64_t as, int64_t cs, int64_t na, const float* 
       float* Cb = C + a * R + r * VL;
       const float* al = alpha ? alpha + r * VL : nullptr;
       switch (std::min<int64_t>(nrv - r, 4)) {
-        case 4: micro_tile<4>(Ab, as, cs, Bb, nc, Cb, R, al); r += 4; break;
-        case 3: micro_tile<3>(Ab, as, cs, Bb, nc, Cb, R, al); r += 3; break;
-        case 2: micro_tile<2>(Ab, as, cs, Bb, nc, Cb, R, al); r += 2; break;
-        default: micro_tile<1>(Ab, as, cs, Bb, nc, Cb, R, al); r += 1; break;
+        case 4:
+          micro_tile<4>(Ab, as, cs, Bb, nc, Cb, R, al);
+          r += 4;
+          break;
+        case 3:
+          micro_tile<3>(Ab, as, cs, Bb, nc, Cb, R, al);
+          r += 3;
+          break;
+        case 2:
+          micro_tile<2>(Ab, as, cs, Bb, nc, Cb, R, al);
+          r += 2;
+          break;
+        default:
+          micro_tile<1>(Ab, as, cs, Bb, nc, Cb, R, al);
+          r += 1;
+          break;
       }
     }
 }
@@ -165,16 +183,29 @@ inline void qk_bf16_tile(const uint32_t* const* krows, const uint32_t* Q2, int64
     for (int r = 0; r < NR; ++r) vst(C + a * R + r * VL, acc[a][r]);
 }
 
-void qk_bf16(const uint32_t* const* krows, int64_t na, const uint32_t* Q2, int64_t nc, float* C, int64_t nrv) {
+void qk_bf16(const uint32_t* const* krows, int64_t na, const uint32_t* Q2, int64_t nc, float* C,
+             int64_t nrv) {
   const int64_t R = nrv * VL;
   for (int64_t a = 0; a < na; a += AB)
     for (int64_t r = 0; r < nrv;) {
       float* Cb = C + a * R + r * VL;
       switch (std::min<int64_t>(nrv - r, 4)) {
-        case 4: qk_bf16_tile<4>(krows + a, Q2 + r * VL, nc, Cb, R); r += 4; break;
-        case 3: qk_bf16_tile<3>(krows + a, Q2 + r * VL, nc, Cb, R); r += 3; break;
-        case 2: qk_bf16_tile<2>(krows + a, Q2 + r * VL, nc, Cb, R); r += 2; break;
-        default: qk_bf16_tile<1>(krows + a, Q2 + r * VL, nc, Cb, R); r += 1; break;
+        case 4:
+          qk_bf16_tile<4>(krows + a, Q2 + r * VL, nc, Cb, R);
+          r += 4;
+          break;
+        case 3:
+          qk_bf16_tile<3>(krows + a, Q2 + r * VL, nc, Cb, R);
+          r += 3;
+          break;
+        case 2:
+          qk_bf16_tile<2>(krows + a, Q2 + r * VL, nc, Cb, R);
+          r += 2;
+          break;
+        default:
+          qk_bf16_tile<1>(krows + a, Q2 + r * VL, nc, Cb, R);
+          r += 1;
+          break;
       }
     }
 }
@@ -203,7 +234,16 @@ struct Scratch {
   std::vector<uint32_t> zero;          // a key row of zeros (bfloat16 pairs), for padding keys
   std::vector<const uint32_t*> krows;  // the tile's key rows in the cache (bfloat16 pairs)
   Scratch(int64_t D, int64_t R)
-      : qt(D * R), o(D * R), s(BK * R), kf(BK * D), vf(BK * D), m(R), l(R), alpha(R), qpos(R), zero(D / 2),
+      : qt(D * R),
+        o(D * R),
+        s(BK * R),
+        kf(BK * D),
+        vf(BK * D),
+        m(R),
+        l(R),
+        alpha(R),
+        qpos(R),
+        zero(D / 2),
         krows(BK) {}
 };
 
@@ -236,7 +276,8 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
     const int64_t i = std::min(r / G, nq - 1);
     const T* qr = st.q + (st.q_start[p] + i0 + i) * st.q_tok + (h * G + r % G) * st.q_head;
     if constexpr (DOT)
-      for (int64_t c = 0; c < D / 2; ++c) qt2[c * R + r] = r < rows ? reinterpret_cast<const uint32_t*>(qr)[c] : 0;
+      for (int64_t c = 0; c < D / 2; ++c)
+        qt2[c * R + r] = r < rows ? reinterpret_cast<const uint32_t*>(qr)[c] : 0;
     else
       for (int64_t d = 0; d < D; ++d) qt[d * R + r] = r < rows ? to_f(qr[d]) * st.scale : 0.f;
     sc.qpos[r] = (float)(ctx + i0 + i);
@@ -254,9 +295,10 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
     if constexpr (DOT) {
       for (int64_t j = 0; j < npad; ++j) {
         const int64_t kp = j0 + j;
-        sc.krows[j] = j < n ? reinterpret_cast<const uint32_t*>(
-                                  kh + ((int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size) * st.ks)
-                            : sc.zero.data();
+        sc.krows[j] =
+            j < n ? reinterpret_cast<const uint32_t*>(
+                        kh + ((int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size) * st.ks)
+                  : sc.zero.data();
       }
       qk_bf16(sc.krows.data(), npad, qt2, D / 2, s, nrv);  // S^T [npad][R], unscaled
     } else {
@@ -305,8 +347,8 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
 template <typename T>
 void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  torch::Tensor& out, const torch::Tensor& q_start, const torch::Tensor& q_len,
-                 const torch::Tensor& seq_lens, const torch::Tensor& block_table, int64_t block_size, double scale,
-                 int64_t window) {
+                 const torch::Tensor& seq_lens, const torch::Tensor& block_table, int64_t block_size,
+                 double scale, int64_t window) {
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv, P = q_len.size(0);
   const int64_t BQ = std::max<int64_t>(1, ROWS / G);
   // clang-format off: Step's fields in its order
@@ -337,7 +379,8 @@ void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t n_items = (int64_t)items.size();
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t begin, int64_t end) {
     Scratch sc(D, R);
-    for (int64_t t; (t = next.fetch_add(1)) < n_items;) prefill_task<T>(st, items[t].p, items[t].h, items[t].i0, sc);
+    for (int64_t t; (t = next.fetch_add(1)) < n_items;)
+      prefill_task<T>(st, items[t].p, items[t].h, items[t].i0, sc);
   });
 }
 
@@ -350,8 +393,8 @@ void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 // Writes each chunk's rows of out; the other rows are left as they are. window > 0: a query at
 // position i attends to keys (i - window, i] only (the blocks before are never read).
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
-                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor seq_lens, torch::Tensor block_table,
-                   int64_t block_size, double scale, int64_t window) {
+                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor seq_lens,
+                   torch::Tensor block_table, int64_t block_size, double scale, int64_t window) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == torch::kFloat || dt == torch::kBFloat16 || dt == torch::kHalf,
               "paged_prefill: q must be float32, bfloat16 or float16, got ", dt);
@@ -360,14 +403,16 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.dim() == 3);
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && out.is_contiguous());
   TORCH_CHECK(out.sizes() == q.sizes() && k_cache.size(2) == q.size(2) && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_prefill: num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0,
+              "paged_prefill: num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(q.size(2) % VL == 0, "paged_prefill: head_dim must be a multiple of ", VL);
   for (const auto* t : {&q_start, &q_len, &seq_lens, &block_table})
     TORCH_CHECK(t->scalar_type() == torch::kInt && t->is_contiguous(), "paged_prefill: int32 metadata");
   TORCH_CHECK(q_start.size(0) == q_len.size(0) && seq_lens.size(0) == q_len.size(0) &&
               block_table.size(0) == q_len.size(0));
   if (dt == torch::kFloat)
-    run_prefill<float>(q, k_cache, v_cache, out, q_start, q_len, seq_lens, block_table, block_size, scale, window);
+    run_prefill<float>(q, k_cache, v_cache, out, q_start, q_len, seq_lens, block_table, block_size, scale,
+                       window);
   else if (dt == torch::kBFloat16)
     run_prefill<uint16_t>(q, k_cache, v_cache, out, q_start, q_len, seq_lens, block_table, block_size, scale,
                           window);
