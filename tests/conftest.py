@@ -91,8 +91,8 @@ def hf_model(model_dir):
 @pytest.fixture(scope="session")
 def default_server(model_dir):
     """`pagedllm serve` of the default model, shared by test_server.py and test_server_beam.py."""
-    from server_utils import DEFAULT_SERVER_ARGS, RemoteServer
-    srv = RemoteServer(DEFAULT_SERVER_ARGS)
+    from server_utils import DEFAULT_SERVER_ARGS, DEFAULT_SERVER_ENV, RemoteServer
+    srv = RemoteServer(DEFAULT_SERVER_ARGS, env=DEFAULT_SERVER_ENV)
     yield srv
     srv.close()
 

@@ -183,6 +183,12 @@ def tiny_server(max_model_len: int, *args: str) -> RemoteServer:
 DEFAULT_SERVER_MAX_MODEL_LEN = 1024
 DEFAULT_SERVER_ARGS = ["--max-model-len", str(DEFAULT_SERVER_MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
                        "--max-num-seqs", "64"]
+# Each step that holds a request whose prompt has " dragon" (token 17422 of the default model's
+# tokenizer) sleeps LONG_STEP_MS (PAGEDLLM_FAULT_INJECTION's `slow`): the disconnect tests' long
+# requests then outlast any stall of the client (hundreds of steps), and end at the disconnect.
+LONG_PROMPT = "Tell me a long story about a dragon."
+LONG_STEP_TOKEN, LONG_STEP_MS = 17422, 50
+DEFAULT_SERVER_ENV = {"PAGEDLLM_FAULT_INJECTION": f"slow:{LONG_STEP_TOKEN}:{LONG_STEP_MS}"}
 TINY_SERVER_MAX_MODEL_LEN = 64
 TINY_SERVER_MAX_BODY_BYTES = 64 << 10   # small, for test_input_bounds.py's 413s
 
@@ -210,7 +216,10 @@ def wait_metrics(server, condition, what: str, timeout: float = 60.0) -> dict:
         if condition(m):
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout} s: {m}")
+            # the gauges and request counts first: a long dump gets cut where CI shows it
+            key = {k: v for k, v in m.items() if "_num_requests" in k or "kv_cache_used" in k
+                   or "request_success_total" in k}
+            raise AssertionError(f"{what}: not after {timeout} s: {key}; all: {m}")
         time.sleep(0.05)
 
 

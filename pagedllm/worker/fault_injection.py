@@ -1,12 +1,13 @@
 """Test-only faults in the model runner, so that real server processes can be tested failing.
 
-    PAGEDLLM_FAULT_INJECTION="raise:500,reject:501,exit:502,slow:503"
+    PAGEDLLM_FAULT_INJECTION="raise:500,reject:501,exit:502,slow:503,slow:504:50"
 
 is read once, when a ModelRunner is made. In a step where a scheduled request's prompt
 holds the token id: `raise` raises RuntimeError (a bug in the engine: HTTP 500 for that
 request), `reject` raises ValueError (the request's own fault: HTTP 400), `exit` ends the
 engine-core process at once with os._exit (as a segfault or the OOM killer would), `slow`
-sleeps SLOW_STEP_S (a big model's step, so that a test's requests overlap on any machine). The
+sleeps SLOW_STEP_S, or the milliseconds after a third field (a big model's step, so that a
+test's requests overlap, or outlast a stalled client, on any machine). The
 check runs after the runner's rows were brought in step with the scheduler and before the
 forward, so the step fails half done, as a real fault would leave it. Unset: no cost.
 """
@@ -28,31 +29,36 @@ SLOW_STEP_S = 0.005
 
 
 class FaultInjector:
-    def __init__(self, triggers: dict[int, str]) -> None:
+    def __init__(self, triggers: dict[int, str], sleeps: Optional[dict[int, float]] = None) -> None:
         self.triggers = triggers   # token id -> action
+        self.sleeps = {t: SLOW_STEP_S for t, a in triggers.items() if a == "slow"} | (sleeps or {})
 
     @classmethod
     def from_env(cls) -> Optional["FaultInjector"]:
         spec = envs.PAGEDLLM_FAULT_INJECTION.strip()
         if not spec:
             return None
-        triggers = {}
+        triggers, sleeps = {}, {}
         for item in spec.split(","):
-            action, _, token = item.strip().partition(":")
-            if action not in ACTIONS or not token.strip().isdigit():
-                raise ValueError(f"{ENV}: {item!r} is not ACTION:TOKEN_ID with ACTION one of "
-                                 f"{', '.join(ACTIONS)}")
+            action, token, *ms = item.strip().split(":") + [""]
+            ms = [x for x in ms if x]
+            if (action not in ACTIONS or not token.strip().isdigit() or len(ms) > (action == "slow")
+                    or not all(x.strip().isdigit() for x in ms)):
+                raise ValueError(f"{ENV}: {item!r} is not ACTION:TOKEN_ID (slow:TOKEN_ID:MS too) with "
+                                 f"ACTION one of {', '.join(ACTIONS)}")
             triggers[int(token)] = action
+            if action == "slow":
+                sleeps[int(token)] = int(ms[0]) / 1000 if ms else SLOW_STEP_S
         logger.warning("fault injection is on (%s=%s): for tests only", ENV, spec)
-        return cls(triggers)
+        return cls(triggers, sleeps)
 
     def check(self, states: Iterable) -> None:
         """Fail (or slow) the step if a scheduled request's prompt holds a trigger token."""
-        slow = False
+        sleep = 0.0
         for state in states:
             hit = self.triggers.keys() & set(state.token_ids[:state.num_prompt_tokens])
             faults = sorted(t for t in hit if self.triggers[t] != "slow")
-            slow |= len(faults) < len(hit)
+            sleep = max([sleep] + [self.sleeps[t] for t in hit if t in self.sleeps])
             if not faults:
                 continue
             token = faults[0]
@@ -62,5 +68,5 @@ class FaultInjector:
                 os._exit(EXIT_CODE)
             error = ValueError if action == "reject" else RuntimeError
             raise error(f"injected fault: the prompt holds token {token}")
-        if slow:
-            time.sleep(SLOW_STEP_S)
+        if sleep:
+            time.sleep(sleep)

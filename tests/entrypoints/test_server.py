@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import (DEFAULT_SERVER_MAX_MODEL_LEN, assert_error, core_frozen, disconnect_when, wait_aborted,
+from server_utils import (DEFAULT_SERVER_MAX_MODEL_LEN, LONG_PROMPT, LONG_STEP_TOKEN, assert_error, core_frozen, disconnect_when, wait_aborted,
                           wait_idle, wait_metrics, wait_session_gone)
 
 pytestmark = pytest.mark.model
@@ -249,7 +249,8 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 # ------------------------------------------------------------------ disconnects free blocks
 # The client leaves with the engine core frozen (server_utils.core_frozen) and the core resumes
 # only once the API server has aborted the request: the request cannot run to its end first,
-# however fast or slow the machine. Its many tokens only keep it running until the freeze.
+# however fast or slow the machine. Its many slow steps (LONG_PROMPT: server_utils) keep it
+# running until the freeze, through any stall of the client or the API process.
 LONG_TOKENS = MAX_MODEL_LEN - 64
 HOLDS_BLOCKS = (lambda m: m["pagedllm:kv_cache_used_blocks"] > 0 and m["pagedllm:num_requests_running"] == 1,
                 "the request runs and holds KV blocks")
@@ -267,10 +268,18 @@ def _assert_aborted_and_freed(server, before):
     assert after["pagedllm:kv_cache_usage_perc"] == 0
 
 
+LONG_CHAT = [{"role": "user", "content": LONG_PROMPT}]
+
+
+def test_long_prompt_holds_the_slow_step_token(tokenizer):
+    assert LONG_STEP_TOKEN in tokenizer.encode(LONG_PROMPT)
+    assert LONG_STEP_TOKEN in tokenizer.apply_chat_template(LONG_CHAT, tokenize=True, return_dict=False)
+
+
 @pytest.mark.timeout(300)
 def test_stream_disconnect_frees_blocks(server):
     before = wait_idle(server)
-    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": LONG_TOKENS, "stream": True,
+    body = {"prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "stream": True,
             "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -289,7 +298,7 @@ def test_stream_disconnect_frees_blocks(server):
 @pytest.mark.timeout(300)
 def test_non_stream_disconnect_frees_blocks(server):
     before = wait_idle(server)
-    body = {"messages": CHAT, "max_tokens": LONG_TOKENS, "ignore_eos": True}
+    body = {"messages": LONG_CHAT, "max_tokens": LONG_TOKENS, "ignore_eos": True}
     disconnect_when(server, "/v1/chat/completions", body, *HOLDS_BLOCKS)
     _assert_aborted_and_freed(server, before)
 

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from server_utils import assert_error, disconnect_when, wait_idle
+from server_utils import LONG_PROMPT, assert_error, disconnect_when, wait_idle
 from engine.test_beam_search import hf_beam_hypotheses
 from engine.test_logprobs import TOL, hf_logprobs
 
@@ -142,7 +142,7 @@ def test_beam_bad_input_is_400(server, path, body, param):
 def test_disconnect_aborts_search_and_blocks_come_back(server):
     before = wait_idle(server)
     aborted0 = before['pagedllm:request_success_total{finished_reason="abort"}']
-    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "ignore_eos": True,
+    body = {"prompt": LONG_PROMPT, "max_tokens": 400, "ignore_eos": True,
             "n": 4, "use_beam_search": True}
     # 400 tokens x 4 beams surely outlast the wait: the client leaves while the beams hold blocks.
     disconnect_when(server, "/v1/completions", body, lambda m: m["pagedllm:kv_cache_used_blocks"] > 0,
