@@ -5,22 +5,16 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Optional
 
 import httpx
 
+from pagedllm.entrypoints.server_process import ServerProcess, free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _proc_stats():
@@ -54,39 +48,25 @@ def child_pids(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-class RemoteServer:
+class RemoteServer(ServerProcess):
+    """`pagedllm serve ARGS` from the repository, ready when constructed; the tests' view of it
+    (clients, /metrics, the engine core's pid, the whole log)."""
+
     def __init__(self, args: list[str], api_key: Optional[str] = None, start_timeout: float = 300.0,
                  env: Optional[dict] = None) -> None:
         self.port = free_port()
         self.api_key = api_key
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = self.url + "/v1"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-server-", suffix=".log", delete=False)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
                "--log-stats-interval", "1", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        environ = dict(os.environ, PYTHONUNBUFFERED="1")
+        environ = dict(os.environ)
         for name in ("PAGEDLLM_API_KEY", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"):   # the tests' servers are open
             environ.pop(name, None)
         environ.update(env or {})   # the server's own variables (envs.py), for a test of them
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=environ,
-                                     start_new_session=True)
-        self._wait_ready(start_timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}) during start-up:\n{self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.kill()
-        raise RuntimeError(f"the server was not ready after {timeout} s:\n{self.log_text()}")
+        super().__init__(cmd, f"http://127.0.0.1:{self.port}", environ, cwd=REPO)
+        self.wait_ready(start_timeout)   # RuntimeError with the log's tail if it exits or hangs
 
     def log_text(self) -> str:
         with open(self.log.name) as f:

@@ -1,6 +1,7 @@
 """An HTTP server as a child process: started in a session of its own (so that stopping it stops
 its engine-core processes too), waited for until /health answers, stopped with SIGTERM, then
-SIGKILL. Used by the proxy's Ray launcher and by the benchmarks that start servers to load them."""
+SIGKILL. Used by the proxy's Ray launcher, by the benchmarks that start servers to load them, and
+by the tests' RemoteServer."""
 from __future__ import annotations
 
 import os
@@ -27,10 +28,10 @@ def _die_with_parent() -> None:
 
 class ServerProcess:
     def __init__(self, cmd: list, url: str, env: dict | None = None, name: str = "server",
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, cwd: str | None = None) -> None:
         self.url, self.name = url, name
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagedllm-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None,
                                      env=dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1"))
 
