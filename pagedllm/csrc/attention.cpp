@@ -70,8 +70,12 @@ static void decode_task_scalar(const Task<T>& t) {
 }
 
 #ifdef __AVX512F__
+// prefetcht1 as an asm statement: GCC 12 -O3 emitted none of the _mm_prefetch calls of these
+// loops (objdump of the build).
+static inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
 // Blocks sit anywhere in the cache, so no hardware prefetcher runs ahead across a block
-// boundary: ask for block blk + 1's rows of this head while block blk is being read.
+// boundary: ask for this head's rows of the blocks ahead while one is being read.
 template <typename T>
 static inline void prefetch_block(const Task<T>& t, const T* base, int64_t blk, int64_t stride) {
   const int64_t t0 = blk * t.block_size;
@@ -80,7 +84,28 @@ static inline void prefetch_block(const Task<T>& t, const T* base, int64_t blk, 
   constexpr int64_t E = sizeof(T);
   const char* b = (const char*)(base + (int64_t)t.blocks[blk] * t.block_size * stride);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < t.D * E; c += 64) _mm_prefetch(b + j * stride * E + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < t.D * E; c += 64) prefetch_l2(b + j * stride * E + c);
+}
+
+// DRAM's latency (~100 ns) is several blocks' arithmetic: asked one block ahead, the rows come
+// late. PREFETCH_ROWS rows ahead keep enough misses in flight to stream; into L2 (T1), as into
+// L1 the requests queue on L1's few miss buffers and stall the loads (2x slower, Zen 4).
+constexpr int64_t PREFETCH_ROWS = 64;
+
+template <typename T>
+static inline int64_t prefetch_distance(const Task<T>& t) {
+  return std::max<int64_t>(1, PREFETCH_ROWS / t.block_size);
+}
+
+// The task's K blocks then its V blocks as one sequence i = 0, 1, ...: the scores' pass asks
+// for the first value blocks as it nears its end.
+template <typename T>
+static inline void prefetch_kv(const Task<T>& t, int64_t i) {
+  const int64_t first = t.start / t.block_size, n = (t.L - 1) / t.block_size - first + 1;
+  if (i < n)
+    prefetch_block(t, t.k, first + i, t.ks);
+  else if (i < 2 * n)
+    prefetch_block(t, t.v, first + i - n, t.vs);
 }
 
 // ND = D / 16 vectors a head row. Scores: each key row is loaded once into registers and
@@ -91,11 +116,12 @@ static void pv_heads(const Task<T>& t, int64_t g0) {
   __m512 acc[GN][ND];
   for (int gi = 0; gi < GN; ++gi)
     for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
-  prefetch_block(t, t.v, t.start / t.block_size, t.vs);
-  for (int64_t blk = t.start / t.block_size, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
+  const int64_t first = t.start / t.block_size, nblk = (t.L - 1) / t.block_size - first + 1;
+  const int64_t pd = prefetch_distance(t);
+  for (int64_t blk = first, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
-    prefetch_block(t, t.v, blk + 1, t.vs);
+    prefetch_kv(t, nblk + blk - first + pd);
     for (int64_t j = j0; j < n; ++j) {
       const T* v = vb + j * t.vs;
       __m512 vv[ND];
@@ -111,31 +137,108 @@ static void pv_heads(const Task<T>& t, int64_t g0) {
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(t.out + (g0 + gi) * t.D + 16 * c, acc[gi][c]);
 }
 
+// The last rem (< N + 1) heads from g in one pass.
+template <int ND, int N, typename T>
+static void pv_rest(const Task<T>& t, int64_t g, int64_t rem) {
+  if constexpr (N >= 1) {
+    if (rem == N) return pv_heads<ND, N, T>(t, g);
+    pv_rest<ND, N - 1, T>(t, g, rem);
+  }
+}
+
+// v[i]'s 16 lanes summed, for i < 16 -> lane i: unpack and shuffle pairs, 45 instructions for 16
+// sums where one reduction each costs ~8.
+static inline __m512 sum16(const __m512* v) {
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512 *x = v + 4 * i, *y = x + 1, *z = x + 2, *w = x + 3;
+    // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] and the same of z, w
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(*x, *y), _mm512_unpackhi_ps(*x, *y));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(*z, *w), _mm512_unpackhi_ps(*z, *w));
+    // per 128-bit lane: [x, y, z, w] of that lane
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // 128-bit lane k of the result: u[k]'s four lanes added
+  const __m512 s01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 s23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// Scores of query head g against rows k[0..n) (1 <= n <= 16, row stride ks) -> lanes 0..n-1,
+// before the scale: one accumulator a key row (in registers: the 16 are unrolled; lanes past n
+// repeat row n - 1, for the caller's masked store), reduced together by sum16.
+template <int ND, typename T>
+static inline __m512 qk_rows(const float* q, const T* k, int64_t ks, int64_t n) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    const T* row = k + std::min<int64_t>(j, n - 1) * ks;
+    acc[j] = _mm512_mul_ps(_mm512_loadu_ps(q), load16(row));
+    for (int c = 1; c < ND; ++c)
+      acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(row + 16 * c), acc[j]);
+  }
+  return sum16(acc);
+}
+
+// bfloat16 cache: the query's pairs (exact: a bfloat16 model's query is bfloat16) against the
+// rows' pairs straight from the page, vdpbf16ps, no widening of the keys.
+template <int ND>
+static inline __m512 qk_rows_bf16(const __m512bh* q2, const uint16_t* k, int64_t ks, int64_t n) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    const uint16_t* row = k + std::min<int64_t>(j, n - 1) * ks;
+    acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < ND / 2; ++c)
+      acc[j] = _mm512_dpbf16_ps(acc[j], q2[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+  }
+  return sum16(acc);
+}
+
 template <int ND, typename T>
 static void decode_task_avx512(const Task<T>& t) {
-  prefetch_block(t, t.k, t.start / t.block_size, t.ks);
-  for (int64_t blk = t.start / t.block_size, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
+  constexpr bool BF16 = std::is_same<T, uint16_t>::value;
+  __m512bh q2[BF16 ? 8 * ND / 2 : 1];  // the first 8 heads' pairs (ND / 2 vectors each)
+  const int64_t Gp = BF16 ? std::min<int64_t>(t.G, 8) : 0;
+  for (int64_t g = 0; g < Gp; ++g)
+    for (int c = 0; c < ND / 2; ++c)
+      q2[g * ND / 2 + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(t.q + g * t.D + 32 * c + 16),
+                                               _mm512_loadu_ps(t.q + g * t.D + 32 * c));
+  const int64_t first = t.start / t.block_size, pd = prefetch_distance(t);
+  for (int64_t i = 0; i < pd; ++i) prefetch_kv(t, i);
+  for (int64_t blk = first, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
-    prefetch_block(t, t.k, blk + 1, t.ks);
-    for (int64_t j = j0; j < n; ++j) {
-      __m512 kv[ND];
-      for (int c = 0; c < ND; ++c) kv[c] = load16(kb + j * t.ks + 16 * c);
-      const float kscale = t.scale * row_scale(t, t.ksc, t.blocks[blk], j);
+    prefetch_kv(t, blk - first + pd);
+    for (int64_t j = j0; j < n; j += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j);
+      const __mmask16 keep = (__mmask16)((1u << m) - 1);
+      __m512 scale = _mm512_set1_ps(t.scale);
+      if constexpr (is_quantized_kv<T>()) {
+        alignas(64) float rs[16] = {};
+        for (int64_t i = 0; i < m; ++i) rs[i] = row_scale(t, t.ksc, t.blocks[blk], j + i);
+        scale = _mm512_mul_ps(scale, _mm512_load_ps(rs));
+      }
       for (int64_t g = 0; g < t.G; ++g) {
-        const float* qg = t.q + g * t.D;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-        for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
-        t.scores[g * t.W + t0 + j - t.start] = _mm512_reduce_add_ps(acc) * kscale;
+        __m512 s;
+        if constexpr (BF16)
+          s = g < Gp ? qk_rows_bf16<ND>(q2 + g * ND / 2, kb + j * t.ks, t.ks, m)
+                     : qk_rows<ND, T>(t.q + g * t.D, kb + j * t.ks, t.ks, m);
+        else
+          s = qk_rows<ND, T>(t.q + g * t.D, kb + j * t.ks, t.ks, m);
+        _mm512_mask_storeu_ps(t.scores + g * t.W + t0 + j - t.start, keep, _mm512_mul_ps(s, scale));
       }
     }
   }
   softmax_rows(t.scores, t.G, t.W);
-  constexpr int GMAX = ND >= 8 ? 1 : 8 / ND;  // keep GN x ND accumulators within 16 registers
+  // GN x ND accumulators, up to 24 of the 32 registers: a value row is widened once for GN heads
+  constexpr int GMAX = ND >= 16 ? 1 : 24 / ND;
   int64_t g = 0;
   for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX, T>(t, g);
-  for (; g < t.G; ++g) pv_heads<ND, 1, T>(t, g);
+  pv_rest<ND, GMAX - 1, T>(t, g, t.G - g);
 }
+
 #endif
 
 static void softmax_rows(float* s, int64_t G, int64_t L) {

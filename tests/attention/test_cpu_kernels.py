@@ -60,6 +60,33 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
                 t += 1
 
 
+@pytest.mark.parametrize("H, Hkv, D, bs, window", [(9, 3, 64, 16, 0), (8, 8, 64, 4, 0), (12, 1, 64, 32, 0),
+                                                   (8, 2, 128, 16, 0), (6, 2, 128, 8, 19), (8, 1, 256, 16, 0)])
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+def test_decode_kernel_bfloat16_against_float64(H, Hkv, D, bs, window):
+    """A bfloat16 query and cache (the kernel's own paths: key pairs dotted straight from the
+    page, 16 keys a tile, every query head of a KV head in one pass over the values) against
+    attention in float64 over the same bfloat16 values; lengths cut tiles and blocks anywhere."""
+    require_built(decode_kernel())
+    gen = torch.Generator().manual_seed(H * 7 + D + bs)
+    seq_lens = torch.tensor([1, 15, 16, 17, 40, 3 * bs + 5], dtype=torch.int32)
+    nb = -(-int(seq_lens.max()) // bs)
+    B, S = len(seq_lens), (len(seq_lens) * nb + 3) * bs
+    table = torch.randperm(S // bs, generator=gen)[:B * nb].view(B, nb).to(torch.int32)   # pages anywhere
+    kc = torch.randn(S, Hkv, D, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(S, Hkv, D, generator=gen).to(torch.bfloat16)
+    q = (torch.randn(B, H, D, generator=gen) * 2).to(torch.bfloat16)
+    out = decode_kernel()(q, kc, vc, table, seq_lens, bs, D ** -0.5, window)
+    for b, L in enumerate(seq_lens.tolist()):
+        keys = torch.arange(max(L - window, 0) if window else 0, L)
+        slots = table[b, keys // bs].long() * bs + keys % bs
+        k = kc[slots].double().repeat_interleave(H // Hkv, dim=1)     # [n, H, D]
+        v = vc[slots].double().repeat_interleave(H // Hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * D ** -0.5, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", w, v)
+        torch.testing.assert_close(out[b].double(), ref, atol=1e-2, rtol=1e-2)   # bfloat16's output rounding
+
+
 @pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
 def test_fused_cpu_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
