@@ -286,8 +286,10 @@ class EngineConfig:
         d = self.device_config
         if d.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
-        if d.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {d.attention_backend!r}")
+        from pagedllm.attention.backends.registry import backend_choices
+        if d.attention_backend not in backend_choices():
+            raise ValueError(f"attention_backend must be one of {('auto',) + backend_choices()}, "
+                             f"got {d.attention_backend!r}")
         if d.device == "cuda" and d.attention_backend != "triton":
             raise ValueError("device 'cuda' needs attention_backend 'triton' (the torch backend is the CPU's)")
         if not (isinstance(d.gpu_memory_utilization, (int, float)) and 0 < d.gpu_memory_utilization <= 1):

@@ -6,9 +6,9 @@ import copy
 import numpy as np
 import torch
 
-from pagedllm.attention import torch_backend
-from pagedllm.attention import triton_backend as tb
-from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.backends.torch_sdpa import paged_attention as torch_sdpa
+from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
+from pagedllm.attention.backends.triton_attn.metadata import build_triton_metadata
 
 
 class Batch:
@@ -75,7 +75,7 @@ class Batch:
         return self.k_cache.clone(), self.v_cache.clone()
 
     def triton_meta(self, **kw):
-        return tb.build_triton_metadata(self.query_start_loc, self.seq_lens, self.block_table,
+        return build_triton_metadata(self.query_start_loc, self.seq_lens, self.block_table,
                                         self.block_size, self.slot_mapping, **kw)
 
     def torch_reference(self):
@@ -84,7 +84,7 @@ class Batch:
         kc, vc = self.caches()
         meta = build_attention_metadata(self.query_start_loc, self.seq_lens, self.block_table,
                                         self.block_size, self.slot_mapping[:T])
-        out = torch_backend.paged_attention(self.q[:T], self.k[:T], self.v[:T], kc, vc, meta, self.scale)
+        out = torch_sdpa.paged_attention(self.q[:T], self.k[:T], self.v[:T], kc, vc, meta, self.scale)
         return out, kc, vc
 
     def loop_reference(self):

@@ -122,7 +122,7 @@ def require_decode_loop(runner):
 
 
 def run_aot_script(script: str) -> list:
-    """Run a script that compiles Triton kernels for a GPU that is not here (triton_aot's
+    """Run a script that compiles Triton kernels for a GPU that is not here (kernels/triton_aot.py's
     mechanism) and prints one JSON list of variants on its last line, in a subprocess without
     TRITON_INTERPRET (interpreted kernels do not compile) -> that list."""
     import json

@@ -168,9 +168,10 @@ def test_kernels_on_device_match_torch_reference():
     """The Triton kernels on the GPU against the torch backend, a mixed batch with GQA 4."""
     import numpy as np
 
-    from pagedllm.attention import torch_backend
-    from pagedllm.attention import triton_backend as tb
-    from pagedllm.attention.metadata import build_attention_metadata
+    from pagedllm.attention.backends.torch_sdpa import paged_attention as torch_sdpa
+    from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
+    from pagedllm.attention.backends.triton_attn import paged_attention as tb
+    from pagedllm.attention.backends.triton_attn.metadata import build_triton_metadata
     g = torch.Generator().manual_seed(0)
     bs, H, Hkv, D = 16, 8, 2, 64
     reqs = [(0, 37), (50, 1), (300, 1), (17, 20), (1000, 1)]          # (cached, new)
@@ -192,9 +193,9 @@ def test_kernels_on_device_match_torch_reference():
     bt, qsl_np, sl_np = np.array(block_rows, dtype=np.int32), np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32)
     slot_t = torch.tensor(slots)
     ref_kc, ref_vc = kc.clone(), vc.clone()
-    ref = torch_backend.paged_attention(q, k, v, ref_kc, ref_vc,
-                                        build_attention_metadata(qsl_np, sl_np, bt, bs, slot_t), D ** -0.5)
-    meta = tb.build_triton_metadata(qsl_np, sl_np, bt, bs, slot_t, device="cuda")
+    ref = torch_sdpa.paged_attention(q, k, v, ref_kc, ref_vc,
+                                     build_attention_metadata(qsl_np, sl_np, bt, bs, slot_t), D ** -0.5)
+    meta = build_triton_metadata(qsl_np, sl_np, bt, bs, slot_t, device="cuda")
     kd, vd = kc.cuda(), vc.cuda()
     out = tb.paged_attention(q.cuda(), k.cuda(), v.cuda(), kd, vd, meta, D ** -0.5)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)

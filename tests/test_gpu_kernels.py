@@ -24,7 +24,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 
 def _attend(b: Batch, **meta):
     """The Triton backend's paged_attention on the GPU -> (out, k_cache, v_cache) on the host."""
-    from pagedllm.attention import triton_backend as tb
+    from pagedllm.attention.backends.triton_attn import paged_attention as tb
     d = b.on(DEV)
     kc, vc = d.k_cache.clone(), d.v_cache.clone()
     out = tb.paged_attention(d.q, d.k, d.v, kc, vc, d.triton_meta(**meta), b.scale)
@@ -64,9 +64,9 @@ def test_split_k_decode_long_contexts(dtype):
 def test_sliding_window(dtype):
     """Window of 10 keys over chunks and decodes; the blocks before each request's first window
     point at a NaN block that must never be read."""
-    from pagedllm.attention import torch_backend
-    from pagedllm.attention import triton_backend as tb
-    from pagedllm.attention.metadata import build_attention_metadata
+    from pagedllm.attention.backends.torch_sdpa import paged_attention as torch_sdpa
+    from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
+    from pagedllm.attention.backends.triton_attn import paged_attention as tb
     bs, H, Hkv, D, W = 8, 8, 2, 64, 10
     reqs = [(0, 2 * bs + 1), (5 * bs + 3, 1), (3 * bs + 2, bs + 5), (bs + 5, 1), (2 * bs, 2)]
     b = Batch(reqs, bs, H, Hkv, D, seed=21, dtype=dtype)
@@ -76,7 +76,7 @@ def test_sliding_window(dtype):
     f = b.on("cpu", torch.float32)   # the torch backend's windowed path in float32, same values
     meta = build_attention_metadata(b.query_start_loc, b.seq_lens, b.block_table, bs, b.slot_mapping,
                                     sliding_window=W)
-    ref = torch_backend.paged_attention(f.q, f.k, f.v, f.k_cache.clone(), f.v_cache.clone(), meta, b.scale)
+    ref = torch_sdpa.paged_attention(f.q, f.k, f.v, f.k_cache.clone(), f.v_cache.clone(), meta, b.scale)
     for splits in (1, 3):
         d = b.on(DEV)
         out = tb.paged_attention(d.q, d.k, d.v, d.k_cache.clone(), d.v_cache.clone(),
@@ -100,7 +100,7 @@ def _quantize_rows(x: torch.Tensor, dtype: torch.dtype):
 def test_quantized_kv_cache(cache_dtype, dtype, num_splits):
     """--kv-cache-dtype int8 / fp8: the new tokens' K/V stored as torch rounds them, with their
     scales; attention equals the float64 loop over the dequantized cache."""
-    from pagedllm.attention import triton_backend as tb
+    from pagedllm.attention.backends.triton_attn import paged_attention as tb
     bs, H, Hkv, D = 16, 16, 4, 64
     reqs = mixed_reqs(bs) if num_splits == 1 else [(2 * bs + 5, 1), (300, 1), (bs - 1, 1)]
     b = Batch(reqs, bs, H, Hkv, D, seed=3, dtype=dtype)

@@ -15,22 +15,16 @@ from typing import Iterator, Optional
 
 import torch
 
-from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.backends.cpu_attn import kernels as cpu_kernels
+from pagedllm.attention.backends.registry import BACKENDS, backend_class
 
-BACKEND_NAMES = ("torch", "cpu", "triton")
+BACKEND_NAMES = tuple(BACKENDS)
 
 
 @functools.lru_cache(maxsize=None)
 def _backend(device: torch.device, name: str) -> AttentionBackend:
-    if name == "triton":
-        from pagedllm.attention.backends.triton_attn import TritonAttentionBackend
-        return TritonAttentionBackend(device)
-    if name == "cpu":
-        from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
-        return CPUAttentionBackend(device)
-    from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
-    return TorchSDPABackend(device)
+    return backend_class(name)(device)
 
 
 def get_attn_backend(device, dtype: torch.dtype, name: str = "torch") -> AttentionBackend:
@@ -45,7 +39,7 @@ def get_attn_backend(device, dtype: torch.dtype, name: str = "torch") -> Attenti
         name = "cpu"
     elif name == "cpu" and not by_pages:
         raise ValueError(f"the cpu attention backend needs a CPU device, a {dtype} decode kernel "
-                         "and a C++ compiler (attention/cpu_kernels.py)")
+                         "and a C++ compiler (attention/backends/cpu_attn/kernels.py)")
     return _backend(device, name)
 
 

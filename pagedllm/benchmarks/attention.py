@@ -106,14 +106,14 @@ def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=No
     moved = 2 * B * L * Hkv * D * elem + 2 * q.numel() * elem + block_table.numel() * 4
     scale = D ** -0.5
     if device.type == "cuda":
-        from pagedllm.attention import triton_backend as tb
+        from pagedllm.attention.backends.triton_attn import paged_attention as tb
         qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         bt, sl = block_table.to(device), seq_lens.to(device)
         out = torch.empty_like(q)
         fn = lambda: tb.unified_attention(q, k_cache, v_cache, qsl, sl, bt, bs, scale, out=out,  # noqa: E731
                                           max_query_len=1, max_seq_len=L, num_splits=num_splits)
         return fn, moved, "triton unified_attention"
-    from pagedllm.attention.cpu_kernels import cpu_decode_supported, decode_kernel
+    from pagedllm.attention.backends.cpu_attn.kernels import cpu_decode_supported, decode_kernel
     if not cpu_decode_supported(dtype):
         raise ValueError(f"the CPU decode kernel does not take dtype {dtype}; use --dtype float32")
     kernel = decode_kernel()
@@ -125,8 +125,8 @@ def engine_num_splits(device, B: int, Hkv: int, L: int) -> int:
     """The split-K count the engine chooses for an all-decode batch (1: the CPU kernel's)."""
     if device.type != "cuda":
         return 1
-    from pagedllm.attention import triton_backend as tb
-    return tb.choose_num_splits(B, Hkv, 1, L, tb._num_sms(device))
+    from pagedllm.attention.backends.triton_attn import paged_attention as tb
+    return tb.choose_num_splits(B, Hkv, 1, L, tb.num_sms(device))
 
 
 def main(ns: argparse.Namespace) -> int:

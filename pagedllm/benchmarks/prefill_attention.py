@@ -1,7 +1,7 @@
 """`pagedllm bench prefill-attention`: one layer's attention over a prompt chunk on the CPU, the
 C++ paged prefill kernel against the torch path's SDPA, interleaved in one run.
 
-Both are `attention/torch_backend.paged_attention` on the same step (the chunk's K/V written into
+Both are the CPU backend's `paged_attention` (attention/backends/cpu_attn/) on the same step (the chunk's K/V written into
 a paged cache with shuffled blocks, then attended), with the metadata of the CPU backend
 (`prefill_by_pages`: the kernel reads the pages through the block table and writes the step's
 output in place) and of the reference backend (one `F.scaled_dot_product_attention` per chunk,
@@ -49,8 +49,8 @@ def prefill_case(torch, dtype, n: int, past: int, H: int, Hkv: int, D: int, bs: 
     {"kernel": fn, "sdpa": fn}, FLOPs of one call). Each fn runs paged_attention -> [n, H, D]."""
     import numpy as np
 
-    from pagedllm.attention.metadata import build_attention_metadata
-    from pagedllm.attention.torch_backend import paged_attention
+    from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
+    from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
     g = torch.Generator().manual_seed(seed)
     L = past + n
     nb = -(-L // bs)
@@ -94,7 +94,7 @@ def time_interleaved(calls: dict, rounds: int) -> dict:
 def main(ns: argparse.Namespace) -> int:
     import torch
 
-    from pagedllm.attention.cpu_kernels import prefill_kernel
+    from pagedllm.attention.backends.cpu_attn.kernels import prefill_kernel
     from pagedllm.csrc.build import selected_isa
     shapes = [parse_heads(s) for s in ns.heads]
     if ns.threads < 0:

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 
+from pagedllm.attention.backends.registry import backend_choices
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.layers.quantization.registry import quantization_choices
 
@@ -35,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="N engine replicas behind a prefix-cache-aware router (serve; default 1)")
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
                    help="where the model runs (default auto: cuda when torch sees a GPU, else cpu)")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"],
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", *backend_choices()],
                    help="paged attention kernels (default auto: triton on cuda, torch + C++ on cpu)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="share of the GPU's memory for weights, activations and KV cache (default 0.9)")

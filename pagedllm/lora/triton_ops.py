@@ -1,6 +1,6 @@
 """LoRA's shrink and expand as Triton kernels (punica's BGMV: each token gathers its own
 adapter's matrices by its slot), for the GPU path; tested under TRITON_INTERPRET=1 against
-punica.add_lora_torch and compiled for sm_80 / sm_90 through attention/triton_aot.py.
+punica.add_lora_torch and compiled for sm_80 / sm_90 through kernels/triton_aot.py.
 
 shrink: h[t, :R] = x[t] A[slot_t]^T (float32), grid (T,), K walked in BLOCK_K tiles.
 expand: y[t, n] += h[t] B[slot_t, n]^T, grid (T, cdiv(N, BLOCK_N)). A token of slot -1 (the
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_backend import KernelLaunch, _next_pow2, _options
+from pagedllm.kernels.triton_launch import KernelLaunch, launch_options, next_pow2
 
 
 @triton.jit
@@ -67,15 +67,15 @@ def lora_launches(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     _, R, _ = lora_a.shape
     N = lora_b.shape[1]
     h = torch.empty(T, R, dtype=torch.float32, device=x.device)                    # [T, R]
-    block_r = max(_next_pow2(R), 16)
+    block_r = max(next_pow2(R), 16)
     block_k = max(16, min(256, 4096 // block_r))
     block_n = max(16, min(128, 4096 // block_r))
     shrink = KernelLaunch(lora_shrink_kernel, (T,),
                           (x, lora_a, token_slots, h, K, R, x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0)),
-                          dict(BLOCK_K=block_k, BLOCK_R=block_r), _options(4))
+                          dict(BLOCK_K=block_k, BLOCK_R=block_r), launch_options(4))
     expand = KernelLaunch(lora_expand_kernel, (T, triton.cdiv(N, block_n)),
                           (h, lora_b, token_slots, y, N, R, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0)),
-                          dict(BLOCK_N=block_n, BLOCK_R=block_r), _options(4))
+                          dict(BLOCK_N=block_n, BLOCK_R=block_r), launch_options(4))
     return shrink, expand, h
 
 

@@ -13,7 +13,7 @@ the fused ops and packed linears with the row-streaming kernel, or quantized lin
 and the cpu attention backend; the ModelRunner calls it instead of the model
 for steps that are all decode with at most SMALL_ROWS tokens (`DecodeLoop.applies`), a speculative
 verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
-a decode query over its own prefix (attention/metadata.py `max_decode_query_len`). It reads
+a decode query over its own prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from pagedllm import envs
-from pagedllm.attention import cpu_kernels
+from pagedllm.attention.backends.cpu_attn import kernels as cpu_kernels
 from pagedllm.attention.layer import attention_layers
 from pagedllm.csrc.build import cpu_extension
 from pagedllm.forward_context import get_forward_context

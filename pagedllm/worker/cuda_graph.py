@@ -13,7 +13,7 @@ Two kinds of graph (`StepGraphs`):
   dropped; it reads one slot of a block it does not own, harmlessly.
 - mixed: a size is a number of tokens T, split in any way among up to R = min(T, max_num_seqs)
   requests (config.mixed_graph_ladder). The attention kernel's grid depends only on T and R
-  (triton_backend.py), and it finds each program's request from query_start_loc on the device,
+  (attention/backends/triton_attn/), and it finds each program's request from query_start_loc on the device,
   so one graph serves every split: padding requests own no tokens (their query_start_loc
   entries all equal the real token count) and padding tokens, past the last request's, are
   attended by no program and written nowhere (slot -1). The tile shapes are the prefill ones,

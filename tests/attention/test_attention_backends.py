@@ -6,8 +6,8 @@ import torch
 from kernel_utils import require_built
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
+from pagedllm.attention.backends.cpu_attn import kernels as cpu_kernels
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.attention.kv_cache_spec import FullAttentionSpec
 from pagedllm.attention.layer import Attention, bind_kv_cache, get_kv_cache_spec

@@ -5,9 +5,9 @@ import pytest
 import torch
 from kernel_utils import check_rope_in_place, paged_step, require_built, require_decode_loop
 
-from pagedllm.attention.cpu_kernels import decode_kernel
-from pagedllm.attention.metadata import build_attention_metadata
-from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.attention.backends.cpu_attn.kernels import decode_kernel
+from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
+from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
 
 
 @pytest.mark.parametrize("H, Hkv, D, bs, window", [(9, 3, 64, 16, None), (4, 4, 32, 4, None),

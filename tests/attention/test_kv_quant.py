@@ -20,11 +20,12 @@ import pytest
 import torch
 from kernel_utils import require_built, shuffled_block_table
 
-from pagedllm.attention import torch_backend
-from pagedllm.attention.cpu_kernels import decode_kernel
+from pagedllm.attention.backends.cpu_attn import paged_attention as cpu_attn
+from pagedllm.attention.backends.cpu_attn.kernels import decode_kernel
+from pagedllm.attention.backends.torch_sdpa import paged_attention as torch_sdpa
+from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
 from pagedllm.attention.kv_cache_spec import FullAttentionSpec
 from pagedllm.attention.kv_quant import QMAX, dequantize_kv, quantize_kv, resolve_kv_cache_dtype
-from pagedllm.attention.metadata import build_attention_metadata
 
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 # fp8's relative rounding: half an ulp of its mantissa (3 bits e4m3, 2 bits e5m2); int8 absolute
@@ -131,7 +132,7 @@ def test_torch_and_cpp_paths_on_quantized_pages(dtype, H, Hkv, D, bs):
     for by_pages in (False, True):
         kc, vc, ks, vs = quantized_pages(S, Hkv, D, dtype, owned, seed=1)
         meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages)
-        outs.append(torch_backend.paged_attention(q, k, v, kc, vc, meta, D ** -0.5, kv_scales=(ks, vs)))
+        outs.append(cpu_attn.paged_attention(q, k, v, kc, vc, meta, D ** -0.5, kv_scales=(ks, vs)))
         pages = (kc, vc, ks, vs)
     ref = dense_reference(q, *pages, qsl, seq_lens, table, bs, D ** -0.5)
     assert torch.isfinite(outs[0]).all()
@@ -139,7 +140,7 @@ def test_torch_and_cpp_paths_on_quantized_pages(dtype, H, Hkv, D, bs):
     torch.testing.assert_close(outs[1].double(), ref, atol=2e-5, rtol=2e-5)       # C++ decodes
     # bfloat16 queries: the kernel widens q, computes in float32 and rounds its output once
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    bf = torch_backend.paged_attention(qb, kb, vb, *pages[:2], meta, D ** -0.5, kv_scales=pages[2:])
+    bf = cpu_attn.paged_attention(qb, kb, vb, *pages[:2], meta, D ** -0.5, kv_scales=pages[2:])
     ref = dense_reference(qb.float(), *pages, qsl, seq_lens, table, bs, D ** -0.5)
     dec = meta.decode_token_idx
     torch.testing.assert_close(bf[dec].double(), ref[dec].bfloat16().double(), atol=1e-2, rtol=1e-2)
@@ -154,9 +155,9 @@ def test_quantized_attention_stays_near_float():
     q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
     kf, vf = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
     meta = build_attention_metadata(qsl, seq_lens, table, bs, slots)
-    ref = torch_backend.paged_attention(q, k, v, kf.clone(), vf.clone(), meta, D ** -0.5)
+    ref = torch_sdpa.paged_attention(q, k, v, kf.clone(), vf.clone(), meta, D ** -0.5)
     (kq, ks), (vq, vs) = quantize_kv(kf, torch.int8), quantize_kv(vf, torch.int8)
-    out = torch_backend.paged_attention(q, k, v, kq, vq, meta, D ** -0.5, kv_scales=(ks, vs))
+    out = torch_sdpa.paged_attention(q, k, v, kq, vq, meta, D ** -0.5, kv_scales=(ks, vs))
     err = (out - ref).abs().max().item()
     assert 0 < err < 0.03, err
 
@@ -169,7 +170,7 @@ def test_triton_matches_torch_path(dtype, bs, H, Hkv, D, splits):
     pytest.importorskip("triton")
     from attention_batch import Batch, mixed_reqs
 
-    from pagedllm.attention import triton_backend as tb
+    from pagedllm.attention.backends.triton_attn import paged_attention as tb
     reqs = mixed_reqs(bs) if splits == 1 else [(2 * bs + 5, 1), (3 * bs, 1), (bs - 1, 1)]
     b = Batch(reqs, bs, H, Hkv, D, seed=bs + D)
     T = int(b.query_start_loc[-1])
@@ -180,7 +181,7 @@ def test_triton_matches_torch_path(dtype, bs, H, Hkv, D, splits):
         ks[~past], vs[~past] = float("nan"), float("nan")   # slots no request owns (yet)
         if path == "torch":
             meta = build_attention_metadata(b.query_start_loc, b.seq_lens, b.block_table, bs, b.slot_mapping[:T])
-            out = torch_backend.paged_attention(b.q[:T], b.k[:T], b.v[:T], kq, vq, meta, b.scale, kv_scales=(ks, vs))
+            out = torch_sdpa.paged_attention(b.q[:T], b.k[:T], b.v[:T], kq, vq, meta, b.scale, kv_scales=(ks, vs))
         else:
             out = tb.paged_attention(b.q, b.k, b.v, kq, vq, b.triton_meta(num_splits=splits), b.scale,
                                      kv_scales=(ks, vs))

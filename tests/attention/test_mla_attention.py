@@ -1,4 +1,4 @@
-"""MLA attention (attention/mla_attention.py, attention/triton_mla.py) on random inputs against a
+"""MLA attention (attention/backends/torch_sdpa/mla.py, attention/backends/triton_attn/mla.py) on random inputs against a
 float64 per-token loop written here from the definition: decompress every cached latent
 (k_nope = W_UK c, v = W_UV c), score q_nope . k_nope + q_pe . k_pe, softmax, sum of p v.
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention.metadata import build_attention_metadata
-from pagedllm.attention.mla_attention import mla_attention_torch
+from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
+from pagedllm.attention.backends.torch_sdpa.mla import mla_attention_torch
 
 H, DN, DR, DV, R = 4, 16, 8, 12, 32
 BLOCK = 4
@@ -97,8 +97,8 @@ def test_triton_kernel_equals_definition_and_torch_path(heads):
     """4 heads: a program takes 4 tokens x 4 heads of a prefill chunk; 20: 16 heads of one token
     (two head blocks, the second partly masked)."""
     pytest.importorskip("triton")
-    from pagedllm.attention.triton_backend import build_triton_metadata
-    from pagedllm.attention.triton_mla import mla_attention_triton
+    from pagedllm.attention.backends.triton_attn.metadata import build_triton_metadata
+    from pagedllm.attention.backends.triton_attn.mla import mla_attention_triton
     b = Batch(seed=1, heads=heads)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tmeta = build_triton_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping, device=dev)

@@ -16,9 +16,9 @@ from engine.test_greedy_equality import greedy_equality_prompts
 from greedy_utils import assert_greedy_equal, hf_greedy_batched
 from kernel_utils import paged_step, require_built, shuffled_block_table
 
-from pagedllm.attention.cpu_kernels import prefill_kernel
-from pagedllm.attention.metadata import build_attention_metadata
-from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.attention.backends.cpu_attn.kernels import prefill_kernel
+from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
+from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -10}
 

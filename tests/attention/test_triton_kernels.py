@@ -1,6 +1,6 @@
 """The Triton attention kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
 
-Compared with the torch backend (pagedllm.attention.torch_backend) and with a float64
+Compared with the torch backend (attention/backends/torch_sdpa/) and with a float64
 per-request loop written here, on random inputs: batches mixing prefill chunks (with and
 without cached past) and decodes, block sizes 16 and 32, GQA ratios 1, 3 and 8, head_dim 64,
 80 and 128, contexts crossing block boundaries, shuffled physical block ids, and cache slots
@@ -22,9 +22,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from attention_batch import Batch, mixed_reqs  # noqa: E402
 
-from pagedllm.attention import torch_backend  # noqa: E402
-from pagedllm.attention import triton_backend as tb  # noqa: E402
-from pagedllm.attention.metadata import build_attention_metadata  # noqa: E402
+from pagedllm.attention.backends.torch_sdpa import paged_attention as torch_sdpa  # noqa: E402
+from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata  # noqa: E402
+from pagedllm.attention.backends.triton_attn import paged_attention as tb  # noqa: E402
 
 ATOL = RTOL = 1e-4
 SPLIT_TOL = 1e-5
@@ -201,7 +201,7 @@ def test_sliding_window_matches_torch_backend():
     kc, vc = b.caches()
     meta = build_attention_metadata(b.query_start_loc, b.seq_lens, b.block_table, bs, b.slot_mapping,
                                     sliding_window=W)
-    ref = torch_backend.paged_attention(b.q, b.k, b.v, kc, vc, meta, b.scale)
+    ref = torch_sdpa.paged_attention(b.q, b.k, b.v, kc, vc, meta, b.scale)
     for num_splits in (1, 3):
         kc, vc = b.caches()
         out = tb.paged_attention(b.q, b.k, b.v, kc, vc, b.triton_meta(num_splits=num_splits), b.scale,

@@ -90,7 +90,7 @@ def test_bench_attention_bytes_and_rate(tmp_path):
     the queries, the outputs, the block table) and divides by the kernel's time."""
     from kernel_utils import require_built
 
-    from pagedllm.attention.cpu_kernels import decode_kernel
+    from pagedllm.attention.backends.cpu_attn.kernels import decode_kernel
     from pagedllm.benchmarks.attention import decode_case
     require_built(decode_kernel())
     B, L, H, Hkv, D, bs = 3, 40, 8, 2, 64, 16

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_utils import require_built
 
-from pagedllm.attention.cpu_kernels import prefill_kernel
+from pagedllm.attention.backends.cpu_attn.kernels import prefill_kernel
 from pagedllm.benchmarks.prefill_attention import parse_heads, prefill_case
 
 

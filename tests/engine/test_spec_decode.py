@@ -154,7 +154,7 @@ def test_decode_loop_takes_steps_with_drafts():
     import numpy as np
     import torch
     from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
-    from pagedllm.attention.metadata import build_attention_metadata
+    from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
     from pagedllm.models.cpu_decode_loop import DecodeLoop
     from types import SimpleNamespace
     loop = DecodeLoop.__new__(DecodeLoop)   # applies() reads the metadata, max_rows, LoRA and the cache's arity

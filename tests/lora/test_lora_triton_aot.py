@@ -1,5 +1,5 @@
 """LoRA's shrink and expand kernels compiled for GPUs that are not here, sm_80 (A100) and sm_90
-(H100/H200), bfloat16 and float32, through attention/triton_aot.py's mechanism (the launch
+(H100/H200), bfloat16 and float32, through kernels/triton_aot.py (the launch
 descriptions lora_launches makes, specialised as Triton's launcher would, compiled to cubins by
 Triton's ptxas): shared memory within the architecture's limit and no register spills. Shapes
 of Llama-3.2-1B's fused QKV (rank 16, three slices: 48 rank columns) and down_proj. Runs in a
@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 SCRIPT = r"""
 import json, torch
-from pagedllm.attention.triton_aot import compile_launch
+from pagedllm.kernels.triton_aot import compile_launch
 from pagedllm.lora.triton_ops import lora_launches
 out = []
 for arch, dtype in ((80, torch.bfloat16), (90, torch.bfloat16)):

@@ -101,9 +101,9 @@ def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     """The decode kernel on a bfloat16 paged cache (through paged_attention, as the runner calls
     it) against the float32 torch path on the same bfloat16 values: to one rounding. D = 32
     runs the scalar path."""
-    from pagedllm.attention.cpu_kernels import cpu_decode_supported, decode_kernel
-    from pagedllm.attention.metadata import build_attention_metadata
-    from pagedllm.attention.torch_backend import paged_attention
+    from pagedllm.attention.backends.cpu_attn.kernels import cpu_decode_supported, decode_kernel
+    from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
+    from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
     require_built(decode_kernel())
     assert cpu_decode_supported(torch.bfloat16) and not cpu_decode_supported(torch.float16)
     rng = np.random.default_rng(H * 100 + bs)

@@ -25,7 +25,7 @@ class _Counting:
 def _decode_loop(llm):
     """The engine's runner, whose C++ decode loop is built wherever a compiler exists."""
     from pagedllm import envs
-    from pagedllm.attention.cpu_kernels import decode_kernel
+    from pagedllm.attention.backends.cpu_attn.kernels import decode_kernel
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops

@@ -64,9 +64,8 @@ def test_method_keeps_the_checkpoint_blocks():
 
 
 SCRIPT = r"""
-import json, torch, triton
-from triton.compiler import ASTSource
-from pagedllm.attention.triton_aot import MAX_SHARED, _target, resource_usage, specialise
+import json, torch
+from pagedllm.kernels.triton_aot import compile_launch
 from pagedllm.models.layers.fp8_linear import block_fp8_matmul_launch
 out = []
 for M in (1, 256):        # a decode step, a prefill chunk; DeepSeek-V3's o_proj shape
@@ -75,12 +74,7 @@ for M in (1, 256):        # a decode step, a prefill chunk; DeepSeek-V3's o_proj
     w = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
     s = torch.zeros(N // 128, K // 128)
     launch = block_fp8_matmul_launch(x, w, s, (128, 128), torch.zeros(M, N, dtype=torch.bfloat16))
-    options, signature, constexprs, attrs = specialise(launch, _target(90))
-    ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=_target(90),
-                        options=options.__dict__)
-    regs, local = resource_usage(ck.asm["cubin"])
-    out.append(dict(M=M, shared=int(ck.metadata.shared), fits=int(ck.metadata.shared) <= MAX_SHARED[90],
-                    registers=regs, local=local))
+    out.append(dict(M=M, **compile_launch(launch, 90)))
 print(json.dumps(out))
 """
 

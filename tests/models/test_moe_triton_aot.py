@@ -1,7 +1,7 @@
 """The grouped MoE matmul kernel compiled for GPUs that are not here: sm_80 (A100) and sm_90
 (H100/H200) in bfloat16 (float16 takes the same tiles), and float32 on sm_90 (its own
 tiles), both launches of a layer (gate_up with TOP_K rows per
-token, down with the routing weight), through attention/triton_aot.py's mechanism: the launch
+token, down with the routing weight), through kernels/triton_aot.py: the launch
 descriptions the layer makes, specialised as Triton's launcher would on a GPU, compiled to
 cubins with Triton's ptxas; shared memory within the architecture's limit and no register
 spills. Runs in a subprocess without TRITON_INTERPRET (interpreted kernels do not compile)."""
@@ -11,9 +11,8 @@ from kernel_utils import run_aot_script
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
 SCRIPT = r"""
-import json, torch, triton
-from triton.compiler import ASTSource
-from pagedllm.attention.triton_aot import MAX_SHARED, _target, resource_usage, specialise
+import json, torch
+from pagedllm.kernels.triton_aot import compile_launch
 from pagedllm.models.layers.fused_moe_triton import fused_experts_launches
 out = []
 for arch, dtype in ((80, torch.bfloat16), (90, torch.bfloat16), (90, torch.float32)):
@@ -25,12 +24,7 @@ for arch, dtype in ((80, torch.bfloat16), (90, torch.bfloat16), (90, torch.float
     ids = torch.randint(0, E, (T, k))
     up, _, down, _, _ = fused_experts_launches(hidden, w13, w2, torch.rand(T, k), ids)
     for name, launch in (("gate_up", up), ("down", down)):
-        options, signature, constexprs, attrs = specialise(launch, _target(arch))
-        ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                            target=_target(arch), options=options.__dict__)
-        regs, local = resource_usage(ck.asm["cubin"])
-        out.append(dict(arch=arch, dtype=str(dtype), launch=name, shared=int(ck.metadata.shared),
-                        fits=int(ck.metadata.shared) <= MAX_SHARED[arch], registers=regs, local=local))
+        out.append(dict(arch=arch, dtype=str(dtype), launch=name, **compile_launch(launch, arch)))
 print(json.dumps(out))
 """
 

@@ -101,7 +101,7 @@ def test_mistral_sliding_window_equals_transformers(mistral_dir, mistral_referen
     """Every layer slides: blocks behind the window are freed as the requests run, a cache of
     about one long request preempts, and a second pass over the same prompts hits the prefix
     cache."""
-    from pagedllm.attention import cpu_kernels
+    from pagedllm.attention.backends.cpu_attn import kernels as cpu_kernels
     if decode_by_pages:
         require_built(cpu_kernels.decode_kernel())
     else:   # the SDPA backend: decodes gather the window's slots

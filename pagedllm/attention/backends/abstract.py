@@ -5,7 +5,9 @@ A backend is chosen once per engine (attention/selector.py). Each step the runne
 the step's metadata (`build_metadata`), publishes that in the forward context, and every
 `Attention` layer calls `forward` with its own KV cache. A backend that can run a decode step
 inside a CUDA graph says so (`supports_cuda_graphs`) and builds the static metadata a captured
-step is recorded with (`build_graph_metadata`).
+step is recorded with (`build_graph_metadata`). A backend that runs multi-head latent attention
+(DeepSeek's MLA layers, attention/mla_attention.py) says so (`supports_mla`) and implements
+`forward_mla` over the same metadata.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class AttentionBackend(ABC):
     name: str = ""
     supports_cuda_graphs: bool = False
     supports_sliding_window: bool = False   # layers with a sliding window (attention.layer.Attention)
+    supports_mla: bool = False               # MLA layers (attention.mla_attention.MLAAttention)
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -38,6 +41,15 @@ class AttentionBackend(ABC):
         """Write this step's k/v [T, Hkv, D] into kv_cache (K, V: [num_slots, Hkv, D]) at the
         metadata's slot_mapping, then attend: q [T, H, D] -> out [T, H, D]. `layer` is the
         calling attention.layer.Attention (scale, head counts)."""
+
+    def forward_mla(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                    k_pe: torch.Tensor, w_kv_b: torch.Tensor, kv_cache: tuple[torch.Tensor],
+                    meta: Any) -> torch.Tensor:
+        """MLA: write this step's latent rows [kv_c, k_pe] into kv_cache ((cache,), cache
+        [S, R + dr]) at the slot mapping, then attend: q_nope [T, H, dn], q_pe [T, H, dr], kv_c
+        [T, R], k_pe [T, dr], w_kv_b: kv_b_proj's weight [H * (dn + dv), R] -> out [T, H, dv].
+        `layer` is the calling MLAAttention (scale)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not run MLA layers")
 
     def build_graph_metadata(self, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                              seq_lens: torch.Tensor, block_table: torch.Tensor, num_kv_heads: int,

@@ -14,7 +14,7 @@ blocks to float32 while loading (the fused layers' weight loaders then place sha
 usual) and `process_weights_after_loading` quantizes each layer back to the same blocks:
 a block whose largest value is 448 x its factor (as quantizers write them) returns the
 checkpoint's bytes. Tested under TRITON_INTERPRET=1 against float32 math on the dequantized
-weight; compiled for sm_90 by triton_aot's mechanism (tests/models/test_fp8_linear.py).
+weight; compiled for sm_90 by kernels/triton_aot.py (tests/models/test_fp8_linear.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from pagedllm.attention.triton_backend import KernelLaunch, _options
+from pagedllm.kernels.triton_launch import KernelLaunch, launch_options
 from pagedllm.models.layers.linear_method import LinearMethodBase
 
 FP8_MAX = 448.0
@@ -84,7 +84,7 @@ def block_fp8_matmul_launch(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
         (x, w, scale_inv, out, M, N, K, *x.stride(), *w.stride(), *scale_inv.stride(), *out.stride()),
         dict(GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
              DOT_PRECISION="ieee" if exact_fp32 else None),
-        _options(8 if exact_fp32 and block_m >= 32 else 4, num_stages=3))
+        launch_options(8 if exact_fp32 and block_m >= 32 else 4, num_stages=3))
 
 
 def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -9,8 +9,8 @@ its input rows by assignment id. Padding rows (id = T*k) are masked out. gate_up
 one launch each; SiLU-and-mul between them; the down launch multiplies each row by its routing
 weight, and the k rows of a token are summed in torch.
 
-Each launch is a `KernelLaunch` (attention/triton_backend.py), so attention/triton_aot.py's
-`specialise` compiles the same description for sm_80 / sm_90 (tests/models/test_moe_triton.py).
+Each launch is a `KernelLaunch` (kernels/triton_launch.py), so kernels/triton_aot.py
+compiles the same description for sm_80 / sm_90 (tests/models/test_moe_triton_aot.py).
 Under TRITON_INTERPRET=1 the kernel runs on CPU tensors (the tests compare it with the torch
 path).
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_backend import KernelLaunch, _options
+from pagedllm.kernels.triton_launch import KernelLaunch, launch_options
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def _tiles(dtype: torch.dtype) -> dict:
     # float32 dots run as ieee FMAs with operands in registers: smaller tiles (see docs/gpu.md's
-    # triton_aot notes); 16-bit types take tensor-core tiles.
+    # AOT notes); 16-bit types take tensor-core tiles.
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, DOT_PRECISION="ieee")
     return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=None)   # the target's default
@@ -102,7 +102,7 @@ def grouped_matmul_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, top
         grouped_matmul_kernel, grid,
         (a, b, c, topk_weights, sorted_ids, expert_ids, c.shape[0], N, K,
          *a.stride(), *b.stride(), *c.stride()),
-        dict(TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, **tiles), _options(4))
+        dict(TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, **tiles), launch_options(4))
 
 
 def fused_experts_launches(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -19,16 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton_launch import next_pow2
+
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _warps(elements: int) -> int:
     """Warps of a program that holds `elements` values: ~8 per thread, 1..16 warps."""
-    return max(1, min(16, _next_pow2(elements) // 256))
+    return max(1, min(16, next_pow2(elements) // 256))
 
 
 @triton.jit
@@ -115,7 +113,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: 
     res_out = torch.empty_like(out) if residual is not None else out
     if T:
         o2, ro2 = out.view(T, N), res_out.view(T, N)
-        block = _next_pow2(N)
+        block = next_pow2(N)
         rms_norm_kernel[(T,)](xs, res, o2, ro2, weight, float(eps), N, xs.stride(0), res.stride(0),
                               o2.stride(0), ro2.stride(0), HAS_RESIDUAL=residual is not None,
                               BLOCK=block, num_warps=_warps(block))
@@ -145,7 +143,7 @@ class TritonOps:
         out = torch.empty((*x.shape[:-1], I), dtype=x.dtype, device=x.device)
         if T:
             o2 = out.view(T, I)
-            block = min(1024, _next_pow2(I))
+            block = min(1024, next_pow2(I))
             silu_and_mul_kernel[(T, triton.cdiv(I, block))](xs, o2, I, xs.stride(0), o2.stride(0),
                                                            BLOCK=block, num_warps=_warps(block))
         return out
@@ -160,10 +158,10 @@ class TritonOps:
             return
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
         half = cos.shape[-1] // 2
-        block_h = _next_pow2(max(H, k.shape[1]))
+        block_h = next_pow2(max(H, k.shape[1]))
         rotary_kernel[(T,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                            cos.stride(0), H, k.shape[1], HALF=half, BLOCK_R=_next_pow2(half),
-                            BLOCK_H=block_h, num_warps=_warps(block_h * _next_pow2(half)))
+                            cos.stride(0), H, k.shape[1], HALF=half, BLOCK_R=next_pow2(half),
+                            BLOCK_H=block_h, num_warps=_warps(block_h * next_pow2(half)))
 
 
 def fused_gpu_ops() -> Optional[TritonOps]:

@@ -1,29 +1,21 @@
-"""Compile the engine's Triton kernels for a GPU that is not here (ahead of time, no driver).
+"""Compile the engine's Triton attention kernels for a GPU that is not here (ahead of time, no
+driver), for every step shape the engine launches, and report each kernel variant's shared
+memory, registers and local memory (spills).
 
-Triton's interpreter checks what the kernels compute but not that they compile: types, tile
-shapes, ``tl.dot`` operands and loop-carried values are checked only by the real compiler,
-and shared memory and registers only exist in its output. This module takes the launches the
-engine makes (triton_backend.paged_attention_launches, on CPU tensors laid out as the model
-runner lays them out), specialises them as Triton's launcher would on a GPU (ints equal to 1
-become constants, pointers and ints divisible by 16 get that hint), and compiles each to a
-cubin for a chosen architecture with Triton's own ptxas. The report gives each kernel
-variant's shared memory against the architecture's limit, and its registers and local
-memory (spills) from cuobjdump.
+The launches are the backend's own (attention/backends/triton_attn/paged_attention.py
+`paged_attention_launches`, on CPU tensors laid out as the model runner lays them out), compiled
+by pagedllm/kernels/triton_aot.py. Run it with TRITON_INTERPRET unset:
 
-    python -m pagedllm.attention.triton_aot --arch 90 --heads 32 8 --head-dim 64 --dtype bfloat16
+    PYTHONPATH=. python tools/aot_attention.py --arch 90 --heads 32 8 --head-dim 64 --dtype bfloat16
 
-Run it with TRITON_INTERPRET unset (under the interpreter the kernels are not compilable
-objects). The launcher internals used here are Triton 3.9's (the version pyproject pins).
+Exit status 1 when a variant needs more shared memory than its architecture has.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -31,12 +23,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.attention.backends.triton_attn import TritonAttentionBackend
+from pagedllm.attention.backends.triton_attn.metadata import build_triton_metadata
+from pagedllm.attention.backends.triton_attn.paged_attention import paged_attention_launches
 from pagedllm.attention.kv_quant import SCALE_DTYPE, is_quantized, resolve_kv_cache_dtype
-from pagedllm.attention.triton_backend import (KernelLaunch, build_triton_metadata,
-                                               paged_attention_launches)
-
-# Dynamic shared memory a block may opt into (CUDA occupancy tables), bytes.
-MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+from pagedllm.kernels.triton_aot import MAX_SHARED, compile_launch, gpu_target, specialise
+from pagedllm.kernels.triton_launch import KernelLaunch
 
 # (name, [(cached, new) per request], captured): the step shapes the engine launches.
 # "captured" lays the step out as a CUDA-graph decode step (worker/cuda_graph.py) does.
@@ -67,55 +59,6 @@ class CompiledVariant:
     compile_s: float
 
 
-def _target(arch: int):
-    from triton.backends.compiler import GPUTarget
-    return GPUTarget("cuda", arch, 32)
-
-
-def specialise(launch: KernelLaunch, target):
-    """(signature, constexprs, attrs, options) as Triton's launcher derives them on a device of
-    ``target`` from the launch's arguments."""
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-    fn = launch.kernel
-    if not hasattr(fn, "params"):
-        raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET is set): unset it")
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = {**launch.constexprs, **launch.options}
-    bound_args, specialization, options = binder(*launch.args, **kwargs)
-    return fn._pack_args(backend, kwargs, bound_args, specialization, options)
-
-
-def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, local bytes) per thread of a cubin's one kernel, from cuobjdump."""
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                              text=True, check=True).stdout
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", text)
-    if m is None:
-        raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
-    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
-
-
-def compile_launch(launch: KernelLaunch, arch: int) -> dict:
-    """One launch description compiled for sm_<arch>: its shared memory (and whether it fits the
-    architecture), registers and local bytes per thread (for kernels outside SCENARIOS)."""
-    import triton
-    from triton.compiler import ASTSource
-    target = _target(arch)
-    options, signature, constexprs, attrs = specialise(launch, target)
-    ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                        options=options.__dict__)
-    regs, local = resource_usage(ck.asm["cubin"])
-    shared = int(ck.metadata.shared)
-    return dict(shared=shared, fits=shared <= MAX_SHARED[arch], registers=regs, local=local)
-
-
 def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int, dtype: torch.dtype, max_model_len: int,
                       kv_cache_dtype: str = "auto", sliding_window: Optional[int] = None) -> list[KernelLaunch]:
@@ -123,7 +66,6 @@ def scenario_launches(reqs, captured: bool, num_heads: int, num_kv_heads: int, h
     the model runner makes them (q/k/v views of one fused projection, the cache
     [slots, Hkv, D], block-table columns up to the longest sequence, or all of them when
     captured)."""
-    from pagedllm.attention.backends.triton_attn import TritonAttentionBackend
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     q_lens = np.array([n for _, n in reqs])
     seq_lens = np.array([c + n for c, n in reqs], dtype=np.int32)
@@ -157,28 +99,24 @@ def compile_engine_kernels(arch: int, num_heads: int, num_kv_heads: int, head_di
                            only: str = "") -> list[CompiledVariant]:
     """Every distinct kernel variant of SCENARIOS (those whose name contains `only`), compiled
     for sm_<arch>."""
-    import triton
-    from triton.compiler import ASTSource
-    target = _target(arch)
+    target = gpu_target(arch)
     variants: dict[str, CompiledVariant] = {}
     for name, reqs, captured, *window in SCENARIOS:
         if only not in name:
             continue
         for launch in scenario_launches(reqs, captured, num_heads, num_kv_heads, head_dim,
                                         block_size, dtype, max_model_len, kv_cache_dtype, *window):
-            options, signature, constexprs, attrs = specialise(launch, target)
+            _, signature, constexprs, attrs = specialise(launch, target)
             key = repr((launch.kernel.__name__, signature, sorted(constexprs.items()),
                         sorted(attrs.items()), sorted(launch.options.items())))
             if key in variants:
                 variants[key].scenarios.append(name)
                 continue
             t0 = time.perf_counter()
-            ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                                target=target, options=options.__dict__)
-            regs, local = resource_usage(ck.asm["cubin"])
+            c = compile_launch(launch, arch)
             variants[key] = CompiledVariant(
                 launch.kernel.__name__, [name], {k: str(v) for k, v in launch.constexprs.items()},
-                launch.options["num_warps"], int(ck.metadata.shared), regs, local,
+                launch.options["num_warps"], c["shared"], c["registers"], c["local"],
                 round(time.perf_counter() - t0, 2))
     return list(variants.values())
 

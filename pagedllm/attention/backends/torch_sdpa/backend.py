@@ -1,5 +1,5 @@
 """The reference backend: plain torch, SDPA over the gathered slots of each request
-(attention/torch_backend.py does the work; attention/metadata.py builds its metadata)."""
+(paged_attention.py does the work; metadata.py builds its metadata; mla.py is its MLA path)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,8 +7,9 @@ from typing import Optional
 import torch
 
 from pagedllm.attention.backends.abstract import AttentionBackend
-from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata
-from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.attention.backends.torch_sdpa.metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.attention.backends.torch_sdpa.mla import mla_attention_torch
+from pagedllm.attention.backends.torch_sdpa.paged_attention import paged_attention
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -17,6 +18,8 @@ class TorchSDPABackend(AttentionBackend):
     prefill_by_pages = False  # prefill chunks gather their slots, SDPA a chunk
     max_decode_query_len = 1  # a request with more new tokens attends as a prefill chunk
     supports_sliding_window = True
+    supports_mla = True
+    attend = staticmethod(paged_attention)   # the forward's kernel (the CPU backend's differs)
 
     def build_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
@@ -28,5 +31,9 @@ class TorchSDPABackend(AttentionBackend):
                                         prefill_by_pages=self.prefill_by_pages)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta.windowed(layer.sliding_window),
-                               layer.scale, kv_scales=tuple(kv_cache[2:]) or None)
+        return self.attend(q, k, v, kv_cache[0], kv_cache[1], meta.windowed(layer.sliding_window),
+                           layer.scale, kv_scales=tuple(kv_cache[2:]) or None)
+
+    def forward_mla(self, layer, q_nope, q_pe, kv_c, k_pe, w_kv_b, kv_cache,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        return mla_attention_torch(q_nope, q_pe, kv_c, k_pe, kv_cache[0], w_kv_b, meta, layer.scale)

@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.backends.triton_attn.kernels import _query_block
+from pagedllm.attention.backends.triton_attn.metadata import TritonAttentionMetadata
+from pagedllm.attention.backends.triton_attn.paged_attention import write_kv
 from pagedllm.attention.mla_absorb import absorb_query, split_kv_b, unabsorb_output
-from pagedllm.attention.triton_backend import (KernelLaunch, TritonAttentionMetadata, _next_pow2,
-                                               _options, write_kv)
-from pagedllm.attention.triton_kernels import _query_block
+from pagedllm.kernels.triton_launch import KernelLaunch, launch_options, next_pow2
 
 
 @triton.jit
@@ -106,8 +107,8 @@ def mla_attention_launch(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     assert cache.stride(-1) == 1 and q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and out.stride(-1) == 1
-    block_h = min(_next_pow2(H), ROWS)
-    block_q = min(ROWS // block_h, _next_pow2(meta.max_query_len))
+    block_h = min(next_pow2(H), ROWS)
+    block_q = min(ROWS // block_h, next_pow2(meta.max_query_len))
     block_h = ROWS // block_q if block_q > 1 else max(block_h, ROWS)   # fill the 16 rows
     bt = meta.block_table
     exact = q_lat.dtype == torch.float32 and fp32_precision == "ieee"
@@ -116,11 +117,11 @@ def mla_attention_launch(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
         (q_lat, q_pe, cache, out, bt, meta.query_start_loc, meta.seq_lens, float(scale),
          meta.num_reqs, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
          cache.stride(0), out.stride(0), out.stride(1), bt.stride(0)),
-        dict(NUM_HEADS=H, KV_LORA_RANK=R, ROPE_DIM=dr, R_PAD=_next_pow2(max(16, R)),
-             DR_PAD=_next_pow2(max(16, dr)), BLOCK_SIZE=meta.block_size, BLOCK_Q=block_q,
+        dict(NUM_HEADS=H, KV_LORA_RANK=R, ROPE_DIM=dr, R_PAD=next_pow2(max(16, R)),
+             DR_PAD=next_pow2(max(16, dr)), BLOCK_SIZE=meta.block_size, BLOCK_Q=block_q,
              BLOCK_H=block_h, BLOCK_N=16 if exact or R > 256 else 32,
              DOT_PRECISION=fp32_precision if q_lat.dtype == torch.float32 else None),
-        _options(8 if R > 256 else 4, num_stages=2))
+        launch_options(8 if R > 256 else 4, num_stages=2))
 
 
 def mla_attention_triton(q_nope, q_pe, kv_c, k_pe, cache: torch.Tensor, w_kv_b: torch.Tensor,
@@ -138,54 +139,3 @@ def mla_attention_triton(q_nope, q_pe, kv_c, k_pe, cache: torch.Tensor, w_kv_b: 
     if T:
         mla_attention_launch(q[..., :R], q[..., R:], cache, meta, scale, o_lat).launch()
     return unabsorb_output(o_lat, w_uv)
-
-
-# ------------------------------------------------------------------ compiled for sm_80 / sm_90
-AOT_SCENARIOS = [("decode, 128 heads", 128, [(300, 1)] * 4),
-                 ("decode, 16 heads (TP 8)", 16, [(300, 1)] * 4),
-                 ("prefill chunk, 4 heads", 4, [(100, 64)])]
-
-
-def aot_launch(num_heads: int, reqs, kv_lora_rank: int, rope_dim: int, block_size: int,
-               dtype: torch.dtype) -> KernelLaunch:
-    """The kernel's launch for a step of requests (cached, new), with tensors laid out as the
-    model makes them (q_lat / q_pe views of one absorbed query)."""
-    import numpy as np
-
-    from pagedllm.attention.triton_backend import build_triton_metadata
-    q_lens = np.array([n for _, n in reqs])
-    seq_lens = np.array([c + n for c, n in reqs], dtype=np.int32)
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    T, nb = int(qsl[-1]), int(-(-seq_lens.max() // block_size))
-    meta = build_triton_metadata(qsl, seq_lens, np.zeros((len(reqs), nb), dtype=np.int32), block_size,
-                                 torch.zeros(T, dtype=torch.int64), max_query_len=int(q_lens.max()),
-                                 max_seq_len=int(seq_lens.max()))
-    q = torch.zeros(T, num_heads, kv_lora_rank + rope_dim, dtype=dtype)
-    cache = torch.zeros((1 + len(reqs) * nb) * block_size, kv_lora_rank + rope_dim, dtype=dtype)
-    return mla_attention_launch(q[..., :kv_lora_rank], q[..., kv_lora_rank:], cache, meta, 0.1,
-                                torch.zeros(T, num_heads, kv_lora_rank, dtype=dtype))
-
-
-def main() -> None:
-    """python -m pagedllm.attention.triton_mla (TRITON_INTERPRET unset): the kernel compiled for
-    sm_80 and sm_90 at DeepSeek-V3's dims (kv_lora_rank 512, rope 64, blocks of 16), without a
-    GPU, with each variant's shared memory, registers and local memory (spills)."""
-    from triton.compiler import ASTSource
-
-    from pagedllm.attention.triton_aot import _target, resource_usage, specialise
-    print("arch dtype     scenario                  BLOCK_Q BLOCK_H BLOCK_N warps shared regs local")
-    for arch in (80, 90):
-        for dtype in (torch.bfloat16, torch.float32):
-            for name, heads, reqs in AOT_SCENARIOS:
-                launch = aot_launch(heads, reqs, 512, 64, 16, dtype)
-                options, signature, constexprs, attrs = specialise(launch, _target(arch))
-                ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
-                                    target=_target(arch), options=options.__dict__)
-                regs, local = resource_usage(ck.asm["cubin"])
-                c = launch.constexprs
-                print(f"sm_{arch} {str(dtype)[6:]:9} {name:25} {c['BLOCK_Q']:7} {c['BLOCK_H']:7} "
-                      f"{c['BLOCK_N']:7} {launch.options['num_warps']:5} {ck.metadata.shared:6} {regs:4} {local:5}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Paged attention in Triton: the GPU backend (kernels in triton_kernels.py).
+"""Paged attention in Triton: the launches of the GPU backend (kernels in kernels.py, step
+metadata in metadata.py).
 
 Same cache layout and the same call as the torch backend:
 
@@ -10,21 +11,22 @@ step and shared by every layer). The lower-level entry points take the tensors d
 decodes, optional split-K). Every launch's grid depends only on num_tokens, num_reqs and
 num_kv_heads, never on a device value, so no call synchronises with the device when
 ``max_query_len`` / ``max_seq_len`` are given as Python ints (they only steer the tile shapes
-and the split-K choice; correctness does not depend on them).
+and the split-K choice; correctness does not depend on them). Each entry point has a
+``*_launches`` twin that describes its launches (kernels/triton_launch.py) for the AOT tools.
 
 Without a GPU the kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests do that).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
-import numpy as np
 import torch
 
+from pagedllm.attention.backends.triton_attn.kernels import (reduce_splits_kernel, reshape_and_cache_kernel,
+                                                             unified_attention_kernel)
+from pagedllm.attention.backends.triton_attn.metadata import TritonAttentionMetadata
 from pagedllm.attention.kv_quant import QMAX, is_quantized
-from pagedllm.attention.triton_kernels import (reduce_splits_kernel, reshape_and_cache_kernel,
-                                               unified_attention_kernel)
+from pagedllm.kernels.triton_launch import KernelLaunch, launch_options, next_pow2
 
 # split-K (flash-decoding) heuristics, for all-decode batches only. A decode program streams
 # its keys with a few KB in flight: the HBM needs several resident programs per SM to be kept
@@ -37,97 +39,17 @@ SPLIT_MAX = 128             # at most this many splits (a power of two: few kern
 SPLIT_CTAS_PER_SM = 8
 DEFAULT_NUM_SMS = 132       # without a CUDA device (the interpreter): an H100's count
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 _num_sms_cache: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (DEFAULT_NUM_SMS off CUDA): split-K's budget."""
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _num_sms_cache:
         _num_sms_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _num_sms_cache[idx]
-
-
-# ---------------------------------------------------------------------------------- metadata
-@dataclass
-class TritonAttentionMetadata:
-    slot_mapping: torch.Tensor      # [num_tokens] int64 (a negative slot is not written)
-    query_start_loc: torch.Tensor   # [num_reqs + 1] int32
-    seq_lens: torch.Tensor          # [num_reqs] int32
-    block_table: torch.Tensor       # [num_reqs, max_blocks] int32
-    block_size: int
-    max_query_len: int
-    max_seq_len: int
-    num_splits: Optional[int] = None  # None: choose per call (split-K only for all-decode batches)
-
-    @property
-    def num_reqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def all_decode(self) -> bool:
-        return self.max_query_len <= 1
-
-
-def _as_tensor(x, dtype, device) -> torch.Tensor:
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
-    return x.to(device=device, dtype=dtype, non_blocking=True)
-
-
-def build_triton_metadata(query_start_loc: Union[np.ndarray, torch.Tensor],
-                          seq_lens: Union[np.ndarray, torch.Tensor],
-                          block_table: Union[np.ndarray, torch.Tensor], block_size: int,
-                          slot_mapping: torch.Tensor, device: Union[str, torch.device, None] = None,
-                          max_query_len: Optional[int] = None, max_seq_len: Optional[int] = None,
-                          num_splits: Optional[int] = None) -> TritonAttentionMetadata:
-    """Same inputs as ``metadata.build_attention_metadata`` (host arrays), moved to ``device``.
-    max_query_len / max_seq_len are computed on the host when not given (pass them from
-    ModelInputs to avoid it)."""
-    device = torch.device(device) if device is not None else slot_mapping.device
-    if max_query_len is None or max_seq_len is None:
-        qsl = np.asarray(query_start_loc.cpu() if torch.is_tensor(query_start_loc) else query_start_loc)
-        sl = np.asarray(seq_lens.cpu() if torch.is_tensor(seq_lens) else seq_lens)
-        max_query_len = int(np.diff(qsl).max()) if len(sl) else 0
-        max_seq_len = int(sl.max()) if len(sl) else 0
-    bt = _as_tensor(block_table, torch.int32, device)
-    if bt.dim() != 2 or bt.stride(1) != 1:
-        bt = bt.reshape(bt.shape[0], -1).contiguous()
-    return TritonAttentionMetadata(
-        slot_mapping=_as_tensor(slot_mapping, torch.int64, device),
-        query_start_loc=_as_tensor(query_start_loc, torch.int32, device),
-        seq_lens=_as_tensor(seq_lens, torch.int32, device),
-        block_table=bt, block_size=int(block_size),
-        max_query_len=int(max_query_len), max_seq_len=int(max_seq_len), num_splits=num_splits)
-
-
-# ---------------------------------------------------------------------------------- launches
-@dataclass
-class KernelLaunch:
-    """One kernel launch described before it is made: ``launch()`` makes it on the arguments'
-    device; triton_aot.py compiles the same description for a GPU that is not here."""
-    kernel: object                 # a @triton.jit function
-    grid: tuple
-    args: tuple                    # positional: tensors, ints, floats
-    constexprs: dict
-    options: dict                  # num_warps, num_stages, ...
-
-    def launch(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
-
-
-def _options(num_warps: int, num_stages: Optional[int] = None) -> dict:
-    # FMA contraction on: stated so, as Triton 3.9 warns that its default will change.
-    opts = {"num_warps": num_warps, "enable_fp_fusion": True}
-    if num_stages is not None:
-        opts["num_stages"] = num_stages
-    return opts
 
 
 # ---------------------------------------------------------------------------------- write K/V
@@ -159,8 +81,8 @@ def write_kv_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         reshape_and_cache_kernel, (num_tokens,),
         (k, v, kc, vc, slot_mapping, ks, vs, *k.stride(), *v.stride(), *kc.stride(), *vc.stride()),
         dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-             BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim), KV_QUANT=quant, QMAX=qmax),
-        _options(4 if num_kv_heads * head_dim >= 1024 else 1))
+             BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim), KV_QUANT=quant, QMAX=qmax),
+        launch_options(4 if num_kv_heads * head_dim >= 1024 else 1))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -201,10 +123,10 @@ def _tile_shapes(num_queries_per_kv: int, max_query_len: int, head_pad: int, exa
                  sliding: bool = False):
     """(BLOCK_M, BLOCK_Q, BLOCK_N, num_warps). exact_fp32: float32 dots in "ieee" precision
     run as FMAs on CUDA cores with every operand in registers, so they take narrower KV tiles
-    and more warps; without that, sm_80 / sm_90 builds spill (python -m
-    pagedllm.attention.triton_aot shows registers and spills per variant). A sliding window's
+    and more warps; without that, sm_80 / sm_90 builds spill
+    (tools/aot_attention.py shows registers and spills per variant). A sliding window's
     second mask spills float32 tiles too: 32 rows for prefill, 8 warps."""
-    rows_min = max(16, _next_pow2(num_queries_per_kv))
+    rows_min = max(16, next_pow2(num_queries_per_kv))
     if block_m is None:
         # decode: one query token per program, its query heads as rows; prefill: bigger tiles
         big = 32 if exact_fp32 and sliding else 64
@@ -254,12 +176,12 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     precision = fp32_precision if q.dtype == torch.float32 else None   # None: the target's default
-    head_pad = _next_pow2(max(16, head_dim))
+    head_pad = next_pow2(max(16, head_dim))
     block_m, block_q, block_n, num_warps = _tile_shapes(nq, max_query_len, head_pad, precision == "ieee",
                                                         block_m, block_q, block_n, bool(sliding_window))
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len,
-                                       _num_sms(q.device))
+                                       num_sms(q.device))
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
                                device=q.device)
@@ -276,14 +198,14 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
              BLOCK_SIZE=int(block_size), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
              NUM_SPLITS=num_splits, DOT_PRECISION=precision, KV_QUANT=quant,
              SLIDING_WINDOW=int(sliding_window or 0)),
-        _options(num_warps, num_stages=2))]
+        launch_options(num_warps, num_stages=2))]
     if num_splits > 1:
         launches.append(KernelLaunch(
             reduce_splits_kernel, (num_tokens, num_heads),
             (out, part_acc, part_m, part_l, query_start_loc, num_reqs, *out.stride()),
             dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-                 NUM_SPLITS=num_splits, BLOCK_S=_next_pow2(num_splits)),
-            _options(max(1, min(8, _next_pow2(num_splits) * head_pad // 1024)))))
+                 NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits)),
+            launch_options(max(1, min(8, next_pow2(num_splits) * head_pad // 1024)))))
     return launches
 
 

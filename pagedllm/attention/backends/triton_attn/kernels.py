@@ -1,4 +1,4 @@
-"""Triton kernels of the GPU attention backend (the Python glue is in triton_backend.py).
+"""Triton kernels of the GPU attention backend (launched by paged_attention.py).
 
 Cache layout (the same as the torch backend's): per layer two tensors
 [num_blocks * block_size, num_kv_heads, head_dim]; slot = block_id * block_size + offset.
@@ -22,7 +22,7 @@ Kernels
   BLOCK_N is independent of block_size); online softmax in float32, base 2.
   With SLIDING_WINDOW = W > 0 a query at p attends keys (p - W, p] only: the tiles wholly before
   the first query's window are skipped, and keys before it are never read (a sliding-window
-  KV cache group may have freed their blocks: attention/metadata.py).
+  KV cache group may have freed their blocks: backends/torch_sdpa/metadata.py).
   With NUM_SPLITS > 1 (split-K / flash-decoding) the third grid axis cuts each program's KV
   range into NUM_SPLITS pieces of whole tiles; each writes its unnormalised partial
   (max, sum, acc), and ``reduce_splits_kernel`` combines them.
