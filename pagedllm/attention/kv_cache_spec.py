@@ -78,3 +78,32 @@ class SlidingWindowSpec(FullAttentionSpec):
     own included). Same tensors as full attention; the KV cache manager may free a request's
     blocks that fall wholly before every future query's window (when every layer slides)."""
     sliding_window: int = 0
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A recurrent layer (Mamba2, LFM2's short convolution, Gated DeltaNet; vLLM v1's MambaSpec):
+    a fixed-size state per request, whatever its length: `shapes` are one request's state
+    tensors of this layer (say conv (conv_dim, kernel - 1) and SSM (heads, head_dim, d_state)).
+    Its group holds a fixed number of blocks per request (`blocks_per_request`), taken from
+    the same pool as attention blocks, so admission counts the bytes the state will hold."""
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state in this layer."""
+        return sum(math.prod(shape) for shape in self.shapes) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.state_bytes
+
+    def blocks_per_request(self, page_size_bytes: int) -> int:
+        """Blocks of page_size_bytes (the attention layers' page) one request's state takes."""
+        if page_size_bytes <= 0:
+            raise ValueError(f"page_size_bytes must be > 0, got {page_size_bytes}")
+        return -(self.state_bytes // -page_size_bytes)
+
+    def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, *shape) for shape in self.shapes]

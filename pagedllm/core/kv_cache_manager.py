@@ -14,9 +14,13 @@ compute are freed while it runs (vLLM's SlidingWindowManager): its block table k
 block in their place. A model of one kind of layer (Llama; Mistral, whose every layer slides)
 has one group and behaves as before groups; Gemma 3 has full and sliding groups, and a
 prefix-cache hit needs every group to hit (a sliding group only inside the window).
+A hybrid model's recurrent layers form state groups (core/state_kv_cache_manager.py): each
+request holds a fixed number of blocks there, and prefix caching is off (no state is kept at
+block boundaries to resume from).
 """
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -25,7 +29,10 @@ from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import KVCacheConfig, cdiv
 from pagedllm.core.single_type_kv_cache_manager import (FullAttentionManager, SingleTypeKVCacheManager,
                                                          SlidingWindowManager)
+from pagedllm.core.state_kv_cache_manager import StateManager
 from pagedllm.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
@@ -98,17 +105,24 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         if kv_cache_config is not None:
             windows = [g.sliding_window for g in kv_cache_config.kv_cache_groups]
+            state = [g.state_blocks for g in kv_cache_config.kv_cache_groups]
         else:
-            windows = [sliding_window]
+            windows, state = [sliding_window], [None]
+        if enable_caching and any(n is not None for n in state):
+            logger.warning("prefix caching is off: this model keeps a recurrent state, and no state "
+                           "is kept at block boundaries to resume a cached prefix from")
+            self.enable_caching = enable_caching = False
         # The window every layer has (one group); None with several groups.
         self.sliding_window = windows[0] if len(windows) == 1 else None
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
-        # (src, dst) block copies owed to copy-on-write, drained by the scheduler each step.
+        # (src, dst) block copies owed to copy-on-write (and to forked states), drained by the
+        # scheduler each step.
         self.pending_copies: list[tuple[int, int]] = []
         self.managers: list[SingleTypeKVCacheManager] = [
+            StateManager(self.block_pool, block_size, n, g, self.pending_copies) if n is not None else
             FullAttentionManager(self.block_pool, block_size, g, self.pending_copies) if w is None else
             SlidingWindowManager(self.block_pool, block_size, w, g, self.pending_copies)
-            for g, w in enumerate(windows)]
+            for g, (w, n) in enumerate(zip(windows, state))]
         self.num_groups = len(self.managers)
         # Group 0's blocks of each request (with one group: all of them).
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = self.managers[0].req_to_blocks

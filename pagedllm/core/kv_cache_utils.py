@@ -28,14 +28,19 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """Layers (indices into the model's attention layers) that share one block table."""
+    """Layers (indices into the model's cache-holding layers) that share one block table."""
     layer_ids: tuple[int, ...]
     sliding_window: Optional[int]   # None: full attention
+    # A recurrent-state group (attention/kv_cache_spec.MambaSpec): every request holds this
+    # many blocks, whatever its length; None: an attention group.
+    state_blocks: Optional[int] = None
 
     def max_num_blocks(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
         """The most blocks a request of num_tokens tokens holds in this group at once, prefilled
         in chunks of at most max_chunk tokens: a sliding group keeps only the blocks of
         (computed - W, computed + chunk] (whole blocks, so one more at the edges)."""
+        if self.state_blocks is not None:
+            return self.state_blocks
         full = cdiv(num_tokens, block_size)
         if self.sliding_window is None:
             return full
@@ -51,6 +56,11 @@ class KVCacheConfig:
     @property
     def is_hybrid(self) -> bool:
         return len(self.kv_cache_groups) > 1
+
+    @property
+    def has_state(self) -> bool:
+        """Some layers keep a recurrent state (a hybrid or linear-attention model)."""
+        return any(g.state_blocks is not None for g in self.kv_cache_groups)
 
     def group_of_layer(self) -> list[int]:
         out = [0] * len(self.tensor_of_layer)
@@ -84,6 +94,23 @@ def make_kv_cache_config(layer_windows: Sequence[Optional[int]]) -> KVCacheConfi
             for slot, layer in enumerate(chunk):
                 tensor_of_layer[layer] = slot
     return KVCacheConfig(tuple(groups), num_tensors=group_size, tensor_of_layer=tuple(tensor_of_layer))
+
+
+def add_state_groups(config: KVCacheConfig, num_state_layers: int, state_blocks: int) -> KVCacheConfig:
+    """The attention layout `config` plus num_state_layers recurrent layers (numbered after the
+    attention layers), each request holding state_blocks blocks in every state group. The state
+    layers form groups of the attention groups' size, sharing their tensor slots, so a block
+    freed by one kind can hold the other's."""
+    if num_state_layers <= 0 or state_blocks <= 0:
+        raise ValueError(f"num_state_layers and state_blocks must be > 0, got {num_state_layers}, {state_blocks}")
+    size = config.num_tensors
+    first = len(config.tensor_of_layer)
+    groups, tensor_of_layer = list(config.kv_cache_groups), list(config.tensor_of_layer)
+    for start in range(0, num_state_layers, size):
+        chunk = tuple(range(first + start, first + min(start + size, num_state_layers)))
+        groups.append(KVCacheGroupSpec(chunk, None, state_blocks))
+        tensor_of_layer += range(len(chunk))
+    return KVCacheConfig(tuple(groups), num_tensors=size, tensor_of_layer=tuple(tensor_of_layer))
 
 
 def kv_cache_config_from_windows(layer_windows: Sequence[Optional[int]], one_group: bool = False) -> KVCacheConfig:

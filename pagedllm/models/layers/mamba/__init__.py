@@ -1,0 +1,1 @@
+"""Kernels of recurrent layers (short convolutions, selective scan), in vectorised torch."""

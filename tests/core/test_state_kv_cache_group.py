@@ -1,0 +1,126 @@
+"""Recurrent state as a KV cache group (no torch model): a state group holds a fixed number of
+blocks per request whatever its length, from the pool the attention groups use; admission
+counts them; a preempted request frees them (recompute); prefix caching is off for hybrids."""
+import pytest
+import torch
+
+from pagedllm.attention.kv_cache_spec import FullAttentionSpec, MambaSpec
+from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
+from pagedllm.core.kv_cache_utils import add_state_groups, make_kv_cache_config
+from pagedllm.core.state_kv_cache_manager import StateManager
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+BS, STATE = 4, 3   # block size; blocks per request in each state group
+
+
+def req(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=100), eos_token_id=None)
+
+
+def hybrid(num_attn=2, num_state=4, state_blocks=STATE):
+    """LFM2's shape, shortened: a few attention layers, more recurrent ones."""
+    return add_state_groups(make_kv_cache_config([None] * num_attn), num_state, state_blocks)
+
+
+def test_layout_of_state_groups():
+    cfg = hybrid()
+    # 2 attention layers -> groups of 2; 4 state layers -> 2 state groups over the same 2 tensors.
+    assert [g.layer_ids for g in cfg.kv_cache_groups] == [(0, 1), (2, 3), (4, 5)]
+    assert [g.state_blocks for g in cfg.kv_cache_groups] == [None, STATE, STATE]
+    assert cfg.num_tensors == 2 and cfg.tensor_of_layer == (0, 1, 0, 1, 0, 1)
+    assert cfg.is_hybrid and cfg.has_state and not make_kv_cache_config([None] * 2).has_state
+    # A request of 10 tokens: cdiv(10, 4) = 3 attention blocks, 3 in each state group.
+    assert cfg.max_num_blocks(10, BS, 10) == 3 + 2 * STATE
+    assert cfg.max_num_blocks(1000, BS, 10) == 250 + 2 * STATE
+    with pytest.raises(ValueError, match="state_blocks"):
+        add_state_groups(cfg, 2, 0)
+
+
+def test_mamba_spec_bytes():
+    """LFM2-like conv state (conv_dim 8, kernel - 1 = 2) and Mamba2-like SSM state (2 heads x 4 x 16),
+    float32: (16 + 128) * 4 = 576 bytes a request; an attention page of 4 tokens x 2 heads x 8 x 2 (K, V)
+    x 4 bytes = 512 bytes, so the state takes cdiv(576, 512) = 2 blocks."""
+    spec = MambaSpec(block_size=BS, shapes=((8, 2), (2, 4, 16)), dtype=torch.float32)
+    attn = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    assert spec.state_bytes == 576 and attn.page_size_bytes == 512
+    assert spec.blocks_per_request(attn.page_size_bytes) == 2
+    assert spec.kv_shapes(5) == [(5, 8, 2), (5, 2, 4, 16)]
+    with pytest.raises(ValueError, match="page_size_bytes"):
+        spec.blocks_per_request(0)
+
+
+def test_state_blocks_are_fixed_whatever_the_length():
+    kv = KVCacheManager(100, BS, kv_cache_config=hybrid())
+    assert [type(m) for m in kv.managers][1:] == [StateManager, StateManager]
+    r = req("a", list(range(30)))
+    for n in (5, 7, 18):   # chunked prefill: the state groups take their blocks once, at the first chunk
+        assert kv.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        assert kv.get_num_blocks_by_group("a") == [-(-r.num_computed_tokens // BS), STATE, STATE]
+    for _ in range(20):   # decode: the attention group grows, the states do not
+        r.append_output_token_ids([1])
+        assert kv.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    assert kv.get_num_blocks_by_group("a") == [13, STATE, STATE]
+    ids = kv.get_block_ids_by_group("a")
+    assert len({b for g in ids for b in g}) == 13 + 2 * STATE   # every block is one group's
+    kv.free(r)
+    assert kv.num_free_blocks() == 99   # all back (block 0 is the null block)
+
+
+def test_admission_counts_the_state_blocks():
+    """7 attention blocks need 7 free; the states take 2 x 3 more: with 12 free the request waits
+    (all or nothing), with 13 it runs; the frontend's bound counts the same."""
+    cfg = hybrid()
+    r = req("a", list(range(28)))
+    assert KVCacheManager(13, BS, kv_cache_config=cfg).allocate_slots(r, 28) is None
+    kv = KVCacheManager(14, BS, kv_cache_config=cfg)
+    assert kv.num_blocks_to_allocate(r, 28) == 13
+    assert kv.allocate_slots(r, 28) is not None and kv.num_free_blocks() == 0
+    check_fits_kv_cache(20, 8, 1, BS, 14, 1000, cfg)
+    with pytest.raises(ValueError, match="13 KV-cache blocks"):
+        check_fits_kv_cache(20, 8, 1, BS, 13, 1000, cfg)
+
+
+def test_preemption_recomputes_the_state():
+    """A hybrid request is not swapped (several groups): it frees every block and, resumed from
+    token 0, takes fresh state blocks."""
+    kv = KVCacheManager(40, BS, num_cpu_blocks=40, kv_cache_config=hybrid())
+    r = req("a", list(range(10)))
+    assert kv.allocate_slots(r, 10) is not None
+    assert kv.swap_out(r) is False and not kv.is_swapped(r)
+    kv.free(r)
+    assert kv.num_free_blocks() == 39
+    r.num_computed_tokens = 0
+    assert kv.allocate_slots(r, 10) is not None
+    assert kv.get_num_blocks_by_group("a") == [3, STATE, STATE]
+
+
+def test_prefix_caching_is_off_for_hybrids(caplog):
+    with caplog.at_level("WARNING"):
+        kv = KVCacheManager(100, BS, enable_caching=True, kv_cache_config=hybrid())
+    assert not kv.enable_caching and "recurrent state" in caplog.text
+    a, b = req("a", list(range(13))), req("b", list(range(13)))
+    assert kv.allocate_slots(a, 13) is not None
+    a.num_computed_tokens = 13
+    assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_fork_copies_the_state():
+    """A child (parallel sample, beam) shares the parent's attention blocks but gets its own
+    state blocks, copied from the parent's by the runner."""
+    kv = KVCacheManager(100, BS, kv_cache_config=hybrid())
+    parent, child = req("p", list(range(9))), req("c", list(range(9)))
+    assert kv.allocate_slots(parent, 8) is not None
+    parent.num_computed_tokens = 8
+    kv.take_pending_copies()
+    kv.fork(parent, child)
+    p_ids, c_ids = kv.get_block_ids_by_group("p"), kv.get_block_ids_by_group("c")
+    assert c_ids[0] == p_ids[0]
+    for g in (1, 2):
+        assert len(c_ids[g]) == STATE and not set(c_ids[g]) & set(p_ids[g])
+    assert sorted(kv.take_pending_copies()) == sorted(zip(p_ids[1] + p_ids[2], c_ids[1] + c_ids[2]))
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks() == 99
