@@ -88,7 +88,7 @@ class BertModel(nn.Module):
             x = layer(x, key_mask)
         return x
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+    def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> logits [B, num_labels] from the [CLS] token."""
         return self.classifier(torch.tanh(self.pooler(hidden[:, 0])))
 

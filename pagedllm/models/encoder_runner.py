@@ -1,4 +1,4 @@
-"""EncoderRunner: an encoder-only model (BERT, XLM-RoBERTa) over whole prompts, one padded batch per call.
+"""EncoderRunner: an encoder-only model (BERT, XLM-RoBERTa, ModernBERT) over whole prompts, one padded batch per call.
 
 Texts (or text pairs, for a cross-encoder) are tokenized with the model's tokenizer (pairs get
 token-type ids 0 / 1), truncated to the sentence-transformers max_seq_length (else the model's
@@ -15,7 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import PoolerConfig
-from pagedllm.models.bert import ARCHITECTURES, load_bert
+from pagedllm.models import bert, modernbert
+
+# architecture -> its loader
+_LOADERS = {**{a: bert.load_bert for a in bert.ARCHITECTURES},
+            **{a: modernbert.load_modernbert for a in modernbert.ARCHITECTURES}}
 
 
 class EncoderRunner:
@@ -23,11 +27,11 @@ class EncoderRunner:
         from transformers import AutoTokenizer
         with open(os.path.join(path, "config.json")) as f:
             self.hf_config = json.load(f)
-        archs = self.hf_config.get("architectures") or []
-        if not set(archs) & set(ARCHITECTURES):
-            raise ValueError(f"architecture {archs} in {path} is not an encoder pagedllm runs "
-                             f"({', '.join(ARCHITECTURES)})")
-        self.model = load_bert(path, self.hf_config, dtype)
+        archs = [a for a in self.hf_config.get("architectures") or [] if a in _LOADERS]
+        if not archs:
+            raise ValueError(f"architecture {self.hf_config.get('architectures')} in {path} is not an encoder "
+                             f"pagedllm runs ({', '.join(_LOADERS)})")
+        self.model = _LOADERS[archs[0]](path, self.hf_config, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.pooler_config = PoolerConfig.from_dir(path)
         if not os.path.isfile(os.path.join(path, "modules.json")):   # a plain encoder: vLLM's default
@@ -71,6 +75,6 @@ class EncoderRunner:
         """-> ([len(texts), num_labels] float32 logits, number of prompt tokens)."""
         if not self.is_classifier:
             raise ValueError("this model has no classification head (*ForSequenceClassification)")
-        hidden, _, n = self._forward(texts, pairs)
+        hidden, mask, n = self._forward(texts, pairs)
         with torch.inference_mode():
-            return self.model.classify(hidden).float(), n
+            return self.model.classify(hidden, mask).float(), n

