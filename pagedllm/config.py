@@ -25,9 +25,10 @@ class PoolerConfig:
     normalize: bool = True
 
     @classmethod
-    def from_dir(cls, path: str) -> "PoolerConfig":
+    def from_dir(cls, path: str, encoder: bool = False) -> "PoolerConfig":
         """A sentence-transformers directory's choice (modules.json + its Pooling module's
-        config.json); else vLLM's default for a decoder LM: last token, normalised."""
+        config.json); else vLLM's default for a decoder LM: last token, normalised. CLS (the
+        first token) only for an encoder (models/encoder_runner.py)."""
         modules_path = os.path.join(path, "modules.json")
         if not os.path.isfile(modules_path):
             return cls()
@@ -39,7 +40,7 @@ class PoolerConfig:
             with open(os.path.join(path, types["Pooling"].get("path", ""), "config.json")) as f:
                 modes = {k for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True}
             known = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-                     "pooling_mode_cls_token": "CLS"}
+                     **({"pooling_mode_cls_token": "CLS"} if encoder else {})}
             if len(modes) != 1 or not modes <= set(known):
                 raise ValueError(f"{modules_path}: pooling {sorted(modes)} is not supported "
                                  f"(one of {', '.join(known)})")

@@ -33,7 +33,7 @@ class EncoderRunner:
                              f"pagedllm runs ({', '.join(_LOADERS)})")
         self.model = _LOADERS[archs[0]](path, self.hf_config, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.pooler_config = PoolerConfig.from_dir(path)
+        self.pooler_config = PoolerConfig.from_dir(path, encoder=True)
         if not os.path.isfile(os.path.join(path, "modules.json")):   # a plain encoder: vLLM's default
             self.pooler_config = PoolerConfig(pooling_type="CLS", normalize=True)
         st_path = os.path.join(path, "sentence_bert_config.json")
