@@ -14,6 +14,8 @@ from pagedllm.models.encoder_runner import EncoderRunner
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores the KV cache in blocks.",
          "hi", "A much longer sentence that goes on and on, with commas, numbers like 3.14 and 42, "
          "and words the tokenizer splits into several word pieces: antidisestablishmentarianism."]
+# Longer than MiniLM's max_seq_length (256 tokens): truncated as sentence-transformers does.
+ST_TEXTS = TEXTS + [" ".join(f"word{i}" for i in range(200))]
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +26,15 @@ def minilm_dir():
 @pytest.fixture(scope="module")
 def st_reference(minilm_dir):
     from sentence_transformers import SentenceTransformer
-    return SentenceTransformer(minilm_dir, device="cpu").encode(TEXTS, convert_to_tensor=True).float()
+    return SentenceTransformer(minilm_dir, device="cpu").encode(ST_TEXTS, convert_to_tensor=True).float()
 
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_minilm_matches_sentence_transformers(minilm_dir, st_reference, batched):
     runner = EncoderRunner(minilm_dir)
     assert runner.pooler_config.pooling_type == "MEAN" and runner.pooler_config.normalize
-    got = runner.embed(TEXTS)[0] if batched else torch.cat([runner.embed([t])[0] for t in TEXTS])
-    assert got.shape == (len(TEXTS), 384)
+    got = runner.embed(ST_TEXTS)[0] if batched else torch.cat([runner.embed([t])[0] for t in ST_TEXTS])
+    assert got.shape == (len(ST_TEXTS), 384)
     torch.testing.assert_close(got, st_reference, atol=1e-5, rtol=0)
     assert (torch.nn.functional.cosine_similarity(got, st_reference) >= 0.99999).all()
 
