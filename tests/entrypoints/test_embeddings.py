@@ -1,7 +1,8 @@
 """/v1/embeddings through the official openai client against a real `pagedllm serve --task embed`
 (the alias of --runner pooling) of the tiny random model: the vectors equal transformers' last
 hidden state (after the final norm) at the last token, normalised, within 1e-4, for every input
-form and both encodings; usage counts the prompt tokens; generation endpoints answer 400."""
+form and both encodings, and cut to `dimensions` and normalised again; usage counts the prompt
+tokens; generation endpoints answer 400."""
 from __future__ import annotations
 
 import base64
@@ -41,11 +42,15 @@ def reference():
     return pooled, tok
 
 
+def as_tensor(vec) -> torch.Tensor:
+    """A string where base64 was asked for explicitly (OpenAI's little-endian float32)."""
+    return torch.tensor(np.frombuffer(base64.b64decode(vec), dtype="<f4").copy() if isinstance(vec, str) else vec)
+
+
 def check(resp, ids_list, pooled):
     assert resp.object == "list" and [d.index for d in resp.data] == list(range(len(ids_list)))
     for d, ids in zip(resp.data, ids_list):
-        vec = d.embedding   # a string where base64 was asked for explicitly (OpenAI's little-endian float32)
-        got = torch.tensor(np.frombuffer(base64.b64decode(vec), dtype="<f4").copy() if isinstance(vec, str) else vec)
+        got = as_tensor(d.embedding)
         assert got.shape == (128,)
         assert torch.allclose(got, pooled(ids), atol=1e-4, rtol=0), (got - pooled(ids)).abs().max()
     n = sum(len(ids) for ids in ids_list)
@@ -65,10 +70,25 @@ def test_every_input_form(client, reference):
     check(r, many, pooled)
 
 
+def test_dimensions(client, reference):
+    """The first n values of transformers' vector, L2-normalised again (the model's are)."""
+    pooled, tok = reference
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    for fmt in ("float", "base64"):
+        r = client.embeddings.create(model=TINY, input=TEXTS, dimensions=16, encoding_format=fmt)
+        for d, i in zip(r.data, ids):
+            got = as_tensor(d.embedding)
+            assert got.shape == (16,)
+            assert torch.allclose(got, F.normalize(pooled(i)[:16], dim=-1), atol=1e-4, rtol=0)
+    full = client.embeddings.create(model=TINY, input=TEXTS[0], dimensions=128).data[0].embedding
+    assert torch.allclose(torch.tensor(full), pooled(ids[0]), atol=1e-4, rtol=0)
+
+
 def test_refusals(server, client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.embeddings.create(model=TINY, input=TEXTS[0], dimensions=8)
-    assert e.value.body["param"] == "dimensions"
+    for bad in (0, 129, -1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.embeddings.create(model=TINY, input=TEXTS[0], dimensions=bad)
+        assert e.value.body["param"] == "dimensions" and "[1, 128]" in e.value.body["message"]
     for bad in ([], [[]], "", [1, 10**6]):
         with pytest.raises(openai.BadRequestError) as e:
             client.embeddings.create(model=TINY, input=bad)

@@ -36,6 +36,7 @@ from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, s
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.gc_heap import freeze_gc_heap
@@ -60,6 +61,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template, **chat_options)
     state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
+    state.openai_serving_score = OpenAIServingScore(engine, served_model_names)
     # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.
     state.models = OpenAIServingModels(engine, served_model_names, lora_modules, allow_runtime_lora_updating)
     for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_responses,

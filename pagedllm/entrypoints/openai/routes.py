@@ -18,7 +18,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.protocol_score import PoolingRequest, RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
@@ -29,7 +31,7 @@ openai_router = APIRouter()
 tokenize_router = APIRouter()
 server_router = APIRouter()
 # What --api-key guards: everything but the server's own routes (a probe needs no key).
-PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")
+PROTECTED_PATHS = ("/v1", "/v2", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling")
 
 
 def engine(request: Request) -> AsyncLLM:
@@ -50,6 +52,10 @@ def responses(request: Request) -> OpenAIServingResponses:
 
 def embedding(request: Request) -> OpenAIServingEmbedding:
     return request.app.state.openai_serving_embedding
+
+
+def scoring(request: Request) -> OpenAIServingScore:
+    return request.app.state.openai_serving_score
 
 
 # -------------------------------------------------------------------- the OpenAI API
@@ -125,6 +131,24 @@ async def create_response(req: ResponsesRequest, raw_request: Request):
 @openai_router.post("/v1/embeddings")
 async def create_embedding(req: EmbeddingRequest, raw_request: Request):
     return await _respond(embedding(raw_request).create_embedding, req, raw_request, runner="pooling")
+
+
+@openai_router.post("/score")
+@openai_router.post("/v1/score")
+async def create_score(req: ScoreRequest, raw_request: Request):
+    return await _respond(scoring(raw_request).create_score, req, raw_request, runner="pooling")
+
+
+@openai_router.post("/rerank")
+@openai_router.post("/v1/rerank")
+@openai_router.post("/v2/rerank")
+async def create_rerank(req: RerankRequest, raw_request: Request):
+    return await _respond(scoring(raw_request).create_rerank, req, raw_request, runner="pooling")
+
+
+@openai_router.post("/pooling")
+async def create_pooling(req: PoolingRequest, raw_request: Request):
+    return await _respond(scoring(raw_request).create_pooling, req, raw_request, runner="pooling")
 
 
 @openai_router.get("/v1/models")

@@ -1,6 +1,8 @@
 """POST /v1/embeddings (a `--runner pooling` server): each input (a string, strings, token ids
 or lists of them) -> its pooled vector, as floats or base64 (little-endian float32, as OpenAI
-sends it), with the prompt tokens counted in usage. The inputs run as one batch of requests."""
+sends it), with the prompt tokens counted in usage. The inputs run as one batch of requests.
+`dimensions` keeps a vector's first n values, L2-normalised again when the model's vectors are
+(Matryoshka truncation, as OpenAI's text-embedding-3 and vLLM do it)."""
 from __future__ import annotations
 
 import base64
@@ -20,16 +22,16 @@ def encode(vector: list[float], encoding_format: str):
     return vector
 
 
+def truncate(vector: list[float], dimensions: int, normalize: bool) -> list[float]:
+    v = np.asarray(vector[:dimensions], dtype=np.float64)
+    return (v / max(np.linalg.norm(v), 1e-12)).tolist() if normalize else v.tolist()
+
+
 class OpenAIServingEmbedding(OpenAIServing):
-    async def create_embedding(self, req: EmbeddingRequest, raw_request=None):
-        self.check_model(req.model)
-        if req.dimensions is not None:
-            raise OpenAIError("dimensions is not supported: the vectors have the model's hidden size "
-                              f"({self.engine.config.model_config.hidden_size})", param="dimensions")
-        prompts = self.tokenize_prompts(req.input, req.add_special_tokens, "input")
+    async def embed(self, prompts: list[tuple], request_id: str) -> list[list[float]]:
+        """Tokenized prompts ((text, ids) pairs) -> their pooled vectors, in order."""
         for _, ids in prompts:
             self.check_context(len(ids), None, "input")
-        request_id = random_id("embd")
         streams = []
         try:
             for i, (_, ids) in enumerate(prompts):
@@ -42,6 +44,19 @@ class OpenAIServingEmbedding(OpenAIServing):
         vectors: list = [None] * len(streams)
         async for i, out in self.merge(streams):
             vectors[i] = out.outputs.embedding
+        return vectors
+
+    async def create_embedding(self, req: EmbeddingRequest, raw_request=None):
+        self.check_model(req.model)
+        mc = self.engine.config.model_config
+        if req.dimensions is not None and not 1 <= req.dimensions <= mc.hidden_size:
+            raise OpenAIError(f"dimensions must be in [1, {mc.hidden_size}] (the model's hidden size), "
+                              f"got {req.dimensions}", param="dimensions")
+        prompts = self.tokenize_prompts(req.input, req.add_special_tokens, "input")
+        request_id = random_id("embd")
+        vectors = await self.embed(prompts, request_id)
+        if req.dimensions is not None:
+            vectors = [truncate(v, req.dimensions, mc.pooler_config.normalize) for v in vectors]
         num_prompt = sum(len(ids) for _, ids in prompts)
         return JSONBody({"id": request_id, "object": "list", "created": int(time.time()), "model": self.model_name,
                       "data": [{"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
