@@ -1,0 +1,76 @@
+"""Idefics3 / SmolVLM against transformers' own Idefics3ForConditionalGeneration on a tiny
+random-weight checkpoint: greedy tokens with one and two images, an image split across
+chunked-prefill steps, a batch mixed with text-only prompts; and the prefix cache keyed by the
+images' content hashes (a repeated image + prompt runs no encoder, another image gets no hit)."""
+import pytest
+
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+from models.vlm_fixture import IMAGE_TOKENS, build_tiny_idefics3, hf_greedy, image
+
+pytest.importorskip("PIL")
+
+ONE = "Look <image> and say what you see in this picture, please, in one line"
+TWO = "Compare <image> with <image> now"
+TEXT = "The capital of France is"
+N = 6
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3")))
+
+
+def _greedy():
+    return SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+
+
+def _runner(llm):
+    return llm.llm_engine.core.model_executor.driver_worker.model_runner
+
+
+def _cases():
+    return [(ONE, [image(1)]), (TWO, [image(2), image(3, (64, 40))]), (TEXT, [])]
+
+
+def _prompt(text, images):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+@pytest.mark.parametrize("budget", [2048, IMAGE_TOKENS // 2])
+def test_greedy_matches_transformers(vlm_dir, budget):
+    """One image, two images and a text-only prompt in one batch; budget below an image's token
+    count splits each image across prefill steps (the encoder cache holds it between them)."""
+    refs = [hf_greedy(vlm_dir, t, imgs, N) for t, imgs in _cases()]
+    assert refs[0] != hf_greedy(vlm_dir, ONE, [image(4)], N)   # the image decides the tokens
+    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    outs = llm.generate([_prompt(t, imgs) for t, imgs in _cases()], _greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    cache = _runner(llm).encoder_cache
+    assert cache.images_encoded == 3
+    assert cache.features == {} and cache.users == {}   # freed once prefilled
+
+
+def test_prefix_cache_keys_blocks_with_image_hashes(vlm_dir):
+    llm = LLM(vlm_dir, dtype="float32", enable_prefix_caching=True)
+    kv, cache = llm.llm_engine.core.scheduler.kv_cache_manager, _runner(llm).encoder_cache
+    first = llm.generate(_prompt(ONE, [image(1)]), _greedy(), use_tqdm=False)
+    hits = kv.stats.hits
+    again = llm.generate(_prompt(ONE, [image(1)]), _greedy(), use_tqdm=False)
+    assert kv.stats.hits - hits >= 32          # the blocks over the image are reused ...
+    assert cache.images_encoded == 1           # ... and the encoder does not run again
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    hits = kv.stats.hits
+    other = llm.generate(_prompt(ONE, [image(4)]), _greedy(), use_tqdm=False)
+    # The image starts inside block 0, so every block keys on it: nothing is shared.
+    assert kv.stats.hits == hits
+    assert cache.images_encoded == 2
+    assert list(other[0].outputs[0].token_ids) == hf_greedy(vlm_dir, ONE, [image(4)], N)
+
+
+def test_bad_image_inputs(vlm_dir):
+    llm = LLM(vlm_dir, dtype="float32")
+    with pytest.raises(ValueError, match="placeholders for 2 images"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"image": [image(1), image(2)]}}, _greedy())
+    with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]\[0\] must be a PIL"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, _greedy())
