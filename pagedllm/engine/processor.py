@@ -91,19 +91,24 @@ class Processor:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def load_mm_processor(self):
+        """The model's HF processor (loaded once); ValueError for a text-only model."""
+        if "multimodal_config" not in self.config.model_config.hf_config:
+            raise ValueError("images need a vision-language model; this model takes text only")
+        if self.mm_processor is None:
+            from pagedllm.multimodal.processing import load_mm_processor
+            self.mm_processor = load_mm_processor(self.config.model_config.model)
+        return self.mm_processor
+
     def process_images(self, prompt: dict):
         """{"prompt": str, "multi_modal_data": {"image": ...}} -> (text, token ids, ImageInputs)."""
-        from pagedllm.multimodal.processing import images_of, load_mm_processor, process_prompt
-        if "multimodal_config" not in self.config.model_config.hf_config:
-            raise ValueError("multi_modal_data needs a vision-language model; this model takes text only")
+        from pagedllm.multimodal.processing import images_of, process_prompt
         text = prompt.get("prompt")
         if not isinstance(text, str) or not text:
             raise ValueError("a prompt with multi_modal_data must have a non-empty string 'prompt'")
         self.check_prompt_chars(len(text))
         images = images_of(prompt["multi_modal_data"])
-        if self.mm_processor is None:
-            self.mm_processor = load_mm_processor(self.config.model_config.model)
-        ids, mm_inputs = process_prompt(self.mm_processor, text, images)
+        ids, mm_inputs = process_prompt(self.load_mm_processor(), text, images)
         return text, ids, mm_inputs
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -74,3 +74,19 @@ def test_bad_image_inputs(vlm_dir):
         llm.generate({"prompt": ONE, "multi_modal_data": {"image": [image(1), image(2)]}}, _greedy())
     with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]\[0\] must be a PIL"):
         llm.generate({"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, _greedy())
+
+
+def test_chat_with_image_parts(vlm_dir):
+    """LLM.chat: an image part becomes the placeholder in the template's text, as a user who
+    writes <image> into the message would get from transformers."""
+    from transformers import AutoTokenizer
+    text = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
+        [{"role": "user", "content": "What is in <image>?"}], add_generation_prompt=True, tokenize=False)
+    ref = hf_greedy(vlm_dir, text, [image(5)], N)
+    llm = LLM(vlm_dir, dtype="float32")
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in "},
+                                                 {"type": "image_pil", "image_pil": image(5)},
+                                                 {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: type 'audio' is not supported"):
+        llm.chat([{"role": "user", "content": [{"type": "audio"}, {"type": "image", "image": image(5)}]}])
