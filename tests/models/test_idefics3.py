@@ -1,6 +1,7 @@
 """Idefics3 / SmolVLM against transformers' own Idefics3ForConditionalGeneration on a tiny
 random-weight checkpoint: greedy tokens with one and two images, an image split across
-chunked-prefill steps, a batch mixed with text-only prompts; and the prefix cache keyed by the
+chunked-prefill steps, a batch mixed with text-only prompts, preemption by recompute, LLM.chat
+with image parts; and the prefix cache keyed by the
 images' content hashes (a repeated image + prompt runs no encoder, another image gets no hit)."""
 import pytest
 
@@ -90,3 +91,18 @@ def test_chat_with_image_parts(vlm_dir):
     assert list(out[0].outputs[0].token_ids) == ref
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: type 'audio' is not supported"):
         llm.chat([{"role": "user", "content": [{"type": "audio"}, {"type": "image", "image": image(5)}]}])
+
+
+def test_preemption_recomputes_images(vlm_dir):
+    """A KV cache too small for all three image prompts at once: requests are preempted and
+    recomputed (their images encoded again) and still give transformers' tokens."""
+    prompts = [(ONE, [image(s)]) for s in (1, 4, 6)]
+    refs = [hf_greedy(vlm_dir, t, imgs, 40) for t, imgs in prompts]
+    # ~50 prompt tokens each: two fit at admission (4 blocks each), not as they grow to 6
+    llm = LLM(vlm_dir, dtype="float32", num_gpu_blocks=9, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = llm.generate([_prompt(t, imgs) for t, imgs in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    assert llm.llm_engine.num_preemptions > 0
+    cache = _runner(llm).encoder_cache
+    assert cache.images_encoded > 3 and cache.features == {} and cache.users == {}
