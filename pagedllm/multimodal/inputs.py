@@ -10,7 +10,8 @@ class ImageInput:
     """offset, length: the placeholder tokens [offset, offset + length) of the prompt that the
     image's encoder output replaces, one feature row per token. hash: the image's content hash
     (the encoder cache's key, and a prefix-cache block key). pixel_values: the processor's
-    tensor [tiles, 3, S, S], read by the runner only (the core never touches it)."""
+    float32 array [tiles, 3, S, S] (numpy: it crosses to the core process as bytes), read by the
+    runner only."""
     offset: int
     length: int
     hash: int

@@ -35,13 +35,14 @@ def process_prompt(processor, prompt: str, images: list) -> tuple[list[int], tup
                          f"{len(images)} images: put one {image_token} where each image goes")
     if not images:
         return processor.tokenizer(prompt)["input_ids"], ()
-    out = processor(text=[prompt], images=[images], return_tensors="pt")
+    out = processor(text=[prompt], images=[images], return_tensors="np")
     ids = out["input_ids"][0].tolist()
     pixels = out["pixel_values"][0]   # [tiles, 3, S, S]
-    if pixels.shape[0] != len(images) or not bool(out["pixel_attention_mask"].all()):
+    if pixels.shape[0] != len(images) or not out["pixel_attention_mask"].all():
         raise ValueError("images must be processed as one whole tile each (image processor "
                          "do_image_splitting=False); split images are not supported yet")
     runs = _runs(ids, processor.image_token_id)
+    pixels = pixels.astype("float32")
     return ids, tuple(ImageInput(start, length, hash_image(image), pixels[i:i + 1])
                       for i, ((start, length), image) in enumerate(zip(runs, images)))
 

@@ -5,6 +5,7 @@ prefills some of them (chunked prefill may split an image), and freed once no re
 placeholder tokens of it to prefill."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -55,7 +56,7 @@ class EncoderCache:
             missing[image.hash] = image
         if not missing:
             return
-        pixels = torch.cat([m.pixel_values for m in missing.values()])   # [tiles, 3, S, S]
+        pixels = torch.from_numpy(np.concatenate([m.pixel_values for m in missing.values()]))   # [tiles, 3, S, S]
         device = next(self.model.parameters()).device
         feats = self.model.encode_images(pixels.to(device))               # [tiles, tokens, hidden]
         at = 0

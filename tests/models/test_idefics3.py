@@ -106,3 +106,33 @@ def test_preemption_recomputes_images(vlm_dir):
     assert llm.llm_engine.num_preemptions > 0
     cache = _runner(llm).encoder_cache
     assert cache.images_encoded > 3 and cache.features == {} and cache.users == {}
+
+
+def test_images_cross_to_the_core_process(vlm_dir):
+    """AsyncLLM (the server's engine, the core in its own process): the images travel in the
+    request message and give transformers' tokens; the message round-trips every field."""
+    import asyncio
+
+    import numpy as np
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.messages import AddRequests, EngineCoreRequest, decode_request, encode_request
+    ref = hf_greedy(vlm_dir, TWO, [image(2), image(3, (64, 40))], N)
+
+    async def run():
+        engine = await AsyncLLM.create(EngineArgs(model=vlm_dir, dtype="float32"))
+        try:
+            _, request = engine.processor.process("r", _prompt(TWO, [image(2), image(3, (64, 40))]), _greedy())
+            wire = AddRequests([EngineCoreRequest.from_request(request)])
+            back = decode_request(encode_request(wire)).requests[0].to_request()
+            for a, b in zip(request.mm_inputs, back.mm_inputs, strict=True):
+                assert (a.offset, a.length, a.hash) == (b.offset, b.length, b.hash)
+                np.testing.assert_array_equal(a.pixel_values, b.pixel_values)
+            tokens = []
+            async for out in engine.generate(_prompt(TWO, [image(2), image(3, (64, 40))]), _greedy(), "x"):
+                tokens += out.outputs[0].token_ids
+            return tokens
+        finally:
+            await engine.shutdown()
+    assert asyncio.run(run()) == ref
