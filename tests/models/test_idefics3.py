@@ -136,3 +136,17 @@ def test_images_cross_to_the_core_process(vlm_dir):
         finally:
             await engine.shutdown()
     assert asyncio.run(run()) == ref
+
+
+def test_second_chat_turn_does_not_reencode(vlm_dir):
+    """Turn 2 of a chat about one image repeats turn 1's prompt: its blocks over the image hit
+    the prefix cache, so the encoder does not run again."""
+    llm = LLM(vlm_dir, dtype="float32", enable_prefix_caching=True)
+    cache = _runner(llm).encoder_cache
+    turn = [{"role": "user", "content": [{"type": "image", "image": image(7)},
+                                         {"type": "text", "text": "Describe this picture in a few words."}]}]
+    answer = llm.chat(turn, _greedy(), use_tqdm=False)[0].outputs[0].text
+    assert cache.images_encoded == 1
+    turn2 = turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the colours?"}]
+    out = llm.chat(turn2, _greedy(), use_tqdm=False)[0]
+    assert cache.images_encoded == 1 and out.num_cached_tokens >= 32
