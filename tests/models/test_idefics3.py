@@ -9,8 +9,6 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 from models.vlm_fixture import IMAGE_TOKENS, build_tiny_idefics3, hf_greedy, image
 
-pytest.importorskip("PIL")
-
 ONE = "Look <image> and say what you see in this picture, please, in one line"
 TWO = "Compare <image> with <image> now"
 TEXT = "The capital of France is"
