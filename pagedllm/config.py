@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pagedllm.json_config import fields_from_json
-from pagedllm.models.hf_config import head_dim_of
+from pagedllm.models.hf_config import flatten_multimodal_config, head_dim_of
 from pagedllm.models.registry import resolve_architecture
 
 
@@ -83,7 +83,7 @@ class ModelConfig:
             raise ValueError(f"model directory '{path}' has no config.json; "
                              "an HF-format model directory is required")
         with open(cfg_path) as f:
-            hf = json.load(f)
+            hf = flatten_multimodal_config(json.load(f))
         resolve_architecture(hf, where=f" in '{cfg_path}'")
         if dtype not in ("float32", "auto", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, auto, bfloat16, float16, got {dtype!r}")

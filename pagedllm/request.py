@@ -66,6 +66,7 @@ class Request:
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine when None
         self.extra_keys: tuple = ()     # keys that must never share cached blocks (e.g. a LoRA id)
         self.lora_request = None        # pagedllm.lora.LoRARequest, or None: the base model
+        self.mm_inputs: tuple = ()      # multimodal.inputs.ImageInput of each image, in prompt order
         self.num_cached_tokens = -1     # prompt tokens found in the prefix cache (-1: not yet looked up)
         # Beam search: the beams of one search share a group id; they are preempted and
         # re-admitted together (a beam that has reported waits for its siblings while holding
@@ -121,6 +122,7 @@ class Request:
                         self.sampling_params.child(index), self.eos_token_id, self.arrival_time)
         child.max_tokens = self.max_tokens
         child.extra_keys, child.lora_request = self.extra_keys, self.lora_request
+        child.mm_inputs = self.mm_inputs
         if self.structured_output_request is not None:   # the same grammar, its own matcher
             child.structured_output_request = self.structured_output_request.fork()
         return child

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.encoder_cache_manager import block_image_keys
 from pagedllm.core.kv_cache_utils import KVCacheConfig, cdiv
 from pagedllm.core.single_type_kv_cache_manager import (FullAttentionManager, SingleTypeKVCacheManager,
                                                          SlidingWindowManager)
@@ -44,13 +45,18 @@ def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
 
 
 def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int,
-                        extra_keys: tuple = ()) -> list[int]:
+                        extra_keys: tuple = (), images: Sequence = ()) -> list[int]:
     """Append the hashes of token_ids' full blocks that `hashes` lacks, each chained from its
     parent's -> hashes. The KV cache manager (lazily, per request) and the data-parallel
-    router (whole prompts) both hash this way, so a router's guess matches a replica's cache."""
-    for i in range(len(hashes), len(token_ids) // block_size):
+    router (whole prompts) both hash this way, so a router's guess matches a replica's cache.
+    images (the request's ImageInputs): a block also keys on the hashes of the images it covers,
+    so the same text with another image never shares it."""
+    n = len(token_ids) // block_size
+    image_keys = block_image_keys(images, n, block_size) if images else None
+    for i in range(len(hashes), n):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys))
+        keys = extra_keys + image_keys[i] if image_keys else extra_keys
+        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), keys))
     return hashes
 
 
@@ -146,7 +152,7 @@ class KVCacheManager:
     def _block_hashes(self, request: Request) -> list[int]:
         """Hashes of the request's full blocks (extended lazily as tokens arrive)."""
         return extend_block_hashes(self.req_to_block_hashes[request.request_id], request.all_token_ids,
-                                   self.block_size, request.extra_keys)
+                                   self.block_size, request.extra_keys, request.mm_inputs)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks at the start of the request, and the number of

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from pagedllm.core.encoder_cache_manager import trim_to_encoder_budget
 from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
 from pagedllm.core.remote_kv import RemoteKV
 from pagedllm.core.scheduler_output import (
@@ -29,6 +30,7 @@ class _Step:
     """What one `Scheduler.schedule()` has decided so far: the budget left, the tokens and new
     blocks of each scheduled request, which are new to the runner, which preempted."""
     budget: int
+    encoder_budget: int = 0   # image tokens the step may still encode
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     new_block_ids_by_group: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
@@ -126,7 +128,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
         self._fork_ready_parents()
         self._schedule_running(step)
         if not step.preempted:   # no admission while we are short of blocks
@@ -139,7 +141,7 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             unit = _unit_at(self.running, i)
             trim_spec_tokens(unit, step.budget, self._num_tokens_to_compute)
-            plan = self._plan_tokens(unit, step.budget)
+            plan = self._plan_tokens(unit, step.budget, step)
             # Room for the whole unit, or preempt the newest units; units are contiguous and
             # taken from the end, so a victim is never one scheduled earlier in this step.
             while (allocated := self._allocate_unit(plan)) is None:
@@ -253,7 +255,8 @@ class Scheduler:
             scheduled_new_reqs=[
                 NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
                                r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
-                               r.lora_request, block_ids_by_group=kv.get_block_ids_by_group(r.request_id))
+                               r.lora_request, block_ids_by_group=kv.get_block_ids_by_group(r.request_id),
+                               mm_inputs=r.mm_inputs)
                 for r in step.new_reqs],
             scheduled_cached_reqs=[
                 CachedRequestData(r.request_id, step.new_block_ids[r.request_id], r.num_computed_tokens,
@@ -280,12 +283,20 @@ class Scheduler:
                 out.structured_output_request_ids.append(req_id)
         return out
 
-    def _plan_tokens(self, unit: list[Request], budget: int) -> list[tuple[Request, int]]:
+    def _trim_to_encoder(self, request: Request, n: int, step: _Step) -> int:
+        """n, or fewer so that the images the tokens start fit the step's encoder budget."""
+        if not request.mm_inputs or n <= 0:
+            return n
+        n, used = trim_to_encoder_budget(request.mm_inputs, request.num_computed_tokens, n, step.encoder_budget)
+        step.encoder_budget -= used
+        return n
+
+    def _plan_tokens(self, unit: list[Request], budget: int, step: _Step) -> list[tuple[Request, int]]:
         """The tokens each running request of a unit computes this step, within the budget
         (without chunked prefill, a request whose remaining prompt does not fit waits)."""
         if len(unit) == 1:   # the common case
             need = self._num_tokens_to_compute(unit[0])
-            n = min(need, budget)
+            n = self._trim_to_encoder(unit[0], min(need, budget), step)
             return [(unit[0], n)] if n > 0 and (n == need or self.config.chunked_prefill) else []
         plan = []
         for request in unit:
@@ -328,6 +339,12 @@ class Scheduler:
                 return None
             n = 0
         n = min(n, step.budget)
+        if request.mm_inputs and n:   # the tokens after the prefix hits
+            request.num_computed_tokens += num_hit_tokens
+            n = self._trim_to_encoder(request, n, step)
+            request.num_computed_tokens -= num_hit_tokens
+            if n < self._num_tokens_to_compute(request) - num_hit_tokens and not self.config.chunked_prefill:
+                return None   # the whole prompt runs in one step or waits
         blocks = (kv.swap_in(request, n) if swapped
                   else kv.allocate_slots(request, self._with_lookahead(request, n, num_hit_tokens), hits))
         if blocks is None:
@@ -405,6 +422,7 @@ class Scheduler:
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
                         parent.arrival_time)
         child.max_tokens, child.extra_keys = parent.max_tokens, parent.extra_keys
+        child.mm_inputs = parent.mm_inputs
         child.group_id = parent.group_id
         child.append_output_token_ids(parent.output_token_ids + [token_id])
         child.num_cached_tokens = parent.num_cached_tokens

@@ -21,6 +21,7 @@ class NewRequestData:
     # Several KV cache groups (core/kv_cache_utils.py): every group's table (block_ids is
     # group 0's); () with one group.
     block_ids_by_group: tuple[list[int], ...] = ()
+    mm_inputs: tuple = ()   # multimodal.inputs.ImageInput of each image of the prompt
 
 
 @dataclass

@@ -32,11 +32,13 @@ import enum
 from typing import Any, Optional, Union
 
 import msgspec
+import numpy as np
 
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.beam_search import BeamSearchOutput
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import ImageInput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,6 +57,24 @@ class EngineCoreRequestType(enum.Enum):
 
 
 # ---------------------------------------------------------------- server -> core
+class ImageInputWire(msgspec.Struct, array_like=True):
+    """multimodal.inputs.ImageInput with its pixels as float32 bytes."""
+    offset: int
+    length: int
+    hash: int
+    shape: list[int]
+    pixels: bytes
+
+    @classmethod
+    def of(cls, image: ImageInput) -> "ImageInputWire":
+        pixels = np.ascontiguousarray(image.pixel_values, dtype=np.float32)
+        return cls(image.offset, image.length, image.hash, list(pixels.shape), pixels.tobytes())
+
+    def to_input(self) -> ImageInput:
+        pixels = np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape)
+        return ImageInput(self.offset, self.length, self.hash, pixels)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A Request as the Processor made it (nothing computed yet)."""
     request_id: str
@@ -68,6 +88,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     all_stop_token_ids: list[int] = []
     extra_keys: tuple = ()
     lora_request: Optional[LoRARequest] = None
+    mm_inputs: list[ImageInputWire] = []
 
     def __post_init__(self) -> None:   # also run by the decoder
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
@@ -77,13 +98,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     def from_request(cls, r: Request) -> "EngineCoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.max_tokens, sorted(r.sampling_params.all_stop_token_ids),
-                   r.extra_keys, r.lora_request)
+                   r.extra_keys, r.lora_request, [ImageInputWire.of(m) for m in r.mm_inputs])
 
     def to_request(self) -> Request:
         r = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                     eos_token_id=self.eos_token_id, arrival_time=self.arrival_time)
         r.max_tokens = self.max_tokens
         r.extra_keys, r.lora_request = self.extra_keys, self.lora_request
+        r.mm_inputs = tuple(m.to_input() for m in self.mm_inputs)
         return r
 
 

@@ -40,6 +40,7 @@ class Processor:
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = config.model_config.max_model_len * self.max_token_chars
         self.known_loras: dict = {}   # lora_int_id -> the LoRARequest whose directory was checked
+        self.mm_processor = None   # the model's HF processor, loaded on the first prompt with images
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         """ParamError when a text of num_chars characters cannot fit in max_model_len tokens
@@ -90,6 +91,26 @@ class Processor:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def load_mm_processor(self):
+        """The model's HF processor (loaded once); ValueError for a text-only model."""
+        if "multimodal_config" not in self.config.model_config.hf_config:
+            raise ValueError("images need a vision-language model; this model takes text only")
+        if self.mm_processor is None:
+            from pagedllm.multimodal.processing import load_mm_processor
+            self.mm_processor = load_mm_processor(self.config.model_config.model)
+        return self.mm_processor
+
+    def process_images(self, prompt: dict):
+        """{"prompt": str, "multi_modal_data": {"image": ...}} -> (text, token ids, ImageInputs)."""
+        from pagedllm.multimodal.processing import images_of, process_prompt
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise ValueError("a prompt with multi_modal_data must have a non-empty string 'prompt'")
+        self.check_prompt_chars(len(text))
+        images = images_of(prompt["multi_modal_data"])
+        ids, mm_inputs = process_prompt(self.load_mm_processor(), text, images)
+        return text, ids, mm_inputs
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None,
                 beam_width: int = 1, lora_request=None) -> tuple[Optional[str], Request]:
@@ -98,7 +119,11 @@ class Processor:
         adapter it runs with (pagedllm.lora.LoRARequest), checked against the model."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize(prompt)
+        mm_inputs = ()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            text, ids, mm_inputs = self.process_images(prompt)
+        else:
+            text, ids = self.tokenize(prompt)
         max_len = self.config.model_config.max_model_len
         check_prompt_len(len(ids), max_len)
         for t in params.stop_token_ids:
@@ -131,6 +156,7 @@ class Processor:
             params.all_stop_token_ids |= self.extra_eos_ids
         request = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
                           arrival_time=arrival_time)
+        request.mm_inputs = mm_inputs
         if lora_request is not None:   # its own KV blocks: the adapter changes every K and V
             request.lora_request = lora_request
             request.extra_keys = request.extra_keys + (("lora", lora_request.lora_int_id),)

@@ -10,6 +10,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
+from pagedllm.multimodal.chat import has_image_parts, split_image_parts
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams, pooling_params
 
@@ -100,13 +101,25 @@ class LLM:
              continue_final_message: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template,
-                                                                 continue_final_message)}
+        prompts = [self._image_chat_prompt(c, add_generation_prompt, chat_template) if has_image_parts(c)
+                   else {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template,
+                                                                      continue_final_message)}
                    for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm)
         for out, conv in zip(outs, convs):
             out.prompt = self.get_tokenizer().decode(out.prompt_token_ids)
         return outs
+
+    def _image_chat_prompt(self, conversation, add_generation_prompt: bool, chat_template) -> dict:
+        """A conversation with image parts -> {"prompt": the rendered text with one image
+        placeholder per image, "multi_modal_data": {"image": [...]}} (the HF processor expands them)."""
+        processor = self.llm_engine.processor
+        mm = processor.load_mm_processor()
+        messages, images = split_image_parts(conversation, mm.image_token)
+        processor.check_messages_chars(messages)
+        text = self.get_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        chat_template=chat_template, tokenize=False)
+        return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
                             continue_final_message=False) -> list[int]:

@@ -38,3 +38,19 @@ def mixes_attention_windows(hf_config: dict) -> bool:
     config validation refuses what reads one block table for such a model before it is built."""
     return len(set(layer_sliding_windows(hf_config))) > 1
 
+
+
+# Vision-language architectures whose text model is one of ours: the engine reads the text
+# model's shapes (KV cache, vocabulary) at the top level, the whole config under "multimodal_config".
+MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+
+
+def flatten_multimodal_config(hf_config: dict) -> dict:
+    """A vision-language config.json -> its text_config with "architectures" and the whole
+    config ("multimodal_config") added; any other config unchanged."""
+    if not set(hf_config.get("architectures") or ()) & set(MULTIMODAL_ARCHITECTURES):
+        return hf_config
+    text = dict(hf_config["text_config"])
+    text["architectures"] = hf_config["architectures"]
+    text["multimodal_config"] = hf_config
+    return text

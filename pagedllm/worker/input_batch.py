@@ -29,6 +29,7 @@ class CachedRequestState:
     lora_request: Optional[Any] = None   # pagedllm.lora.LoRARequest, or None: the base model
     # Several KV cache groups: the block tables of groups 1.. (block_ids is group 0's).
     extra_block_ids: list[list[int]] = field(default_factory=list)
+    mm_inputs: tuple = ()   # multimodal.inputs.ImageInput of each image of the prompt
 
 
 @dataclass

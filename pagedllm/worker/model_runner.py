@@ -19,6 +19,7 @@ from pagedllm.models.cpu_decode_loop import build_decode_loop
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.async_output import AsyncOutputs
+from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.runner_output import to_runner_output
@@ -52,6 +53,8 @@ class ModelRunner:
         # Snapshots around the load: worker/memory.py counts as weights only what it added.
         self.memory_baseline = MemorySnapshot.take(self.device)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
+        # Vision-language models: image features by content hash (worker/encoder_cache.py).
+        self.encoder_cache = EncoderCache(self.model) if hasattr(self.model, "encode_images") else None
         # --enable-lora: the adapter slots, wrapped around the linears' methods (pagedllm/lora).
         self.lora_manager = make_lora_manager(self.model, config, self.device)
         self.memory_after_load = MemorySnapshot.take(self.device)
@@ -156,6 +159,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+        if self.encoder_cache is not None and gone:
+            self.encoder_cache.forget(gone)
         # Rows not scheduled this step leave the batch (their state stays in self.requests).
         scheduled = so.num_scheduled_tokens
         batch.remove_requests([r for r in list(batch.req_id_to_index) if r in gone or r not in scheduled])
@@ -184,7 +189,8 @@ class ModelRunner:
             state = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
                                        params, list(data.block_ids), data.num_computed_tokens, gen,
                                        data.lora_request,
-                                       extra_block_ids=[list(ids) for ids in data.block_ids_by_group[1:]])
+                                       extra_block_ids=[list(ids) for ids in data.block_ids_by_group[1:]],
+                                       mm_inputs=data.mm_inputs)
             self.requests[data.req_id] = state
             batch.add_request(state)
 
@@ -342,7 +348,18 @@ class ModelRunner:
         with set_forward_context(meta):
             if self.decode_loop is not None and self.decode_loop.applies(meta, input_ids.shape[0]):
                 return self.decode_loop(input_ids, positions)   # the layers in one C++ call
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions, self._embed_images(input_ids, inputs))
+
+    def _embed_images(self, input_ids: torch.Tensor, inputs) -> Optional[torch.Tensor]:
+        """The step's input embeddings with image features at the placeholder rows; None when no
+        request of the step has images (the model embeds input_ids itself)."""
+        batch = self.input_batch
+        if self.encoder_cache is None or not any(s.mm_inputs for s in batch.states[:batch.num_reqs]):
+            return None
+        starts = inputs.query_start_loc.tolist()
+        rows = [(s.req_id, s.mm_inputs, int(batch.num_computed_tokens_cpu[r]), int(inputs.num_scheduled_tokens[r]),
+                 starts[r]) for r, s in enumerate(batch.states[:batch.num_reqs]) if s.mm_inputs]
+        return self.encoder_cache.embed(input_ids, rows)
 
     def _logits_indices(self, inputs) -> torch.Tensor:
         """[sampling rows] token index of each, on the device."""
