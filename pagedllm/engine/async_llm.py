@@ -119,13 +119,14 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                     kind: OutputKind = OutputKind.DELTA,
-                    arrival_time: Optional[float] = None, lora_request=None) -> "RequestStream":
+                    arrival_time: Optional[float] = None, lora_request=None,
+                    priority: int = 0) -> "RequestStream":
         """Validate, tokenise and send one request to the core; returns its output stream
         (DELTA: only what is new each time; FINAL_ONLY: once, at the end). Raises ValueError
         (bad input), EngineOverloadedError or EngineDeadError before anything is queued."""
         self._check_admission(request_id, getattr(params, "num_samples", params.n))
         requests = make_requests(self.processor, self.output_processor, request_id, prompt, params,
-                                 kind, arrival_time, lora_request)
+                                 kind, arrival_time, lora_request, priority)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         stream = RequestStream(self, request_id, q)

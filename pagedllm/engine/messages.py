@@ -68,6 +68,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     all_stop_token_ids: list[int] = []
     extra_keys: tuple = ()
     lora_request: Optional[LoRARequest] = None
+    priority: int = 0
 
     def __post_init__(self) -> None:   # also run by the decoder
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
@@ -77,13 +78,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     def from_request(cls, r: Request) -> "EngineCoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.max_tokens, sorted(r.sampling_params.all_stop_token_ids),
-                   r.extra_keys, r.lora_request)
+                   r.extra_keys, r.lora_request, r.priority)
 
     def to_request(self) -> Request:
         r = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                     eos_token_id=self.eos_token_id, arrival_time=self.arrival_time)
         r.max_tokens = self.max_tokens
         r.extra_keys, r.lora_request = self.extra_keys, self.lora_request
+        r.priority = self.priority
         return r
 
 

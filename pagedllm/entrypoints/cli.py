@@ -49,6 +49,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule and submit step N+1 while step N runs on the device, so that the host's "
                         "work overlaps it (vLLM's flag; not with speculative decoding, beam search, "
                         "structured outputs, pooling, P/D or tensor / pipeline parallelism)")
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                   help="fcfs (arrival order, default) or priority: each request's priority (lower first, "
+                        "then arrival) orders the queue and picks who is preempted (vLLM's flag)")
+    p.add_argument("--generation-config", default=d.generation_config,
+                   help="sampling defaults: auto (the model's generation_config.json: temperature, top_p, "
+                        "top_k, min_p, repetition_penalty, unless a request sets them), vllm (none), or "
+                        "a folder holding a generation_config.json (vLLM's flag)")
     p.add_argument("--runner", default=None, choices=["generate", "pooling"],
                    help="generate (sampling, default) or pooling: an embedding per prompt, served on "
                         "/v1/embeddings (vLLM's flag)")
@@ -123,7 +130,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
                       speculative_config=getattr(ns, "speculative_config", None),
                       kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"),
-                      async_scheduling=getattr(ns, "async_scheduling", False))
+                      async_scheduling=getattr(ns, "async_scheduling", False),
+                      scheduling_policy=getattr(ns, "scheduling_policy", "fcfs"),
+                      generation_config=getattr(ns, "generation_config", "auto"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -129,6 +129,8 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM's P/D field: {"do_remote_decode": true} on a prefill; the prefill response's value on
     # the decode request.
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # vLLM's: lower runs earlier, under --scheduling-policy priority.
+    priority: StrictInt = 0
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The constraint asked for, validated by the grammar compiler; ParamError naming the

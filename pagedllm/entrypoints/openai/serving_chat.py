@@ -181,7 +181,7 @@ class OpenAIServingChat(OpenAIServing):
             return await self._beam_full(req, request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind,
-                                         lora_request=self.lora_request(req.model))
+                                         lora_request=self.lora_request(req.model), priority=req.priority)
 
         reasoning_parser = self.reasoning_parser_class() if self.reasoning_parser_class else None
 

@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (_text, ids, params) in enumerate(per_prompt):
                 streams.append(self.engine.add_request({"prompt_token_ids": ids}, params,
                                                        f"{request_id}-{i}", kind,
-                                                       lora_request=self.lora_request(req.model)))
+                                                       lora_request=self.lora_request(req.model), priority=req.priority))
         except BaseException:
             for s in streams:
                 s.close()
