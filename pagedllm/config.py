@@ -58,6 +58,8 @@ class ModelConfig:
     pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
     quantization: Optional[str] = None             # CPU weights: models/layers/quantization/registry.py
     quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
+    # --generation-config: the sampling defaults a request's unset fields take (engine/generation_defaults.py).
+    sampling_defaults: dict = field(default_factory=dict)
 
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)

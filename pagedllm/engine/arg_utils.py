@@ -72,6 +72,8 @@ class EngineArgs:
         mc = ModelConfig.from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
         mc.dtype = resolve_dtype(mc.dtype, mc.hf_config, dc.device)
         mc.runner = self.runner
+        from pagedllm.engine.generation_defaults import load_sampling_defaults
+        mc.sampling_defaults = load_sampling_defaults(self.generation_config, path)
         mc.set_quantization(self.quantization, self.quantization_group_size, dc.device)
         prefix_caching = self.enable_prefix_caching
         if self.runner == "pooling":

@@ -46,7 +46,7 @@ class LLM:
         self._check_runner("generate", "generate")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -61,6 +61,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts; give one per prompt")
         return self._submit(prompts, params, use_tqdm, loras, priority)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (--generation-config
+        auto or DIR; vLLM's), the library's own for the rest; what generate() uses when given none."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:

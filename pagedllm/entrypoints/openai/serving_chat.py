@@ -158,7 +158,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("tools are not supported with use_beam_search", param="tools")
         with bad_input_is_400(_RENAMES):
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                         prompt_logprobs=req.prompt_logprobs)  # the values, first
+                                         prompt_logprobs=req.prompt_logprobs,
+                                         defaults=self.sampling_defaults)  # the values, first
         if tool_constraint is not None and params.structured_outputs is not None:
             raise OpenAIError("tool_choice required or a named function constrains the output already: "
                               "response_format / structured_outputs cannot be added", param="tool_choice")
@@ -169,7 +170,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.check_context(len(ids), max_tokens, "messages")
         with bad_input_is_400(_RENAMES):
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                         prompt_logprobs=req.prompt_logprobs)
+                                         prompt_logprobs=req.prompt_logprobs,
+                                         defaults=self.sampling_defaults)
         if tool_constraint is not None:
             params.structured_outputs = tool_constraint
         request_id = random_id("chatcmpl")

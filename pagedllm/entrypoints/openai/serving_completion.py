@@ -41,14 +41,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise OpenAIError("echo with logprobs or max_tokens 0 is not supported with use_beam_search",
                                   param="echo")
         with bad_input_is_400():   # the values, first
-            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                                defaults=self.sampling_defaults)
         prompts = self._prompts(req)
         per_prompt = []
         with bad_input_is_400():
             for text, ids in prompts:
                 n_tokens = self.check_context(len(ids), max_tokens, "prompt")
                 per_prompt.append((text, ids, req.sampling_params(max_tokens=n_tokens, logprobs=req.logprobs,
-                                                                  prompt_logprobs=prompt_logprobs)))
+                                                                  prompt_logprobs=prompt_logprobs,
+                                                                  defaults=self.sampling_defaults)))
 
         request_id = random_id("cmpl")
         created = int(time.time())

@@ -118,6 +118,8 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # --generation-config: the model's sampling defaults for the fields a request leaves unset.
+        self.sampling_defaults = engine.config.model_config.sampling_defaults
         self._byte_decoder = None
         self._bytes_cache: dict[int, list[int]] = {}
         self.models = None   # serving_models.OpenAIServingModels, set by build_app: adapters' names too
