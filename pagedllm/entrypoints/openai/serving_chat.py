@@ -122,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             if not (self.enable_auto_tool_choice and self.tool_parser_class):
                 raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                   "to be set", param="tool_choice")
-            return tools, self.tool_parser_class(), None
+            return tools, self.tool_parser_class(tools), None
         if choice == "required":
             schema = required_schema(tools, req.parallel_tool_calls)
             parser = RequiredToolParser()
@@ -174,6 +174,8 @@ class OpenAIServingChat(OpenAIServing):
                                          defaults=self.sampling_defaults)
         if tool_constraint is not None:
             params.structured_outputs = tool_constraint
+        if tool_parser is not None and tool_parser.keeps_special_tokens:   # its marker is a special token
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
