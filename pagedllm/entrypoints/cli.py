@@ -209,6 +209,13 @@ def cmd_serve(ns) -> int:
     return run_server(ns, engine_args_from(ns))
 
 
+def cmd_run_batch(ns) -> int:
+    import asyncio
+
+    from pagedllm.entrypoints.run_batch import run_batch
+    return asyncio.run(run_batch(ns, engine_args_from(ns)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
     parser.add_argument("--log-level", default="warning")
@@ -237,6 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run-batch", help="run a file of requests in OpenAI's batch format (JSONL) offline")
+    p.add_argument("-i", "--input-file", required=True, help="JSONL: {custom_id, method, url, body} per line")
+    p.add_argument("-o", "--output-file", required=True, help="JSONL: {id, custom_id, response, error} per line")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) a body's `model` may give")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"])
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"])
+    p.add_argument("--disable-progress-bar", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_run_batch)
 
     from pagedllm.entrypoints.disagg_proxy.cli import add_proxy_parser
     add_proxy_parser(sub)
