@@ -8,9 +8,9 @@ fails at start-up, not in a request.
 """
 from __future__ import annotations
 
-import json
 import os
 
+from pagedllm.json_config import read_json_object
 from pagedllm.sampling_params import SamplingParams
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -29,13 +29,7 @@ def load_sampling_defaults(source: str, model_dir: str) -> dict:
         if source == "auto":
             return {}   # the model ships none: no defaults
         raise ValueError(f"generation_config: {path} does not exist; give {CHOICES}")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"generation_config: {path} is not readable JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"generation_config: {path} must hold a JSON object")
+    config = read_json_object(path, f"generation_config: {path}")
     defaults = {k: config[k] for k in FIELDS if config.get(k) is not None}
     try:
         SamplingParams(**defaults)   # the same checks as a request's own values
