@@ -150,7 +150,8 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def add_beam_search(self, prompt: PromptType, width: int, max_tokens: int, length_penalty: float = 1.0,
-                        ignore_eos: bool = False, request_id: Optional[str] = None) -> "BeamSearchHandle":
+                        ignore_eos: bool = False, request_id: Optional[str] = None,
+                        priority: int = 0) -> "BeamSearchHandle":
         """Validate, tokenise and start a beam search in the core; returns the handle whose
         result() is the ranked sequences. Raises ValueError (bad input), EngineOverloadedError
         or EngineDeadError before anything is sent."""
@@ -158,7 +159,7 @@ class AsyncLLM:
         request_id = request_id or f"beam-{uuid.uuid4().hex}"
         self._check_admission(request_id, width)
         _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens),
-                                            beam_width=width)
+                                            beam_width=width, priority=priority)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self.beam_searches[request_id] = request.arrival_time

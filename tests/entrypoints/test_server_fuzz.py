@@ -80,8 +80,8 @@ def openai_kwargs(req: RequestSpec) -> dict:
             kw.update(logprobs=True, top_logprobs=p["logprobs"]) if req.chat else kw.update(logprobs=p["logprobs"])
         if "best_of" in p:
             kw["best_of"] = p["best_of"]
-        if req.priority:
-            extra["priority"] = req.priority
+    if req.priority:
+        extra["priority"] = req.priority
     if req.chat:
         kw["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in req.prompt)}]
     else:

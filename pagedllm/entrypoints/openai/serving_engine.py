@@ -216,7 +216,7 @@ class OpenAIServing:
             for i, (ids, max_tokens) in enumerate(prompts):
                 handles.append(self.engine.add_beam_search(
                     {"prompt_token_ids": ids}, req.n or 1, max_tokens, req.length_penalty,
-                    req.ignore_eos, f"{request_id}-{i}"))
+                    req.ignore_eos, f"{request_id}-{i}", priority=req.priority))
         except BaseException as e:
             for h in handles:
                 h.close()
