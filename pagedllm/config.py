@@ -60,6 +60,8 @@ class ModelConfig:
     pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
     quantization: Optional[str] = None             # CPU weights: models/layers/quantization/registry.py
     quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
+    # --generation-config: the sampling defaults a request's unset fields take (engine/generation_defaults.py).
+    sampling_defaults: dict = field(default_factory=dict)
 
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
@@ -147,6 +149,9 @@ class SchedulerConfig:
     # vLLM's async scheduling: step N+1 is scheduled and submitted while step N runs on the device
     # (core/async_scheduler.py, worker/async_output.py).
     async_scheduling: bool = False
+    # "fcfs" (arrival order) or "priority": waiting and running requests ordered by
+    # (request priority, arrival); the lowest-priority running request is the one preempted.
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass
@@ -250,6 +255,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
         if s.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {s.preemption_mode!r}")
+        if s.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {s.scheduling_policy!r}")
         if not (isinstance(c.swap_space, (int, float)) and c.swap_space >= 0):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {c.swap_space!r}")
         if s.max_num_seqs < 1:

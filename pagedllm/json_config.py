@@ -23,3 +23,16 @@ def fields_from_json(value, cls, name: str) -> dict:
     if unknown:
         raise ValueError(f"{name}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
     return value
+
+
+def read_json_object(path: str, name: str) -> dict:
+    """The JSON object in the file at `path`; ValueError starting with `name` when it is unreadable,
+    not JSON, or not an object."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must hold a JSON object")
+    return value

@@ -63,6 +63,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None  # the stop token id or stop string
         self.num_preemptions = 0
+        # --scheduling-policy priority: lower runs earlier (ties by arrival_time), as vLLM's priority.
+        self.priority = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine when None
         self.extra_keys: tuple = ()     # keys that must never share cached blocks (e.g. a LoRA id)
         self.lora_request = None        # pagedllm.lora.LoRARequest, or None: the base model
@@ -123,6 +125,7 @@ class Request:
         child.max_tokens = self.max_tokens
         child.extra_keys, child.lora_request = self.extra_keys, self.lora_request
         child.mm_inputs = self.mm_inputs
+        child.priority = self.priority
         if self.structured_output_request is not None:   # the same grammar, its own matcher
             child.structured_output_request = self.structured_output_request.fork()
         return child
@@ -141,6 +144,10 @@ class Request:
         self.all_token_ids.extend(token_ids)
 
     # ------------------------------------------------------------- status
+    def priority_key(self) -> tuple[int, float]:
+        """The order of --scheduling-policy priority: lower priority first, then older first."""
+        return self.priority, self.arrival_time
+
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 

@@ -5,10 +5,12 @@ mix of requests over the `random:tiny` model (vocabulary "w3".."w511", EOS id 2)
 Everything is drawn from `random.Random(seed)`, so a seed names a case exactly. The mix covers
 greedy / seeded and unseeded sampling / n / best_of / beam search / stop strings / min_tokens /
 logprobs, prompt lengths from 1 to max_model_len (max_model_len - 1 and max_model_len included),
-shared prefixes (prefix caching), arrivals at random steps and aborts at random steps.
+shared prefixes (prefix caching), arrivals at random steps and aborts at random steps; under
+--scheduling-policy priority, a priority per request.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,6 +35,7 @@ class EngineSpec:
     enable_prefix_caching: bool
     preemption_mode: str
     num_cpu_blocks: Optional[int]
+    scheduling_policy: str = "fcfs"
 
     def engine_kwargs(self) -> dict:
         kw = dict(vars(self))
@@ -46,7 +49,7 @@ class EngineSpec:
         args = ["--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
                 "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--preemption-mode", self.preemption_mode]
+                "--preemption-mode", self.preemption_mode, "--scheduling-policy", self.scheduling_policy]
         if not self.enable_chunked_prefill:
             args.append("--no-enable-chunked-prefill")
         if not self.enable_prefix_caching:
@@ -66,6 +69,7 @@ class RequestSpec:
     max_tokens: Optional[int] = 16
     stream: bool = False             # engine: DELTA outputs; server: stream=True
     chat: bool = False               # server only: /v1/chat/completions
+    priority: int = 0                # under --scheduling-policy priority: lower runs earlier
 
     @property
     def is_beam(self) -> bool:
@@ -86,7 +90,8 @@ class RequestSpec:
     def describe(self) -> str:
         what = f"beam(w={self.beam_width}, lp={self.length_penalty})" if self.is_beam else repr(self.params)
         return (f"{self.rid}: prompt {len(self.prompt)} tokens, max_tokens {self.max_tokens}, {what}, "
-                f"arrival {self.arrival}, abort_after {self.abort_after}, stream {self.stream}, chat {self.chat}")
+                f"arrival {self.arrival}, abort_after {self.abort_after}, stream {self.stream}, chat {self.chat}, "
+                f"priority {self.priority}")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -104,7 +109,7 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
     if not chunked:
         budgets = [b for b in budgets if b >= max_model_len] or [max_model_len]
     mode = rng.choice(["recompute", "swap"])
-    return EngineSpec(
+    spec = EngineSpec(
         block_size=block_size, max_model_len=max_model_len,
         max_num_seqs=rng.choice([1, 2, 3, 4, 4, 6, 8, 8]),
         num_gpu_blocks=num_gpu_blocks,
@@ -114,6 +119,10 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
         preemption_mode=mode,
         # A tight swap space makes swap fall back to recompute now and then.
         num_cpu_blocks=rng.choice([3, full + 1, 4 * full + 1]) if mode == "swap" else None)
+    # Drawn last, so that the fcfs configurations are those drawn before there was a choice.
+    if rng.random() < 0.35:
+        spec = dataclasses.replace(spec, scheduling_policy="priority")
+    return spec
 
 
 def _prompt_length(rng: random.Random, max_model_len: int) -> int:
@@ -198,5 +207,8 @@ def draw_requests(rng: random.Random, spec: EngineSpec, prefix: str, max_request
             if req.chat:   # OpenAI's chat completions have no best_of
                 req.params.pop("best_of", None)
         out.append(req)
+    if spec.scheduling_policy == "priority":   # drawn last: the rest of the case is as under fcfs
+        for req in out:
+            req.priority = rng.choice([-5, 0, 0, 1, 3, 10])
     out.sort(key=lambda r: r.arrival)
     return out

@@ -17,6 +17,7 @@ BENCHMARKS = [
     ("gguf-kernel", "gguf_kernel", "a GGUF matrix in its blocks vs the int4/int8 layout and float32, each ISA build", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
     ("prefill-attention", "prefill_attention", "prefill attention over a prompt: the C++ paged kernel vs SDPA", False),
+    ("priority", "priority", "urgent requests' TTFT vs the others' under a full queue, fcfs vs priority", True),
     ("kv-memory", "kv_memory", "KV cache held by one long request, sliding groups freeing vs one table", True),
 ]
 

@@ -5,6 +5,11 @@ catches up with its `num_tokens` as far as the token budget allows. Running requ
 served first (in order), then waiting ones, first come first served. When a running
 request needs a block and none is free, the newest running request is preempted: all
 its blocks go back and it returns to the front of the waiting queue.
+
+With --scheduling-policy priority both queues are kept in (priority, arrival) order, so the
+same rule preempts the newest of the lowest-priority requests; and a waiting request that
+cannot start for want of blocks or sequence slots preempts running requests of lower
+priority than its own, by that rule, before the step is planned (vLLM's priority policy).
 """
 from __future__ import annotations
 
@@ -130,10 +135,46 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
         self._fork_ready_parents()
+        if self.config.scheduling_policy == "priority":
+            self._order_by_priority()
+            self._preempt_for_waiting(step)
+        num_preempted = len(step.preempted)
         self._schedule_running(step)
-        if not step.preempted:   # no admission while we are short of blocks
+        if len(step.preempted) == num_preempted:   # no admission while we are short of blocks
             self._schedule_waiting(step)
         return self._make_output(step)
+
+    def _order_by_priority(self) -> None:
+        """Both queues in (priority, arrival) order. The sorts are stable: a search's beams
+        (one key) stay together, and a preempted request stays ahead of its equals."""
+        self.running.sort(key=Request.priority_key)
+        self.waiting = deque(sorted(self.waiting, key=Request.priority_key))
+
+    def _preempt_for_waiting(self, step: _Step) -> None:
+        """The best waiting unit, when its first chunk cannot get blocks or its sequences no slot,
+        preempts the lowest-priority running units while they rank below it, until it fits.
+        The block count ignores prefix hits (they only lower it)."""
+        if not self.waiting or self.waiting[0].status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return   # a grammar still compiling, a remote KV load: the head could not start anyway
+        kv, head = self.kv_cache_manager, self.waiting[0]
+        unit = _unit_at(self.waiting, 0)
+        width = sum(r.get_max_num_running_seqs() for r in unit)
+        blocks = sum(kv.num_blocks_to_allocate(r, min(self._num_tokens_to_compute(r), step.budget)) for r in unit)
+        preempted = False
+        while self.running and self.running[-1].priority_key() > head.priority_key():
+            num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
+            loras = {r.lora_int_id for r in self.running} - {0}
+            if (num_seqs + width <= self.config.max_num_seqs and blocks <= kv.num_free_blocks()
+                    and lora_fits(head.lora_int_id, loras, self.config.max_loras)):
+                break
+            victims = _unit_at(self.running, len(self.running) - 1)
+            del self.running[-len(victims):]
+            for victim in reversed(victims):
+                self._preempt(victim)
+            step.preempted.extend(victims)
+            preempted = True
+        if preempted:   # the victims were pushed to the front: back behind the head, by rank
+            self.waiting = deque(sorted(self.waiting, key=Request.priority_key))
 
     def _schedule_running(self, step: _Step) -> None:
         """Running requests, oldest first, a unit at a time (a request, or a search's beams)."""
@@ -423,7 +464,7 @@ class Scheduler:
                         parent.arrival_time)
         child.max_tokens, child.extra_keys = parent.max_tokens, parent.extra_keys
         child.mm_inputs = parent.mm_inputs
-        child.group_id = parent.group_id
+        child.group_id, child.priority = parent.group_id, parent.priority
         child.append_output_token_ids(parent.output_token_ids + [token_id])
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child_id] = child

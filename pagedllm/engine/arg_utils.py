@@ -47,6 +47,11 @@ class EngineArgs:
     speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
     kv_cache_dtype: str = "auto"        # "auto", "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (vLLM's)
     async_scheduling: bool = False      # schedule step N+1 while step N runs (vLLM's --async-scheduling)
+    # "fcfs", or "priority": requests ordered by their priority (lower first), then arrival (vLLM's flag).
+    scheduling_policy: str = "fcfs"
+    # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none), or a folder
+    # holding a generation_config.json (vLLM's --generation-config).
+    generation_config: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -67,6 +72,8 @@ class EngineArgs:
         mc = ModelConfig.from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
         mc.dtype = resolve_dtype(mc.dtype, mc.hf_config, dc.device)
         mc.runner = self.runner
+        from pagedllm.engine.generation_defaults import load_sampling_defaults
+        mc.sampling_defaults = load_sampling_defaults(self.generation_config, path)
         mc.set_quantization(self.quantization, self.quantization_group_size, dc.device)
         prefix_caching = self.enable_prefix_caching
         if self.runner == "pooling":
@@ -78,7 +85,8 @@ class EngineArgs:
                              max_model_len=mc.max_model_len,
                              chunked_prefill=self.enable_chunked_prefill,
                              preemption_mode=self.preemption_mode,
-                             async_scheduling=bool(self.async_scheduling))
+                             async_scheduling=bool(self.async_scheduling),
+                             scheduling_policy=self.scheduling_policy)
         from pagedllm.attention.kv_quant import check_kv_cache_dtype
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,

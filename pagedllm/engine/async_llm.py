@@ -119,13 +119,14 @@ class AsyncLLM:
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                     kind: OutputKind = OutputKind.DELTA,
-                    arrival_time: Optional[float] = None, lora_request=None) -> "RequestStream":
+                    arrival_time: Optional[float] = None, lora_request=None,
+                    priority: int = 0) -> "RequestStream":
         """Validate, tokenise and send one request to the core; returns its output stream
         (DELTA: only what is new each time; FINAL_ONLY: once, at the end). Raises ValueError
         (bad input), EngineOverloadedError or EngineDeadError before anything is queued."""
         self._check_admission(request_id, getattr(params, "num_samples", params.n))
         requests = make_requests(self.processor, self.output_processor, request_id, prompt, params,
-                                 kind, arrival_time, lora_request)
+                                 kind, arrival_time, lora_request, priority)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         stream = RequestStream(self, request_id, q)
@@ -149,7 +150,8 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def add_beam_search(self, prompt: PromptType, width: int, max_tokens: int, length_penalty: float = 1.0,
-                        ignore_eos: bool = False, request_id: Optional[str] = None) -> "BeamSearchHandle":
+                        ignore_eos: bool = False, request_id: Optional[str] = None,
+                        priority: int = 0) -> "BeamSearchHandle":
         """Validate, tokenise and start a beam search in the core; returns the handle whose
         result() is the ranked sequences. Raises ValueError (bad input), EngineOverloadedError
         or EngineDeadError before anything is sent."""
@@ -157,7 +159,7 @@ class AsyncLLM:
         request_id = request_id or f"beam-{uuid.uuid4().hex}"
         self._check_admission(request_id, width)
         _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens),
-                                            beam_width=width)
+                                            beam_width=width, priority=priority)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self.beam_searches[request_id] = request.arrival_time

@@ -40,12 +40,13 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[Optional[int], set[int]]:
 
 def make_requests(processor: Processor, output_processor: OutputProcessor, request_id: str,
                   prompt: PromptType, params: SamplingParams, kind: OutputKind,
-                  arrival_time: Optional[float] = None, lora_request=None) -> list[Request]:
+                  arrival_time: Optional[float] = None, lora_request=None, priority: int = 0) -> list[Request]:
     """Validate and tokenise one request, register it with the output processor, and return
     the core request(s) to add. A request with n > 1 (or best_of) goes to the core as one
     parent: the core computes its prompt once and forks the siblings over the shared blocks;
     the output processor gathers the siblings under request_id. Shared by LLMEngine and AsyncLLM."""
-    text, request = processor.process(request_id, prompt, params, arrival_time, lora_request=lora_request)
+    text, request = processor.process(request_id, prompt, params, arrival_time, lora_request=lora_request,
+                                      priority=priority)
     output_processor.add_request(request, text, kind)
     return [request]
 
@@ -70,10 +71,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: Optional[float] = None,
-                    lora_request=None) -> None:
+                    lora_request=None, priority: int = 0) -> None:
         """Validates first (ValueError), so that a bad request never enters the engine."""
         for request in make_requests(self.processor, self.output_processor, request_id, prompt,
-                                     params, kind, arrival_time, lora_request):
+                                     params, kind, arrival_time, lora_request, priority):
             self.core.add_request(request)
 
     def abort_request(self, request_ids) -> None:

@@ -89,6 +89,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     extra_keys: tuple = ()
     lora_request: Optional[LoRARequest] = None
     mm_inputs: list[ImageInputWire] = []
+    priority: int = 0
 
     def __post_init__(self) -> None:   # also run by the decoder
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
@@ -98,7 +99,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     def from_request(cls, r: Request) -> "EngineCoreRequest":
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
                    r.arrival_time, r.max_tokens, sorted(r.sampling_params.all_stop_token_ids),
-                   r.extra_keys, r.lora_request, [ImageInputWire.of(m) for m in r.mm_inputs])
+                   r.extra_keys, r.lora_request, [ImageInputWire.of(m) for m in r.mm_inputs], r.priority)
 
     def to_request(self) -> Request:
         r = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
@@ -106,6 +107,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         r.max_tokens = self.max_tokens
         r.extra_keys, r.lora_request = self.extra_keys, self.lora_request
         r.mm_inputs = tuple(m.to_input() for m in self.mm_inputs)
+        r.priority = self.priority
         return r
 
 

@@ -111,14 +111,23 @@ class Processor:
         ids, mm_inputs = process_prompt(self.load_mm_processor(), text, images)
         return text, ids, mm_inputs
 
+    def check_priority(self, priority) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs --scheduling-policy priority "
+                             "(this engine schedules first come first served); leave priority 0")
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None,
-                beam_width: int = 1, lora_request=None) -> tuple[Optional[str], Request]:
+                beam_width: int = 1, lora_request=None, priority: int = 0) -> tuple[Optional[str], Request]:
         """`beam_width`: the request is a beam search's first beam (all its beams must fit; the
         scheduler enforces it too, this says so before anything is sent). `lora_request`: the
-        adapter it runs with (pagedllm.lora.LoRARequest), checked against the model."""
+        adapter it runs with (pagedllm.lora.LoRARequest), checked against the model. `priority`:
+        lower runs earlier, under --scheduling-policy priority only (as vLLM)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self.check_priority(priority)
         mm_inputs = ()
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             text, ids, mm_inputs = self.process_images(prompt)
@@ -157,6 +166,7 @@ class Processor:
         request = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
                           arrival_time=arrival_time)
         request.mm_inputs = mm_inputs
+        request.priority = priority
         if lora_request is not None:   # its own KV blocks: the adapter changes every K and V
             request.lora_request = lora_request
             request.extra_keys = request.extra_keys + (("lora", lora_request.lora_int_id),)

@@ -50,6 +50,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule and submit step N+1 while step N runs on the device, so that the host's "
                         "work overlaps it (vLLM's flag; not with speculative decoding, beam search, "
                         "structured outputs, pooling, P/D or tensor / pipeline parallelism)")
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                   help="fcfs (arrival order, default) or priority: each request's priority (lower first, "
+                        "then arrival) orders the queue and picks who is preempted (vLLM's flag)")
+    p.add_argument("--generation-config", default=d.generation_config,
+                   help="sampling defaults: auto (the model's generation_config.json: temperature, top_p, "
+                        "top_k, min_p, repetition_penalty, unless a request sets them), vllm (none), or "
+                        "a folder holding a generation_config.json (vLLM's flag)")
     p.add_argument("--runner", default=None, choices=["generate", "pooling"],
                    help="generate (sampling, default) or pooling: an embedding per prompt, served on "
                         "/v1/embeddings (vLLM's flag)")
@@ -124,7 +131,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
                       speculative_config=getattr(ns, "speculative_config", None),
                       kv_cache_dtype=getattr(ns, "kv_cache_dtype", "auto"),
-                      async_scheduling=getattr(ns, "async_scheduling", False))
+                      async_scheduling=getattr(ns, "async_scheduling", False),
+                      scheduling_policy=getattr(ns, "scheduling_policy", "fcfs"),
+                      generation_config=getattr(ns, "generation_config", "auto"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -201,6 +210,13 @@ def cmd_serve(ns) -> int:
     return run_server(ns, engine_args_from(ns))
 
 
+def cmd_run_batch(ns) -> int:
+    import asyncio
+
+    from pagedllm.entrypoints.run_batch import run_batch
+    return asyncio.run(run_batch(ns, engine_args_from(ns)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
     parser.add_argument("--log-level", default="warning")
@@ -229,6 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run-batch", help="run a file of requests in OpenAI's batch format (JSONL) offline")
+    p.add_argument("-i", "--input-file", required=True, help="JSONL: {custom_id, method, url, body} per line")
+    p.add_argument("-o", "--output-file", required=True, help="JSONL: {id, custom_id, response, error} per line")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) a body's `model` may give")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"])
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"])
+    p.add_argument("--disable-progress-bar", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_run_batch)
 
     from pagedllm.entrypoints.disagg_proxy.cli import add_proxy_parser
     add_proxy_parser(sub)

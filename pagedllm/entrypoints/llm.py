@@ -38,14 +38,16 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """Outputs in the order of the prompts. Every prompt is validated before any runs.
         lora_request: a pagedllm.lora.LoRARequest for every prompt, or a list of one (or None)
-        per prompt (needs LLM(..., enable_lora=True))."""
+        per prompt (needs LLM(..., enable_lora=True)). priority: one int per prompt, lower runs
+        earlier (needs LLM(..., scheduling_policy="priority"))."""
         self._check_runner("generate", "generate")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -57,7 +59,14 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts; "
                              "give one, or one per prompt")
-        return self._submit(prompts, params, use_tqdm, loras)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts; give one per prompt")
+        return self._submit(prompts, params, use_tqdm, loras, priority)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (--generation-config
+        auto or DIR; vLLM's), the library's own for the rest; what generate() uses when given none."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
@@ -73,17 +82,18 @@ class LLM:
             raise ValueError(f"LLM.{method}() needs runner={runner!r}; this LLM was made with runner={have!r}")
 
     def _submit(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
-                loras: Optional[list] = None) -> list:
+                loras: Optional[list] = None, priority: Optional[Sequence[int]] = None) -> list:
         engine = self.llm_engine
         loras = loras or [None] * len(prompts)
+        priority = [0] * len(prompts) if priority is None else priority
         # Validate all before adding any, so a bad prompt leaves the engine untouched.
-        for p, sp, lora in zip(prompts, params, loras):
-            engine.processor.process("validate", p, sp, lora_request=lora)
+        for p, sp, lora, prio in zip(prompts, params, loras, priority):
+            engine.processor.process("validate", p, sp, lora_request=lora, priority=prio)
         ids = []
-        for p, sp, lora in zip(prompts, params, loras):
+        for p, sp, lora, prio in zip(prompts, params, loras, priority):
             rid = str(self._counter)
             self._counter += 1
-            engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY, lora_request=lora)
+            engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY, lora_request=lora, priority=prio)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -4,13 +4,14 @@ q/k/v/o and gate/up/down of the decoder layers, a rank within --max-lora-rank. E
 a ValueError naming the file, module or option."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass
 
 from safetensors import safe_open
+
+from pagedllm.json_config import read_json_object
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
@@ -82,13 +83,7 @@ def _read_config(path: str) -> dict:
         found = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
         extra = f" (found {found}: pickled weights are never loaded)" if found else ""
         raise ValueError(f"adapter {path}: no {WEIGHTS_NAME}{extra}")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"adapter {path}: {CONFIG_NAME} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"adapter {path}: {CONFIG_NAME} must hold a JSON object")
+    cfg = read_json_object(cfg_path, f"adapter {path}: {CONFIG_NAME}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
     return cfg

@@ -110,10 +110,11 @@ class FakeRunner:
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256,
                    chunked_prefill: bool = True, enable_caching: bool = False,
-                   preemption_mode: str = "recompute", num_cpu_blocks: int = 0) -> Scheduler:
+                   preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
+                   scheduling_policy: str = "fcfs") -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, chunked_prefill=chunked_prefill,
-                          preemption_mode=preemption_mode)
+                          preemption_mode=preemption_mode, scheduling_policy=scheduling_policy)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                                          num_cpu_blocks=num_cpu_blocks))
 
@@ -293,9 +294,10 @@ class Sim:
         assert kv.req_to_cpu_blocks.keys() <= waiting.keys()
         cpu_held = [b for blocks in kv.req_to_cpu_blocks.values() for b in blocks]
         assert sorted(cpu_held + kv.free_cpu_blocks) == list(range(1, self.num_cpu_blocks))
-        # Preempted requests sit in front of never-run ones.
+        # Preempted requests sit in front of never-run ones (first come first served).
         statuses = [r.status for r in s.waiting]
-        assert statuses == sorted(statuses, key=lambda status: status != RequestStatus.PREEMPTED)
+        if self.cfg.scheduling_policy == "fcfs":
+            assert statuses == sorted(statuses, key=lambda status: status != RequestStatus.PREEMPTED)
         # The free queue and the held blocks partition the pool.
         free_ids = pool.free_queue.block_ids()
         assert len(free_ids) == pool.get_num_free_blocks() == kv.num_free_blocks()

@@ -120,13 +120,14 @@ def submit(engine: LLMEngine, driver: BeamSearchDriver, req: RequestSpec) -> Non
     """ValueError: refused (nothing entered the engine)."""
     if req.is_beam:
         check_beam_args(req.beam_width, req.max_tokens, req.length_penalty)
-        _, request = engine.processor.process(req.rid, req.prompt, beam_params(req.beam_width, req.max_tokens))
+        _, request = engine.processor.process(req.rid, req.prompt, beam_params(req.beam_width, req.max_tokens),
+                                              priority=req.priority)
         driver.add(request, req.beam_width, req.length_penalty, engine.processor.eos_token_id)
     else:
         # Not streamed: LLM.generate's final-only outputs for half the ids, cumulative for the rest.
         half = zlib.crc32(req.rid.encode()) % 2
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY if half else OutputKind.CUMULATIVE
-        engine.add_request(req.rid, req.prompt, req.sampling_params(), kind=kind)
+        engine.add_request(req.rid, req.prompt, req.sampling_params(), kind=kind, priority=req.priority)
 
 
 def run_case(engine: LLMEngine, reqs: list[RequestSpec]) -> CaseResult:

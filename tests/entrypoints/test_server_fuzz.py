@@ -42,7 +42,8 @@ def server_spec(seed: int) -> EngineSpec:
     mode = rng.choice(["recompute", "swap"])
     return EngineSpec(block_size=4, max_model_len=48, max_num_seqs=4, num_gpu_blocks=2 * 12 + 1,
                       max_num_batched_tokens=rng.choice([8, 16, 64]), enable_chunked_prefill=True,
-                      enable_prefix_caching=rng.random() < 0.7, preemption_mode=mode, num_cpu_blocks=None)
+                      enable_prefix_caching=rng.random() < 0.7, preemption_mode=mode, num_cpu_blocks=None,
+                      scheduling_policy=rng.choice(["fcfs", "priority"]))
 
 
 def kv_bytes_per_block(block_size: int) -> int:
@@ -79,6 +80,8 @@ def openai_kwargs(req: RequestSpec) -> dict:
             kw.update(logprobs=True, top_logprobs=p["logprobs"]) if req.chat else kw.update(logprobs=p["logprobs"])
         if "best_of" in p:
             kw["best_of"] = p["best_of"]
+    if req.priority:
+        extra["priority"] = req.priority
     if req.chat:
         kw["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in req.prompt)}]
     else:

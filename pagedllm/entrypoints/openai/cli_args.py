@@ -32,9 +32,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     # Names known here without importing the parsers (the CLI builds every parser at start).
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>) or "
-                        "llama3_json ({\"name\", \"parameters\"})")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"],
+                   help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), "
+                        "llama3_json ({\"name\", \"parameters\"}), mistral ([TOOL_CALLS]...), pythonic "
+                        "([f(a=1)]) or qwen3_xml (Qwen3-Coder's <function=f><parameter=a>)")
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split <think>...</think> off the answer into reasoning_content")
     p.add_argument("--log-level", dest="serve_log_level", default="info",

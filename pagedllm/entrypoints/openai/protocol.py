@@ -129,6 +129,8 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM's P/D field: {"do_remote_decode": true} on a prefill; the prefill response's value on
     # the decode request.
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # vLLM's: lower runs earlier, under --scheduling-policy priority.
+    priority: StrictInt = 0
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The constraint asked for, validated by the grammar compiler; ParamError naming the
@@ -172,17 +174,24 @@ class _SamplingFields(OpenAIBaseModel):
         return None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        """ValueError (from SamplingParams) on an out-of-range value."""
+                        prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
+        """ValueError (from SamplingParams) on an out-of-range value. `defaults`: the model's
+        sampling defaults (--generation-config) for the fields the request leaves unset."""
+        d = defaults or {}
+
+        def pick(name: str, neutral):
+            value = getattr(self, name)
+            return d.get(name, neutral) if value is None else value
+        top_k = pick("top_k", -1)
         return SamplingParams(
             prompt_logprobs=prompt_logprobs,
             n=self.n if self.n is not None else 1,
             best_of=getattr(self, "best_of", None),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=-1 if top_k == 0 else top_k,
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,

@@ -122,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             if not (self.enable_auto_tool_choice and self.tool_parser_class):
                 raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                   "to be set", param="tool_choice")
-            return tools, self.tool_parser_class(), None
+            return tools, self.tool_parser_class(tools), None
         if choice == "required":
             schema = required_schema(tools, req.parallel_tool_calls)
             parser = RequiredToolParser()
@@ -158,7 +158,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("tools are not supported with use_beam_search", param="tools")
         with bad_input_is_400(_RENAMES):
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                         prompt_logprobs=req.prompt_logprobs)  # the values, first
+                                         prompt_logprobs=req.prompt_logprobs,
+                                         defaults=self.sampling_defaults)  # the values, first
         if tool_constraint is not None and params.structured_outputs is not None:
             raise OpenAIError("tool_choice required or a named function constrains the output already: "
                               "response_format / structured_outputs cannot be added", param="tool_choice")
@@ -169,9 +170,12 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.check_context(len(ids), max_tokens, "messages")
         with bad_input_is_400(_RENAMES):
             params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
-                                         prompt_logprobs=req.prompt_logprobs)
+                                         prompt_logprobs=req.prompt_logprobs,
+                                         defaults=self.sampling_defaults)
         if tool_constraint is not None:
             params.structured_outputs = tool_constraint
+        if tool_parser is not None and tool_parser.keeps_special_tokens:   # its marker is a special token
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
@@ -181,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
             return await self._beam_full(req, request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind,
-                                         lora_request=self.lora_request(req.model))
+                                         lora_request=self.lora_request(req.model), priority=req.priority)
 
         reasoning_parser = self.reasoning_parser_class() if self.reasoning_parser_class else None
 

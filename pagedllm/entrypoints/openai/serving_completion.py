@@ -41,14 +41,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise OpenAIError("echo with logprobs or max_tokens 0 is not supported with use_beam_search",
                                   param="echo")
         with bad_input_is_400():   # the values, first
-            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                                defaults=self.sampling_defaults)
         prompts = self._prompts(req)
         per_prompt = []
         with bad_input_is_400():
             for text, ids in prompts:
                 n_tokens = self.check_context(len(ids), max_tokens, "prompt")
                 per_prompt.append((text, ids, req.sampling_params(max_tokens=n_tokens, logprobs=req.logprobs,
-                                                                  prompt_logprobs=prompt_logprobs)))
+                                                                  prompt_logprobs=prompt_logprobs,
+                                                                  defaults=self.sampling_defaults)))
 
         request_id = random_id("cmpl")
         created = int(time.time())
@@ -65,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (_text, ids, params) in enumerate(per_prompt):
                 streams.append(self.engine.add_request({"prompt_token_ids": ids}, params,
                                                        f"{request_id}-{i}", kind,
-                                                       lora_request=self.lora_request(req.model)))
+                                                       lora_request=self.lora_request(req.model), priority=req.priority))
         except BaseException:
             for s in streams:
                 s.close()

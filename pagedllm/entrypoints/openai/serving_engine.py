@@ -118,6 +118,8 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # --generation-config: the model's sampling defaults for the fields a request leaves unset.
+        self.sampling_defaults = engine.config.model_config.sampling_defaults
         self._byte_decoder = None
         self._bytes_cache: dict[int, list[int]] = {}
         self.models = None   # serving_models.OpenAIServingModels, set by build_app: adapters' names too
@@ -214,7 +216,7 @@ class OpenAIServing:
             for i, (ids, max_tokens) in enumerate(prompts):
                 handles.append(self.engine.add_beam_search(
                     {"prompt_token_ids": ids}, req.n or 1, max_tokens, req.length_penalty,
-                    req.ignore_eos, f"{request_id}-{i}"))
+                    req.ignore_eos, f"{request_id}-{i}", priority=req.priority))
         except BaseException as e:
             for h in handles:
                 h.close()

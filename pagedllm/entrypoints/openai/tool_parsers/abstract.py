@@ -48,7 +48,15 @@ def call_from(obj: Any, args_key: str, complete: bool) -> Optional[ParsedCall]:
 
 
 class ToolParser:
-    """Parses one model family's tool calls out of its text (`--tool-call-parser NAME`)."""
+    """Parses one model family's tool calls out of its text (`--tool-call-parser NAME`).
+    `tools`: the request's functions ({"name", "parameters"}), for formats whose values are
+    typed by the schema. `keeps_special_tokens`: the calls' marker is a special token, so the
+    request's text must keep special tokens (vLLM's adjust_request)."""
+
+    keeps_special_tokens = False
+
+    def __init__(self, tools: Optional[list[dict]] = None) -> None:
+        self.tools = tools or []
 
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         raise NotImplementedError
