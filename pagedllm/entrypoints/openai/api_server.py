@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
+from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.gc_heap import freeze_gc_heap
 
@@ -58,6 +59,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     # chat_options: enable_auto_tool_choice, tool_call_parser, reasoning_parser (OpenAIServingChat)
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template, **chat_options)
+    state.anthropic_serving_messages = AnthropicServingMessages(state.openai_serving_chat)
     state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.

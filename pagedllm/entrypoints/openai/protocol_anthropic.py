@@ -1,0 +1,63 @@
+"""Anthropic's Messages API request bodies (the subset pagedllm serves), as pydantic models:
+strict types as the OpenAI models (protocol.py), unknown fields ignored. `max_tokens` is
+required, as Anthropic has it; /v1/messages/count_tokens takes the same body without it."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from pagedllm.entrypoints.openai.protocol import Number, OpenAIBaseModel
+
+
+class TextBlock(OpenAIBaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ContentBlock(OpenAIBaseModel):
+    """One block of a message: text, an assistant's tool_use, a user's tool_result (thinking
+    blocks of an earlier assistant turn are accepted and dropped, as templates drop them)."""
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
+    text: Optional[StrictStr] = None
+    id: Optional[StrictStr] = None                  # tool_use
+    name: Optional[StrictStr] = None
+    input: Optional[dict[str, Any]] = None
+    tool_use_id: Optional[StrictStr] = None         # tool_result
+    content: Optional[Union[StrictStr, list[TextBlock]]] = None
+    is_error: Optional[StrictBool] = None
+
+
+class AnthropicMessage(OpenAIBaseModel):
+    role: Literal["user", "assistant"]
+    content: Union[StrictStr, list[ContentBlock]]
+
+
+class AnthropicTool(OpenAIBaseModel):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: Optional[StrictStr] = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(OpenAIBaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[StrictStr] = None
+    disable_parallel_tool_use: Optional[StrictBool] = None
+
+
+class CountTokensRequest(OpenAIBaseModel):
+    model: StrictStr
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Optional[Union[StrictStr, list[TextBlock]]] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt
+    stop_sequences: Optional[list[StrictStr]] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None
+    stream: StrictBool = False
+    metadata: Optional[dict[str, Any]] = None
