@@ -1,6 +1,7 @@
 """Anthropic's Messages API request bodies (the subset pagedllm serves), as pydantic models:
 strict types as the OpenAI models (protocol.py), unknown fields ignored. `max_tokens` is
-required, as Anthropic has it; /v1/messages/count_tokens takes the same body without it."""
+required, as Anthropic has it; /v1/messages/count_tokens takes the same body without it. The
+answer's head and stop reason are built here too (whole and streamed answers share them)."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
@@ -61,3 +62,21 @@ class MessagesRequest(CountTokensRequest):
     top_k: Optional[StrictInt] = None
     stream: StrictBool = False
     metadata: Optional[dict[str, Any]] = None
+
+
+def stop_reason(finish_reason: Optional[str], matched) -> tuple[str, Optional[str]]:
+    """(Anthropic's stop_reason, the stop sequence met) for chat's finish reason and stop_reason
+    (the matched stop string, or a stop token's id)."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def message_head(msg_id: str, model: str, input_tokens: int) -> dict:
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}

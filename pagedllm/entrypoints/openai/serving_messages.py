@@ -7,12 +7,12 @@ usage. Streams: serving_messages_stream.py."""
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
-from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, message_head, stop_reason
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError
+from pagedllm.entrypoints.openai.serving_messages_stream import anthropic_events
 
 # chat's field names -> Anthropic's, in the errors the chat path raises
 _RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
@@ -103,30 +103,12 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         stream_options={"include_usage": True, "continuous_usage_stats": True} if req.stream else None, **_tool_fields(req)))
 
 
-def stop_reason(finish_reason: Optional[str], matched) -> tuple[str, Optional[str]]:
-    """(Anthropic's stop_reason, the stop sequence met) for chat's finish reason and stop_reason
-    (the matched stop string, or a stop token's id)."""
-    if finish_reason == "length":
-        return "max_tokens", None
-    if finish_reason == "tool_calls":
-        return "tool_use", None
-    if isinstance(matched, str):
-        return "stop_sequence", matched
-    return "end_turn", None
-
-
 def tool_input(arguments: str) -> dict:
     try:
         value = json.loads(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def message_head(msg_id: str, model: str, input_tokens: int) -> dict:
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
 
 
 class AnthropicServingMessages:
@@ -137,7 +119,6 @@ class AnthropicServingMessages:
         self.chat = chat
 
     async def create_message(self, req: MessagesRequest, raw_request=None):
-        from pagedllm.entrypoints.openai.serving_messages_stream import anthropic_events
         try:
             chat_req = chat_request(req)
             result = await self.chat.create_chat_completion(chat_req, raw_request)

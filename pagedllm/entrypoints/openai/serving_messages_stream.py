@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator, Optional
 
-from pagedllm.entrypoints.openai.serving_messages import message_head, stop_reason
+from pagedllm.entrypoints.openai.errors import anthropic_error_body
+from pagedllm.entrypoints.openai.protocol_anthropic import message_head, stop_reason
 
 
 def event(kind: str, data: dict) -> str:
@@ -15,7 +16,6 @@ def event(kind: str, data: dict) -> str:
 
 
 def error_event(error: dict) -> str:
-    from pagedllm.entrypoints.openai.errors import anthropic_error_body
     return event("error", anthropic_error_body(error.get("message", "error"), error.get("type")))
 
 
