@@ -128,6 +128,18 @@ async def create_response(req: ResponsesRequest, raw_request: Request):
     return await _respond(responses(raw_request).create_response, req, raw_request)
 
 
+@openai_router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request):
+    """A response made with store: true; 404 for an unknown, expired or deleted id."""
+    return JSONResponse(responses(raw_request).store.get(response_id)[0])
+
+
+@openai_router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw_request: Request):
+    responses(raw_request).store.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
 @openai_router.post("/v1/messages")
 async def create_message(req: MessagesRequest, raw_request: Request):
     """Anthropic's Messages API (errors in Anthropic's shape: errors.py)."""
