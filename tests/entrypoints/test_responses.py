@@ -113,6 +113,11 @@ def test_store_previous_response_get_delete(client, server):
     assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)   # not stored
+    with client.responses.stream(model=model, input="And another.", max_output_tokens=6, temperature=0,
+                                 previous_response_id=first.id, store=True) as stream:
+        streamed = list(stream)[-1].response   # response.incomplete at 6 tokens (no get_final_response)
+    assert streamed.output_text == second.output_text
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
     client.responses.delete(first.id)
     for call in (lambda: client.responses.retrieve(first.id),
                  lambda: client.responses.create(model=model, input="x", previous_response_id=first.id)):
