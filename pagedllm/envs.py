@@ -34,6 +34,9 @@ def _number(kind: type, default):
 VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_HOME": EnvVar(_text("~/.cache/pagedllm"),
                             "pagedllm's cache: the default model and random:<shape> models"),
+    "PAGEDLLM_RESPONSES_STORE_SIZE": EnvVar(_number(int, 1024),
+                                            "responses kept for previous_response_id (store: true); the oldest go first"),
+    "PAGEDLLM_RESPONSES_STORE_TTL_S": EnvVar(_number(float, 3600.0), "seconds a stored response is kept"),
     "PAGEDLLM_API_KEY": EnvVar(_text(None), "the server's API key when --api-key is not given"),
     "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(_switch(False),
                                                    "1: as --allow-runtime-lora-updating (POST /v1/load_lora_adapter, "

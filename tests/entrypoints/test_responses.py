@@ -83,8 +83,6 @@ def test_stream_matches_chat(client, chat_reference):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(previous_response_id="resp_123"), "previous_response_id"),
-    (dict(store=True), "store"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}), "text.format"),
     (dict(max_output_tokens=0), "max_output_tokens"),
     (dict(temperature=-1.0), "temperature"),
@@ -97,3 +95,32 @@ def test_refused_with_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=None, **kwargs)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_store_previous_response_get_delete(client, server):
+    """store: true keeps the response; previous_response_id carries its conversation (the answer
+    equals chat's on the whole conversation, greedy); GET returns it, DELETE forgets it (404)."""
+    model = client.models.list().data[0].id
+    first = client.responses.create(model=model, input="Say a colour.", max_output_tokens=6, temperature=0,
+                                    store=True)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(model=model, input="And another.", max_output_tokens=6, temperature=0,
+                                     previous_response_id=first.id)
+    chat = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Say a colour."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another."}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)   # not stored
+    with client.responses.stream(model=model, input="And another.", max_output_tokens=6, temperature=0,
+                                 previous_response_id=first.id, store=True) as stream:
+        streamed = list(stream)[-1].response   # response.incomplete at 6 tokens (no get_final_response)
+    assert streamed.output_text == second.output_text
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.create(model=model, input="x", previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert first.id in e.value.body["message"]

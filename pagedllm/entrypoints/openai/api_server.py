@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
+from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.gc_heap import freeze_gc_heap
 
@@ -59,6 +60,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     # chat_options: enable_auto_tool_choice, tool_call_parser, reasoning_parser (OpenAIServingChat)
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template, **chat_options)
+    state.anthropic_serving_messages = AnthropicServingMessages(state.openai_serving_chat)
     state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     state.openai_serving_score = OpenAIServingScore(engine, served_model_names)

@@ -1,5 +1,5 @@
 """The server's routes, one APIRouter per concern, as vLLM's api_server has them: the OpenAI API
-(/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models), tokenisation (/tokenize, /detokenize) and
+(/v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages, /v1/embeddings, /v1/models), tokenisation (/tokenize, /detokenize) and
 the server's own (/health, /version, /metrics). A route finds the engine and the serving objects
 on `app.state` (set by `build_app`)."""
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.protocol_score import PoolingRequest, RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -48,6 +50,10 @@ def chat(request: Request) -> OpenAIServingChat:
 
 def responses(request: Request) -> OpenAIServingResponses:
     return request.app.state.openai_serving_responses
+
+
+def messages(request: Request) -> AnthropicServingMessages:
+    return request.app.state.anthropic_serving_messages
 
 
 def embedding(request: Request) -> OpenAIServingEmbedding:
@@ -126,6 +132,29 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
 @openai_router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, raw_request: Request):
     return await _respond(responses(raw_request).create_response, req, raw_request)
+
+
+@openai_router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request):
+    """A response made with store: true; 404 for an unknown, expired or deleted id."""
+    return JSONResponse(responses(raw_request).store.get(response_id)[0])
+
+
+@openai_router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw_request: Request):
+    responses(raw_request).store.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@openai_router.post("/v1/messages")
+async def create_message(req: MessagesRequest, raw_request: Request):
+    """Anthropic's Messages API (errors in Anthropic's shape: errors.py)."""
+    return await _respond(messages(raw_request).create_message, req, raw_request)
+
+
+@openai_router.post("/v1/messages/count_tokens")
+async def count_message_tokens(req: CountTokensRequest, raw_request: Request):
+    return await _respond(messages(raw_request).count_tokens, req, raw_request)
 
 
 @openai_router.post("/v1/embeddings")

@@ -1,16 +1,19 @@
 """POST /v1/responses, stateless: `input` (a string, or message items) and `instructions` (a
 system message) through the chat template -> one assistant message, whole or streamed as the
-Responses events (response.created ... response.completed). An earlier response cannot be
-referred to (previous_response_id) nor this one kept (store: true): 400 naming the field."""
+Responses events (response.created ... response.completed). With `store: true` the response
+and its conversation are kept (response_store.py): GET / DELETE /v1/responses/{id}, and
+previous_response_id carries that conversation into the next turn."""
 from __future__ import annotations
 
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
+from pagedllm import envs
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.llm import check_role
 from pagedllm.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, bad_input_is_400, sse, stream_error
 from pagedllm.sampling_params import SamplingParams
@@ -25,6 +28,10 @@ def _hex_id(prefix: str) -> str:
 
 class OpenAIServingResponses(OpenAIServingChat):
     """The chat machinery (template, context check) behind the Responses API's shapes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = ResponseStore(envs.PAGEDLLM_RESPONSES_STORE_SIZE, envs.PAGEDLLM_RESPONSES_STORE_TTL_S)
 
     # ------------------------------------------------------------ the request
     def messages(self, req: ResponsesRequest) -> list[ChatMessage]:
@@ -52,11 +59,6 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     @staticmethod
     def check_unsupported(req: ResponsesRequest) -> None:
-        if req.previous_response_id is not None:
-            raise OpenAIError("previous_response_id is not supported: this server keeps no responses "
-                              "(send the whole conversation as input)", param="previous_response_id")
-        if req.store:
-            raise OpenAIError("store: true is not supported: this server keeps no responses", param="store")
         if req.tools:
             raise OpenAIError("tools are not supported", param="tools")
         if req.top_logprobs:
@@ -89,12 +91,19 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise OpenAIError(f"max_output_tokens must be an integer >= 1, got {max_tokens}",
                               param="max_output_tokens")
         self.sampling_params(req, max_tokens)   # the values, before the template runs
-        ids = self.prompt_ids(self.conversation(self.messages(req)), True, False)
+        history = []
+        if req.previous_response_id is not None:
+            history = self.store.get(req.previous_response_id, "previous_response_id")[1]
+        conv = self.conversation(self.messages(req))
+        system = conv[:1] if req.instructions is not None else []   # this turn's instructions only
+        conv = system + history + conv[len(system):]
+        ids = self.prompt_ids(conv, True, False)
         if not ids:
             raise OpenAIError("the input produced an empty prompt", param="input")
         max_tokens = self.check_context(len(ids), max_tokens, "input")
         params = self.sampling_params(req, max_tokens)
         resp = _Response(req, _hex_id("resp"), self.model_name, len(ids))
+        resp.history = conv[len(system):]
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         stream = self.engine.add_request({"prompt_token_ids": ids}, params, resp.id, kind,
                                          lora_request=self.lora_request(req.model))
@@ -102,7 +111,13 @@ class OpenAIServingResponses(OpenAIServingChat):
             return self._stream(resp, stream)
         async for _, out in self.merge([stream]):
             resp.update(out)
-        return JSONBody(resp.body(resp.status()))
+        return JSONBody(self._kept(resp, resp.body(resp.status())))
+
+    def _kept(self, resp: "_Response", body: dict) -> dict:
+        """The finished response's body, stored with its conversation when asked."""
+        if resp.req.store:
+            self.store.put(body, resp.history + [{"role": "assistant", "content": resp.text}])
+        return body
 
     async def _stream(self, resp: "_Response", stream) -> AsyncIterator[str]:
         seq = iter(range(1 << 62))
@@ -127,7 +142,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             status = resp.status()
             yield event("response.output_item.done", output_index=0, item=resp.message(status, text))
             yield event("response.incomplete" if status == "incomplete" else "response.completed",
-                        response=resp.body(status))
+                        response=self._kept(resp, resp.body(status)))
         except Exception as e:  # the engine died or the server is stopping
             err = stream_error(e)
             yield event("error", code=err.code or err.type, message=err.message, param=err.param)
@@ -148,6 +163,7 @@ class _Response:
         self.created_at = int(time.time())
         self.text, self.num_gen, self.num_cached = "", 0, 0
         self.finish_reason: Optional[str] = None
+        self.history: list[dict] = []   # the conversation (without instructions) that led to it
 
     def update(self, out) -> str:
         """Take one engine output -> its new text."""
@@ -180,7 +196,7 @@ class _Response:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "error": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": False,
-            "tool_choice": "none", "tools": [], "previous_response_id": None, "store": False,
+            "tool_choice": "none", "tools": [], "previous_response_id": req.previous_response_id, "store": bool(req.store),
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata or {},
             "user": req.user, "usage": usage,
         }
