@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pagedllm.json_config import fields_from_json
-from pagedllm.models.hf_config import flatten_multimodal_config, head_dim_of
-from pagedllm.models.registry import resolve_architecture
 
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")   # CLS: the first token (encoder models)
@@ -85,10 +83,13 @@ class ModelConfig:
             raise ValueError(f"model directory '{path}' has no config.json; "
                              "an HF-format model directory is required")
         with open(cfg_path) as f:
-            hf = flatten_multimodal_config(json.load(f))
+            hf = json.load(f)
+        from pagedllm.models.hf_config import flatten_multimodal_config
+        from pagedllm.models.registry import resolve_architecture
+        hf = flatten_multimodal_config(hf)
         resolve_architecture(hf, where=f" in '{cfg_path}'")
-        if dtype not in ("float32", "auto", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of float32, auto, bfloat16, float16, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         derived = int(hf.get("max_position_embeddings", 2048))
         if max_model_len is None:
             max_model_len = derived
@@ -116,6 +117,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        from pagedllm.models.hf_config import head_dim_of
         return head_dim_of(self.hf_config)
 
     @property
@@ -133,6 +135,16 @@ class CacheConfig:
     swap_space: float = 4.0            # GiB of CPU blocks for swap preemption
     num_cpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from swap_space
     cache_dtype: str = "auto"          # KV cache: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2
+
+
+# Allowed values, defined once: the CLI's choices (engine/arg_utils.py) and validation read these.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")   # attention/kv_quant.py maps them
+PREEMPTION_MODES = ("recompute", "swap")
+DEVICES = ("cpu", "cuda")                      # EngineArgs also takes "auto"
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+RUNNERS = ("generate", "pooling")
+SCHEDULING_POLICIES = ("fcfs", "priority")   # priority: lower first, then arrival (vLLM's)
 
 
 @dataclass
@@ -253,10 +265,10 @@ class EngineConfig:
             check_speculative_config(self)
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
-        if s.preemption_mode not in ("recompute", "swap"):
+        if s.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {s.preemption_mode!r}")
-        if s.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {s.scheduling_policy!r}")
+        if s.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {s.scheduling_policy!r}")
         if not (isinstance(c.swap_space, (int, float)) and c.swap_space >= 0):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {c.swap_space!r}")
         if s.max_num_seqs < 1:
@@ -268,7 +280,7 @@ class EngineConfig:
             v = getattr(p, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if p.distributed_executor_backend not in (None, "mp", "ray"):
+        if p.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {p.distributed_executor_backend!r}")
         if p.world_size > 1:
@@ -276,7 +288,7 @@ class EngineConfig:
             validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
                                     p.pipeline_parallel_size)
         m = self.model_config
-        if m.runner not in ("generate", "pooling"):
+        if m.runner not in RUNNERS:
             raise ValueError(f"runner must be 'generate' or 'pooling', got {m.runner!r}")
         if m.runner == "pooling" and (p.world_size > 1 or p.data_parallel_size > 1):
             raise ValueError("runner 'pooling' runs one unsplit replica: tensor_parallel_size, "
@@ -293,7 +305,7 @@ class EngineConfig:
                 raise ValueError(f"{what} is not supported for a model with several KV cache groups "
                                  "(sliding and full attention layers, e.g. Gemma 3) yet")
         d = self.device_config
-        if d.device not in ("cpu", "cuda"):
+        if d.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
         from pagedllm.attention.backends.registry import backend_choices
         if d.attention_backend not in backend_choices():

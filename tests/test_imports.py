@@ -76,3 +76,15 @@ def test_core_imports_neither_torch_nor_models():
             "print(sorted(k for k in ('torch', 'pagedllm.models') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_config_imports_no_subsystem_at_module_level():
+    """config.py is read by every layer: at module level it imports only the standard library and
+    the package's leaf helpers, never a subsystem (a subsystem's config is built lazily)."""
+    tree = ast.parse((PKG / "config.py").read_text())
+    names = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
+    subsystems = ("models", "core", "lora", "spec_decode", "distributed", "attention", "engine", "worker",
+                  "executor", "entrypoints")
+    bad = [m for m in names if m.split(".")[:2][-1] in subsystems and m.startswith("pagedllm.")]
+    assert names and not bad, bad

@@ -1,57 +1,121 @@
-"""EngineArgs: the user-facing knobs (shared by LLM, the CLI and the server) -> EngineConfig."""
+"""EngineArgs: the user-facing knobs (shared by LLM, the CLI and the server) -> EngineConfig.
+
+Each field carries its flag (engine/cli_fields.py): the engine CLI is generated from this class,
+so a new engine knob is one field here (and its use in create_engine_config)."""
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from pagedllm.config import (CUDAGRAPH_MODES, CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, cuda_graph_ladder,
-                             mixed_graph_ladder, resolve_dtype)
+from pagedllm.config import (CUDAGRAPH_MODES, DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
+                             KV_CACHE_DTYPES, PREEMPTION_MODES, RUNNERS, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
+                             LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                             SpeculativeConfig, cuda_graph_ladder, mixed_graph_ladder, resolve_dtype)
+from pagedllm.engine.cli_fields import arg
+
+
+def _quantization_choices() -> list[str]:
+    from pagedllm.models.layers.quantization.registry import quantization_choices
+    return quantization_choices()
+
+
+def _attention_backend_choices() -> tuple[str, ...]:
+    from pagedllm.attention.backends.registry import backend_choices
+    return ("auto", *backend_choices())
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: checked at parse time, so a bad one is an argparse error naming the field."""
+    try:
+        SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
+
+
+def _gib_to_bytes(gib: float) -> int:
+    return int(gib * 2**30)
 
 
 @dataclass
 class EngineArgs:
-    model: Optional[str] = None          # None: the default model (built on first use)
-    max_model_len: Optional[int] = None
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: Optional[int] = None   # bytes
-    num_gpu_blocks: Optional[int] = None    # overrides kv_cache_memory (tests, tuning)
-    dtype: str = "auto"
-    seed: int = 0
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0             # GiB
-    num_cpu_blocks: Optional[int] = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None   # "mp" (default) or "ray"
-    device: str = "auto"                # "auto" (cuda when torch sees one), "cpu", "cuda"
-    attention_backend: str = "auto"     # "auto" (triton on cuda, torch on cpu), "torch", "triton"
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False         # no CUDA graphs
+    model: Optional[str] = arg(None, "HF-format model directory (default: SmolLM2-135M-Instruct, built on first use)")
+    max_model_len: Optional[int] = arg(None, "context length (default: the model's)")
+    block_size: int = arg(16, "tokens per KV-cache block")
+    max_num_seqs: int = arg(128, "most requests in one step")
+    max_num_batched_tokens: int = arg(2048, "token budget of one step")
+    # Bytes here; GiB on the command line.
+    kv_cache_memory: Optional[int] = arg(None, "GiB for the KV cache (default 4)", type=float,
+                                         from_cli=_gib_to_bytes)
+    # Overrides kv_cache_memory (tests, tuning).
+    num_gpu_blocks: Optional[int] = arg(None, cli=False)
+    dtype: str = arg("auto", "weights and activations (default auto: float32 on cpu, the config's on cuda)",
+                     choices=DTYPES)
+    seed: int = arg(0, "the engine's random seed")
+    enable_chunked_prefill: bool = arg(True, "turn chunked prefill off")
+    enable_prefix_caching: bool = arg(True, "turn automatic prefix caching off")
+    preemption_mode: str = arg("recompute", "what a preempted request's KV cache does", choices=PREEMPTION_MODES)
+    swap_space: float = arg(4.0, "GiB of CPU swap space (default 4)")
+    num_cpu_blocks: Optional[int] = arg(None, cli=False)
+    tensor_parallel_size: int = arg(1, "split every layer over N processes (torch.distributed; default 1)",
+                                    aliases=["-tp"])
+    pipeline_parallel_size: int = arg(1, "split the layers into N pipeline stages, one process each (default 1)",
+                                      aliases=["-pp"])
+    data_parallel_size: int = arg(1, "N engine replicas behind a prefix-cache-aware router (serve; default 1)",
+                                  aliases=["-dp"])
+    distributed_executor_backend: Optional[str] = arg(
+        None, "where the ranks run: local processes (mp, default) or a Ray cluster (RAY_ADDRESS, else a local one)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    device: str = arg("auto", "where the model runs (default auto: cuda when torch sees a GPU, else cpu)",
+                      choices=("auto", *DEVICES))
+    attention_backend: str = arg("auto", "paged attention kernels (default auto: triton on cuda, torch + C++ on cpu)",
+                                 choices=_attention_backend_choices)
+    gpu_memory_utilization: float = arg(
+        0.9, "share of the GPU's memory for weights, activations and KV cache")
+    enforce_eager: bool = arg(False, "GPU: run every step eagerly instead of replaying CUDA graphs")
     # CUDA graphs of decode steps only, or of mixed prefill + decode steps too (vLLM's name).
-    cudagraph_mode: str = "FULL"
-    runner: str = "generate"            # "generate", or "pooling" (embeddings; vLLM's --runner)
-    enable_lora: bool = False           # serve LoRA adapters (pagedllm/lora)
-    max_loras: int = 1                  # distinct adapters in one step (device slots)
-    max_lora_rank: int = 16
-    max_cpu_loras: Optional[int] = None   # adapters kept in host memory (None: max_loras)
+    cudagraph_mode: str = arg(
+        "FULL", "GPU: CUDA graphs of decode steps only, or of mixed prefill + decode steps too at padded token "
+        "counts (FULL, default); NONE as --enforce-eager (vLLM's names)", choices=CUDAGRAPH_MODES, type=str.upper)
+    # The parser's None lets --task (its older name) decide; cli.py resolves the two.
+    runner: str = arg("generate", "generate (sampling, default) or pooling: an embedding per prompt, served on "
+                      "/v1/embeddings (vLLM's flag)", choices=RUNNERS, cli_default=None)
+    enable_lora: bool = arg(False, "serve LoRA adapters (vLLM's flag)")
+    max_loras: int = arg(1, "most distinct adapters in one step: the device slots")
+    max_lora_rank: int = arg(16, "largest adapter rank")
+    max_cpu_loras: Optional[int] = arg(None, "adapters kept in host memory, LRU (default: --max-loras)")
     # P/D disaggregation: vLLM's --kv-transfer-config (JSON text, a dict, or a KVTransferConfig).
-    kv_transfer_config: Optional[object] = None
-    quantization: Optional[str] = None  # CPU weights: models/layers/quantization/registry.py
-    quantization_group_size: Optional[int] = None   # int4's / int8's group (32 by default; int8 -1: per channel)
-    speculative_config: Optional[dict] = None   # SpeculativeConfig's fields (a dict or its JSON)
-    kv_cache_dtype: str = "auto"        # "auto", "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2" (vLLM's)
-    async_scheduling: bool = False      # schedule step N+1 while step N runs (vLLM's --async-scheduling)
-    # "fcfs", or "priority": requests ordered by their priority (lower first), then arrival (vLLM's flag).
-    scheduling_policy: str = "fcfs"
-    # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none), or a folder
-    # holding a generation_config.json (vLLM's --generation-config).
-    generation_config: str = "auto"
+    kv_transfer_config: Optional[object] = arg(
+        None, 'P/D disaggregation (vLLM\'s flag), JSON: {"kv_connector": "ZmqConnector", "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port", '
+        '"kv_connector_extra_config": {"timeout_s", "use_shm"}}')
+    quantization: Optional[str] = arg(
+        None, "CPU weight-only quantization: int8, int4 (groups), gguf (the default model's shipped Q4_1 file, "
+        "or --model FILE.gguf, served as it is)", choices=_quantization_choices, aliases=["-q"])
+    quantization_group_size: Optional[int] = arg(
+        None, "int4 / int8: input features per scale (and min: int4), 32 (default), 64 or 128; "
+        "int8 -1: one scale per output channel")
+    # SpeculativeConfig's fields (a dict or its JSON).
+    speculative_config: Optional[dict] = arg(
+        None, 'speculative decoding as JSON (vLLM\'s): {"method": "ngram" | "draft_model" | "mtp", '
+        '"num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 8, '
+        '"model": "self:N" | DIR, "length_policy": "fixed" | "adaptive"}', type=_speculative_config)
+    kv_cache_dtype: str = arg(
+        "auto", "KV cache element: auto (the model's dtype), or int8 / fp8 with a float32 scale per token and "
+        "KV head (fp8 = fp8_e4m3; vLLM's flag)", choices=KV_CACHE_DTYPES)
+    async_scheduling: bool = arg(
+        False, "schedule and submit step N+1 while step N runs on the device, so that the host's work overlaps "
+        "it (vLLM's flag; not with speculative decoding, beam search, structured outputs, pooling, P/D or "
+        "tensor / pipeline parallelism)")
+    scheduling_policy: str = arg(
+        "fcfs", "fcfs (arrival order, default) or priority: each request's priority (lower first, then "
+        "arrival) orders the queue and picks who is preempted (vLLM's flag)", choices=SCHEDULING_POLICIES)
+    generation_config: str = arg(
+        "auto", "sampling defaults: auto (the model's generation_config.json: temperature, top_p, top_k, "
+        "min_p, repetition_penalty, unless a request sets them), vllm (none), or a folder holding a "
+        "generation_config.json (vLLM's flag)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -11,7 +11,7 @@ from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput
-from pagedllm.entrypoints.cli import _speculative_config
+from pagedllm.engine.arg_utils import _speculative_config
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.length_policy import SpecLengthPolicy
