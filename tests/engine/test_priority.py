@@ -53,5 +53,5 @@ def test_a_priority_needs_the_priority_policy():
 
 
 def test_an_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+    with pytest.raises(ValueError, match=r"scheduling_policy must be one of \('fcfs', 'priority'\), got 'lifo'"):
         EngineArgs(model="random:tiny", scheduling_policy="lifo").create_engine_config()
