@@ -38,17 +38,17 @@ class FaultInjector:
         spec = envs.PAGEDLLM_FAULT_INJECTION.strip()
         if not spec:
             return None
-        triggers, sleeps = {}, {}
+        triggers, sleeps = {}, {}   # sleeps: the `slow` ones given milliseconds
         for item in spec.split(","):
-            action, token, *ms = item.strip().split(":") + [""]
-            ms = [x for x in ms if x]
-            if (action not in ACTIONS or not token.strip().isdigit() or len(ms) > (action == "slow")
-                    or not all(x.strip().isdigit() for x in ms)):
+            action, *numbers = item.strip().split(":")
+            if (action not in ACTIONS or not 1 <= len(numbers) <= 1 + (action == "slow")
+                    or not all(x.strip().isdigit() for x in numbers)):
                 raise ValueError(f"{ENV}: {item!r} is not ACTION:TOKEN_ID (slow:TOKEN_ID:MS too) with "
                                  f"ACTION one of {', '.join(ACTIONS)}")
-            triggers[int(token)] = action
-            if action == "slow":
-                sleeps[int(token)] = int(ms[0]) / 1000 if ms else SLOW_STEP_S
+            token = int(numbers[0])
+            triggers[token] = action
+            if len(numbers) == 2:
+                sleeps[token] = int(numbers[1]) / 1000
         logger.warning("fault injection is on (%s=%s): for tests only", ENV, spec)
         return cls(triggers, sleeps)
 
