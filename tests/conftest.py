@@ -105,6 +105,12 @@ def client(request, server):
                             if hasattr(request.module, "CLIENT_TIMEOUT") else {}))
 
 
+@pytest.fixture(scope="module")
+def model(client):
+    """The id the module's server serves its model under (its one /v1/models entry)."""
+    return client.models.list().data[0].id
+
+
 @pytest.fixture(scope="session")
 def tiny_shared_server():
     """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py,

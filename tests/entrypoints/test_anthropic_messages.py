@@ -27,11 +27,6 @@ def server(default_server):
 
 
 @pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def claude(server):
     return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
 

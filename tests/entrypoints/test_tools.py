@@ -30,11 +30,6 @@ def server(structured_server):
     return structured_server
 
 
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def _check_calls(calls, names=None):
     assert calls
     for c in calls:
