@@ -1,1 +1,2 @@
-"""Kernels of recurrent layers (short convolutions, selective scan), in vectorised torch."""
+"""Kernels of recurrent layers (short convolutions, selective scan, the gated delta rule), in
+vectorised torch."""
