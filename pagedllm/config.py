@@ -259,10 +259,10 @@ class EngineConfig:
     speculative_config: Optional["SpeculativeConfig"] = None
 
     def validate(self) -> None:
+        """Each config's own fields; the rules across features are engine/compat.py's."""
         c, s = self.cache_config, self.scheduler_config
         if self.speculative_config is not None:
-            from pagedllm.spec_decode.checks import check_speculative_config
-            check_speculative_config(self)
+            self.speculative_config.validate()
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
         if s.preemption_mode not in PREEMPTION_MODES:
@@ -283,27 +283,8 @@ class EngineConfig:
         if p.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {p.distributed_executor_backend!r}")
-        if p.world_size > 1:
-            from pagedllm.distributed.sharding import validate_parallel_sizes
-            validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
-                                    p.pipeline_parallel_size)
-        m = self.model_config
-        if m.runner not in RUNNERS:
-            raise ValueError(f"runner must be 'generate' or 'pooling', got {m.runner!r}")
-        if m.runner == "pooling" and (p.world_size > 1 or p.data_parallel_size > 1):
-            raise ValueError("runner 'pooling' runs one unsplit replica: tensor_parallel_size, "
-                             "pipeline_parallel_size and data_parallel_size must be 1")
-        if self.kv_transfer_config is not None and (p.world_size > 1 or p.data_parallel_size > 1 or m.runner != "generate"):
-            raise ValueError("kv_transfer_config needs one unsplit generating replica: tensor_parallel_size, "
-                             "pipeline_parallel_size and data_parallel_size 1, runner 'generate'")
-        if self.kv_transfer_config is not None or (self.speculative_config is not None
-                                                    and self.speculative_config.method == "draft_model"):
-            from pagedllm.models.hf_config import mixes_attention_windows
-            if p.pipeline_parallel_size == 1 and mixes_attention_windows(m.hf_config):
-                # Both move or reuse one block table's K/V; a hybrid model (Gemma 3) has one per group.
-                what = "kv_transfer_config" if self.kv_transfer_config is not None else "speculative_config 'draft_model'"
-                raise ValueError(f"{what} is not supported for a model with several KV cache groups "
-                                 "(sliding and full attention layers, e.g. Gemma 3) yet")
+        if self.model_config.runner not in RUNNERS:
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.model_config.runner!r}")
         d = self.device_config
         if d.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
@@ -311,19 +292,10 @@ class EngineConfig:
         if d.attention_backend not in backend_choices():
             raise ValueError(f"attention_backend must be one of {('auto',) + backend_choices()}, "
                              f"got {d.attention_backend!r}")
-        if d.device == "cuda" and d.attention_backend != "triton":
-            raise ValueError("device 'cuda' needs attention_backend 'triton' (the torch backend is the CPU's)")
         if not (isinstance(d.gpu_memory_utilization, (int, float)) and 0 < d.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {d.gpu_memory_utilization!r}")
-        if d.device == "cuda" and p.world_size > 1:
-            raise ValueError("tensor / pipeline parallelism runs on the CPU only for now; "
-                             "use device 'cpu' or tensor_parallel_size = pipeline_parallel_size = 1")
         if self.lora_config is not None:
-            from pagedllm.lora.config_check import validate_lora_config
-            validate_lora_config(self)
-        if s.async_scheduling:
-            from pagedllm.core.async_checks import check_async_scheduling
-            check_async_scheduling(self)
+            self.lora_config.validate()
         if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")

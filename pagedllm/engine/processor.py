@@ -7,6 +7,7 @@ from typing import Optional, Union
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import check_fits_kv_cache
 from pagedllm.core.kv_cache_utils import KVCacheConfig
+from pagedllm.engine.compat import check_async_request
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -147,7 +148,6 @@ class Processor:
         if beam_width > max_seqs:
             raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
         if self.config.scheduler_config.async_scheduling:
-            from pagedllm.core.async_checks import check_async_request
             check_async_request(params, beam_width)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params, beam_width)
