@@ -91,3 +91,15 @@ def test_the_serve_log_level_is_apart_from_the_commands():
 def test_bad_values_are_argparse_errors(argv):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
+
+
+def test_the_dataclasses_the_commands_run_with():
+    from pagedllm.engine.cli_fields import dataclass_from_args
+    from pagedllm.entrypoints.disagg_proxy.cli import ProxyArgs
+    from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+    ns = build_parser().parse_args(["serve", "m", "--port", "9000", "--lora-modules", "x=/a"])
+    assert dataclass_from_args(FrontendArgs, ns) == FrontendArgs(model_tag="m", port=9000, lora_modules=["x=/a"])
+    ns = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d", "--tbt-slo", "0.1"])
+    assert dataclass_from_args(ProxyArgs, ns) == ProxyArgs(prefill=["http://p"], decode=["http://d"], tbt_slo=0.1)
+    with pytest.raises(ValueError, match="--max-waiting-requests must be >= 0, got -1"):
+        dataclass_from_args(FrontendArgs, build_parser().parse_args(["serve", "--max-waiting-requests", "-1"]))
