@@ -139,7 +139,10 @@ class CacheConfig:
 
 # Allowed values, defined once: the CLI's choices (engine/arg_utils.py) and validation read these.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")   # attention/kv_quant.py maps them
+# --kv-cache-dtype's values -> the cache element's torch dtype, by name (torch-free here;
+# attention/kv_quant.py makes the dtype). None: the model's dtype; "fp8" is e4m3, as vLLM's.
+KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")                      # EngineArgs also takes "auto"
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -212,6 +215,13 @@ class DeviceConfig:
     mixed_graph_sizes: list = field(default_factory=list)
 
 
+def check_kv_cache_dtype(name) -> str:
+    """--kv-cache-dtype's value, or a ValueError naming the field."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return name
+
+
 # vLLM's compilation_config.cudagraph_mode values this engine has (no piecewise graphs).
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 
@@ -269,6 +279,7 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {s.preemption_mode!r}")
         if s.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {s.scheduling_policy!r}")
+        check_kv_cache_dtype(c.cache_dtype)
         if not (isinstance(c.swap_space, (int, float)) and c.swap_space >= 0):
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {c.swap_space!r}")
         if s.max_num_seqs < 1:

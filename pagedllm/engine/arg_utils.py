@@ -152,12 +152,11 @@ class EngineArgs:
                              preemption_mode=self.preemption_mode,
                              async_scheduling=bool(self.async_scheduling),
                              scheduling_policy=self.scheduling_policy)
-        from pagedllm.attention.kv_quant import check_kv_cache_dtype
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,
                          enable_prefix_caching=prefix_caching,
                          swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks,
-                         cache_dtype=check_kv_cache_dtype(self.kv_cache_dtype))
+                         cache_dtype=self.kv_cache_dtype)
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
