@@ -1,11 +1,11 @@
 """Which features combine: every rule that reads more than one config (or a config and the
 model) lives here, checked once when EngineArgs builds the EngineConfig; each config class
-checks its own fields (EngineConfig.validate).
+checks its own fields (its validate(), config.py).
 
-`CONFLICTS` is the table of pairs that do not run together, `check_speculative_model` what a
-speculative method needs of the checkpoint, `check_async_request` what an async-scheduled engine refuses per request.
-A new feature that cannot run with another is one `Conflict` row. Torch-free (the processor
-imports it)."""
+`CONFLICTS` is the table of pairs that do not run together; `check_speculative_model` what a
+speculative method needs of the checkpoint; `check_async_request` what an async-scheduled
+engine refuses per request. A feature that cannot run with another is one `Conflict` row.
+Torch-free (the processor imports it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
