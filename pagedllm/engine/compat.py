@@ -3,8 +3,8 @@ model) lives here, checked once when EngineArgs builds the EngineConfig; each co
 checks its own fields (its validate(), config.py).
 
 `CONFLICTS` is the table of pairs that do not run together; `check_speculative_model` what a
-speculative method needs of the checkpoint; `check_async_request` what an async-scheduled
-engine refuses per request. A feature that cannot run with another is one `Conflict` row.
+speculative method needs of the checkpoint; `check_request` what the features on refuse of
+one request. A feature that cannot run with another is one `Conflict` row.
 Torch-free (the processor imports it)."""
 from __future__ import annotations
 
@@ -148,10 +148,16 @@ def check_draft_dir(config: "EngineConfig", path: str) -> None:
                          "layers (several KV cache groups) is not supported")
 
 
-def check_async_request(params: SamplingParams, beam_width: int = 1) -> None:
-    """A request an async-scheduled engine (core/async_scheduler.py) cannot serve -> ParamError
-    naming the field (the processor calls it)."""
-    if beam_width > 1 or params.external_tokens:
-        raise ParamError("beam_width", "beam search is not supported with async_scheduling")
-    if params.structured_outputs is not None:
-        raise ParamError("structured_outputs", "structured_outputs is not supported with async_scheduling")
+def check_request(config: "EngineConfig", params: SamplingParams, beam_width: int = 1, lora_request=None) -> None:
+    """What this engine's features refuse of one request (the processor calls it): a ParamError
+    or ValueError naming the field."""
+    if config.scheduler_config.async_scheduling:   # the next step needs the host's token
+        if beam_width > 1 or params.external_tokens:
+            raise ParamError("beam_width", "beam search is not supported with async_scheduling")
+        if params.structured_outputs is not None:
+            raise ParamError("structured_outputs", "structured_outputs is not supported with async_scheduling")
+    if lora_request is not None and beam_width > 1:
+        raise ValueError("lora_request is not supported with beam search")
+    if params.prompt_logprobs is not None and SPLIT.on(config):
+        raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with tensor or pipeline "
+                                            "parallelism yet; leave it None")

@@ -91,3 +91,27 @@ def test_several_features_that_combine_are_accepted():
     # LoRA, async scheduling and data parallelism run together, as do speculation and LoRA.
     check_compatibility(_config("enable_lora", "async_scheduling", "data_parallel_size > 1"))
     check_compatibility(_config("speculative_config", "enable_lora", "data_parallel_size > 1"))
+
+
+def test_what_the_features_refuse_of_one_request():
+    from pagedllm.engine.compat import check_request
+    from pagedllm.lora import LoRARequest
+    from pagedllm.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+    plain = SamplingParams(max_tokens=4)
+    for name in TURN_ON:   # nothing refused of a plain request
+        check_request(_config(name), plain)
+    refusals = [
+        (_config("async_scheduling"), dict(beam_width=2), "beam_width", "beam search is not supported with async"),
+        (_config("async_scheduling"), dict(params=SamplingParams(structured_outputs=StructuredOutputsParams(
+            choice=["a", "b"]))), "structured_outputs", "structured_outputs is not supported with async_scheduling"),
+        (_config("tensor / pipeline parallelism"), dict(params=SamplingParams(prompt_logprobs=1)), "prompt_logprobs",
+         "prompt_logprobs is not supported with tensor or pipeline parallelism"),
+    ]
+    for config, kwargs, field, message in refusals:
+        with pytest.raises(ParamError, match=message) as e:
+            check_request(config, **{"params": plain, **kwargs})
+        assert e.value.param == field
+    with pytest.raises(ValueError, match="lora_request is not supported with beam search"):
+        check_request(_config("enable_lora"), plain, beam_width=2, lora_request=LoRARequest("a", 1, "/none"))
+    check_request(_config("enable_lora"), plain, beam_width=1, lora_request=LoRARequest("a", 1, "/none"))
+    check_request(_config("runner 'pooling'"), SamplingParams(prompt_logprobs=1), beam_width=2)
