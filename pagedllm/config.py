@@ -73,6 +73,10 @@ class ModelConfig:
         validate_quantization(method, group_size, device, self.dtype)
         self.quantization, self.quantization_group_size = method, group_size
 
+    def validate(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+
     @classmethod
     def from_dir(cls, path: str, dtype: str = "float32", max_model_len: Optional[int] = None,
                  seed: int = 0) -> "ModelConfig":
@@ -136,10 +140,20 @@ class CacheConfig:
     num_cpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from swap_space
     cache_dtype: str = "auto"          # KV cache: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2
 
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        check_kv_cache_dtype(self.cache_dtype)
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+
 
 # Allowed values, defined once: the CLI's choices (engine/arg_utils.py) and validation read these.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")   # attention/kv_quant.py maps them
+# --kv-cache-dtype's values -> the cache element's torch dtype, by name (torch-free here;
+# attention/kv_quant.py makes the dtype). None: the model's dtype; "fp8" is e4m3, as vLLM's.
+KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")                      # EngineArgs also takes "auto"
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -165,6 +179,20 @@ class SchedulerConfig:
     # (request priority, arrival); the lowest-priority running request is the one preempted.
     scheduling_policy: str = "fcfs"
 
+    def validate(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+
 
 @dataclass
 class ParallelConfig:
@@ -178,6 +206,15 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Processes of one engine replica (data parallelism multiplies replicas, not this)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def validate(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
 
 
 @dataclass
@@ -210,6 +247,23 @@ class DeviceConfig:
     cuda_graph_sizes: list = field(default_factory=list)
     # cudagraph_mode FULL: token counts captured for mixed prefill + decode steps (padded up).
     mixed_graph_sizes: list = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        from pagedllm.attention.backends.registry import backend_choices
+        if self.attention_backend not in backend_choices():
+            raise ValueError(f"attention_backend must be one of {('auto',) + backend_choices()}, "
+                             f"got {self.attention_backend!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+def check_kv_cache_dtype(name) -> str:
+    """--kv-cache-dtype's value, or a ValueError naming the field."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return name
 
 
 # vLLM's compilation_config.cudagraph_mode values this engine has (no piecewise graphs).
@@ -259,74 +313,11 @@ class EngineConfig:
     speculative_config: Optional["SpeculativeConfig"] = None
 
     def validate(self) -> None:
-        c, s = self.cache_config, self.scheduler_config
-        if self.speculative_config is not None:
-            from pagedllm.spec_decode.checks import check_speculative_config
-            check_speculative_config(self)
-        if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {c.block_size}")
-        if s.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {s.preemption_mode!r}")
-        if s.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {s.scheduling_policy!r}")
-        if not (isinstance(c.swap_space, (int, float)) and c.swap_space >= 0):
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {c.swap_space!r}")
-        if s.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
-        if s.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
-        p = self.parallel_config
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            v = getattr(p, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if p.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
-            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
-                             f"got {p.distributed_executor_backend!r}")
-        if p.world_size > 1:
-            from pagedllm.distributed.sharding import validate_parallel_sizes
-            validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
-                                    p.pipeline_parallel_size)
-        m = self.model_config
-        if m.runner not in RUNNERS:
-            raise ValueError(f"runner must be 'generate' or 'pooling', got {m.runner!r}")
-        if m.runner == "pooling" and (p.world_size > 1 or p.data_parallel_size > 1):
-            raise ValueError("runner 'pooling' runs one unsplit replica: tensor_parallel_size, "
-                             "pipeline_parallel_size and data_parallel_size must be 1")
-        if self.kv_transfer_config is not None and (p.world_size > 1 or p.data_parallel_size > 1 or m.runner != "generate"):
-            raise ValueError("kv_transfer_config needs one unsplit generating replica: tensor_parallel_size, "
-                             "pipeline_parallel_size and data_parallel_size 1, runner 'generate'")
-        if self.kv_transfer_config is not None or (self.speculative_config is not None
-                                                    and self.speculative_config.method == "draft_model"):
-            from pagedllm.models.hf_config import mixes_attention_windows
-            if p.pipeline_parallel_size == 1 and mixes_attention_windows(m.hf_config):
-                # Both move or reuse one block table's K/V; a hybrid model (Gemma 3) has one per group.
-                what = "kv_transfer_config" if self.kv_transfer_config is not None else "speculative_config 'draft_model'"
-                raise ValueError(f"{what} is not supported for a model with several KV cache groups "
-                                 "(sliding and full attention layers, e.g. Gemma 3) yet")
-        d = self.device_config
-        if d.device not in DEVICES:
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {d.device!r}")
-        from pagedllm.attention.backends.registry import backend_choices
-        if d.attention_backend not in backend_choices():
-            raise ValueError(f"attention_backend must be one of {('auto',) + backend_choices()}, "
-                             f"got {d.attention_backend!r}")
-        if d.device == "cuda" and d.attention_backend != "triton":
-            raise ValueError("device 'cuda' needs attention_backend 'triton' (the torch backend is the CPU's)")
-        if not (isinstance(d.gpu_memory_utilization, (int, float)) and 0 < d.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {d.gpu_memory_utilization!r}")
-        if d.device == "cuda" and p.world_size > 1:
-            raise ValueError("tensor / pipeline parallelism runs on the CPU only for now; "
-                             "use device 'cpu' or tensor_parallel_size = pipeline_parallel_size = 1")
-        if self.lora_config is not None:
-            from pagedllm.lora.config_check import validate_lora_config
-            validate_lora_config(self)
-        if s.async_scheduling:
-            from pagedllm.core.async_checks import check_async_scheduling
-            check_async_scheduling(self)
-        if not s.chunked_prefill and s.max_num_batched_tokens < s.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens "
-                             f"({s.max_num_batched_tokens}) must be >= max_model_len ({s.max_model_len})")
+        """Each config checks its own fields; the rules across features are engine/compat.py's."""
+        for part in (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
+                     self.device_config, self.lora_config, self.speculative_config):
+            if part is not None:
+                part.validate()
 
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp")

@@ -10,31 +10,20 @@ quantized dtype and the scales [S, Hkv] float32 (S = num_blocks * block_size slo
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-# The flag's values -> the cache's element type (None: the model's dtype). "fp8" is e4m3, as vLLM.
-KV_CACHE_DTYPES: dict[str, Optional[torch.dtype]] = {
-    "auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-}
+from pagedllm.config import KV_CACHE_DTYPES, check_kv_cache_dtype
+
 # The largest magnitude each quantized type holds (fp8 e4m3: 448; e5m2: 57344).
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 SCALE_DTYPE = torch.float32
 _TINY = 1e-12   # the scale of an all-zero row: any positive value decodes it back to zeros
 
 
-def check_kv_cache_dtype(name) -> str:
-    """The flag's value, or a ValueError naming the field."""
-    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return name
-
-
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type for the flag's value (auto: the model's dtype)."""
-    return KV_CACHE_DTYPES[check_kv_cache_dtype(name)] or model_dtype
+    """The cache's element type for the flag's value (config.KV_CACHE_DTYPES; auto: the model's dtype)."""
+    torch_name = KV_CACHE_DTYPES[check_kv_cache_dtype(name)]
+    return getattr(torch, torch_name) if torch_name is not None else model_dtype
 
 
 def is_quantized(dtype: torch.dtype) -> bool:

@@ -10,7 +10,7 @@ step N's output arrives: a request that stopped there has computed one token too
 N+1, which is dropped (its blocks are freed by then, and step N+1 has finished writing them
 before any later step can use them: steps run in order on the device).
 
-What it does not run (refused when the engine is built or the request arrives: core/async_checks.py): speculative
+What it does not run (refused when the engine is built or the request arrives: engine/compat.py): speculative
 decoding, beam search, structured outputs, pooling, P/D disaggregation, tensor or pipeline
 parallelism.
 """

@@ -14,6 +14,7 @@ from pagedllm.config import (CUDAGRAPH_MODES, DEVICES, DISTRIBUTED_EXECUTOR_BACK
                              LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                              SpeculativeConfig, cuda_graph_ladder, mixed_graph_ladder, resolve_dtype)
 from pagedllm.engine.cli_fields import arg
+from pagedllm.engine.compat import check_compatibility
 
 
 def _quantization_choices() -> list[str]:
@@ -151,12 +152,11 @@ class EngineArgs:
                              preemption_mode=self.preemption_mode,
                              async_scheduling=bool(self.async_scheduling),
                              scheduling_policy=self.scheduling_policy)
-        from pagedllm.attention.kv_quant import check_kv_cache_dtype
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,
                          enable_prefix_caching=prefix_caching,
                          swap_space=self.swap_space, num_cpu_blocks=self.num_cpu_blocks,
-                         cache_dtype=check_kv_cache_dtype(self.kv_cache_dtype))
+                         cache_dtype=self.kv_cache_dtype)
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size,
                             data_parallel_size=self.data_parallel_size,
@@ -166,12 +166,14 @@ class EngineArgs:
             sc.num_lookahead_tokens = spec.num_speculative_tokens
         lc = (LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
               if self.enable_lora else None)
+        sc.max_loras = lc.max_loras if lc is not None else 0   # distinct adapters in one step
         config = EngineConfig(mc, cc, sc, pc, dc, lc, speculative_config=spec)
         if self.kv_transfer_config is not None:
             from pagedllm.distributed.kv_transfer.config import KVTransferConfig
             config.kv_transfer_config = KVTransferConfig.from_cli(self.kv_transfer_config)
             config.kv_transfer_config.resolve_port()
         config.validate()
+        check_compatibility(config)
         return config
 
     def _device_config(self) -> DeviceConfig:

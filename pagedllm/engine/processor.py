@@ -7,6 +7,7 @@ from typing import Optional, Union
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import check_fits_kv_cache
 from pagedllm.core.kv_cache_utils import KVCacheConfig
+from pagedllm.engine.compat import check_request
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -146,19 +147,12 @@ class Processor:
             raise ValueError(f"n / best_of ({params.num_samples}) must be <= max_num_seqs ({max_seqs})")
         if beam_width > max_seqs:
             raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({max_seqs})")
-        if self.config.scheduler_config.async_scheduling:
-            from pagedllm.core.async_checks import check_async_request
-            check_async_request(params, beam_width)
+        check_request(self.config, params, beam_width, lora_request)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params, beam_width)
         if lora_request is not None:
             from pagedllm.lora.peft_helper import check_lora_request
-            if beam_width > 1:
-                raise ValueError("lora_request is not supported with beam search")
             check_lora_request(lora_request, self.config, self.known_loras)
-        if params.prompt_logprobs is not None and self.config.parallel_config.world_size > 1:
-            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with tensor or pipeline "
-                                                "parallelism yet; leave it None")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

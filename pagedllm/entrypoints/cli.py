@@ -94,13 +94,12 @@ def cmd_chat(ns) -> int:
 
 def cmd_serve(ns) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
         ns.model = ns.model_tag
-    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
-    return run_server(ns, engine_args_from(ns))
+    return run_server(dataclass_from_args(FrontendArgs, ns), engine_args_from(ns))
 
 
 def cmd_run_batch(ns) -> int:
@@ -134,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (engine core in its own process)")
-    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+    from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_FIELDS, FrontendArgs, add_serve_args
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -142,13 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run-batch", help="run a file of requests in OpenAI's batch format (JSONL) offline")
     p.add_argument("-i", "--input-file", required=True, help="JSONL: {custom_id, method, url, body} per line")
     p.add_argument("-o", "--output-file", required=True, help="JSONL: {id, custom_id, response, error} per line")
-    p.add_argument("--served-model-name", nargs="+", default=None, help="the name(s) a body's `model` may give")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    p.add_argument("--enable-auto-tool-choice", action="store_true")
-    p.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"])
-    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"])
     p.add_argument("--disable-progress-bar", action="store_true")
+    add_dataclass_args(p, FrontendArgs, only=RUN_BATCH_FIELDS)
     add_engine_args(p)
     p.set_defaults(func=cmd_run_batch)
 

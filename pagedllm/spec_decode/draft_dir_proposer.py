@@ -5,7 +5,7 @@ the target's vocabulary, in the same process and on the same device, with its ow
 catch_up runs it over every position the target made final this step and the just-sampled
 token, so it has no prefill of its own to schedule; its output at the last token gives draft 1,
 then k - 1 one-token steps. Any architecture the engine loads, one KV cache group (the engine
-refuses a sliding/full hybrid draft, spec_decode/checks.py).
+refuses a sliding/full hybrid draft, engine/compat.py).
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def speculates(params) -> bool:
 
 
 def make_proposer(config: SpeculativeConfig, model, attn_backend, engine_config):
-    """The proposer the config names (checked by spec_decode/checks.py at the engine's validate)."""
+    """The proposer the config names (checked by engine/compat.py when the engine config is built)."""
     block_size, max_model_len = engine_config.cache_config.block_size, engine_config.model_config.max_model_len
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

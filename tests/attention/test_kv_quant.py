@@ -33,9 +33,10 @@ REL_STEP = {torch.float8_e4m3fn: 2 ** -4, torch.float8_e5m2: 2 ** -3}
 
 
 def test_flag_values():
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert resolve_kv_cache_dtype("fp8", torch.float32) == torch.float8_e4m3fn   # vLLM's alias
-    assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+    from pagedllm.config import KV_CACHE_DTYPES
+    want = {"auto": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn,   # fp8: vLLM's alias
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    assert {name: resolve_kv_cache_dtype(name, torch.bfloat16) for name in KV_CACHE_DTYPES} == want
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         resolve_kv_cache_dtype("int4", torch.float32)
 

@@ -70,3 +70,22 @@ def test_a_new_flag_is_one_field():
     k = dataclass_from_args(Knobs, p.parse_args(["--policy", "priority", "--limit", "5", "--verbose", "--no-fast"]))
     assert k == Knobs(policy="priority", limit=5, verbose=True, fast=False, python_only=7)
     assert dataclass_from_args(Knobs, p.parse_args([])) == Knobs()
+
+
+def test_a_renamed_flag_a_positional_a_list_and_a_default_read_when_the_parser_is_built():
+    read = []
+
+    @dataclass
+    class Knobs:
+        target: Optional[str] = arg(None, "where", flag="target", nargs="?")
+        verbosity: str = arg("info", "how much", flag="--level")
+        names: Optional[list] = arg(None, "names", nargs="+", metavar="NAME")
+        key: Optional[str] = arg(None, "a key", cli_default=lambda: read.append(1) or "from-env")
+
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, Knobs)
+    assert read == [1]   # once, when the flags were made
+    assert dataclass_from_args(Knobs, p.parse_args([])) == Knobs(key="from-env")
+    k = dataclass_from_args(Knobs, p.parse_args(["here", "--level", "debug", "--names", "a", "b", "--key", "k"]))
+    assert k == Knobs(target="here", verbosity="debug", names=["a", "b"], key="k")
+    assert "from-env" not in p.format_help()   # a value from the environment is never shown

@@ -14,7 +14,6 @@ get 503 and the server exits 1 (for a supervisor to restart it), unless
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -30,7 +29,7 @@ from pagedllm import __version__
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import AuthMiddleware
 from pagedllm.entrypoints.openai.body_limit import BodySizeLimitMiddleware
-from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES, FrontendArgs
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -134,7 +133,7 @@ def _hand_signals_to_uvicorn(loop: asyncio.AbstractEventLoop) -> None:
         signal.signal(sig, lambda *_: None)
 
 
-def _make_server(app: FastAPI, ns: argparse.Namespace, engine: AsyncLLM) -> _Server:
+def _make_server(app: FastAPI, ns: FrontendArgs, engine: AsyncLLM) -> _Server:
     level = ns.serve_log_level.lower()
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=level, access_log=level == "debug",
                             lifespan="off", timeout_graceful_shutdown=10, timeout_keep_alive=5)
@@ -145,7 +144,7 @@ def _make_server(app: FastAPI, ns: argparse.Namespace, engine: AsyncLLM) -> _Ser
     return server
 
 
-async def _run(server: _Server, sock: socket.socket, ns: argparse.Namespace, name: str, engine: AsyncLLM) -> None:
+async def _run(server: _Server, sock: socket.socket, ns: FrontendArgs, name: str, engine: AsyncLLM) -> None:
     """Serve on `sock` until uvicorn stops; log the "ready" line once it listens."""
     serve_task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not serve_task.done():
@@ -157,7 +156,7 @@ async def _run(server: _Server, sock: socket.socket, ns: argparse.Namespace, nam
     await serve_task
 
 
-async def serve(ns: argparse.Namespace, engine_args) -> int:
+async def serve(ns: FrontendArgs, engine_args) -> int:
     from pagedllm.models.download import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
     loop = asyncio.get_running_loop()
     stop_during_start = _cancel_on_signal(loop)
@@ -223,7 +222,7 @@ def _event_loop_runner():
     return uvloop.run
 
 
-def run_server(ns: argparse.Namespace, engine_args) -> int:
+def run_server(ns: FrontendArgs, engine_args) -> int:
     level = ns.serve_log_level.upper()
     logging.basicConfig(level=min(logging.WARNING, logging.getLevelName(level)),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
