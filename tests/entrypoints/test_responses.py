@@ -127,3 +127,17 @@ def test_store_previous_response_get_delete(client, server):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert first.id in e.value.body["message"]
+
+
+@pytest.mark.timeout(600)   # may start the shared default server
+def test_store_is_ignored_unless_the_server_keeps_responses(default_server):
+    """As vLLM: without PAGEDLLM_ENABLE_RESPONSES_API_STORE (the default server has none), store
+    (true by default, as OpenAI's) is ignored: nothing is kept, and the 404 says how to keep it."""
+    client = default_server.client()
+    r = client.responses.create(model=client.models.list().data[0].id, input="Hi", max_output_tokens=2)
+    assert r.store is False
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: client.responses.create(model=None, input="x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "PAGEDLLM_ENABLE_RESPONSES_API_STORE" in e.value.body["message"]
