@@ -61,6 +61,13 @@ class TextConfig(OpenAIBaseModel):
     format: Optional[TextFormat] = None
 
 
+class ReasoningConfig(OpenAIBaseModel):
+    """How much to think: the chat template's enable_thinking (off for "none") and reasoning_effort,
+    as vLLM passes them."""
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    summary: Optional[StrictStr] = None
+
+
 class ResponsesRequest(OpenAIBaseModel):
     model: Optional[StrictStr] = None
     input: Union[StrictStr, list[ResponseInputItem]]
@@ -76,6 +83,7 @@ class ResponsesRequest(OpenAIBaseModel):
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionToolChoice]] = None
     parallel_tool_calls: StrictBool = True
+    reasoning: Optional[ReasoningConfig] = None
     top_logprobs: Optional[StrictInt] = None
     metadata: Optional[dict[str, StrictStr]] = None
     user: Optional[StrictStr] = None
@@ -153,4 +161,5 @@ class ResponseHead:
             "previous_response_id": req.previous_response_id, "store": self.store,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user, "usage": usage,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
         }

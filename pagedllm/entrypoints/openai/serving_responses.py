@@ -104,6 +104,9 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionR
             by_alias=True, exclude={"type"}, exclude_none=True)}
     elif fmt is not None and fmt.type == "json_object":
         fields["response_format"] = {"type": "json_object"}
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": effort != "none", "reasoning_effort": effort}
     if req.structured_outputs is not None:
         fields["structured_outputs"] = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     try:
