@@ -34,6 +34,10 @@ def _number(kind: type, default):
 VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_HOME": EnvVar(_text("~/.cache/pagedllm"),
                             "pagedllm's cache: the default model and random:<shape> models"),
+    "PAGEDLLM_ENABLE_RESPONSES_API_STORE": EnvVar(_switch(False),
+                                                  "1: keep /v1/responses made with store (OpenAI's default) for GET and "
+                                                  "previous_response_id; unset: store is ignored (vLLM's "
+                                                  "VLLM_ENABLE_RESPONSES_API_STORE)"),
     "PAGEDLLM_RESPONSES_STORE_SIZE": EnvVar(_number(int, 1024),
                                             "responses kept for previous_response_id (store: true); the oldest go first"),
     "PAGEDLLM_RESPONSES_STORE_TTL_S": EnvVar(_number(float, 3600.0), "seconds a stored response is kept"),

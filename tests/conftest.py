@@ -115,8 +115,9 @@ def model(client):
 def tiny_shared_server():
     """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py,
     test_server_sampling.py and test_input_bounds.py."""
-    from server_utils import TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN, tiny_server
-    srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES))
+    from server_utils import RESPONSES_STORE_ON, TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN, tiny_server
+    srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES),
+                      env=RESPONSES_STORE_ON)
     yield srv
     srv.close()
 
@@ -129,10 +130,11 @@ def structured_server(tmp_path_factory):
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent / "structured_output"))
-    from server_utils import RemoteServer
+    from server_utils import RESPONSES_STORE_ON, RemoteServer
     from tiny_chat_model import make_tiny_chat_model
     model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
     srv = RemoteServer(["--model", str(model), "--max-model-len", "1024", "--max-num-seqs", "128",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+                       env=RESPONSES_STORE_ON)
     yield srv
     srv.close()

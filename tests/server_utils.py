@@ -151,10 +151,10 @@ TINY = "random:tiny"
 TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # it has none of its own
 
 
-def tiny_server(max_model_len: int, *args: str) -> RemoteServer:
+def tiny_server(max_model_len: int, *args: str, env: Optional[dict] = None) -> RemoteServer:
     """A server of the tiny random-weight model (quick to start), with a plain chat template."""
     return RemoteServer(["--model", TINY, "--max-model-len", str(max_model_len), "--kv-cache-memory", "0.01",
-                         "--chat-template", TINY_CHAT_TEMPLATE, *args])
+                         "--chat-template", TINY_CHAT_TEMPLATE, *args], env=env)
 
 
 # The two servers the test session shares (conftest.py: `default_server`, `tiny_shared_server`)
@@ -169,6 +169,8 @@ DEFAULT_SERVER_ARGS = ["--max-model-len", str(DEFAULT_SERVER_MAX_MODEL_LEN), "--
 LONG_PROMPT = "Tell me a long story about a dragon."
 LONG_STEP_TOKEN, LONG_STEP_MS = 17422, 50
 DEFAULT_SERVER_ENV = {"PAGEDLLM_FAULT_INJECTION": f"slow:{LONG_STEP_TOKEN}:{LONG_STEP_MS}"}
+# The Responses store is off unless asked for (as vLLM's): on for the shared tiny and tool servers.
+RESPONSES_STORE_ON = {"PAGEDLLM_ENABLE_RESPONSES_API_STORE": "1"}
 TINY_SERVER_MAX_MODEL_LEN = 64
 TINY_SERVER_MAX_BODY_BYTES = 64 << 10   # small, for test_input_bounds.py's 413s
 

@@ -1,5 +1,6 @@
 """The chat endpoint's template options through a real server and the official openai client:
-`add_generation_prompt: false`, `continue_final_message`, `chat_template_kwargs`, against prompt
+`add_generation_prompt: false`, `continue_final_message`, `chat_template_kwargs` (and the Responses
+API's `reasoning.effort`, which becomes template variables), against prompt
 token ids written out by hand for a template given as a file (`--chat-template FILE`), on the
 tiny random model (its word-level tokenizer maps "w<id>" to id). The server takes its API key
 from $PAGEDLLM_API_KEY: a request without it is a 401."""
@@ -9,7 +10,10 @@ import pytest
 from server_utils import TINY, RemoteServer, assert_error
 
 TEMPLATE = ("{% for m in messages %}w100 {{ m['content'] }} w101 {% endfor %}"
-            "{% if add_generation_prompt %}w102 {% endif %}{% if greeting is defined %}{{ greeting }}{% endif %}")
+            "{% if add_generation_prompt %}w102 {% endif %}{% if greeting is defined %}{{ greeting }}{% endif %}"
+            "{% if enable_thinking is defined %}{{ 'w300 ' if enable_thinking else 'w301 w301 w301 ' }}{% endif %}"
+            "{% if reasoning_effort is defined %}{{ {'none': 'w310', 'low': 'w311 w311', 'high': 'w313 w313 w313 w313'}"
+            "[reasoning_effort] }}{% endif %}")
 KEY = "sk-from-the-environment"
 USER = [{"role": "user", "content": "w77 w8"}]
 
@@ -58,3 +62,20 @@ def test_api_key_from_the_environment(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="sk-wrong", max_retries=0).models.list()
     assert [m.id for m in client.models.list().data] == [TINY]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("effort, expected", [(None, []), ("none", [301, 301, 301, 310]), ("low", [300, 311, 311]),
+                                              ("high", [300, 313, 313, 313, 313])])
+def test_responses_reasoning_effort(client, effort, expected):
+    """The Responses API's reasoning.effort reaches the template as vLLM passes it: enable_thinking
+    (off for "none") and reasoning_effort. Each effort gives the prompt another length (usage);
+    chat with those template variables gives these ids."""
+    expected = [100, 77, 8, 101, 102] + expected
+    kw = {} if effort is None else {"reasoning": {"effort": effort}}
+    r = client.responses.create(model=TINY, input="w77 w8", max_output_tokens=1, temperature=0, **kw)
+    assert r.usage.input_tokens == len(expected)
+    assert (r.reasoning.effort if r.reasoning else None) == effort
+    if effort is not None:
+        template_kwargs = {"enable_thinking": effort != "none", "reasoning_effort": effort}
+        assert _prompt_ids(client, USER, chat_template_kwargs=template_kwargs) == expected[1:]

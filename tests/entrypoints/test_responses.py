@@ -83,7 +83,9 @@ def test_stream_matches_chat(client, chat_reference):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}), "text.format"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}), "text.format"),
+    (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
+    (dict(tools=[{"type": "web_search"}]), "tools"),
     (dict(max_output_tokens=0), "max_output_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input"),
@@ -105,12 +107,13 @@ def test_store_previous_response_get_delete(client, server):
                                     store=True)
     assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
     second = client.responses.create(model=model, input="And another.", max_output_tokens=6, temperature=0,
-                                     previous_response_id=first.id)
+                                     previous_response_id=first.id, store=False)
     chat = client.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
         {"role": "user", "content": "Say a colour."}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And another."}])
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
+    assert not second.store
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)   # not stored
     with client.responses.stream(model=model, input="And another.", max_output_tokens=6, temperature=0,
@@ -124,3 +127,17 @@ def test_store_previous_response_get_delete(client, server):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert first.id in e.value.body["message"]
+
+
+@pytest.mark.timeout(600)   # may start the shared default server
+def test_store_is_ignored_unless_the_server_keeps_responses(default_server):
+    """As vLLM: without PAGEDLLM_ENABLE_RESPONSES_API_STORE (the default server has none), store
+    (true by default, as OpenAI's) is ignored: nothing is kept, and the 404 says how to keep it."""
+    client = default_server.client()
+    r = client.responses.create(model=client.models.list().data[0].id, input="Hi", max_output_tokens=2)
+    assert r.store is False
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: client.responses.create(model=None, input="x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "PAGEDLLM_ENABLE_RESPONSES_API_STORE" in e.value.body["message"]

@@ -60,13 +60,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     # chat_options: enable_auto_tool_choice, tool_call_parser, reasoning_parser (OpenAIServingChat)
     state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, chat_template, **chat_options)
     state.anthropic_serving_messages = AnthropicServingMessages(state.openai_serving_chat)
-    state.openai_serving_responses = OpenAIServingResponses(engine, served_model_names, chat_template)
+    state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     state.openai_serving_score = OpenAIServingScore(engine, served_model_names)
     # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.
     state.models = OpenAIServingModels(engine, served_model_names, lora_modules, allow_runtime_lora_updating)
-    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_responses,
-                    state.openai_serving_embedding):
+    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_embedding):
         serving.models = state.models
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)

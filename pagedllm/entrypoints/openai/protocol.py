@@ -390,42 +390,6 @@ class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[StrictInt]
 
 
-# ------------------------------------------------------------------ responses (stateless)
-class ResponseInputContent(OpenAIBaseModel):
-    """A part of an input message: input_text (or output_text, an earlier assistant turn)."""
-    type: StrictStr
-    text: Optional[StrictStr] = None
-
-
-class ResponseInputItem(OpenAIBaseModel):
-    """An item of `input`: only messages (type "message" or absent) are served."""
-    type: Optional[StrictStr] = None
-    role: Optional[StrictStr] = None
-    content: Optional[Union[StrictStr, list[ResponseInputContent]]] = None
-
-
-class ResponsesRequest(OpenAIBaseModel):
-    model: Optional[StrictStr] = None
-    input: Union[StrictStr, list[ResponseInputItem]]
-    instructions: Optional[StrictStr] = None
-    max_output_tokens: Optional[StrictInt] = None
-    temperature: Optional[Number] = None
-    top_p: Optional[Number] = None
-    stream: Optional[StrictBool] = False
-    # Stateless: a request naming an earlier response, or asking to be stored, is refused.
-    previous_response_id: Optional[StrictStr] = None
-    store: Optional[StrictBool] = None
-    text: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    top_logprobs: Optional[StrictInt] = None
-    metadata: Optional[dict[str, StrictStr]] = None
-    user: Optional[StrictStr] = None
-    # Extras (vLLM's names), as on the other endpoints.
-    seed: Optional[StrictInt] = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    top_k: Optional[StrictInt] = None
-
-
 # ------------------------------------------------------------------ embeddings
 class EmbeddingRequest(OpenAIBaseModel):
     model: Optional[StrictStr] = None

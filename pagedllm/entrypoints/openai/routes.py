@@ -15,7 +15,8 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import engine_error
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest)
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.protocol_score import PoolingRequest, RerankRequest, ScoreRequest
@@ -136,13 +137,13 @@ async def create_response(req: ResponsesRequest, raw_request: Request):
 
 @openai_router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, raw_request: Request):
-    """A response made with store: true; 404 for an unknown, expired or deleted id."""
-    return JSONResponse(responses(raw_request).store.get(response_id)[0])
+    """A kept response (store, with the server's store on); 404 for an unknown, expired or deleted id."""
+    return JSONResponse(responses(raw_request).stored(response_id)[0])
 
 
 @openai_router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, raw_request: Request):
-    responses(raw_request).store.delete(response_id)
+    responses(raw_request).delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

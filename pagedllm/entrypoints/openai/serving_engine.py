@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from typing import AsyncIterator, Optional, Sequence
 
 from pagedllm.engine.async_llm import AsyncLLM, BeamSearchHandle, RequestStream
@@ -41,6 +42,15 @@ def invalid_request(e: ValueError, renames: Optional[dict[str, str]] = None) -> 
     return OpenAIError(message, param=param)
 
 
+def renamed_error(e: OpenAIError, renames: dict[str, str]) -> OpenAIError:
+    """An error of the chat path in the words of an API built on it (Anthropic's, the Responses
+    API's): the field it names renamed, in `param` and in the message."""
+    new = renames.get(e.param) if e.param else None
+    if new is None:
+        return e
+    return OpenAIError(re.sub(rf"\b{re.escape(e.param)}\b", new, e.message), e.status, e.type, new, e.code)
+
+
 @contextlib.contextmanager
 def bad_input_is_400(renames: Optional[dict[str, str]] = None):
     """The engine's validation errors (ValueError) inside become 400 OpenAI errors."""
@@ -56,6 +66,13 @@ def sse(obj) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_chunks(lines: AsyncIterator[str]) -> AsyncIterator[Optional[dict]]:
+    """A chat stream's SSE lines as dicts (None for [DONE]), for the APIs that re-shape it."""
+    async for line in lines:
+        data = line[len("data: "):].strip()
+        yield None if data == "[DONE]" else json.loads(data)
 
 
 async def stream_final(make_response, head: dict, chunk_choice, include_usage: bool) -> AsyncIterator[str]:

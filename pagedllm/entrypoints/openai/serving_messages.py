@@ -11,19 +11,11 @@ import json
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
 from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, message_head, stop_reason
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError
+from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, renamed_error
 from pagedllm.entrypoints.openai.serving_messages_stream import anthropic_events
 
 # chat's field names -> Anthropic's, in the errors the chat path raises
 _RENAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
-
-
-def _renamed(e: OpenAIError) -> OpenAIError:
-    if e.param in _RENAMES:
-        new = _RENAMES[e.param]
-        msg = new + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-        return OpenAIError(msg, e.status, e.type, new, e.code)
-    return e
 
 
 def _block_text(blocks, where: str) -> str:
@@ -123,7 +115,7 @@ class AnthropicServingMessages:
             chat_req = chat_request(req)
             result = await self.chat.create_chat_completion(chat_req, raw_request)
         except OpenAIError as e:
-            raise _renamed(e) from None
+            raise renamed_error(e, _RENAMES) from None
         if req.stream:
             return anthropic_events(result, random_id("msg"), self.chat.model_name)
         return self._message(result)

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Optional
 
 from pagedllm.entrypoints.openai.errors import anthropic_error_body
 from pagedllm.entrypoints.openai.protocol_anthropic import message_head, stop_reason
+from pagedllm.entrypoints.openai.serving_engine import sse_chunks
 
 
 def event(kind: str, data: dict) -> str:
@@ -63,20 +64,11 @@ def _delta_events(blocks: _Blocks, delta: dict) -> list[str]:
     return out
 
 
-def _chunks(lines: AsyncIterator[str]):
-    """The chat stream's SSE lines as dicts (None for [DONE])."""
-    async def gen():
-        async for line in lines:
-            data = line[len("data: "):].strip()
-            yield None if data == "[DONE]" else json.loads(data)
-    return gen()
-
-
 async def anthropic_events(chat_stream: AsyncIterator[str], msg_id: str, model: str) -> AsyncIterator[str]:
     blocks = _Blocks()
     started = False
     reason, seq, usage = None, None, {"prompt_tokens": 0, "completion_tokens": 0}
-    async for chunk in _chunks(chat_stream):
+    async for chunk in sse_chunks(chat_stream):
         if chunk is None:
             break
         if "error" in chunk:

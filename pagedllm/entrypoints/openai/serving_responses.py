@@ -1,202 +1,176 @@
-"""POST /v1/responses, stateless: `input` (a string, or message items) and `instructions` (a
-system message) through the chat template -> one assistant message, whole or streamed as the
-Responses events (response.created ... response.completed). With `store: true` the response
-and its conversation are kept (response_store.py): GET / DELETE /v1/responses/{id}, and
-previous_response_id carries that conversation into the next turn."""
+"""POST /v1/responses on the chat path, as /v1/messages is: `instructions` (a system message), the
+stored conversation of `previous_response_id`, and `input` (text, messages, function_call and
+function_call_output items) become a chat completion request, with `tools` / `tool_choice` /
+`text.format` as chat's; OpenAIServingChat runs it (template, tool and reasoning parsers,
+sampling, the grammar that forces a required or named call), and its answer comes back as output
+items: `reasoning`, `message`, `function_call`. Streams: serving_responses_stream.py.
+
+With `store` (OpenAI's default) and the server's store on (PAGEDLLM_ENABLE_RESPONSES_API_STORE,
+vLLM's rule: off, `store` is ignored), the response is kept with its conversation
+(response_store.py): GET / DELETE /v1/responses/{id}, and previous_response_id carries it on."""
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, AsyncIterator, Optional
+from pydantic import ValidationError
 
 from pagedllm import envs
-from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.llm import check_role
-from pagedllm.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedllm.entrypoints.openai.protocol_responses import (ResponseHead, ResponseInputItem, ResponsesRequest,
+                                                            assistant_turn, function_call_item, hex_id, status_of,
+                                                            text_item, usage_of)
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, bad_input_is_400, sse, stream_error
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, bad_input_is_400, renamed_error
+from pagedllm.entrypoints.openai.serving_responses_stream import responses_events
 
-_RENAMES = {"max_tokens": "max_output_tokens"}   # the engine's names -> the Responses API's
+# chat's field names -> the Responses API's, in the errors the chat path raises
+_RENAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _hex_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+def _text(parts, where: str) -> str:
+    """A string, or text parts joined; 400 naming `input` for another kind of part."""
+    if parts is None or isinstance(parts, str):
+        return parts or ""
+    bad = [p.type for p in parts if p.type not in _TEXT_PARTS or p.text is None]
+    if bad:
+        raise OpenAIError(f"{where}: content of type {bad[0]!r} is not supported (input_text only)", param="input")
+    return "\n".join(p.text for p in parts)
 
 
-class OpenAIServingResponses(OpenAIServingChat):
-    """The chat machinery (template, context check) behind the Responses API's shapes."""
+def _needs(item: ResponseInputItem, where: str, *names: str) -> None:
+    for name in names:
+        if getattr(item, name) is None:
+            raise OpenAIError(f"{where}: a {item.type} item needs {name}", param="input")
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+
+def input_messages(items, history: list[dict]) -> list[dict]:
+    """`input` as chat messages: a message item as it is, function_call items as the tool_calls of
+    an assistant message (the one before them, or a new one), a function_call_output as a tool
+    message answering a call made earlier (in `history` or in `input`); reasoning is dropped."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise OpenAIError("input must not be an empty list", param="input")
+    out: list[dict] = []
+    calls = {c["id"] for m in history for c in m.get("tool_calls", ())}
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if item.type in (None, "message"):
+            if item.role is None:
+                raise OpenAIError(f"{where}: a message item needs role", param="input")
+            with bad_input_is_400():
+                check_role(item.role, f"{where}.role")
+            out.append({"role": item.role, "content": _text(item.content, where)})
+        elif item.type == "function_call":
+            _needs(item, where, "call_id", "name", "arguments")
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if not (out and out[-1]["role"] == "assistant"):
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+            calls.add(item.call_id)
+        elif item.type == "function_call_output":
+            _needs(item, where, "call_id", "output")
+            if item.call_id not in calls:
+                raise OpenAIError(f"{where}: no function_call with call_id {item.call_id!r} comes before this "
+                                  "function_call_output (in input or the previous response)", param="input")
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+        elif item.type != "reasoning":
+            raise OpenAIError(f"{where}: items of type {item.type!r} are not supported (message, function_call, "
+                              "function_call_output, reasoning)", param="input")
+    return out
+
+
+def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+    """The chat completion request that answers `req` over `messages` (the whole conversation)."""
+    if req.top_logprobs:
+        raise OpenAIError("top_logprobs is not supported on /v1/responses", param="top_logprobs")
+    fields = dict(model=req.model, messages=messages, max_tokens=req.max_output_tokens, temperature=req.temperature,
+                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, user=req.user, priority=req.priority,
+                  stream=req.stream, stream_options={"include_usage": True} if req.stream else None,
+                  parallel_tool_calls=req.parallel_tool_calls)
+    if req.tools:
+        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+                           for t in req.tools]
+    if req.tool_choice is not None:
+        tc = req.tool_choice
+        fields["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise OpenAIError("text.format of type json_schema needs schema (a JSON schema object)",
+                              param="text.format")
+        fields["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
+            by_alias=True, exclude={"type"}, exclude_none=True)}
+    elif fmt is not None and fmt.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": effort != "none", "reasoning_effort": effort}
+    if req.structured_outputs is not None:
+        fields["structured_outputs"] = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:   # the fields were checked as the Responses API's: not expected
+        raise OpenAIError(f"the request could not be made a chat request: {e.errors()[0]['msg']}") from None
+
+
+def output_items(res: ChatCompletionResponse) -> list[dict]:
+    """The chat answer as output items: its thinking, its text (also when empty, unless it only
+    calls), its calls; each completed but the last, which has the response's status."""
+    m, status = res.choices[0].message, status_of(res.choices[0].finish_reason)
+    items = []
+    if m.reasoning_content:
+        items.append(text_item("reasoning", hex_id("rs"), m.reasoning_content, "completed"))
+    if m.content or not m.tool_calls:
+        items.append(text_item("message", hex_id("msg"), m.content or "", "completed"))
+    items += [function_call_item(hex_id("fc"), c.id, c.function.name, c.function.arguments, "completed")
+              for c in m.tool_calls]
+    items[-1]["status"] = status
+    return items
+
+
+class OpenAIServingResponses:
+    """The Responses API in front of the chat serving object (its models, template and parsers)."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+        self.store_enabled = envs.PAGEDLLM_ENABLE_RESPONSES_API_STORE
         self.store = ResponseStore(envs.PAGEDLLM_RESPONSES_STORE_SIZE, envs.PAGEDLLM_RESPONSES_STORE_TTL_S)
 
-    # ------------------------------------------------------------ the request
-    def messages(self, req: ResponsesRequest) -> list[ChatMessage]:
-        """`instructions` then `input` as chat messages; 400 naming `input` for what is not text."""
-        msgs = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
-        if isinstance(req.input, str):
-            return msgs + [ChatMessage(role="user", content=req.input)]
-        if not req.input:
-            raise OpenAIError("input must not be an empty list", param="input")
-        for i, item in enumerate(req.input):
-            if item.type not in (None, "message") or item.role is None:
-                raise OpenAIError(f"input[{i}]: only message items (role and content) are supported, "
-                                  f"got type {item.type!r}", param="input")
-            with bad_input_is_400():
-                check_role(item.role, f"input[{i}].role")
-            content = item.content
-            if isinstance(content, list):
-                bad = [p.type for p in content if p.type not in _TEXT_PARTS or p.text is None]
-                if bad:
-                    raise OpenAIError(f"input[{i}]: content of type {bad[0]!r} is not supported (input_text only)",
-                                      param="input")
-                content = "\n".join(p.text for p in content)
-            msgs.append(ChatMessage(role=item.role, content=content))
-        return msgs
+    def stored(self, response_id: str, param: str = "response_id") -> tuple[dict, list[dict]]:
+        """(body, conversation) of a kept response; 404 (saying why when the store is off)."""
+        if not self.store_enabled:
+            raise OpenAIError(f"no stored response with id {response_id!r}: this server keeps no responses "
+                              "(set PAGEDLLM_ENABLE_RESPONSES_API_STORE=1 to keep those made with store: true)",
+                              status=404, param=param, code="response_not_found")
+        return self.store.get(response_id, param)
 
-    @staticmethod
-    def check_unsupported(req: ResponsesRequest) -> None:
-        if req.tools:
-            raise OpenAIError("tools are not supported", param="tools")
-        if req.top_logprobs:
-            raise OpenAIError("top_logprobs is not supported on /v1/responses", param="top_logprobs")
-
-    @staticmethod
-    def text_format(req: ResponsesRequest) -> Optional[dict]:
-        """The seam for structured output: `text.format` json_schema will become the request's
-        guided decoding here; until the engine has it, anything but plain text is a 400."""
-        fmt = (req.text or {}).get("format") or {"type": "text"}
-        if not isinstance(fmt, dict) or fmt.get("type") != "text":
-            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise OpenAIError(f"text.format of type {kind!r} is not supported (structured output is not "
-                              "available yet): use {'type': 'text'}", param="text.format")
-        return None
-
-    def sampling_params(self, req: ResponsesRequest, max_tokens: Optional[int]) -> SamplingParams:
-        with bad_input_is_400(_RENAMES):
-            return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                  top_p=1.0 if req.top_p is None else req.top_p,
-                                  top_k=-1 if not req.top_k else req.top_k,
-                                  seed=req.seed, max_tokens=max_tokens)
+    def delete(self, response_id: str) -> None:
+        self.stored(response_id)
+        self.store.delete(response_id)
 
     async def create_response(self, req: ResponsesRequest, raw_request=None):
-        self.check_model(req.model)
-        self.check_unsupported(req)
-        self.text_format(req)
-        max_tokens = req.max_output_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise OpenAIError(f"max_output_tokens must be an integer >= 1, got {max_tokens}",
-                              param="max_output_tokens")
-        self.sampling_params(req, max_tokens)   # the values, before the template runs
-        history = []
-        if req.previous_response_id is not None:
-            history = self.store.get(req.previous_response_id, "previous_response_id")[1]
-        conv = self.conversation(self.messages(req))
-        system = conv[:1] if req.instructions is not None else []   # this turn's instructions only
-        conv = system + history + conv[len(system):]
-        ids = self.prompt_ids(conv, True, False)
-        if not ids:
-            raise OpenAIError("the input produced an empty prompt", param="input")
-        max_tokens = self.check_context(len(ids), max_tokens, "input")
-        params = self.sampling_params(req, max_tokens)
-        resp = _Response(req, _hex_id("resp"), self.model_name, len(ids))
-        resp.history = conv[len(system):]
-        kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        stream = self.engine.add_request({"prompt_token_ids": ids}, params, resp.id, kind,
-                                         lora_request=self.lora_request(req.model))
+        history = [] if req.previous_response_id is None else \
+            self.stored(req.previous_response_id, "previous_response_id")[1]
+        turn = input_messages(req.input, history)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+        try:   # this turn's instructions only: a stored conversation has none
+            result = await self.chat.create_chat_completion(chat_request(req, system + history + turn), raw_request)
+        except OpenAIError as e:
+            raise renamed_error(e, _RENAMES) from None
+        head = ResponseHead(req, self.chat.model_name, store=req.store is not False and self.store_enabled)
+
+        def finished(body: dict, items: list[dict]) -> dict:
+            if head.store:
+                self.store.put(body, history + turn + [assistant_turn(items)])
+            return body
         if req.stream:
-            return self._stream(resp, stream)
-        async for _, out in self.merge([stream]):
-            resp.update(out)
-        return JSONBody(self._kept(resp, resp.body(resp.status())))
+            return responses_events(result, head, finished)
+        items = output_items(result)
+        u = result.usage
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+        body = head.body(status_of(result.choices[0].finish_reason), items,
+                         usage_of(u.prompt_tokens, u.completion_tokens, cached))
+        return JSONBody(finished(body, items))
 
-    def _kept(self, resp: "_Response", body: dict) -> dict:
-        """The finished response's body, stored with its conversation when asked."""
-        if resp.req.store:
-            self.store.put(body, resp.history + [{"role": "assistant", "content": resp.text}])
-        return body
-
-    async def _stream(self, resp: "_Response", stream) -> AsyncIterator[str]:
-        seq = iter(range(1 << 62))
-
-        def event(type_: str, **fields) -> str:
-            return f"event: {type_}\n" + sse({"type": type_, "sequence_number": next(seq), **fields})
-
-        loc = {"item_id": resp.msg_id, "output_index": 0}
-        merged = self.merge([stream])
-        try:
-            yield event("response.created", response=resp.body("in_progress"))
-            yield event("response.in_progress", response=resp.body("in_progress"))
-            yield event("response.output_item.added", output_index=0, item=resp.message("in_progress", ""))
-            yield event("response.content_part.added", **loc, content_index=0, part=_text_part(""))
-            async for _, out in merged:
-                delta = resp.update(out)
-                if delta:
-                    yield event("response.output_text.delta", **loc, content_index=0, delta=delta, logprobs=[])
-            text = resp.text
-            yield event("response.output_text.done", **loc, content_index=0, text=text, logprobs=[])
-            yield event("response.content_part.done", **loc, content_index=0, part=_text_part(text))
-            status = resp.status()
-            yield event("response.output_item.done", output_index=0, item=resp.message(status, text))
-            yield event("response.incomplete" if status == "incomplete" else "response.completed",
-                        response=self._kept(resp, resp.body(status)))
-        except Exception as e:  # the engine died or the server is stopping
-            err = stream_error(e)
-            yield event("error", code=err.code or err.type, message=err.message, param=err.param)
-        finally:
-            await merged.aclose()
-
-
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-class _Response:
-    """One response being made: the request's echo fields, the text so far, usage."""
-
-    def __init__(self, req: ResponsesRequest, id_: str, model: str, num_prompt: int) -> None:
-        self.req, self.id, self.model, self.num_prompt = req, id_, model, num_prompt
-        self.msg_id = _hex_id("msg")
-        self.created_at = int(time.time())
-        self.text, self.num_gen, self.num_cached = "", 0, 0
-        self.finish_reason: Optional[str] = None
-        self.history: list[dict] = []   # the conversation (without instructions) that led to it
-
-    def update(self, out) -> str:
-        """Take one engine output -> its new text."""
-        c = out.outputs[0]
-        self.text += c.text
-        self.num_gen += len(c.token_ids)
-        self.num_cached = out.num_cached_tokens
-        self.finish_reason = c.finish_reason or self.finish_reason
-        return c.text
-
-    def status(self) -> str:
-        return "incomplete" if self.finish_reason == "length" else "completed"
-
-    def message(self, status: str, text: str) -> dict:
-        return {"id": self.msg_id, "type": "message", "role": "assistant", "status": status,
-                "content": [_text_part(text)] if status != "in_progress" else []}
-
-    def body(self, status: str) -> dict[str, Any]:
-        req, done = self.req, status != "in_progress"
-        usage = None
-        if done:
-            usage = {"input_tokens": self.num_prompt,
-                     "input_tokens_details": {"cached_tokens": self.num_cached, "cache_write_tokens": 0},
-                     "output_tokens": self.num_gen, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": self.num_prompt + self.num_gen}
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "completed_at": int(time.time()) if done else None, "model": self.model,
-            "output": [self.message(status, self.text)] if done else [],
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "error": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": False,
-            "tool_choice": "none", "tools": [], "previous_response_id": req.previous_response_id, "store": bool(req.store),
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata or {},
-            "user": req.user, "usage": usage,
-        }
