@@ -80,7 +80,7 @@ def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]) -
     tensor_ids = [getattr(layer, "kv_cache_tensor_id", None) for layer in layers]
     if tensor_ids and tensor_ids[0] is None:
         tensor_ids = list(range(len(layers)))
-    if kv_caches and len(kv_caches) != max(tensor_ids, default=-1) + 1:
+    if kv_caches and layers and len(kv_caches) != max(tensor_ids) + 1:
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
     for layer, t in zip(layers, tensor_ids):
         layer.kv_cache = tuple(kv_caches[t]) if kv_caches else None

@@ -1,0 +1,49 @@
+"""Shared by the recurrent-model tests: a random-weight transformers model saved with a
+word-level tokenizer (its norms and biases drawn too, so one left unloaded shows), prompts, and
+an engine stepped by hand so that a request can arrive while others run."""
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+
+VOCAB = 256
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def make_hf_model(path, config_cls, model_cls, **config):
+    from pagedllm.models.random_model import _write_tokenizer
+    cfg = config_cls(vocab_size=VOCAB, bos_token_id=1, eos_token_id=None, pad_token_id=0, **config)
+    torch.manual_seed(0)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "dt_bias" not in name:
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(path)
+    _write_tokenizer(path, VOCAB)
+    return str(path), model
+
+
+def prompts(lengths):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_with_late_arrival(model_dir, early, late, **settings):
+    """`early` prompts (priority 1) run a few steps, then `late` ones (priority 0) arrive and
+    preempt them where blocks are short -> (outputs by request id, preemptions)."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, scheduling_policy="priority", **settings))
+    for i, p in enumerate(early):
+        engine.add_request(f"e{i}", {"prompt_token_ids": p}, GREEDY, arrival_time=float(i), priority=1)
+    outs = {}
+    for _ in range(3):
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, p in enumerate(late):
+        engine.add_request(f"l{i}", {"prompt_token_ids": p}, GREEDY, arrival_time=10.0 + i, priority=0)
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    return outs, engine.num_preemptions
