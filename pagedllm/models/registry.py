@@ -19,6 +19,7 @@ _MODELS = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
     "Mamba2ForCausalLM": ("mamba2", "Mamba2ForCausalLM"),
+    "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
