@@ -260,7 +260,12 @@ class EngineConfig:
 
     def validate(self) -> None:
         c, s = self.cache_config, self.scheduler_config
+        from pagedllm.models.hf_config import has_recurrent_layers
+        recurrent = has_recurrent_layers(self.model_config.hf_config)
         if self.speculative_config is not None:
+            if recurrent:   # a rejected draft would have to roll the state back
+                raise ValueError("speculative_config is not supported for a model with recurrent layers "
+                                 "(Mamba2, LFM2): their state cannot be rolled back to the last accepted token")
             from pagedllm.spec_decode.checks import check_speculative_config
             check_speculative_config(self)
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -283,6 +288,9 @@ class EngineConfig:
         if p.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {p.distributed_executor_backend!r}")
+        if p.world_size > 1 and recurrent:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be 1 for a model with "
+                             "recurrent layers (Mamba2, LFM2): their layers are not split")
         if p.world_size > 1:
             from pagedllm.distributed.sharding import validate_parallel_sizes
             validate_parallel_sizes(self.model_config.hf_config, p.tensor_parallel_size,
@@ -299,6 +307,8 @@ class EngineConfig:
         if self.kv_transfer_config is not None or (self.speculative_config is not None
                                                     and self.speculative_config.method == "draft_model"):
             from pagedllm.models.hf_config import mixes_attention_windows
+            if recurrent:   # (a speculative_config was refused above)
+                raise ValueError("kv_transfer_config is not supported for a model with recurrent layers (Mamba2, LFM2)")
             if p.pipeline_parallel_size == 1 and mixes_attention_windows(m.hf_config):
                 # Both move or reuse one block table's K/V; a hybrid model (Gemma 3) has one per group.
                 what = "kv_transfer_config" if self.kv_transfer_config is not None else "speculative_config 'draft_model'"

@@ -230,8 +230,18 @@ class KVCacheManager:
         return sum(m.count(request.request_id, request.num_computed_tokens, num_new_tokens, [])[2]
                    for m in self.managers)
 
+    def num_fork_blocks(self, request: Request) -> int:
+        """Free blocks a fork of the request takes: its recurrent states, which are copied
+        (attention blocks are shared)."""
+        return sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers
+                   if isinstance(m, StateManager))
+
+    def can_fork(self, request: Request, num_children: int = 1) -> bool:
+        return num_children * self.num_fork_blocks(request) <= self.num_free_blocks()
+
     def fork(self, parent: Request, child: Request) -> None:
-        """The child starts with the parent's blocks, shared (ref counts)."""
+        """The child starts with the parent's blocks, shared (ref counts); its recurrent states
+        are copies (the caller checked `can_fork`)."""
         for m in self.managers:
             m.fork(parent.request_id, child.request_id)
         self.req_to_block_hashes[child.request_id] = list(self.req_to_block_hashes.get(parent.request_id, ()))

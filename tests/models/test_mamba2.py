@@ -3,6 +3,7 @@ Mamba2ForCausalLM on the same random weights, token for token, for a batch of mi
 chunked prefill with a small token budget (prompts cut into chunks that continue from the state
 the last chunk left, across SSD chunk boundaries), and when late requests of a higher priority
 preempt running ones (their state recomputed from the first token)."""
+import pytest
 from engine.test_greedy_equality import assert_greedy_equal
 from models.hybrid_utils import GREEDY, MAX_TOKENS, make_hf_model, prompts, run_with_late_arrival
 from models.test_qwen3 import hf_reference
@@ -43,3 +44,36 @@ def test_mamba2_state_recomputed_after_preemption(tmp_path):
     refs = hf_reference(model, early + late)
     assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], refs, "Mamba2 preempted")
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs.values())
+
+
+def test_parallel_samples_fork_the_state_where_there_is_room(tmp_path):
+    """n = 3 greedy samples of one prompt with two state blocks: the parent computes the prompt
+    but its last token, then one sibling gets a copy of its state (the only free block) and the
+    other two start over from the prompt; all three equal transformers' greedy output."""
+    from pagedllm import SamplingParams
+    model_dir, model = mamba2(tmp_path)
+    (prompt,) = prompts([23])
+    (ref,) = hf_reference(model, [prompt])
+    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=3)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [ref[0]] * 3
+    manager = llm.llm_engine.core.scheduler.kv_cache_manager
+    assert manager.num_free_blocks() == 2
+
+
+def test_what_a_recurrent_state_cannot_do_is_refused(tmp_path, caplog):
+    """Speculative decoding (no state rollback) and split models are ValueErrors before the
+    model loads; prefix caching is switched off with a warning (no state kept at block
+    boundaries); swap preemption falls back to recompute."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    model_dir, _ = mamba2(tmp_path)
+    with pytest.raises(ValueError, match="speculative_config is not supported for a model with recurrent layers"):
+        EngineArgs(model=model_dir, speculative_config={"method": "ngram"}).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1 for a model "
+                                         "with recurrent layers"):
+        EngineArgs(model=model_dir, tensor_parallel_size=2).create_engine_config()
+    llm = LLM(model_dir, enable_prefix_caching=True, preemption_mode="swap", num_cpu_blocks=8)
+    manager = llm.llm_engine.core.scheduler.kv_cache_manager
+    assert not manager.enable_caching and "prefix caching is off" in caplog.text
+    assert manager.swap_out(None) is False
