@@ -20,6 +20,7 @@ _MODELS = {
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
     "Mamba2ForCausalLM": ("mamba2", "Mamba2ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

@@ -17,6 +17,8 @@ def make_hf_model(path, config_cls, model_cls, **config):
     cfg = config_cls(vocab_size=VOCAB, bos_token_id=1, eos_token_id=None, pad_token_id=0, **config)
     torch.manual_seed(0)
     model = model_cls(cfg).float().eval()
+    if hasattr(model, "set_experts_implementation"):   # MoE: the plain per-expert loop
+        model.set_experts_implementation("eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") and "dt_bias" not in name:
