@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.kv_cache_spec import KVCacheSpec, MambaSpec
+from pagedllm.attention.kv_quant import is_quantized
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheGroupSpec, add_state_groups
 from pagedllm.models.layers.mamba.state_layer import state_layers
 from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, kv_cache_config_of_specs
@@ -48,6 +49,9 @@ def state_kv_cache_layout(model: nn.Module, attn_specs: list[KVCacheSpec], block
                           dtype: torch.dtype) -> tuple[KVCacheConfig, list[KVCacheSpec]]:
     """(layout, the spec of each shared tensor) of a model with recurrent layers (attn_specs:
     its attention layers', in layer order); every layer learns its group and tensor."""
+    if is_quantized(dtype):
+        raise ValueError("kv_cache_dtype must be 'auto' for a model with recurrent layers: their state is kept "
+                         "in the KV cache's dtype, and a quantized one would lose it")
     layers = list(state_layers(model).values())
     specs = [layer.get_kv_cache_spec(block_size, dtype) for layer in layers]
     n = len(layers)
@@ -55,9 +59,6 @@ def state_kv_cache_layout(model: nn.Module, attn_specs: list[KVCacheSpec], block
         config = KVCacheConfig((KVCacheGroupSpec(tuple(range(n)), None, 1),), n, tuple(range(n)))
         tensor_specs = list(specs)
     else:
-        if any(len({dt for _, dt in spec.kv_tensors(1)} | {dtype}) > 1 for spec in attn_specs):
-            raise ValueError("kv_cache_dtype: a model with recurrent layers keeps its state in the "
-                             "attention layers' pages, so its KV cache must be 'auto' (not quantized)")
         config = add_state_groups(kv_cache_config_of_specs(attn_specs, False), n, 1)
         tensor_specs = assign_kv_cache_groups(model, config, attn_specs)
         for spec in specs:

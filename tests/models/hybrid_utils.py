@@ -3,12 +3,15 @@ word-level tokenizer (its norms and biases drawn too, so one left unloaded shows
 an engine stepped by hand so that a request can arrive while others run."""
 import torch
 
-from pagedllm import SamplingParams
+from engine.test_greedy_equality import assert_greedy_equal
+from models.test_qwen3 import hf_reference
+from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 
 VOCAB = 256
 MAX_TOKENS = 12
+LENGTHS = [1, 6, 19, 41, 70]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -49,3 +52,19 @@ def run_with_late_arrival(model_dir, early, late, **settings):
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     return outs, engine.num_preemptions
+
+
+def check_batch_against_transformers(model_dir, model, label, managers, min_preemptions, **settings):
+    """Prompts of LENGTHS in one batch of at most 4, 16 tokens a step (chunked prefill): greedy
+    equal to `model`'s, the KV cache's group managers named `managers`, at least min_preemptions
+    preemptions, every block back at the end -> the LLM."""
+    ids = prompts(LENGTHS)
+    refs = hf_reference(model, ids)
+    llm = LLM(model_dir, max_num_batched_tokens=16, max_num_seqs=4, **settings)
+    manager = llm.llm_engine.core.scheduler.kv_cache_manager
+    assert [type(m).__name__ for m in manager.managers] == managers and not manager.enable_caching
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
+    assert_greedy_equal(outs, refs, label)
+    assert llm.llm_engine.num_preemptions >= min_preemptions
+    assert manager.num_free_blocks() == manager.block_pool.num_blocks - 1
+    return llm

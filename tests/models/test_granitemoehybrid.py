@@ -4,13 +4,7 @@ transformers' own class on random weights, token for token, dense and with route
 chunked prefill with a small token budget and a cache small enough to preempt."""
 import pytest
 
-from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import GREEDY, make_hf_model, prompts
-from models.test_qwen3 import hf_reference
-
-from pagedllm import LLM
-
-LENGTHS = [1, 6, 19, 41, 70]
+from models.hybrid_utils import check_batch_against_transformers, make_hf_model
 # Mamba: 4 heads x 32 x d_state 8 = 1024 floats of SSM state, conv (128 + 2 x 8) x 3 = 432;
 # attention: 4 KV heads x 16 a token, so a block of 16 tokens has K and V rows of 1024 floats:
 # the SSM state fills the K row, the conv state fits the V row.
@@ -28,14 +22,8 @@ def test_granite_hybrid_equals_transformers(tmp_path, experts, rope):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
     model_dir, model = make_hf_model(tmp_path, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, **CONFIG,
                                      num_local_experts=experts, num_experts_per_tok=2, position_embedding_type=rope)
-    ids = prompts(LENGTHS)
-    refs = hf_reference(model, ids)
     # The longest request holds 6 attention blocks + 2 state blocks at full length; 12 blocks
     # hold fewer than the batch.
-    llm = LLM(model_dir, block_size=16, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=12)
-    manager = llm.llm_engine.core.scheduler.kv_cache_manager
-    assert [type(m).__name__ for m in manager.managers] == ["FullAttentionManager", "StateManager", "StateManager"]
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
-    assert_greedy_equal(outs, refs, f"Granite-4.0-H experts={experts} rope={rope}")
-    assert llm.llm_engine.num_preemptions > 0
-    assert manager.num_free_blocks() == manager.block_pool.num_blocks - 1
+    check_batch_against_transformers(model_dir, model, f"Granite-4.0-H experts={experts} rope={rope}",
+                                     ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                     block_size=16, num_gpu_blocks=12)

@@ -7,12 +7,11 @@ priority preempting running ones."""
 import pytest
 
 from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import GREEDY, make_hf_model, prompts, run_with_late_arrival
+from models.hybrid_utils import check_batch_against_transformers, make_hf_model, prompts, run_with_late_arrival
 from models.test_qwen3 import hf_reference
 
 from pagedllm import LLM
 
-LENGTHS = [1, 6, 19, 41, 70]
 # Layers conv, attention, conv, conv, attention, conv: 2 attention layers, so 4 conv layers in
 # 2 state groups of 2; the MLP's width 144 -> int(2 * 144 / 3) = 96 (a multiple of 32).
 CONFIG = dict(hidden_size=64, intermediate_size=144, block_multiple_of=32, num_hidden_layers=6,
@@ -28,19 +27,12 @@ def lfm2(tmp_path, **overrides):
 
 @pytest.mark.parametrize("conv_bias", [False, True])
 def test_lfm2_equals_transformers_chunked_and_preempted(tmp_path, conv_bias):
-    model_dir, model = lfm2(tmp_path, conv_bias=conv_bias)
-    ids = prompts(LENGTHS)
-    refs = hf_reference(model, ids)
     # Blocks of 4 tokens: an attention page is 4 x 2 heads x 16 x (K, V) floats, a conv state
     # 64 x 2 floats fits its K half. 26 blocks: the longest request needs 21 + 2 x 1 at full
     # length, the batch far more.
-    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=26)
-    manager = llm.llm_engine.core.scheduler.kv_cache_manager
-    assert [type(m).__name__ for m in manager.managers] == ["FullAttentionManager", "StateManager", "StateManager"]
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
-    assert_greedy_equal(outs, refs, f"LFM2 chunked, conv_bias={conv_bias}")
-    assert llm.llm_engine.num_preemptions > 0
-    assert manager.num_free_blocks() == manager.block_pool.num_blocks - 1
+    check_batch_against_transformers(*lfm2(tmp_path, conv_bias=conv_bias), f"LFM2 chunked, conv_bias={conv_bias}",
+                                     ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                     block_size=4, num_gpu_blocks=26)
 
 
 def test_lfm2_late_requests_preempt_running_ones(tmp_path):

@@ -5,12 +5,12 @@ the last chunk left, across SSD chunk boundaries), and when late requests of a h
 preempt running ones (their state recomputed from the first token)."""
 import pytest
 from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import GREEDY, MAX_TOKENS, make_hf_model, prompts, run_with_late_arrival
+from models.hybrid_utils import (MAX_TOKENS, check_batch_against_transformers, make_hf_model, prompts,
+                                 run_with_late_arrival)
 from models.test_qwen3 import hf_reference
 
 from pagedllm import LLM
 
-LENGTHS = [1, 6, 19, 41, 70]
 # conv_dim = 128 + 2 * 2 * 16 = 192; SSD chunks of 8 tokens, so a prompt spans several.
 CONFIG = dict(hidden_size=64, expand=2, num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
               chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False, use_conv_bias=True)
@@ -22,15 +22,8 @@ def mamba2(tmp_path):
 
 
 def test_mamba2_equals_transformers_batched_and_chunked(tmp_path):
-    model_dir, model = mamba2(tmp_path)
-    ids = prompts(LENGTHS)
-    refs = hf_reference(model, ids)
-    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
-    manager = llm.llm_engine.core.scheduler.kv_cache_manager
-    assert [type(m).__name__ for m in manager.managers] == ["StateManager"] and not manager.enable_caching
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
-    assert_greedy_equal(outs, refs, "Mamba2 chunked")
-    assert manager.num_free_blocks() == manager.block_pool.num_blocks - 1   # every state block back
+    """One state group; no preemption (a request's state blocks never grow)."""
+    check_batch_against_transformers(*mamba2(tmp_path), "Mamba2 chunked", ["StateManager"], 0, block_size=4)
 
 
 def test_mamba2_state_recomputed_after_preemption(tmp_path):
@@ -64,7 +57,7 @@ def test_parallel_samples_fork_the_state_where_there_is_room(tmp_path):
 
 def test_what_a_recurrent_state_cannot_do_is_refused(tmp_path, caplog):
     """Speculative decoding (no state rollback) and split models are ValueErrors before the
-    model loads; prefix caching is switched off with a warning (no state kept at block
+    model loads, a quantized KV cache once the runner sees the layers; prefix caching is switched off with a warning (no state kept at block
     boundaries); swap preemption falls back to recompute."""
     from pagedllm.engine.arg_utils import EngineArgs
     model_dir, _ = mamba2(tmp_path)
@@ -73,6 +66,8 @@ def test_what_a_recurrent_state_cannot_do_is_refused(tmp_path, caplog):
     with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1 for a model "
                                          "with recurrent layers"):
         EngineArgs(model=model_dir, tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' for a model with recurrent layers"):
+        LLM(model_dir, kv_cache_dtype="int8")
     llm = LLM(model_dir, enable_prefix_caching=True, preemption_mode="swap", num_cpu_blocks=8)
     manager = llm.llm_engine.core.scheduler.kv_cache_manager
     assert not manager.enable_caching and "prefix caching is off" in caplog.text

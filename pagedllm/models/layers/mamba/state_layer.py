@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.kv_cache_spec import MambaSpec
-from pagedllm.forward_context import get_forward_context
+from pagedllm.forward_context import get_group_metadata
 
 
 @dataclass
@@ -65,9 +65,7 @@ class StateLayer(nn.Module):
         if self.state is None:
             raise RuntimeError("this recurrent layer has no state cache: the runner binds it "
                                "(worker/kv_cache_groups.bind_state_cache) once the cache is allocated")
-        meta = get_forward_context().attn_metadata
-        if isinstance(meta, list):   # one per KV cache group
-            meta = meta[self.kv_cache_group_id]
+        meta = get_group_metadata(self.kv_cache_group_id)
         if meta.fresh_indices.numel():
             for s in self.state:
                 s[meta.fresh_indices] = 0
