@@ -7,6 +7,7 @@ from engine.test_greedy_equality import assert_greedy_equal
 from models.test_qwen3 import hf_reference
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.engine.llm_engine import LLMEngine
 
 VOCAB = 256
@@ -40,18 +41,25 @@ def prompts(lengths):
 
 def run_with_late_arrival(model_dir, early, late, **settings):
     """`early` prompts (priority 1) run a few steps, then `late` ones (priority 0) arrive and
-    preempt them where blocks are short -> (outputs by request id, preemptions)."""
+    preempt them where blocks are short -> (outputs by request id, preemptions, ids of the
+    requests failed by an injected fault)."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, scheduling_policy="priority", **settings))
     for i, p in enumerate(early):
         engine.add_request(f"e{i}", {"prompt_token_ids": p}, GREEDY, arrival_time=float(i), priority=1)
-    outs = {}
+    outs, failed = {}, []
+
+    def step():
+        try:
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        except RequestFailedError as e:   # a fault injected into a late request's steps
+            failed.extend(e.req_ids)
     for _ in range(3):
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        step()
     for i, p in enumerate(late):
         engine.add_request(f"l{i}", {"prompt_token_ids": p}, GREEDY, arrival_time=10.0 + i, priority=0)
     while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
-    return outs, engine.num_preemptions
+        step()
+    return outs, engine.num_preemptions, failed
 
 
 def check_batch_against_transformers(model_dir, model, label, managers, min_preemptions, **settings):

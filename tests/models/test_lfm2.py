@@ -38,7 +38,7 @@ def test_lfm2_equals_transformers_chunked_and_preempted(tmp_path, conv_bias):
 def test_lfm2_late_requests_preempt_running_ones(tmp_path):
     model_dir, model = lfm2(tmp_path)
     early, late = prompts([41, 33]), prompts([19, 6])
-    outs, preemptions = run_with_late_arrival(model_dir, early, late, block_size=4, max_num_batched_tokens=16,
+    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, block_size=4, max_num_batched_tokens=16,
                                               max_num_seqs=4, num_gpu_blocks=24)
     assert preemptions > 0
     assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late),

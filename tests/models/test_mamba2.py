@@ -31,12 +31,27 @@ def test_mamba2_state_recomputed_after_preemption(tmp_path):
     preempt them, and the early ones start again from a zero state."""
     model_dir, model = mamba2(tmp_path)
     early, late = prompts([41, 33]), prompts([19, 6])
-    outs, preemptions = run_with_late_arrival(model_dir, early, late, block_size=4, max_num_batched_tokens=16,
+    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, block_size=4, max_num_batched_tokens=16,
                                               max_num_seqs=4, num_gpu_blocks=3)
     assert preemptions > 0
     refs = hf_reference(model, early + late)
     assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], refs, "Mamba2 preempted")
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs.values())
+
+
+def test_a_failed_step_recomputes_the_states(tmp_path, monkeypatch):
+    """A late request whose steps fail (an injected fault, before the forward) is ended; the
+    early ones, whose states had advanced, are rolled back with every running request and
+    computed again from the first token: their tokens still equal transformers'. (A state
+    left unzeroed need not change these tokens; the preemption test above catches that.)"""
+    monkeypatch.setenv("PAGEDLLM_FAULT_INJECTION", "raise:2")
+    model_dir, model = mamba2(tmp_path)
+    early = prompts([41, 33])
+    # Three state blocks, all used before the failure: the recomputed requests get used ones.
+    outs, _, failed = run_with_late_arrival(model_dir, early, [[5, 2, 7]], block_size=4,
+                                            max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=4)
+    assert failed == ["l0"]
+    assert_greedy_equal([outs[r] for r in ("e0", "e1")], hf_reference(model, early), "Mamba2 after a failed step")
 
 
 def test_parallel_samples_fork_the_state_where_there_is_room(tmp_path):
