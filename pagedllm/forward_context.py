@@ -33,3 +33,10 @@ def get_forward_context() -> ForwardContext:
                            "pagedllm.forward_context.set_forward_context(attn_metadata) "
                            "(the model runner does this around each step)")
     return _forward_context
+
+
+def get_group_metadata(group_id: int) -> Any:
+    """The step's metadata of one KV cache group (the runner's list holds one per group; with
+    one group it is the metadata itself)."""
+    meta = get_forward_context().attn_metadata
+    return meta[group_id] if isinstance(meta, list) else meta

@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.attention.selector import get_current_attn_backend
-from pagedllm.forward_context import get_forward_context
+from pagedllm.forward_context import get_group_metadata
 
 
 class Attention(nn.Module):
@@ -52,10 +52,7 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("this Attention layer has no KV cache: the runner binds it "
                                "(attention.layer.bind_kv_cache) once the cache is allocated")
-        meta = get_forward_context().attn_metadata
-        if isinstance(meta, list):   # one per KV cache group
-            meta = meta[self.kv_cache_group_id]
-        return self.backend.forward(self, q, k, v, self.kv_cache, meta)
+        return self.backend.forward(self, q, k, v, self.kv_cache, get_group_metadata(self.kv_cache_group_id))
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -80,7 +77,7 @@ def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]) -
     tensor_ids = [getattr(layer, "kv_cache_tensor_id", None) for layer in layers]
     if tensor_ids and tensor_ids[0] is None:
         tensor_ids = list(range(len(layers)))
-    if kv_caches and len(kv_caches) != max(tensor_ids, default=-1) + 1:
+    if kv_caches and layers and len(kv_caches) != max(tensor_ids) + 1:
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
     for layer, t in zip(layers, tensor_ids):
         layer.kv_cache = tuple(kv_caches[t]) if kv_caches else None

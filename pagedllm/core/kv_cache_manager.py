@@ -68,7 +68,7 @@ def check_fits_kv_cache(num_prompt_tokens: int, max_tokens: int, width: int, blo
     kv_cache_config with several groups (and max_chunk, the scheduler's token budget): a
     sliding group counts only the blocks of its window (KVCacheConfig.max_num_blocks)."""
     num_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
-    if kv_cache_config is not None and kv_cache_config.is_hybrid:
+    if kv_cache_config is not None and (kv_cache_config.is_hybrid or kv_cache_config.has_state):
         need = width * kv_cache_config.max_num_blocks(num_tokens, block_size, max_chunk or num_tokens)
     else:
         need = width * cdiv(num_tokens, block_size)
@@ -114,7 +114,9 @@ class KVCacheManager:
             state = [g.state_blocks for g in kv_cache_config.kv_cache_groups]
         else:
             windows, state = [sliding_window], [None]
-        if enable_caching and any(n is not None for n in state):
+        # Recurrent-state groups (core/state_kv_cache_manager.py): never swapped, never cached.
+        self.has_state = any(n is not None for n in state)
+        if enable_caching and self.has_state:
             logger.warning("prefix caching is off: this model keeps a recurrent state, and no state "
                            "is kept at block boundaries to resume a cached prefix from")
             self.enable_caching = enable_caching = False
@@ -228,8 +230,18 @@ class KVCacheManager:
         return sum(m.count(request.request_id, request.num_computed_tokens, num_new_tokens, [])[2]
                    for m in self.managers)
 
+    def num_fork_blocks(self, request: Request) -> int:
+        """Free blocks a fork of the request takes: its recurrent states, which are copied
+        (attention blocks are shared)."""
+        return sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers
+                   if isinstance(m, StateManager))
+
+    def can_fork(self, request: Request, num_children: int = 1) -> bool:
+        return num_children * self.num_fork_blocks(request) <= self.num_free_blocks()
+
     def fork(self, parent: Request, child: Request) -> None:
-        """The child starts with the parent's blocks, shared (ref counts)."""
+        """The child starts with the parent's blocks, shared (ref counts); its recurrent states
+        are copies (the caller checked `can_fork`)."""
         for m in self.managers:
             m.fork(parent.request_id, child.request_id)
         self.req_to_block_hashes[child.request_id] = list(self.req_to_block_hashes.get(parent.request_id, ()))
@@ -237,9 +249,9 @@ class KVCacheManager:
     # ------------------------------------------------------------ swap
     def swap_out(self, request: Request) -> bool:
         """Move a request's KV to CPU blocks and free its device blocks; False (nothing done)
-        when the swap space is too full, or the cache has several groups (not swapped: the
-        request is recomputed)."""
-        if self.num_groups > 1:
+        when the swap space is too full, or the cache has several groups or a recurrent state
+        (not swapped: the request is recomputed)."""
+        if self.num_groups > 1 or self.has_state:
             return False
         blocks = self.req_to_blocks.get(request.request_id, [])
         if len(blocks) > len(self.free_cpu_blocks):

@@ -432,12 +432,19 @@ class Scheduler:
                        and r.num_computed_tokens == r.num_prompt_tokens - 1]:
             at = self.running.index(parent)
             children = [parent.make_child(i) for i in range(parent.sampling_params.num_samples)]
+            # A recurrent state is copied, not shared: siblings without room for theirs start
+            # over from the prompt, at the front of the waiting queue.
+            kv = self.kv_cache_manager
+            fits = next(k for k in range(len(children), -1, -1) if kv.can_fork(parent, k))
             for child in children:
-                self.kv_cache_manager.fork(parent, child)
+                self.requests[child.request_id] = child
+            for child in children[:fits]:
+                kv.fork(parent, child)
                 child.num_computed_tokens = parent.num_computed_tokens
                 child.num_cached_tokens = parent.num_cached_tokens
                 child.status = RequestStatus.RUNNING
-                self.requests[child.request_id] = child
+            self.waiting.extendleft(reversed(children[fits:]))
+            children = children[:fits]
             # Each sibling carries the prompt's logprobs with its first token (a stream echoes
             # them in its first chunk); the frontend keeps one copy, on the parent.
             shared = parent.take_prompt_logprobs()
@@ -468,13 +475,14 @@ class Scheduler:
         child.append_output_token_ids(parent.output_token_ids + [token_id])
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child_id] = child
-        if parent.status == RequestStatus.RUNNING:
+        if parent.status == RequestStatus.RUNNING and self.kv_cache_manager.can_fork(parent):
             self.kv_cache_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)
             self.unsent.add(child_id)
-        else:  # the parent was preempted (with its whole search): the child computes from scratch
+        else:  # the parent was preempted (with its whole search), or no room for a copy of its
+            # recurrent state: the child computes from scratch
             self.waiting.appendleft(child)
         return child
 

@@ -48,6 +48,14 @@ CPU_BACKEND = Feature("a CPU attention backend", lambda c: c.device_config.atten
 KV_GROUPS = Feature("several KV cache groups", _several_kv_groups)
 
 
+def _recurrent(config: "EngineConfig") -> bool:
+    from pagedllm.models.hf_config import has_recurrent_layers
+    return has_recurrent_layers(config.model_config.hf_config)
+
+
+RECURRENT = Feature("a model with recurrent layers", _recurrent)
+
+
 @dataclass(frozen=True)
 class Conflict:
     """`feature` does not run with `other`: the ValueError's message when both are on."""
@@ -73,6 +81,13 @@ def _async_refuses(what: str) -> str:
 
 # Checked in this order; the first pair with both features on is the error.
 CONFLICTS: tuple[Conflict, ...] = (
+    # A rejected draft would have to roll the state back; the recurrent layers are not split.
+    Conflict(RECURRENT, SPECULATIVE, "speculative_config is not supported for a model with recurrent layers "
+                                     "(Mamba2, LFM2): their state cannot be rolled back to the last accepted token"),
+    Conflict(RECURRENT, SPLIT, "tensor_parallel_size and pipeline_parallel_size must be 1 for a model with "
+                               "recurrent layers (Mamba2, LFM2): their layers are not split"),
+    Conflict(RECURRENT, KV_TRANSFER, "kv_transfer_config is not supported for a model with recurrent layers "
+                                     "(Mamba2, LFM2)"),
     Conflict(SPECULATIVE, POOLING, "speculative_config needs runner 'generate' (a pooling runner samples nothing)"),
     Conflict(SPECULATIVE, SPLIT, "speculative_config is not supported with tensor / pipeline parallelism yet"),
     Conflict(POOLING, SPLIT, _POOLING_ONE_REPLICA),
@@ -95,15 +110,15 @@ CONFLICTS: tuple[Conflict, ...] = (
 
 
 def check_compatibility(config: "EngineConfig") -> None:
-    """ValueError for a split the model cannot take, the first pair of features that do not
-    combine, or a speculative method the model cannot carry; run after EngineConfig.validate."""
+    """ValueError for the first pair of features that do not combine, a split the model cannot
+    take, or a speculative method the model cannot carry; run after EngineConfig.validate."""
+    for rule in CONFLICTS:
+        if rule.feature.on(config) and rule.other.on(config):
+            raise ValueError(rule.message)
     p = config.parallel_config
     if p.world_size > 1:
         from pagedllm.distributed.sharding import validate_parallel_sizes
         validate_parallel_sizes(config.model_config.hf_config, p.tensor_parallel_size, p.pipeline_parallel_size)
-    for rule in CONFLICTS:
-        if rule.feature.on(config) and rule.other.on(config):
-            raise ValueError(rule.message)
     if config.speculative_config is not None:
         check_speculative_model(config)
 

@@ -40,6 +40,18 @@ def mixes_attention_windows(hf_config: dict) -> bool:
 
 
 
+# Layer types of recurrent layers in configs' `layer_types` (LFM2's "conv", Granite / Qwen3-Next's
+# "mamba" / "linear_attention"), and model types whose every layer is recurrent.
+RECURRENT_LAYER_TYPES = ("conv", "mamba", "linear_attention")
+RECURRENT_MODEL_TYPES = ("mamba", "mamba2")
+
+
+def has_recurrent_layers(hf_config: dict) -> bool:
+    """Whether some layers keep a recurrent state (their KV cache has state groups), which
+    config validation reads to refuse what needs a KV cache of attention layers only."""
+    return (hf_config.get("model_type") in RECURRENT_MODEL_TYPES
+            or any(t in RECURRENT_LAYER_TYPES for t in hf_config.get("layer_types") or ()))
+
 # Vision-language architectures whose text model is one of ours: the engine reads the text
 # model's shapes (KV cache, vocabulary) at the top level, the whole config under "multimodal_config".
 MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)

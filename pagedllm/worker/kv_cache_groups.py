@@ -1,6 +1,6 @@
 """The runner's side of KV cache groups (core/kv_cache_utils.py): the layout from the layers'
 specs, which cache tensor and which group's block table each attention layer uses, and one
-attention metadata per group.
+metadata per group (a recurrent-state group's: worker/state_cache.py).
 
 With one group nothing here runs: every layer has its own tensors and the step has one
 metadata, as before groups. With several (Gemma 3), layer i reads and writes cache tensor
@@ -15,6 +15,7 @@ from torch import nn
 from pagedllm.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.attention.layer import attention_layers
 from pagedllm.core.kv_cache_utils import KVCacheConfig, kv_cache_config_from_windows
+from pagedllm.models.layers.mamba.state_layer import StateMetadata
 
 
 def kv_cache_config_of_specs(specs: list[KVCacheSpec], pipeline_stage: bool) -> KVCacheConfig:
@@ -39,9 +40,15 @@ def assign_kv_cache_groups(model: nn.Module, config: KVCacheConfig, specs: list[
     return tensor_specs
 
 
-def build_group_metadata(backend, inputs, meta, block_size: int) -> list:
-    """The step's metadata of every group: group 0's (`meta`, already built), then each other
-    group's from its own block table and slot mapping."""
-    return [meta] + [backend.build_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, block_size,
-                                            inputs.max_query_len, inputs.max_seq_len)
-                     for table, slots in zip(inputs.group_block_tables, inputs.group_slot_mappings)]
+def build_step_metadata(backend, inputs, block_size: int, config: KVCacheConfig, device):
+    """The step's metadata of every group, from its own block table and slot mapping: the
+    backend's for an attention group, a StateMetadata for a recurrent-state group. One group:
+    its metadata alone; several: a list, one per group."""
+    tables = [inputs.block_table, *inputs.group_block_tables]
+    slots = [inputs.slot_mapping, *inputs.group_slot_mappings]
+    metas = [StateMetadata.build(inputs.query_start_loc, inputs.num_computed_tokens, table, device)
+             if group.state_blocks is not None else
+             backend.build_metadata(inputs.query_start_loc, inputs.seq_lens, table, slot, block_size,
+                                    inputs.max_query_len, inputs.max_seq_len)
+             for group, table, slot in zip(config.kv_cache_groups, tables, slots)]
+    return metas[0] if len(metas) == 1 else metas

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_cache_spec import MambaSpec
 from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
 from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
 from pagedllm.attention.selector import get_attn_backend
@@ -16,6 +17,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.lora.worker_manager import make_lora_manager
 from pagedllm.models.cpu_decode_loop import build_decode_loop
+from pagedllm.models.layers.mamba.state_layer import state_layers
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.async_output import AsyncOutputs
@@ -23,13 +25,14 @@ from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.runner_output import to_runner_output
-from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_group_metadata, kv_cache_config_of_specs
+from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_step_metadata, kv_cache_config_of_specs
 from pagedllm.worker.memory import MemorySnapshot
 from pagedllm.worker.pinned_staging import PinnedStaging
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.prompt_logprobs import compute_prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 from pagedllm.worker.spec_decode import SpecDecoder, expanded_metadata
+from pagedllm.worker.state_cache import bind_state_cache, state_kv_cache_layout
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +73,18 @@ class ModelRunner:
         # KV cache groups (core/kv_cache_utils.py), from the layers' specs; the executor hands
         # this layout to the engine core. With several, kv_cache_spec is one spec per shared
         # tensor, and every attention layer knows its tensor and group.
-        self.kv_cache_config = kv_cache_config_of_specs(self.kv_cache_spec,
-                                                        config.parallel_config.pipeline_parallel_size > 1)
-        if self.kv_cache_config.is_hybrid:
-            self.kv_cache_spec = assign_kv_cache_groups(self.model, self.kv_cache_config, self.kv_cache_spec)
+        # Recurrent layers (Mamba2, LFM2's convolutions) add state groups (worker/state_cache.py).
+        if state_layers(self.model):
+            self.kv_cache_config, self.kv_cache_spec = state_kv_cache_layout(
+                self.model, self.kv_cache_spec, cc.block_size, self.kv_cache_dtype)
+        else:
+            self.kv_cache_config = kv_cache_config_of_specs(self.kv_cache_spec,
+                                                            config.parallel_config.pipeline_parallel_size > 1)
+            if self.kv_cache_config.is_hybrid:
+                self.kv_cache_spec = assign_kv_cache_groups(self.model, self.kv_cache_config, self.kv_cache_spec)
         self.num_kv_cache_groups = len(self.kv_cache_config.kv_cache_groups)
-        self.num_kv_heads = mc.num_kv_heads if parallel is None else parallel.shard.num_kv_heads
+        self.num_kv_heads = (mc.hf_config.get("num_key_value_heads", mc.hf_config.get("num_attention_heads", 0))
+                             if parallel is None else parallel.shard.num_kv_heads)
         # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
         self.graphs = None   # worker/cuda_graph.CudaGraphs, made once the KV cache exists
@@ -125,7 +134,8 @@ class ModelRunner:
         mtp = self.spec_decoder is not None and self.spec_decoder.paged is not None and \
             self.spec_decoder.paged.needs_target_hidden   # reads the eager forward's hidden states
         if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
-                and self.num_kv_cache_groups == 1 and not mtp):   # a captured step has one block table
+                and self.num_kv_cache_groups == 1 and not mtp   # a captured step has one block table
+                and not self.kv_cache_config.has_state):        # and attention metadata only
             from pagedllm.worker.cuda_graph import CudaGraphs
             self.graphs = CudaGraphs(self, dc.cuda_graph_sizes, dc.mixed_graph_sizes, capture=True)
 
@@ -133,6 +143,9 @@ class ModelRunner:
         """The target's layers take the first tensors, a paged draft's the rest ([] unbinds)."""
         n = self.num_target_kv_tensors
         bind_kv_cache(self.model, kv_caches[:n])
+        if self.kv_cache_config.has_state:   # rows of blocks, or of token slots
+            rows_per_block = 1 if isinstance(self.kv_cache_spec[0], MambaSpec) else self.block_size
+            bind_state_cache(self.model, kv_caches[:n], kv_caches[0][0].shape[0] // rows_per_block if kv_caches else 0)
         if self.spec_decoder is not None and self.spec_decoder.paged is not None:
             self.spec_decoder.paged.bind_kv_cache(kv_caches[n:])
 
@@ -196,17 +209,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------ step
     def _copy_blocks(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
-        """Every layer's cache tensors (K and V, or MLA's latent) of block src into block dst
-        (copy-on-write, swap)."""
+        """Every layer's cache tensors (K and V, or MLA's latent, or a recurrent layer's state
+        tensors, whose rows are blocks) of block src into block dst (copy-on-write, swap, a
+        forked state)."""
         offs = torch.arange(self.block_size)
-        src = (torch.tensor([s for s, _ in pairs])[:, None] * self.block_size + offs).reshape(-1)
-        dst = (torch.tensor([d for _, d in pairs])[:, None] * self.block_size + offs).reshape(-1)
+        src_blocks, dst_blocks = torch.tensor([s for s, _ in pairs]), torch.tensor([d for _, d in pairs])
         src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
-        src, dst = src.to(src_dev), dst.to(dst_dev)
+        rows = {False: ((src_blocks[:, None] * self.block_size + offs).reshape(-1).to(src_dev),
+                        (dst_blocks[:, None] * self.block_size + offs).reshape(-1).to(dst_dev)),
+                True: (src_blocks.to(src_dev), dst_blocks.to(dst_dev))}
         # Host -> device may be asynchronous (stream-ordered); device -> host must not be, as
         # the host indexes the result at once.
         async_copy = dst_dev.type == "cuda"
-        for layer_src, layer_dst in zip(src_caches, dst_caches):   # (K, V), or MLA's (latent,)
+        for spec, layer_src, layer_dst in zip(self.kv_cache_spec, src_caches, dst_caches):
+            src, dst = rows[isinstance(spec, MambaSpec)]
             for t_src, t_dst in zip(layer_src, layer_dst):
                 t_dst[dst] = t_src[src].to(dst_dev, non_blocking=async_copy)
 
@@ -330,11 +346,8 @@ class ModelRunner:
             [s.lora_request for s in batch.states[:batch.num_reqs]], inputs.num_scheduled_tokens)
         if self.graphs is not None and not lora_active and self.graphs.can_run(inputs):
             return inputs, None    # a captured decode step builds its own metadata
-        meta = self.attn_backend.build_metadata(inputs.query_start_loc, inputs.seq_lens,
-                                                inputs.block_table, inputs.slot_mapping, self.block_size,
-                                                inputs.max_query_len, inputs.max_seq_len)
-        if inputs.group_block_tables:   # several KV cache groups: a list, one per group
-            meta = build_group_metadata(self.attn_backend, inputs, meta, self.block_size)
+        # Several KV cache groups: a list, one per group.
+        meta = build_step_metadata(self.attn_backend, inputs, self.block_size, self.kv_cache_config, self.device)
         return inputs, meta
 
     def _forward(self, inputs, meta) -> torch.Tensor:

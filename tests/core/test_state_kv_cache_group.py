@@ -124,3 +124,17 @@ def test_fork_copies_the_state():
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks() == 99
+
+
+def test_a_fork_needs_room_for_the_state_copies():
+    """A fork takes 2 x STATE blocks (two state groups): with 2 attention + 6 state blocks held
+    of 14 usable, 6 are free: room for one child's states, not two. A model without state
+    forks for free (its blocks are shared)."""
+    kv = KVCacheManager(15, BS, kv_cache_config=hybrid())
+    parent = req("p", list(range(9)))
+    assert kv.allocate_slots(parent, 8) is not None
+    assert kv.num_fork_blocks(parent) == 2 * STATE and kv.num_free_blocks() == 14 - 2 - 2 * STATE
+    assert kv.can_fork(parent, 1) and not kv.can_fork(parent, 2) and kv.can_fork(parent, 0)
+    plain = KVCacheManager(15, BS, kv_cache_config=make_kv_cache_config([None] * 2))
+    assert plain.allocate_slots(parent, 8) is not None
+    assert plain.num_fork_blocks(parent) == 0 and plain.can_fork(parent, 100)

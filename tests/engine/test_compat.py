@@ -17,6 +17,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidd
 # Gemma 3's sliding and full layers: two KV cache groups.
 GEMMA3 = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 16,
           "layer_types": ["sliding_attention", "full_attention"] * 2}
+# LFM2's short convolutions between attention layers: recurrent state.
+LFM2 = {**LLAMA, "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2",
+        "layer_types": ["conv", "full_attention"] * 2}
 
 
 def _base() -> EngineConfig:
@@ -45,6 +48,7 @@ TURN_ON = {
     "device 'cuda'": (lambda c: _set(c, device_config=DeviceConfig("cuda", "triton")), "device"),
     "a CPU attention backend": (lambda c: _set(c.device_config, attention_backend="torch"), "attention_backend"),
     "several KV cache groups": (lambda c: _set(c.model_config, hf_config=dict(GEMMA3)), "KV cache groups"),
+    "a model with recurrent layers": (lambda c: _set(c.model_config, hf_config=dict(LFM2)), "recurrent layers"),
 }
 
 # The pairs that do not combine, written out: a row dropped from the table fails here.
@@ -58,6 +62,9 @@ EXPECTED_PAIRS = {
     ("enable_lora", "tensor / pipeline parallelism"), ("enable_lora", "runner 'pooling'"),
     ("async_scheduling", "speculative_config"), ("async_scheduling", "kv_transfer_config"),
     ("async_scheduling", "runner 'pooling'"), ("async_scheduling", "tensor / pipeline parallelism"),
+    ("a model with recurrent layers", "speculative_config"),
+    ("a model with recurrent layers", "tensor / pipeline parallelism"),
+    ("a model with recurrent layers", "kv_transfer_config"),
 }
 
 
