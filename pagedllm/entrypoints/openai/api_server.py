@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES,
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_classify import OpenAIServingClassify
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
@@ -63,9 +64,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     state.openai_serving_score = OpenAIServingScore(engine, served_model_names)
+    state.openai_serving_classify = OpenAIServingClassify(engine, served_model_names)
     # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.
     state.models = OpenAIServingModels(engine, served_model_names, lora_modules, allow_runtime_lora_updating)
-    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_embedding):
+    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_embedding,
+                    state.openai_serving_score, state.openai_serving_classify):
         serving.models = state.models
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
@@ -155,6 +158,22 @@ async def _run(server: _Server, sock: socket.socket, ns: FrontendArgs, name: str
     await serve_task
 
 
+def _make_engine(ns: FrontendArgs, engine_args, name: str):
+    """AsyncLLM (an engine core process), or for an encoder model (BERT, XLM-RoBERTa, ModernBERT)
+    AsyncEncoderEngine: whole prompts batched in the server's process, no KV cache."""
+    from pagedllm.models.download import resolve_model
+    from pagedllm.models.encoder_runner import is_encoder_dir
+    model_dir = resolve_model(engine_args.model, engine_args.quantization)
+    if is_encoder_dir(model_dir):
+        from pagedllm.engine.async_encoder import AsyncEncoderEngine
+        return AsyncEncoderEngine(str(model_dir), name, max_num_seqs=engine_args.max_num_seqs,
+                                  max_num_batched_tokens=engine_args.max_num_batched_tokens,
+                                  metrics_prefix=ns.metrics_prefix)
+    return AsyncLLM(engine_args, model_name=name, max_waiting_requests=ns.max_waiting_requests,
+                    log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
+                    restart_engine_on_failure=ns.restart_engine_on_failure, metrics_prefix=ns.metrics_prefix)
+
+
 async def serve(ns: FrontendArgs, engine_args) -> int:
     from pagedllm.models.download import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
     loop = asyncio.get_running_loop()
@@ -166,11 +185,8 @@ async def serve(ns: FrontendArgs, engine_args) -> int:
     names = ns.served_model_name or [DEFAULT_MODEL if model is None or model in DEFAULT_MODEL_ALIASES else model]
     engine = None
     try:
-        engine = AsyncLLM(engine_args, model_name=names[0], max_waiting_requests=ns.max_waiting_requests,
-                          log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
-                          restart_engine_on_failure=ns.restart_engine_on_failure,
-                          metrics_prefix=ns.metrics_prefix)
-        logger.info("starting the engine core process (model %s)", engine.config.model_config.model)
+        engine = _make_engine(ns, engine_args, names[0])
+        logger.info("starting the engine (model %s)", engine.config.model_config.model)
         await engine.start()
         if engine.config.model_config.runner == "generate" and chat_template is None \
                 and engine.tokenizer.chat_template is None:

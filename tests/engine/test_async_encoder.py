@@ -1,0 +1,67 @@
+"""AsyncEncoderEngine (engine/async_encoder.py): prompts of concurrent requests run together in
+one padded forward, cut by the padded-token budget, and each vector equals sentence-transformers'
+encode of its text alone (so padding beside longer prompts changes nothing)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pagedllm.engine.async_encoder import AsyncEncoderEngine
+from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
+
+TEXTS = ["hi", "Paged attention stores the KV cache in blocks.", "The quick brown fox jumps over the lazy dog.",
+         "A longer sentence, with commas and numbers like 3.14, that the tokenizer splits into word pieces.",
+         "short one", "encoders read the whole prompt at once"]
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+    return str(ensure_ready_model(MINILM_MODEL, progress=False))
+
+
+@pytest.fixture(scope="module")
+def st_vectors(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+    return SentenceTransformer(minilm_dir, device="cpu").encode(TEXTS, convert_to_tensor=True).float()
+
+
+@pytest.mark.parametrize("budget,forwards", [(8192, 1), (40, None)])
+def test_concurrent_requests_share_forwards(minilm_dir, st_vectors, budget, forwards):
+    async def main():
+        engine = AsyncEncoderEngine(minilm_dir, max_num_batched_tokens=budget)
+        await engine.start()
+        ids = [engine.processor.tokenize(t)[1] for t in TEXTS]
+        try:   # one request per text, all queued before the batch loop runs
+            out = await asyncio.gather(*(engine.embed([p]) for p in ids))
+        finally:
+            await engine.shutdown()
+        return engine.num_forwards, torch.tensor([o[0] for o in out]), ids
+
+    num_forwards, got, ids = asyncio.run(main())
+    if forwards is not None:
+        assert num_forwards == forwards
+    else:   # 40 padded tokens: sorted by length, each forward as full as the budget lets it be
+        lens = sorted(map(len, ids))
+        assert 1 < num_forwards < len(TEXTS) and max(lens) <= 40
+    torch.testing.assert_close(got, st_vectors, atol=1e-5, rtol=1e-5)
+
+
+def test_cancelled_request_is_skipped(minilm_dir, st_vectors):
+    async def main():
+        engine = AsyncEncoderEngine(minilm_dir)
+        await engine.start()
+        ids = [engine.processor.tokenize(t)[1] for t in TEXTS[:2]]
+        try:
+            gone = asyncio.ensure_future(engine.embed([ids[0]]))
+            await asyncio.sleep(0)   # queued, then its client leaves
+            gone.cancel()
+            kept = await engine.embed([ids[1]])
+        finally:
+            await engine.shutdown()
+        return engine.num_rows, kept
+
+    num_rows, kept = asyncio.run(main())
+    assert num_rows == 1   # the cancelled prompt never ran
+    torch.testing.assert_close(torch.tensor(kept[0]), st_vectors[1], atol=1e-5, rtol=1e-5)
