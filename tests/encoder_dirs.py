@@ -10,9 +10,10 @@ import torch
 from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
 
 
-def random_encoder(tmp_path, arch: str, pooling: str | None, num_labels: int = 3):
+def random_encoder(tmp_path, arch: str, pooling: str | None, num_labels: int = 3, init_range: float = 0.02):
     """A tiny random BERT or XLM-RoBERTa made and saved by transformers (the reference), with the
-    MiniLM tokenizer (so pad id 0) and, for an embedding model, a sentence-transformers pooling config."""
+    MiniLM tokenizer (so pad id 0) and, for an embedding model, a sentence-transformers pooling config.
+    init_range: the weights' standard deviation (a wider one spreads a classifier's scores apart)."""
     import transformers
     src = ensure_ready_model(MINILM_MODEL, progress=False)
     family = {"XLMRoberta": (transformers.XLMRobertaConfig, {"type_vocab_size": 1}),
@@ -22,7 +23,7 @@ def random_encoder(tmp_path, arch: str, pooling: str | None, num_labels: int = 3
     config_class, extra = next((v for k, v in family.items() if arch.startswith(k)), (transformers.BertConfig, {}))
     cfg = config_class(**{"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                           "intermediate_size": 128, "max_position_embeddings": 130, "num_labels": num_labels,
-                          "pad_token_id": 0, "architectures": [arch], **extra})
+                          "pad_token_id": 0, "architectures": [arch], "initializer_range": init_range, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, arch)(cfg).eval()
     model.save_pretrained(tmp_path, safe_serialization=True)

@@ -121,13 +121,19 @@ class _Item:
 
 class AsyncEncoderEngine:
     def __init__(self, model_dir: str, model_name: Optional[str] = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 8192, metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+                 max_num_batched_tokens: int = 8192, max_model_len: Optional[int] = None,
+                 metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
         """max_num_seqs: most prompts in one batch; max_num_batched_tokens: most padded tokens in one
-        forward (a batch longer than that is cut into several forwards, shortest prompts first)."""
+        forward (a batch longer than that is cut into several forwards, shortest prompts first);
+        max_model_len: most tokens of a prompt (default and most: the sentence-transformers
+        max_seq_length, else max_position_embeddings)."""
         from pagedllm.models.encoder_runner import EncoderRunner
         self.runner = EncoderRunner(model_dir)
         hf = self.runner.hf_config
-        mc = EncoderModelConfig(model=model_dir, hf_config=hf, max_model_len=self.runner.max_length,
+        if max_model_len is not None and not 1 <= max_model_len <= self.runner.max_length:
+            raise ValueError(f"max_model_len must be in [1, {self.runner.max_length}] for this encoder (its "
+                             f"max_seq_length / max_position_embeddings), got {max_model_len}")
+        mc = EncoderModelConfig(model=model_dir, hf_config=hf, max_model_len=max_model_len or self.runner.max_length,
                                 hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"],
                                 pooler_config=self.runner.pooler_config,
                                 num_labels=self.runner.model.classifier.out_features if self.runner.is_classifier else 0)
@@ -230,3 +236,19 @@ class AsyncEncoderEngine:
         else:
             out = self.runner.classify_ids(ids, [it.type_ids for it in chunk])            # [B, num_labels]
         return out.tolist()
+
+
+def make_async_engine(engine_args, model_name: str, **kwargs):
+    """AsyncLLM (an engine core process) for the engine arguments' model, or AsyncEncoderEngine
+    when it is an encoder (BERT, XLM-RoBERTa, ModernBERT). kwargs: AsyncLLM's options (of which
+    the encoder takes metrics_prefix)."""
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.models.download import resolve_model
+    from pagedllm.models.encoder_runner import is_encoder_dir
+    model_dir = resolve_model(engine_args.model, engine_args.quantization)
+    if not is_encoder_dir(model_dir):
+        return AsyncLLM(engine_args, model_name=model_name, **kwargs)
+    return AsyncEncoderEngine(str(model_dir), model_name, max_num_seqs=engine_args.max_num_seqs,
+                              max_num_batched_tokens=engine_args.max_num_batched_tokens,
+                              max_model_len=engine_args.max_model_len,
+                              metrics_prefix=kwargs.get("metrics_prefix", DEFAULT_METRICS_PREFIX))

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM (AsyncEncoderEngine
+for an encoder model: engine/async_encoder.py).
 
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
@@ -26,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pagedllm import __version__
+from pagedllm.engine.async_encoder import make_async_engine
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import AuthMiddleware
 from pagedllm.entrypoints.openai.body_limit import BodySizeLimitMiddleware
@@ -158,22 +160,6 @@ async def _run(server: _Server, sock: socket.socket, ns: FrontendArgs, name: str
     await serve_task
 
 
-def _make_engine(ns: FrontendArgs, engine_args, name: str):
-    """AsyncLLM (an engine core process), or for an encoder model (BERT, XLM-RoBERTa, ModernBERT)
-    AsyncEncoderEngine: whole prompts batched in the server's process, no KV cache."""
-    from pagedllm.models.download import resolve_model
-    from pagedllm.models.encoder_runner import is_encoder_dir
-    model_dir = resolve_model(engine_args.model, engine_args.quantization)
-    if is_encoder_dir(model_dir):
-        from pagedllm.engine.async_encoder import AsyncEncoderEngine
-        return AsyncEncoderEngine(str(model_dir), name, max_num_seqs=engine_args.max_num_seqs,
-                                  max_num_batched_tokens=engine_args.max_num_batched_tokens,
-                                  metrics_prefix=ns.metrics_prefix)
-    return AsyncLLM(engine_args, model_name=name, max_waiting_requests=ns.max_waiting_requests,
-                    log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
-                    restart_engine_on_failure=ns.restart_engine_on_failure, metrics_prefix=ns.metrics_prefix)
-
-
 async def serve(ns: FrontendArgs, engine_args) -> int:
     from pagedllm.models.download import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
     loop = asyncio.get_running_loop()
@@ -185,7 +171,10 @@ async def serve(ns: FrontendArgs, engine_args) -> int:
     names = ns.served_model_name or [DEFAULT_MODEL if model is None or model in DEFAULT_MODEL_ALIASES else model]
     engine = None
     try:
-        engine = _make_engine(ns, engine_args, names[0])
+        engine = make_async_engine(engine_args, names[0], max_waiting_requests=ns.max_waiting_requests,
+                                   log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
+                                   restart_engine_on_failure=ns.restart_engine_on_failure,
+                                   metrics_prefix=ns.metrics_prefix)
         logger.info("starting the engine (model %s)", engine.config.model_config.model)
         await engine.start()
         if engine.config.model_config.runner == "generate" and chat_template is None \
