@@ -1,5 +1,6 @@
 """Tiny random-weight encoders made and saved by transformers (the tests' reference on the same
-weights): BERT, XLM-RoBERTa, ModernBERT, with an embedding or a sequence-classification head."""
+weights): BERT, XLM-RoBERTa, ModernBERT, with an embedding or a sequence-classification head;
+and all-MiniLM-L6-v2 (the ready model) with sentence-transformers' encode of it, the reference."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,17 @@ from pathlib import Path
 import torch
 
 from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
+
+
+def minilm_dir() -> str:
+    return str(ensure_ready_model(MINILM_MODEL, progress=False))
+
+
+def st_encoder():
+    """texts -> sentence-transformers' all-MiniLM-L6-v2 vectors ([N, 384] float32 tensor, normalised)."""
+    from sentence_transformers import SentenceTransformer
+    model = SentenceTransformer(minilm_dir(), device="cpu")
+    return lambda texts: model.encode(texts, convert_to_tensor=True).float()
 
 
 def random_encoder(tmp_path, arch: str, pooling: str | None, num_labels: int = 3, init_range: float = 0.02):

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
+import encoder_dirs
 from pagedllm.engine.async_encoder import AsyncEncoderEngine
-from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
 
 TEXTS = ["hi", "Paged attention stores the KV cache in blocks.", "The quick brown fox jumps over the lazy dog.",
          "A longer sentence, with commas and numbers like 3.14, that the tokenizer splits into word pieces.",
@@ -17,20 +17,14 @@ TEXTS = ["hi", "Paged attention stores the KV cache in blocks.", "The quick brow
 
 
 @pytest.fixture(scope="module")
-def minilm_dir():
-    return str(ensure_ready_model(MINILM_MODEL, progress=False))
-
-
-@pytest.fixture(scope="module")
-def st_vectors(minilm_dir):
-    from sentence_transformers import SentenceTransformer
-    return SentenceTransformer(minilm_dir, device="cpu").encode(TEXTS, convert_to_tensor=True).float()
+def st_vectors():
+    return encoder_dirs.st_encoder()(TEXTS)
 
 
 @pytest.mark.parametrize("budget,forwards", [(8192, 1), (40, None)])
-def test_concurrent_requests_share_forwards(minilm_dir, st_vectors, budget, forwards):
+def test_concurrent_requests_share_forwards(st_vectors, budget, forwards):
     async def main():
-        engine = AsyncEncoderEngine(minilm_dir, max_num_batched_tokens=budget)
+        engine = AsyncEncoderEngine(encoder_dirs.minilm_dir(), max_num_batched_tokens=budget)
         await engine.start()
         ids = [engine.processor.tokenize(t)[1] for t in TEXTS]
         try:   # one request per text, all queued before the batch loop runs
@@ -48,9 +42,9 @@ def test_concurrent_requests_share_forwards(minilm_dir, st_vectors, budget, forw
     torch.testing.assert_close(got, st_vectors, atol=1e-5, rtol=1e-5)
 
 
-def test_cancelled_request_is_skipped(minilm_dir, st_vectors):
+def test_cancelled_request_is_skipped(st_vectors):
     async def main():
-        engine = AsyncEncoderEngine(minilm_dir)
+        engine = AsyncEncoderEngine(encoder_dirs.minilm_dir())
         await engine.start()
         ids = [engine.processor.tokenize(t)[1] for t in TEXTS[:2]]
         try:

@@ -14,7 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
+import encoder_dirs
+from pagedllm.models.download import MINILM_MODEL
 from server_utils import RemoteServer, assert_error
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores the KV cache in blocks.", "hi",
@@ -31,9 +32,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def st_encode():
-    from sentence_transformers import SentenceTransformer
-    model = SentenceTransformer(str(ensure_ready_model(MINILM_MODEL, progress=False)), device="cpu")
-    return lambda texts: model.encode(texts, convert_to_numpy=True).astype(np.float64)
+    encode = encoder_dirs.st_encoder()
+    return lambda texts: encode(texts).double().numpy()
 
 
 def close(got, want):
@@ -66,7 +66,7 @@ def test_embeddings_equal_sentence_transformers(server, st_encode):
 
 def minilm_tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(ensure_ready_model(MINILM_MODEL, progress=False)))
+    return AutoTokenizer.from_pretrained(encoder_dirs.minilm_dir())
 
 
 def test_concurrent_requests(server, st_encode):
@@ -116,7 +116,7 @@ def test_unserved_endpoints_are_400(server, path, body):
 
 
 def test_serve_by_directory(st_encode):
-    path = str(ensure_ready_model(MINILM_MODEL, progress=False))
+    path = encoder_dirs.minilm_dir()
     srv = RemoteServer([path])
     try:
         out = srv.client().embeddings.create(model=path, input=TEXTS[0])

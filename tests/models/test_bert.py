@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
 from pagedllm.models.encoder_runner import EncoderRunner
 
+import encoder_dirs
 from encoder_dirs import random_encoder
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores the KV cache in blocks.",
@@ -20,13 +20,12 @@ ST_TEXTS = TEXTS + [" ".join(f"word{i}" for i in range(200))]
 
 @pytest.fixture(scope="module")
 def minilm_dir():
-    return str(ensure_ready_model(MINILM_MODEL, progress=False))
+    return encoder_dirs.minilm_dir()
 
 
 @pytest.fixture(scope="module")
-def st_reference(minilm_dir):
-    from sentence_transformers import SentenceTransformer
-    return SentenceTransformer(minilm_dir, device="cpu").encode(ST_TEXTS, convert_to_tensor=True).float()
+def st_reference():
+    return encoder_dirs.st_encoder()(ST_TEXTS)
 
 
 @pytest.mark.parametrize("batched", [True, False])
