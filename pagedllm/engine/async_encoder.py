@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from pagedllm.config import PoolerConfig
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError
 from pagedllm.metrics import DEFAULT_METRICS_PREFIX, EngineMetrics
 from pagedllm.sampling_params import ParamError
 
@@ -121,14 +121,18 @@ class _Item:
 
 class AsyncEncoderEngine:
     def __init__(self, model_dir: str, model_name: Optional[str] = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 8192, max_model_len: Optional[int] = None,
-                 metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+                 max_num_batched_tokens: int = 8192, max_model_len: Optional[int] = None, dtype: str = "float32",
+                 max_waiting_requests: Optional[int] = None, metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
         """max_num_seqs: most prompts in one batch; max_num_batched_tokens: most padded tokens in one
         forward (a batch longer than that is cut into several forwards, shortest prompts first);
         max_model_len: most tokens of a prompt (default and most: the sentence-transformers
-        max_seq_length, else max_position_embeddings)."""
+        max_seq_length, else max_position_embeddings); dtype: the weights' and activations' (pooled
+        vectors and logits come out float32); max_waiting_requests: most prompts queued and not yet
+        running (more: EngineOverloadedError, a 503)."""
+        import torch
+
         from pagedllm.models.encoder_runner import EncoderRunner
-        self.runner = EncoderRunner(model_dir)
+        self.runner = EncoderRunner(model_dir, getattr(torch, dtype))
         hf = self.runner.hf_config
         if max_model_len is not None and not 1 <= max_model_len <= self.runner.max_length:
             raise ValueError(f"max_model_len must be in [1, {self.runner.max_length}] for this encoder (its "
@@ -143,6 +147,7 @@ class AsyncEncoderEngine:
         self.processor = EncoderProcessor(self.tokenizer, mc)
         self.max_model_len = mc.max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_waiting_requests = max_waiting_requests
         self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix)
         self.num_blocks = 0   # no KV cache
         self.queues: dict = {}   # AsyncLLM's requests in flight: none here (see _waiting)
@@ -165,9 +170,12 @@ class AsyncEncoderEngine:
             raise EngineDeadError("the encoder is not running")
 
     def stop_accepting(self) -> None:
+        """Shutdown begins: new requests and the prompts still waiting get EngineDeadError (503)."""
         self._stopping = True
         while self._waiting is not None and not self._waiting.empty():
-            self._waiting.get_nowait().future.cancel()
+            future = self._waiting.get_nowait().future
+            if not future.done():
+                future.set_exception(EngineDeadError("the server is shutting down"))
 
     async def shutdown(self) -> None:
         self.stop_accepting()
@@ -188,6 +196,11 @@ class AsyncEncoderEngine:
 
     async def _submit(self, items: list[_Item]) -> list[list[float]]:
         self.check_health()
+        if self.max_waiting_requests is not None and self._waiting.qsize() + len(items) > self.max_waiting_requests:
+            self.metrics.rejected.labels(self.model_name, "overloaded").inc()
+            raise EngineOverloadedError(
+                f"The server is overloaded: more than {self.max_waiting_requests} prompts are waiting "
+                "(--max-waiting-requests). Please retry later.")
         loop = asyncio.get_running_loop()
         for it in items:
             it.future = loop.create_future()
@@ -240,8 +253,8 @@ class AsyncEncoderEngine:
 
 def make_async_engine(engine_args, model_name: str, **kwargs):
     """AsyncLLM (an engine core process) for the engine arguments' model, or AsyncEncoderEngine
-    when it is an encoder (BERT, XLM-RoBERTa, ModernBERT). kwargs: AsyncLLM's options (of which
-    the encoder takes metrics_prefix)."""
+    when it is an encoder (BERT, XLM-RoBERTa, ModernBERT; a CPU model: dtype auto is float32).
+    kwargs: AsyncLLM's options (of which the encoder takes max_waiting_requests, metrics_prefix)."""
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.models.download import resolve_model
     from pagedllm.models.encoder_runner import is_encoder_dir
@@ -251,4 +264,6 @@ def make_async_engine(engine_args, model_name: str, **kwargs):
     return AsyncEncoderEngine(str(model_dir), model_name, max_num_seqs=engine_args.max_num_seqs,
                               max_num_batched_tokens=engine_args.max_num_batched_tokens,
                               max_model_len=engine_args.max_model_len,
+                              dtype="float32" if engine_args.dtype == "auto" else engine_args.dtype,
+                              max_waiting_requests=kwargs.get("max_waiting_requests"),
                               metrics_prefix=kwargs.get("metrics_prefix", DEFAULT_METRICS_PREFIX))

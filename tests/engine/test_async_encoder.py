@@ -59,3 +59,37 @@ def test_cancelled_request_is_skipped(st_vectors):
     num_rows, kept = asyncio.run(main())
     assert num_rows == 1   # the cancelled prompt never ran
     torch.testing.assert_close(torch.tensor(kept[0]), st_vectors[1], atol=1e-5, rtol=1e-5)
+
+
+def test_overload_and_shutdown_refuse():
+    async def main():
+        engine = AsyncEncoderEngine(encoder_dirs.minilm_dir(), max_waiting_requests=2)
+        await engine.start()
+        ids = engine.processor.tokenize("hi")[1]
+        try:   # the third request finds two prompts waiting: refused before it is queued
+            results = await asyncio.gather(*(engine.embed([ids]) for _ in range(3)), return_exceptions=True)
+            waiting = asyncio.ensure_future(engine.embed([ids]))
+            await asyncio.sleep(0)
+            engine.stop_accepting()   # shutdown: a waiting prompt and any new request get EngineDeadError
+            stopped = await asyncio.gather(waiting, engine.embed([ids]), return_exceptions=True)
+        finally:
+            await engine.shutdown()
+        return results, stopped
+
+    results, stopped = asyncio.run(main())
+    assert [type(r).__name__ for r in results] == ["list", "list", "EngineOverloadedError"]
+    assert [type(r).__name__ for r in stopped] == ["EngineDeadError", "EngineDeadError"]
+
+
+def test_bfloat16(st_vectors):
+    async def main():
+        engine = AsyncEncoderEngine(encoder_dirs.minilm_dir(), dtype="bfloat16")
+        await engine.start()
+        try:
+            return await engine.embed([engine.processor.tokenize(t)[1] for t in TEXTS])
+        finally:
+            await engine.shutdown()
+
+    got = torch.tensor(asyncio.run(main()))
+    cos = torch.nn.functional.cosine_similarity(got, st_vectors, dim=-1)
+    assert cos.min() > 0.99 and (got - st_vectors).abs().max() > 1e-5   # close, and not float32's numbers
