@@ -18,6 +18,7 @@ BENCHMARKS = [
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
     ("prefill-attention", "prefill_attention", "prefill attention over a prompt: the C++ paged kernel vs SDPA", False),
     ("priority", "priority", "urgent requests' TTFT vs the others' under a full queue, fcfs vs priority", True),
+    ("encoder", "encoder", "an encoder model's embeddings, batched across requests vs one at a time", False),
     ("kv-memory", "kv_memory", "KV cache held by one long request, sliding groups freeing vs one table", True),
 ]
 

@@ -3,7 +3,8 @@ through the server's own app in this process (no port), all lines at once so tha
 batches them.
 
 Each input line is `{"custom_id", "method": "POST", "url", "body"}` with url /v1/completions,
-/v1/chat/completions or /v1/embeddings; each output line, in the input's order, is OpenAI's
+/v1/chat/completions, /v1/embeddings, /v1/score (/score) or /v1/rerank (/rerank, /v2/rerank);
+an encoder model (BERT and kin) runs as `pagedllm serve` runs it; each output line, in the input's order, is OpenAI's
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}` (an API
 error, e.g. a 400, is the body of its response, as OpenAI's). A line that is not such a request
 gets `{"id", "custom_id", "response": null, "error": {"code", "message"}}` and the rest still run.
@@ -17,7 +18,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank",
+        "/v2/rerank")
 MAX_IN_FLIGHT = 256   # requests sent to the app at a time (below its --max-waiting-requests)
 
 
@@ -111,14 +113,14 @@ async def run_lines(app, lines: list[str], show_progress: bool = True) -> list[d
 
 
 async def run_batch(ns, engine_args) -> int:
-    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.async_encoder import make_async_engine
     from pagedllm.entrypoints.openai.api_server import _load_chat_template, build_app
     from pagedllm.models.download import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
     with open(ns.input_file) as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
     model = engine_args.model
     names = ns.served_model_name or [DEFAULT_MODEL if model is None or model in DEFAULT_MODEL_ALIASES else model]
-    engine = AsyncLLM(engine_args, model_name=names[0], log_level="WARNING")
+    engine = make_async_engine(engine_args, names[0], log_level="WARNING")
     try:
         await engine.start()
         app = build_app(engine, names, chat_template=_load_chat_template(ns.chat_template),

@@ -94,3 +94,11 @@ def test_structured(tmp_path):
     # A random model writes long strings: each answer is whole JSON or cut at --output-len.
     assert free["requests"] == constrained["requests"] == 4
     assert constrained["valid_json"] == 4 or constrained["output_tokens"] > 3 * 64, constrained
+
+
+def test_encoder(tmp_path):
+    d = bench(tmp_path, "encoder", "--num-requests", "12", "--max-num-seqs", "4", "--repeat", "1")
+    assert [r["name"] for r in d["rows"]] == ["batched", "one at a time", "sentence-transformers encode"]
+    for r in d["rows"]:   # texts/s is the texts over the median round's seconds
+        assert r["rate"] == pytest.approx(12 / r["s"]) and r["s"] == d["seconds"][r["name"]][0]
+    assert d["max_diff"] < 1e-5   # the served vectors are sentence-transformers' (the work timed is right)

@@ -1,15 +1,18 @@
 """`pagedllm run-batch` end to end, as a real subprocess on `random:tiny`: completions and chat
 lines answer what the offline LLM answers for the same greedy requests, embeddings lines (the
-pooling runner) what LLM.embed gives; malformed lines get an error record in their place and the
+pooling runner) what LLM.embed gives; /v1/rerank and /score lines on an encoder cross-encoder
+what `pagedllm serve` of it answers; malformed lines get an error record in their place and the
 others still run; an API error (a 400) is its line's response body, as in OpenAI's batch output."""
 import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
+from encoder_dirs import random_encoder
 from pagedllm import LLM, SamplingParams
-from server_utils import REPO, TINY, TINY_CHAT_TEMPLATE
+from server_utils import REPO, TINY, TINY_CHAT_TEMPLATE, RemoteServer
 
 MAX_MODEL_LEN = 64
 ENGINE = ["--model", TINY, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.01"]
@@ -17,11 +20,11 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [300, 301]]
 MESSAGES = [{"role": "user", "content": "w5 w6 w7"}]
 
 
-def run_batch(tmp_path, lines: list[str], *args: str) -> list[dict]:
+def run_batch(tmp_path, lines: list[str], *args: str, engine: list[str] = ENGINE) -> list[dict]:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i", str(src), "-o", str(dst),
-                        *ENGINE, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        *engine, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "Running batch: 100%" in r.stderr   # the progress bar ran to the end
     return [json.loads(line) for line in dst.read_text().splitlines()]
@@ -78,3 +81,41 @@ def test_embeddings_equal_offline(tmp_path):
     for rec, vec in zip(out, want):
         assert rec["response"]["status_code"] == 200, rec
         assert rec["response"]["body"]["data"][0]["embedding"] == pytest.approx(vec, abs=1e-6)
+
+
+def test_rerank_and_score_equal_the_server(tmp_path):
+    model = tmp_path / "cross-encoder"
+    random_encoder(model, "BertForSequenceClassification", None, num_labels=1, init_range=0.2)
+    docs = ["paged attention stores the KV cache in blocks", "a fox", "hi"]
+    requests = [("/v1/rerank", {"query": "what is paged attention?", "documents": docs, "top_n": 2}),
+                ("/rerank", {"query": "a fox", "documents": [{"text": d} for d in docs], "return_documents": False}),
+                ("/score", {"text_1": "a fox", "text_2": docs}),
+                ("/v1/score", {"text_1": docs[:2], "text_2": docs[1:]}),
+                ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 0})]   # a 400, as its body
+    lines = [line(f"req-{i}", url, body) for i, (url, body) in enumerate(requests)]
+    out = run_batch(tmp_path, lines + [line("bad", "/v1/classify", {"input": "a"})], engine=["--model", str(model)])
+    srv = RemoteServer([str(model)])
+    try:
+        want = [httpx.post(srv.url + url, json=body, timeout=60) for url, body in requests]
+    finally:
+        srv.close()
+    for rec, w in zip(out, want):
+        got = rec["response"]
+        assert got["status_code"] == w.status_code, rec
+        strip = ("id", "created")   # each answer's own
+        assert_same({k: v for k, v in got["body"].items() if k not in strip},
+                    {k: v for k, v in w.json().items() if k not in strip})
+    assert len(out[0]["response"]["body"]["results"]) == 2 and out[4]["response"]["status_code"] == 400
+    assert out[-1]["custom_id"] == "bad" and "url must be one of" in out[-1]["error"]["message"]
+
+
+def assert_same(got, want):
+    """Equal JSON, floats within 1e-6 (the batch runs its lines in other padded batches than the server)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-6)
+    elif isinstance(want, (list, dict)):
+        assert type(got) is type(want) and len(got) == len(want), (got, want)
+        for k in (want if isinstance(want, dict) else range(len(want))):
+            assert_same(got[k], want[k])
+    else:
+        assert got == want

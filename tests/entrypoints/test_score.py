@@ -85,6 +85,7 @@ def test_pooling(server, reference):  # noqa: F811
     ("/v1/rerank", {"query": "a", "documents": [3]}, "documents"),
     ("/v1/rerank", {"documents": ["b"]}, "query"),
     ("/pooling", {"input": []}, "input"),
+    ("/classify", {"input": "a"}, "model"),   # a decoder has no classification head
 ])
 def test_bad_input(server, path, body, field):
     err = assert_error(httpx.post(server.url + path, json=body), 400)

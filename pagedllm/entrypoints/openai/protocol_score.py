@@ -1,5 +1,6 @@
 """Request bodies of the scoring endpoints (a `--runner pooling` server): /score (vLLM's text
-pairs), /v1/rerank and /rerank (Jina's and Cohere's shape), /pooling (vLLM's raw vectors)."""
+pairs), /v1/rerank and /rerank (Jina's and Cohere's shape), /pooling (vLLM's raw vectors),
+/classify (vLLM's: a classification model's class probabilities)."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -32,3 +33,10 @@ class PoolingRequest(OpenAIBaseModel):
     model: Optional[StrictStr] = None
     input: PromptInput
     add_special_tokens: StrictBool = True
+
+
+class ClassifyRequest(OpenAIBaseModel):
+    model: Optional[StrictStr] = None
+    input: PromptInput
+    add_special_tokens: StrictBool = True
+    user: Optional[StrictStr] = None

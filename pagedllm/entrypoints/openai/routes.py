@@ -19,7 +19,8 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.protocol_score import PoolingRequest, RerankRequest, ScoreRequest
+from pagedllm.entrypoints.openai.protocol_score import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
+from pagedllm.entrypoints.openai.serving_classify import OpenAIServingClassify
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
@@ -34,7 +35,9 @@ openai_router = APIRouter()
 tokenize_router = APIRouter()
 server_router = APIRouter()
 # What --api-key guards: everything but the server's own routes (a probe needs no key).
-PROTECTED_PATHS = ("/v1", "/v2", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling")
+PROTECTED_PATHS = ("/v1", "/v2", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/classify")
+# Other paths of the same endpoint (an encoder model lists the canonical ones).
+_ALIASES = {"/v1/score": "/score", "/rerank": "/v1/rerank", "/v2/rerank": "/v1/rerank", "/v1/classify": "/classify"}
 
 
 def engine(request: Request) -> AsyncLLM:
@@ -65,6 +68,10 @@ def scoring(request: Request) -> OpenAIServingScore:
     return request.app.state.openai_serving_score
 
 
+def classifying(request: Request) -> OpenAIServingClassify:
+    return request.app.state.openai_serving_classify
+
+
 # -------------------------------------------------------------------- the OpenAI API
 async def _run_until_disconnect(coro, raw_request: Request):
     """Await `coro`, cancelling it (which aborts its requests) if the client disconnects."""
@@ -93,8 +100,18 @@ async def _run_until_disconnect(coro, raw_request: Request):
 
 def _check_runner(raw_request: Request, runner: str) -> None:
     """A generation endpoint on a --runner pooling server (or /v1/embeddings on a generating
-    one) is a 400 saying which runner serves it."""
-    have = engine(raw_request).config.model_config.runner
+    one) is a 400 saying which runner serves it; on an encoder model, an endpoint it does not
+    serve is a 400 listing those it does."""
+    mc = engine(raw_request).config.model_config
+    path = raw_request.url.path
+    endpoints = getattr(mc, "endpoints", None)   # an encoder model (engine/async_encoder.py)
+    if endpoints is not None:
+        if _ALIASES.get(path, path) not in endpoints:
+            raise OpenAIError(f"{path} is not served for this model: {raw_request.app.state.served_model_names[0]} "
+                              f"({mc.architecture}) is {mc.kind} encoder model, which serves "
+                              f"{', '.join(endpoints)}", param="model", code="unsupported_endpoint")
+        return
+    have = mc.runner
     if have != runner:
         raise OpenAIError(f"{raw_request.url.path} needs a server started with --runner {runner}; "
                           f"this one runs --runner {have}", param="model", code="wrong_runner")
@@ -179,6 +196,12 @@ async def create_rerank(req: RerankRequest, raw_request: Request):
 @openai_router.post("/pooling")
 async def create_pooling(req: PoolingRequest, raw_request: Request):
     return await _respond(scoring(raw_request).create_pooling, req, raw_request, runner="pooling")
+
+
+@openai_router.post("/classify")
+@openai_router.post("/v1/classify")
+async def create_classify(req: ClassifyRequest, raw_request: Request):
+    return await _respond(classifying(raw_request).create_classify, req, raw_request, runner="pooling")
 
 
 @openai_router.get("/v1/models")

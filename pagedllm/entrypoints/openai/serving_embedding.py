@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from pagedllm.engine.async_encoder import AsyncEncoderEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, random_id
 from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, OpenAIServing
@@ -28,8 +29,23 @@ def truncate(vector: list[float], dimensions: int, normalize: bool) -> list[floa
 
 
 class OpenAIServingEmbedding(OpenAIServing):
+    @property
+    def is_encoder(self) -> bool:
+        return isinstance(self.engine, AsyncEncoderEngine)
+
+    def check_encoder_len(self, num_tokens: int, what: str) -> None:
+        """An encoder reads at most max_model_len tokens (no room is kept for a generated one)."""
+        if num_tokens > self.max_model_len:
+            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                              f"{what} resulted in {num_tokens} tokens. Please reduce the length of the {what}.",
+                              param=what, code="context_length_exceeded")
+
     async def embed(self, prompts: list[tuple], request_id: str) -> list[list[float]]:
         """Tokenized prompts ((text, ids) pairs) -> their pooled vectors, in order."""
+        if self.is_encoder:
+            for _, ids in prompts:
+                self.check_encoder_len(len(ids), "input")
+            return await self.engine.embed([ids for _, ids in prompts])
         for _, ids in prompts:
             self.check_context(len(ids), None, "input")
         streams = []

@@ -2,6 +2,9 @@
 
 An embedding model scores a pair of texts by the cosine of their pooled vectors (what vLLM does
 for a model without a classification head): each distinct text is embedded once, in one batch.
+A cross-encoder (an encoder with a one-label classification head) reads each pair as one input,
+[CLS] text_1 [SEP] text_2 [SEP] with token types 0 / 1, and scores it by the sigmoid of its logit
+(as sentence-transformers' CrossEncoder and vLLM do).
 Rerank is a query scored against each document, sorted best first, cut to top_n."""
 from __future__ import annotations
 
@@ -38,11 +41,30 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 class OpenAIServingScore(OpenAIServingEmbedding):
     async def _scores(self, pairs: list[tuple[str, str]], request_id: str, param: str) -> tuple[list[float], int]:
-        """-> each pair's cosine, and the prompt tokens embedded."""
+        """-> each pair's score (a cross-encoder's, else the cosine), and the prompt tokens read."""
+        if self.is_encoder and self.engine.config.model_config.is_classifier:
+            return await self._cross_scores(pairs, param)
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))   # distinct, in order
         prompts = self.tokenize_prompts(texts, True, param)
         vectors = dict(zip(texts, await self.embed(prompts, request_id)))
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(ids) for _, ids in prompts)
+
+    async def _cross_scores(self, pairs: list[tuple[str, str]], param: str) -> tuple[list[float], int]:
+        mc = self.engine.config.model_config
+        if mc.num_labels != 1:
+            raise OpenAIError(f"this classifier has {mc.num_labels} labels, so no single score per pair: "
+                              f"/score and /rerank need a one-label cross-encoder (/classify gives every label)",
+                              param="model")
+        inputs = []
+        for a, b in pairs:
+            try:
+                ids, types = self.engine.processor.tokenize_pair(a, b)
+            except ValueError as e:
+                raise OpenAIError(str(e), param=param) from None
+            self.check_encoder_len(len(ids), param)
+            inputs.append((ids, types))
+        logits = np.asarray(await self.engine.classify(inputs), dtype=np.float64)[:, 0]     # [num_pairs]
+        return (1 / (1 + np.exp(-logits))).tolist(), sum(len(ids) for ids, _ in inputs)
 
     async def create_score(self, req: ScoreRequest, raw_request=None):
         self.check_model(req.model)
