@@ -160,6 +160,8 @@ class SchedulerStats(msgspec.Struct):
     num_added: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    mm_cache_queries: int = 0   # images looked up in the encoder cache, and found there (vLLM's names)
+    mm_cache_hits: int = 0
     # --enable-lora: adapter name -> its requests running / waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)

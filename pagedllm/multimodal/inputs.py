@@ -20,3 +20,13 @@ class ImageInput:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt whose images the HF processor has expanded (Processor.process_images): the text,
+    its token ids and its images. The server makes one before its context-length check and
+    hands it to the engine as the prompt, so that the images are processed once."""
+    text: str
+    token_ids: list
+    mm_inputs: tuple

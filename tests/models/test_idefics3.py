@@ -76,15 +76,26 @@ def test_bad_image_inputs(vlm_dir):
 
 
 def test_chat_with_image_parts(vlm_dir):
-    """LLM.chat: an image part becomes the placeholder in the template's text, as a user who
-    writes <image> into the message would get from transformers."""
+    """LLM.chat: an image part becomes the placeholder in the template's text where it stands
+    (the parts joined by newlines), as a user who writes <image> into the message would get from
+    transformers; an image_url part with a data: URL gives the same tokens."""
+    import base64
+    import io
+
     from transformers import AutoTokenizer
     text = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
-        [{"role": "user", "content": "What is in <image>?"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "What is in\n<image>\n?"}], add_generation_prompt=True, tokenize=False)
     ref = hf_greedy(vlm_dir, text, [image(5)], N)
     llm = LLM(vlm_dir, dtype="float32")
-    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in "},
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in"},
                                                  {"type": "image_pil", "image_pil": image(5)},
+                                                 {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref
+    png = io.BytesIO()
+    image(5).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in"},
+                                                 {"type": "image_url", "image_url": {"url": url}},
                                                  {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == ref
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: type 'audio' is not supported"):
@@ -148,3 +159,17 @@ def test_second_chat_turn_does_not_reencode(vlm_dir):
     turn2 = turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the colours?"}]
     out = llm.chat(turn2, _greedy(), use_tqdm=False)[0]
     assert cache.images_encoded == 1 and out.num_cached_tokens >= 32
+
+
+@pytest.mark.parametrize("budget", [2048, IMAGE_TOKENS // 2])
+def test_same_image_twice_in_one_prompt(vlm_dir, budget):
+    """One image shown twice: encoded once, held until the request's second copy is prefilled
+    (also when the copies fall in different steps), transformers' tokens."""
+    images = [image(2), image(2)]
+    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    out = llm.generate(_prompt(TWO, images), _greedy(), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(vlm_dir, TWO, images, N)
+    cache = _runner(llm).encoder_cache
+    assert cache.images_encoded == 1 and cache.features == {} and cache.users == {}
+    assert cache.take_step_stats() == (0, 0)   # taken by every step: (2 queries, 1 hit) went to the scheduler
+    assert (llm.llm_engine.core.scheduler.mm_cache_queries, llm.llm_engine.core.scheduler.mm_cache_hits) == (2, 1)
