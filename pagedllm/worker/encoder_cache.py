@@ -45,7 +45,9 @@ class EncoderCache:
         self._encode([image for _, image, *_ in needed])
         x = self.model.embed(input_ids)
         for req_id, image, lo, hi, first, computed in needed:
-            x[first + lo - computed:first + hi - computed] = self.features[image.hash][lo - image.offset:hi - image.offset]
+            pos, rows_of = image.feature_rows(lo, hi)   # a split image's tag tokens keep their embeddings
+            x[torch.from_numpy(first + pos - computed).to(x.device)] = \
+                self.features[image.hash][torch.from_numpy(rows_of).to(x.device)]
             self.users.setdefault(image.hash, set()).add(req_id)
         images_of = {req_id: images for req_id, images, *_ in rows}
         for req_id, image, lo, hi, _, _ in needed:

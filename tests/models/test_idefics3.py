@@ -173,3 +173,28 @@ def test_same_image_twice_in_one_prompt(vlm_dir, budget):
     assert cache.images_encoded == 1 and cache.features == {} and cache.users == {}
     assert cache.take_step_stats() == (0, 0)   # taken by every step: (2 queries, 1 hit) went to the scheduler
     assert (llm.llm_engine.core.scheduler.mm_cache_queries, llm.llm_engine.core.scheduler.mm_cache_hits) == (2, 1)
+
+
+@pytest.fixture(scope="module")
+def split_dir(tmp_path_factory):
+    return build_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3_split")), do_image_splitting=True)
+
+
+@pytest.mark.parametrize("budget", [2048, IMAGE_TOKENS // 2])
+def test_split_images_match_transformers(split_dir, budget):
+    """do_image_splitting (SmolVLM's default): each image is 2 x 2 tiles and the whole image, its
+    placeholder tokens runs with a row / column tag between them; greedy equals transformers, also
+    with each image split across prefill steps."""
+    cases = [(ONE, [image(1, (150, 100))]), (TWO, [image(2), image(3, (64, 40))]), (TEXT, [])]
+    refs = [hf_greedy(split_dir, t, imgs, N) for t, imgs in cases]
+    llm = LLM(split_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    _, request = llm.llm_engine.processor.process("probe", _prompt(*cases[0]), _greedy())
+    (img,) = request.mm_inputs
+    assert img.pixel_values.shape[0] == 5 and len(img.runs) == 5   # 4 tiles + the whole image
+    from pagedllm.engine.messages import AddRequests, EngineCoreRequest, decode_request, encode_request
+    back = decode_request(encode_request(AddRequests([EngineCoreRequest.from_request(request)])))
+    assert back.requests[0].to_request().mm_inputs[0].runs == img.runs   # as the core process gets it
+    outs = llm.generate([_prompt(t, imgs) for t, imgs in cases], _greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    cache = _runner(llm).encoder_cache
+    assert cache.images_encoded == 3 and cache.features == {} and cache.users == {}
