@@ -57,8 +57,11 @@ class Processor:
         """check_prompt_chars for chat messages, on the sum of their text before the template
         renders them (the rendered prompt holds at least that text)."""
         messages = conversation if isinstance(conversation, list) else []   # the template's check says why
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages
-                                    if isinstance(m, dict) and isinstance(m.get("content"), str)), "messages")
+        contents = [m.get("content") for m in messages if isinstance(m, dict)]
+        texts = [c for c in contents if isinstance(c, str)] + [   # and text parts (a template that takes parts)
+            p["text"] for c in contents if isinstance(c, list)
+            for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        self.check_prompt_chars(sum(map(len, texts)), "messages")
 
     def check_structured_outputs(self, params: SamplingParams, beam_width: int = 1) -> None:
         """The spec parses (the compiler's message otherwise), and the request can honour it."""

@@ -10,7 +10,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
-from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts
+from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts, template_takes_parts
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams, pooling_params
 
@@ -126,11 +126,12 @@ class LLM:
         processor = self.llm_engine.processor
         mm = processor.load_mm_processor("messages")
         processor.check_image_count(len(image_part_locations(conversation)), "messages")   # before loading them
+        tokenizer = self.get_tokenizer()
+        as_parts = template_takes_parts(lambda m: apply_chat_template(tokenizer, m, True, chat_template, tokenize=False))
         messages, images = split_image_parts(conversation, mm.image_token,
-                                             processor.config.model_config.allowed_local_media_path)
+                                             processor.config.model_config.allowed_local_media_path, as_parts)
         processor.check_messages_chars(messages)
-        text = apply_chat_template(self.get_tokenizer(), messages, add_generation_prompt, chat_template,
-                                   tokenize=False)
+        text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tokenize=False)
         return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,

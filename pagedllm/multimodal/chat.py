@@ -23,16 +23,33 @@ def has_image_parts(conversation) -> bool:
     return bool(image_part_locations(conversation))
 
 
-def split_image_parts(conversation: list, image_token: str,
-                      allowed_local_media_path: str = "") -> tuple[list, list]:
-    """-> (the messages with string contents, the images in order); image_url parts are loaded
-    here (blocking: the server calls this in a thread). ParamError naming a part that is neither
-    text nor an image, or whose image does not load."""
+_PROBE = "pagedllm-content-probe"
+
+
+def template_takes_parts(render) -> bool:
+    """Whether a chat template iterates over a message's content parts (vLLM's "openai" content
+    format: SmolVLM's and most vision templates put the image tag where {"type": "image"} stands)
+    rather than printing a string content. render(messages) -> the template's text; a template
+    that prints the list (its repr) or fails on it takes strings."""
+    try:
+        text = render([{"role": "user", "content": [{"type": "text", "text": _PROBE}]}])
+    except Exception:
+        return False
+    return _PROBE in text and "'type'" not in text and '"type"' not in text
+
+
+def split_image_parts(conversation: list, image_token: str, allowed_local_media_path: str = "",
+                      as_parts: bool = False) -> tuple[list, list]:
+    """-> (the messages, the images in order); image_url parts are loaded here (blocking: the
+    server calls this in a thread). The messages have string contents, or with as_parts (a
+    template that takes parts: template_takes_parts) lists of {"type": "text"} and
+    {"type": "image"} parts, every message's. ParamError naming a part that is neither text nor
+    an image, or whose image does not load."""
     messages, images = [], []
     for i, m in enumerate(conversation):
         content = m.get("content")
         if not isinstance(content, list):
-            messages.append(m)
+            messages.append({**m, "content": [{"type": "text", "text": content or ""}]} if as_parts else m)
             continue
         text = []
         for j, part in enumerate(content):
@@ -44,12 +61,16 @@ def split_image_parts(conversation: list, image_token: str,
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 images.append(load_image_url(url, where + ".image_url.url", allowed_local_media_path))
-                text.append(image_token)
+                text.append(None)   # the image's place
             elif kind in IMAGE_PARTS:
                 images.append(part.get(IMAGE_PARTS[kind]))
-                text.append(image_token)
+                text.append(None)
             else:
                 raise ParamError(where, f"{where}: type {kind!r} is not supported; allowed: text, "
                                         f"{', '.join(IMAGE_PARTS)}")
-        messages.append({**m, "content": "\n".join(text)})
+        if as_parts:   # the template places the image tags itself
+            messages.append({**m, "content": [{"type": "image"} if t is None else {"type": "text", "text": t}
+                                              for t in text]})
+        else:
+            messages.append({**m, "content": "\n".join(image_token if t is None else t for t in text)})
     return messages, images

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from models.vlm_fixture import build_tiny_idefics3, hf_greedy, image
+from models.vlm_fixture import SMOLVLM_TEMPLATE, build_tiny_idefics3, hf_greedy, image
 from server_utils import RemoteServer, assert_error, wait_idle, wait_metrics
 
 N = 6
@@ -162,3 +162,26 @@ def test_encoder_cache_metrics(server):
     server.client().chat.completions.create(model=MODEL, messages=_messages(url, url), **GREEDY)
     after = wait_metrics(server, lambda m: m[q] > before[q], "the encoder cache's queries")
     assert (after[q] - before[q], after[h] - before[h]) == (2, 1)
+
+
+def test_template_that_takes_parts(vlm_dir, tmp_path):
+    """--chat-template with SmolVLM's own template (it iterates over content parts): the server
+    gives the text of LLM.chat with the same template (whose tokens equal transformers', see
+    tests/models/test_idefics3.py)."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+    template = tmp_path / "smolvlm.jinja"
+    template.write_text(SMOLVLM_TEMPLATE)
+    messages = _messages(_data_url(image(6)))
+    llm = LLM(vlm_dir, dtype="float32")
+    ref = llm.chat(messages, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True), use_tqdm=False,
+                   chat_template=SMOLVLM_TEMPLATE)[0]
+    assert "<image>" in ref.prompt and "'type'" not in ref.prompt
+    s = RemoteServer(["--model", vlm_dir, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "0.01",
+                      "--served-model-name", MODEL, "--chat-template", str(template)])
+    try:
+        r = s.client().chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+        assert r.choices[0].message.content == ref.outputs[0].text
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    finally:
+        s.close()

@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
-from models.vlm_fixture import IMAGE_TOKENS, build_tiny_idefics3, hf_greedy, image
+from models.vlm_fixture import IMAGE_TOKENS, SMOLVLM_TEMPLATE, build_tiny_idefics3, hf_greedy, image
 
 ONE = "Look <image> and say what you see in this picture, please, in one line"
 TWO = "Compare <image> with <image> now"
@@ -198,3 +198,30 @@ def test_split_images_match_transformers(split_dir, budget):
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     cache = _runner(llm).encoder_cache
     assert cache.images_encoded == 3 and cache.features == {} and cache.users == {}
+
+
+def test_chat_with_a_template_that_takes_parts(vlm_dir):
+    """A template that iterates over content parts (SmolVLM's) gets the parts, the images as
+    {"type": "image"}, and earlier string contents as text parts: the prompt transformers' own
+    processor renders for the same messages."""
+    from transformers import AutoProcessor
+
+    from pagedllm.multimodal.chat import template_takes_parts
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+                   {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image"}]}]
+    text = AutoProcessor.from_pretrained(vlm_dir).apply_chat_template(
+        hf_messages, chat_template=SMOLVLM_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert text.count("<image>") == 2 and "'type'" not in text
+    ref = hf_greedy(vlm_dir, text, [image(5), image(6)], N)
+    llm = LLM(vlm_dir, dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image(5)},
+                                             {"type": "text", "text": "Describe it."}]},
+                {"role": "assistant", "content": "A cat."},
+                {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                             {"type": "image", "image": image(6)}]}]
+    out = llm.chat(messages, _greedy(), use_tqdm=False, chat_template=SMOLVLM_TEMPLATE)
+    assert list(out[0].outputs[0].token_ids) == ref
+    tok = llm.get_tokenizer()
+    assert template_takes_parts(lambda m: tok.apply_chat_template(m, chat_template=SMOLVLM_TEMPLATE, tokenize=False))
+    assert not template_takes_parts(lambda m: tok.apply_chat_template(m, tokenize=False))   # SmolLM2's ChatML

@@ -9,6 +9,15 @@ import numpy as np
 SMOLLM2 = os.path.expanduser("~/.cache/pagedllm/models/SmolLM2-135M-Instruct")
 IMAGE_TOKENS = 16   # (64 / 8)^2 patches, pixel-shuffled by 2
 
+# SmolVLM's own chat template (its processor's): it iterates over the content parts and puts
+# <image> where a {"type": "image"} part stands.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
 
 def build_tiny_idefics3(path: str, do_image_splitting: bool = False) -> str:
     """do_image_splitting: SmolVLM's default, here an image's longest edge is resized to 128 and

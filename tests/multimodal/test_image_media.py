@@ -91,10 +91,13 @@ def loopback():
                 self.send_error(404)
                 return
             data = body * (50 if self.path == "/big.png" else 1)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):   # the client gave up (timeout, size limit)
+                pass
 
         def log_message(self, *a):
             pass

@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, prompt_logprobs_json,
     usage_dict, random_id)
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
-from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts
+from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts, template_takes_parts
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
@@ -49,6 +49,7 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser_class = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
         self.reasoning_parser_class = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self._template_renders_tools: Optional[bool] = None
+        self._template_takes_parts: Optional[bool] = None
 
     def conversation(self, req_messages, images: bool = False) -> list[dict]:
         """The messages as the chat template takes them; 400 when their text alone cannot fit
@@ -103,6 +104,13 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # ValueError, jinja2 errors (raise_exception in templates), ...
             raise OpenAIError(f"the chat template could not be applied to the messages: {e}",
                               param="messages") from None
+
+    def template_takes_parts(self) -> bool:
+        """Whether the chat template iterates over content parts (multimodal/chat.py; probed once)."""
+        if self._template_takes_parts is None:
+            self._template_takes_parts = template_takes_parts(
+                lambda m: apply_chat_template(self.tokenizer, m, True, self.chat_template, tokenize=False))
+        return self._template_takes_parts
 
     def renders_tools(self) -> bool:
         """Whether the chat template uses its `tools` variable (a probe rendered with and without)."""
@@ -219,11 +227,16 @@ class OpenAIServingChat(OpenAIServing):
         count) or processed (the loading); the loading and the processor run in a thread."""
         processor = self.engine.processor
         where = image_part_locations(conv)
+        as_parts = self.template_takes_parts()
+        if tools and as_parts and not self.renders_tools():
+            raise OpenAIError("tools with images need a chat template that renders tools: this one takes "
+                              "content parts, and the tools' system block is text", param="tools")
         with bad_input_is_400():
             mm = processor.load_mm_processor(where[0])
             processor.check_image_count(len(where), "messages")
             messages, images = await asyncio.to_thread(
-                split_image_parts, conv, mm.image_token, processor.config.model_config.allowed_local_media_path)
+                split_image_parts, conv, mm.image_token, processor.config.model_config.allowed_local_media_path,
+                as_parts)
             processor.check_messages_chars(messages)
         text = self.prompt_ids(messages, req.add_generation_prompt, req.continue_final_message, tools,
                                req.chat_template_kwargs, tokenize=False)
