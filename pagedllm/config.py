@@ -60,6 +60,10 @@ class ModelConfig:
     quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
     # --generation-config: the sampling defaults a request's unset fields take (engine/generation_defaults.py).
     sampling_defaults: dict = field(default_factory=dict)
+    # Vision-language models (multimodal/limits.py, multimodal/media.py): the most images in one
+    # prompt (--limit-mm-per-prompt, per modality), and the folder file:// image URLs may read.
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    allowed_local_media_path: str = ""
 
     def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
         """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
@@ -159,6 +163,8 @@ DEVICES = ("cpu", "cuda")                      # EngineArgs also takes "auto"
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 RUNNERS = ("generate", "pooling")
 SCHEDULING_POLICIES = ("fcfs", "priority")   # priority: lower first, then arrival (vLLM's)
+MM_MODALITIES = ("image",)   # --limit-mm-per-prompt's keys
+DEFAULT_MM_LIMIT = 999        # images per prompt when --limit-mm-per-prompt leaves it unset (vLLM's)
 
 
 @dataclass

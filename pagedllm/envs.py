@@ -45,6 +45,11 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(_switch(False),
                                                    "1: as --allow-runtime-lora-updating (POST /v1/load_lora_adapter, "
                                                    "/v1/unload_lora_adapter)"),
+    "PAGEDLLM_IMAGE_FETCH_TIMEOUT": EnvVar(_number(float, 5.0),
+                                           "seconds an http(s) image_url may take to answer (vLLM's "
+                                           "VLLM_IMAGE_FETCH_TIMEOUT)"),
+    "PAGEDLLM_MAX_IMAGE_BYTES": EnvVar(_number(int, 20 << 20),
+                                       "largest encoded image an image_url may bring (data, file or http)"),
     "PAGEDLLM_NO_CPU_KERNELS": EnvVar(_switch(False),
                                       "1: never build or use the C++ CPU kernels (the torch code instead)"),
     "PAGEDLLM_CPU_ISA": EnvVar(_text(None), "avx2: use the C++ kernels' AVX2 build on an AVX-512 machine "

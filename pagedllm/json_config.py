@@ -7,10 +7,8 @@ import dataclasses
 import json
 
 
-def fields_from_json(value, cls, name: str) -> dict:
-    """value: JSON text, a dict, or a `cls` instance -> a dict of cls's fields (unknown ones refused)."""
-    if isinstance(value, cls):
-        return dict(value.__dict__)
+def json_object(value, name: str) -> dict:
+    """value: JSON text or a dict -> the dict; ValueError naming `name` otherwise."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -18,6 +16,14 @@ def fields_from_json(value, cls, name: str) -> dict:
             raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def fields_from_json(value, cls, name: str) -> dict:
+    """value: JSON text, a dict, or a `cls` instance -> a dict of cls's fields (unknown ones refused)."""
+    if isinstance(value, cls):
+        return dict(value.__dict__)
+    value = json_object(value, name)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(value) - known
     if unknown:

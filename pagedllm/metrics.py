@@ -69,6 +69,11 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (0 to 1).")
+        # vLLM's names; here the encoder cache of image features (an item: one image a request needs).
+        self.mm_queries = counter("mm_cache_queries", "Multi-modal cache queries, in terms of number of queried "
+                                                      "items (images looked up in the encoder cache).")
+        self.mm_hits = counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items "
+                                                "(images that needed no encoder run).")
         fin = Counter(f"{prefix}:request_success", "Finished sequences, by finish reason.",
                       labels + ["finished_reason"], registry=r)
         self.finished = {reason: fin.labels(model_name, reason) for reason in FINISH_REASONS}
@@ -105,7 +110,9 @@ class EngineMetrics:
             self.preemptions.inc(d)
         self._last_preemptions = s["preemptions"]
         q, h = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        for counter, total, last in ((self.prefix_queries, q, "_last_queries"), (self.prefix_hits, h, "_last_hits")):
+        for counter, total, last in ((self.prefix_queries, q, "_last_queries"), (self.prefix_hits, h, "_last_hits"),
+                                     (self.mm_queries, s.get("mm_cache_queries", 0), "_last_mm_queries"),
+                                     (self.mm_hits, s.get("mm_cache_hits", 0), "_last_mm_hits")):
             if total > getattr(self, last, 0):
                 counter.inc(total - getattr(self, last, 0))
             setattr(self, last, total)

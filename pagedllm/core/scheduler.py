@@ -69,6 +69,8 @@ class Scheduler:
         self.kv_load_failures: list[tuple[str, str]] = []
         # Speculative decoding's acceptance counters (metrics, the stats log line).
         self.spec_decoding_stats = SpecDecodingStats()
+        # The runner's encoder cache: images looked up, and found without an encoder run (metrics).
+        self.mm_cache_queries = self.mm_cache_hits = 0
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -512,6 +514,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = [EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value, r.stop_reason)
                                            for r in self.grammar_failed]
         self.grammar_failed = []
+        if runner_output.encoder_stats is not None:
+            self.mm_cache_queries += runner_output.encoder_stats[0]
+            self.mm_cache_hits += runner_output.encoder_stats[1]
         logprobs = runner_output.logprobs
         for req_id, chunk in (runner_output.prompt_logprobs or {}).items():
             request = self.requests.get(req_id)

@@ -72,6 +72,8 @@ class ModelRunnerOutput:
     kv_connector_output: Optional[Any] = None
     # Speculative decoding: per row, the drafts proposed for the next step ([] for none).
     spec_token_ids: Optional[list[list[int]]] = None
+    # Vision-language models: the encoder cache's (queries, hits) of the step (worker/encoder_cache.py).
+    encoder_stats: Optional[tuple[int, int]] = None
 
 
 @dataclass

@@ -36,6 +36,15 @@ def _speculative_config(text: str) -> dict:
     return json.loads(text)
 
 
+def _limit_mm_per_prompt(text: str) -> dict:
+    """--limit-mm-per-prompt: checked at parse time (an argparse error naming the modality)."""
+    from pagedllm.multimodal.limits import parse_limit_mm_per_prompt
+    try:
+        return parse_limit_mm_per_prompt(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _gib_to_bytes(gib: float) -> int:
     return int(gib * 2**30)
 
@@ -117,6 +126,11 @@ class EngineArgs:
         "auto", "sampling defaults: auto (the model's generation_config.json: temperature, top_p, top_k, "
         "min_p, repetition_penalty, unless a request sets them), vllm (none), or a folder holding a "
         "generation_config.json (vLLM's flag)")
+    limit_mm_per_prompt: Optional[dict] = arg(
+        None, 'vision-language models: the most images one prompt may carry, JSON: {"image": N} (vLLM\'s flag; '
+        'default 999)', type=_limit_mm_per_prompt)
+    allowed_local_media_path: str = arg(
+        "", "the folder whose files image_url parts may name as file:// URLs (vLLM's flag; default none)")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -140,6 +154,9 @@ class EngineArgs:
         from pagedllm.engine.generation_defaults import load_sampling_defaults
         mc.sampling_defaults = load_sampling_defaults(self.generation_config, path)
         mc.set_quantization(self.quantization, self.quantization_group_size, dc.device)
+        from pagedllm.multimodal.limits import check_allowed_local_media_path, parse_limit_mm_per_prompt
+        mc.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        mc.allowed_local_media_path = check_allowed_local_media_path(self.allowed_local_media_path)
         prefix_caching = self.enable_prefix_caching
         if self.runner == "pooling":
             mc.pooler_config = PoolerConfig.from_dir(path)

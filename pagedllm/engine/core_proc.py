@@ -137,6 +137,7 @@ class EngineCoreProc:
             num_blocks=pool.num_blocks, preemptions=s.num_preemptions, num_added=self.num_added,
             prefix_cache_queries=s.kv_cache_manager.stats.queries,
             prefix_cache_hits=s.kv_cache_manager.stats.hits,
+            mm_cache_queries=s.mm_cache_queries, mm_cache_hits=s.mm_cache_hits,
             running_lora_adapters=count_adapters(s.running), waiting_lora_adapters=count_adapters(s.waiting),
             spec_decoding=s.spec_decoding_stats.as_dict() if s.spec_decoding_stats.num_drafts else None)
 

@@ -32,7 +32,7 @@ from pagedllm.request import child_request_id
 logger = logging.getLogger("pagedllm.engine.dp_client")
 
 _SUMMED = ("running", "waiting", "used_blocks", "num_blocks", "preemptions", "num_added",
-           "prefix_cache_queries", "prefix_cache_hits")
+           "prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
 
 
 class DPCoreClient(EngineCoreClient):

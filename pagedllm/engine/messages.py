@@ -64,15 +64,18 @@ class ImageInputWire(msgspec.Struct, array_like=True):
     hash: int
     shape: list[int]
     pixels: bytes
+    runs: Optional[list[list[int]]] = None
 
     @classmethod
     def of(cls, image: ImageInput) -> "ImageInputWire":
         pixels = np.ascontiguousarray(image.pixel_values, dtype=np.float32)
-        return cls(image.offset, image.length, image.hash, list(pixels.shape), pixels.tobytes())
+        runs = [list(r) for r in image.runs] if image.runs is not None else None
+        return cls(image.offset, image.length, image.hash, list(pixels.shape), pixels.tobytes(), runs)
 
     def to_input(self) -> ImageInput:
         pixels = np.frombuffer(self.pixels, dtype=np.float32).reshape(self.shape)
-        return ImageInput(self.offset, self.length, self.hash, pixels)
+        runs = tuple(tuple(r) for r in self.runs) if self.runs is not None else None
+        return ImageInput(self.offset, self.length, self.hash, pixels, runs)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -160,6 +163,8 @@ class SchedulerStats(msgspec.Struct):
     num_added: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    mm_cache_queries: int = 0   # images looked up in the encoder cache, and found there (vLLM's names)
+    mm_cache_hits: int = 0
     # --enable-lora: adapter name -> its requests running / waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)

@@ -8,6 +8,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import check_fits_kv_cache
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.engine.compat import check_request
+from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -57,8 +58,11 @@ class Processor:
         """check_prompt_chars for chat messages, on the sum of their text before the template
         renders them (the rendered prompt holds at least that text)."""
         messages = conversation if isinstance(conversation, list) else []   # the template's check says why
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages
-                                    if isinstance(m, dict) and isinstance(m.get("content"), str)), "messages")
+        contents = [m.get("content") for m in messages if isinstance(m, dict)]
+        texts = [c for c in contents if isinstance(c, str)] + [   # and text parts (a template that takes parts)
+            p["text"] for c in contents if isinstance(c, list)
+            for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        self.check_prompt_chars(sum(map(len, texts)), "messages")
 
     def check_structured_outputs(self, params: SamplingParams, beam_width: int = 1) -> None:
         """The spec parses (the compiler's message otherwise), and the request can honour it."""
@@ -92,25 +96,33 @@ class Processor:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def load_mm_processor(self):
-        """The model's HF processor (loaded once); ValueError for a text-only model."""
+    def load_mm_processor(self, param: str = "multi_modal_data"):
+        """The model's HF processor (loaded once); ParamError(param) for a text-only model."""
         if "multimodal_config" not in self.config.model_config.hf_config:
-            raise ValueError("images need a vision-language model; this model takes text only")
+            raise ParamError(param, f"{param}: images need a vision-language model; this model takes text only")
         if self.mm_processor is None:
             from pagedllm.multimodal.processing import load_mm_processor
             self.mm_processor = load_mm_processor(self.config.model_config.model)
         return self.mm_processor
 
-    def process_images(self, prompt: dict):
-        """{"prompt": str, "multi_modal_data": {"image": ...}} -> (text, token ids, ImageInputs)."""
+    def check_image_count(self, count: int, param: str) -> None:
+        """ParamError(param) for more images than --limit-mm-per-prompt allows."""
+        from pagedllm.multimodal.limits import check_item_count
+        check_item_count(self.config.model_config.limit_mm_per_prompt, "image", count, param)
+
+    def process_images(self, prompt: dict) -> ProcessedPrompt:
+        """{"prompt": str, "multi_modal_data": {"image": ...}} -> the text, its token ids (each
+        image's placeholder expanded) and the ImageInputs."""
         from pagedllm.multimodal.processing import images_of, process_prompt
         text = prompt.get("prompt")
         if not isinstance(text, str) or not text:
             raise ValueError("a prompt with multi_modal_data must have a non-empty string 'prompt'")
         self.check_prompt_chars(len(text))
+        mm = self.load_mm_processor()
         images = images_of(prompt["multi_modal_data"])
-        ids, mm_inputs = process_prompt(self.load_mm_processor(), text, images)
-        return text, ids, mm_inputs
+        self.check_image_count(len(images), "multi_modal_data")
+        ids, mm_inputs = process_prompt(mm, text, images)
+        return ProcessedPrompt(text, ids, mm_inputs)
 
     def check_priority(self, priority) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -131,7 +143,9 @@ class Processor:
         self.check_priority(priority)
         mm_inputs = ()
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            text, ids, mm_inputs = self.process_images(prompt)
+            prompt = self.process_images(prompt)
+        if isinstance(prompt, ProcessedPrompt):   # the server processes its images before the context check
+            text, ids, mm_inputs = prompt.text, prompt.token_ids, prompt.mm_inputs
         else:
             text, ids = self.tokenize(prompt)
         max_len = self.config.model_config.max_model_len

@@ -10,7 +10,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
-from pagedllm.multimodal.chat import has_image_parts, split_image_parts
+from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts, template_takes_parts
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams, pooling_params
 
@@ -124,11 +124,14 @@ class LLM:
         """A conversation with image parts -> {"prompt": the rendered text with one image
         placeholder per image, "multi_modal_data": {"image": [...]}} (the HF processor expands them)."""
         processor = self.llm_engine.processor
-        mm = processor.load_mm_processor()
-        messages, images = split_image_parts(conversation, mm.image_token)
+        mm = processor.load_mm_processor("messages")
+        processor.check_image_count(len(image_part_locations(conversation)), "messages")   # before loading them
+        tokenizer = self.get_tokenizer()
+        as_parts = template_takes_parts(lambda m: apply_chat_template(tokenizer, m, True, chat_template, tokenize=False))
+        messages, images = split_image_parts(conversation, mm.image_token,
+                                             processor.config.model_config.allowed_local_media_path, as_parts)
         processor.check_messages_chars(messages)
-        text = self.get_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                        chat_template=chat_template, tokenize=False)
+        text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tokenize=False)
         return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, conversation, add_generation_prompt=True, chat_template=None,
@@ -170,8 +173,9 @@ def check_role(role, where: str) -> None:
 
 
 def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, chat_template=None,
-                        continue_final_message=False, **template_kwargs) -> list[int]:
-    """Token ids of one conversation through the chat template (shared with the server);
+                        continue_final_message=False, tokenize: bool = True, **template_kwargs):
+    """Token ids of one conversation through the chat template (shared with the server), or its
+    text (tokenize=False: a prompt with images goes through the model's processor);
     `template_kwargs` (tools, enable_thinking, ...) are the template's variables."""
     if not isinstance(conversation, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conversation):
@@ -183,8 +187,10 @@ def apply_chat_template(tokenizer, conversation, add_generation_prompt=True, cha
         raise ValueError("the model has no chat template; pass chat_template")
     ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt and not continue_final_message,
                                   continue_final_message=continue_final_message,
-                                  chat_template=chat_template, tokenize=True, return_dict=False,
+                                  chat_template=chat_template, tokenize=tokenize, return_dict=False,
                                   **template_kwargs)
+    if not tokenize:
+        return ids
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

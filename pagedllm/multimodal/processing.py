@@ -35,16 +35,39 @@ def process_prompt(processor, prompt: str, images: list) -> tuple[list[int], tup
                          f"{len(images)} images: put one {image_token} where each image goes")
     if not images:
         return processor.tokenizer(prompt)["input_ids"], ()
-    out = processor(text=[prompt], images=[images], return_tensors="np")
+    out = processor(text=[prompt], images=[images], return_tensors="np", return_text_replacement_offsets=True)
     ids = out["input_ids"][0].tolist()
-    pixels = out["pixel_values"][0]   # [tiles, 3, S, S]
-    if pixels.shape[0] != len(images) or not out["pixel_attention_mask"].all():
-        raise ValueError("images must be processed as one whole tile each (image processor "
-                         "do_image_splitting=False); split images are not supported yet")
-    runs = _runs(ids, processor.image_token_id)
-    pixels = pixels.astype("float32")
-    return ids, tuple(ImageInput(start, length, hash_image(image), pixels[i:i + 1])
-                      for i, ((start, length), image) in enumerate(zip(runs, images)))
+    pixels = out["pixel_values"][0].astype("float32")   # [tiles of all the images, 3, S, S]
+    # Each image's placeholder text (its expansion) says how many image tokens are its own.
+    counts = [r["replacement"].count(image_token) for r in out["text_replacement_offsets"][0]]
+    per_image = _group_runs(_runs(ids, processor.image_token_id), counts)
+    tiles = sum(len(runs) for runs in per_image)
+    if len(per_image) != len(images) or pixels.shape[0] < tiles or not out["pixel_attention_mask"][0, :tiles].all():
+        raise ValueError(f"the processor gave {len(per_image)} placeholder groups and {pixels.shape[0]} tiles "
+                         f"for {len(images)} images: this processor's output is not supported")
+    inputs, tile = [], 0
+    for runs, image in zip(per_image, images):
+        start, end = runs[0][0], runs[-1][0] + runs[-1][1]
+        split = tuple((s - start, n) for s, n in runs) if len(runs) > 1 else None
+        inputs.append(ImageInput(start, end - start, hash_image(image), pixels[tile:tile + len(runs)], split))
+        tile += len(runs)
+    return ids, tuple(inputs)
+
+
+def _group_runs(runs: list[tuple[int, int]], counts: list[int]) -> list[list[tuple[int, int]]]:
+    """The runs of image tokens of each image, given each image's number of image tokens: one
+    run, or, for Idefics3's split images, one per tile (a row / column tag between them)."""
+    groups, at = [], 0
+    for count in counts:
+        group = []
+        while at < len(runs) and count > 0:
+            group.append(runs[at])
+            count -= runs[at][1]
+            at += 1
+        if count != 0 or not group:
+            return []   # the runs do not add up: refused by the caller
+        groups.append(group)
+    return groups if at == len(runs) else []
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -16,6 +16,10 @@ class EncoderCache:
         self.users: dict[int, set[str]] = {}          # image hash -> requests still prefilling it
         self.images_encoded = 0   # encoder runs, one per image
         self.hits = 0             # images a request needed that were already cached
+        # vLLM's mm_cache_queries / mm_cache_hits (items): a query when a request starts to need
+        # an image's features (_count_queries), a hit when no encoder run was needed for it; since
+        # the last take_step_stats().
+        self.step_queries = self.step_hits = 0
 
     def forget(self, req_ids) -> None:
         """Finished or preempted requests no longer hold their images."""
@@ -37,15 +41,40 @@ class EncoderCache:
                 lo, hi = max(image.offset, computed), min(image.end, computed + n)
                 if lo < hi:
                     needed.append((req_id, image, lo, hi, first, computed))
+        self._count_queries(needed)
         self._encode([image for _, image, *_ in needed])
         x = self.model.embed(input_ids)
         for req_id, image, lo, hi, first, computed in needed:
-            x[first + lo - computed:first + hi - computed] = self.features[image.hash][lo - image.offset:hi - image.offset]
+            pos, rows_of = image.feature_rows(lo, hi)   # a split image's tag tokens keep their embeddings
+            x[torch.from_numpy(first + pos - computed).to(x.device)] = \
+                self.features[image.hash][torch.from_numpy(rows_of).to(x.device)]
             self.users.setdefault(image.hash, set()).add(req_id)
+        images_of = {req_id: images for req_id, images, *_ in rows}
         for req_id, image, lo, hi, _, _ in needed:
-            if hi == image.end:   # its last placeholder token is prefilled now
+            # Its last placeholder token is prefilled now (of the last of the request's copies of
+            # the image: a prompt may show the same image twice).
+            if hi == max(i.end for i in images_of[req_id] if i.hash == image.hash) and image.hash in self.users:
                 self._release(image.hash, {req_id})
         return x
+
+    def _count_queries(self, needed) -> None:
+        """Before this step's encoder run: an image of a request whose first placeholder token is
+        scheduled now (or that the request does not hold yet: resumed, or a prefix hit covering
+        its start) is a query; a hit when the features are cached or an earlier image of the step
+        has the same content."""
+        seen = set(self.features)
+        for req_id, image, lo, *_ in needed:
+            if lo != image.offset and req_id in self.users.get(image.hash, ()):
+                continue   # the next chunk of an image already counted
+            self.step_queries += 1
+            self.step_hits += image.hash in seen
+            seen.add(image.hash)
+
+    def take_step_stats(self) -> tuple[int, int]:
+        """(queries, hits) since the last call."""
+        out = (self.step_queries, self.step_hits)
+        self.step_queries = self.step_hits = 0
+        return out
 
     def _encode(self, images) -> None:
         missing = {}

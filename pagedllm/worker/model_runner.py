@@ -226,9 +226,15 @@ class ModelRunner:
             for t_src, t_dst in zip(layer_src, layer_dst):
                 t_dst[dst] = t_src[src].to(dst_dev, non_blocking=async_copy)
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """-> the step's output; with async scheduling an AsyncModelRunnerOutput (get_output())."""
+        out = self._execute_model(so)
+        if self.encoder_cache is not None and isinstance(out, ModelRunnerOutput):
+            out.encoder_stats = self.encoder_cache.take_step_stats()
+        return out
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.async_outputs is not None:
             self.async_outputs.apply_fetched()
         prepared = self._prepare(so)

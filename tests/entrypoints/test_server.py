@@ -376,7 +376,9 @@ LONG = "hello " * 1000  # ~1000 tokens
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    # a text-only model: the image part is named
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),

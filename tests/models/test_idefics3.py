@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
-from models.vlm_fixture import IMAGE_TOKENS, build_tiny_idefics3, hf_greedy, image
+from models.vlm_fixture import IMAGE_TOKENS, SMOLVLM_TEMPLATE, build_tiny_idefics3, hf_greedy, image
 
 ONE = "Look <image> and say what you see in this picture, please, in one line"
 TWO = "Compare <image> with <image> now"
@@ -76,15 +76,26 @@ def test_bad_image_inputs(vlm_dir):
 
 
 def test_chat_with_image_parts(vlm_dir):
-    """LLM.chat: an image part becomes the placeholder in the template's text, as a user who
-    writes <image> into the message would get from transformers."""
+    """LLM.chat: an image part becomes the placeholder in the template's text where it stands
+    (the parts joined by newlines), as a user who writes <image> into the message would get from
+    transformers; an image_url part with a data: URL gives the same tokens."""
+    import base64
+    import io
+
     from transformers import AutoTokenizer
     text = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
-        [{"role": "user", "content": "What is in <image>?"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "What is in\n<image>\n?"}], add_generation_prompt=True, tokenize=False)
     ref = hf_greedy(vlm_dir, text, [image(5)], N)
     llm = LLM(vlm_dir, dtype="float32")
-    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in "},
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in"},
                                                  {"type": "image_pil", "image_pil": image(5)},
+                                                 {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref
+    png = io.BytesIO()
+    image(5).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in"},
+                                                 {"type": "image_url", "image_url": {"url": url}},
                                                  {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == ref
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: type 'audio' is not supported"):
@@ -148,3 +159,69 @@ def test_second_chat_turn_does_not_reencode(vlm_dir):
     turn2 = turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the colours?"}]
     out = llm.chat(turn2, _greedy(), use_tqdm=False)[0]
     assert cache.images_encoded == 1 and out.num_cached_tokens >= 32
+
+
+@pytest.mark.parametrize("budget", [2048, IMAGE_TOKENS // 2])
+def test_same_image_twice_in_one_prompt(vlm_dir, budget):
+    """One image shown twice: encoded once, held until the request's second copy is prefilled
+    (also when the copies fall in different steps), transformers' tokens."""
+    images = [image(2), image(2)]
+    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    out = llm.generate(_prompt(TWO, images), _greedy(), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(vlm_dir, TWO, images, N)
+    cache = _runner(llm).encoder_cache
+    assert cache.images_encoded == 1 and cache.features == {} and cache.users == {}
+    assert cache.take_step_stats() == (0, 0)   # taken by every step: (2 queries, 1 hit) went to the scheduler
+    assert (llm.llm_engine.core.scheduler.mm_cache_queries, llm.llm_engine.core.scheduler.mm_cache_hits) == (2, 1)
+
+
+@pytest.fixture(scope="module")
+def split_dir(tmp_path_factory):
+    return build_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3_split")), do_image_splitting=True)
+
+
+@pytest.mark.parametrize("budget", [2048, IMAGE_TOKENS // 2])
+def test_split_images_match_transformers(split_dir, budget):
+    """do_image_splitting (SmolVLM's default): each image is 2 x 2 tiles and the whole image, its
+    placeholder tokens runs with a row / column tag between them; greedy equals transformers, also
+    with each image split across prefill steps."""
+    cases = [(ONE, [image(1, (150, 100))]), (TWO, [image(2), image(3, (64, 40))]), (TEXT, [])]
+    refs = [hf_greedy(split_dir, t, imgs, N) for t, imgs in cases]
+    llm = LLM(split_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    _, request = llm.llm_engine.processor.process("probe", _prompt(*cases[0]), _greedy())
+    (img,) = request.mm_inputs
+    assert img.pixel_values.shape[0] == 5 and len(img.runs) == 5   # 4 tiles + the whole image
+    from pagedllm.engine.messages import AddRequests, EngineCoreRequest, decode_request, encode_request
+    back = decode_request(encode_request(AddRequests([EngineCoreRequest.from_request(request)])))
+    assert back.requests[0].to_request().mm_inputs[0].runs == img.runs   # as the core process gets it
+    outs = llm.generate([_prompt(t, imgs) for t, imgs in cases], _greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    cache = _runner(llm).encoder_cache
+    assert cache.images_encoded == 3 and cache.features == {} and cache.users == {}
+
+
+def test_chat_with_a_template_that_takes_parts(vlm_dir):
+    """A template that iterates over content parts (SmolVLM's) gets the parts, the images as
+    {"type": "image"}, and earlier string contents as text parts: the prompt transformers' own
+    processor renders for the same messages."""
+    from transformers import AutoProcessor
+
+    from pagedllm.multimodal.chat import template_takes_parts
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+                   {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image"}]}]
+    text = AutoProcessor.from_pretrained(vlm_dir).apply_chat_template(
+        hf_messages, chat_template=SMOLVLM_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert text.count("<image>") == 2 and "'type'" not in text
+    ref = hf_greedy(vlm_dir, text, [image(5), image(6)], N)
+    llm = LLM(vlm_dir, dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image(5)},
+                                             {"type": "text", "text": "Describe it."}]},
+                {"role": "assistant", "content": "A cat."},
+                {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                             {"type": "image", "image": image(6)}]}]
+    out = llm.chat(messages, _greedy(), use_tqdm=False, chat_template=SMOLVLM_TEMPLATE)
+    assert list(out[0].outputs[0].token_ids) == ref
+    tok = llm.get_tokenizer()
+    assert template_takes_parts(lambda m: tok.apply_chat_template(m, chat_template=SMOLVLM_TEMPLATE, tokenize=False))
+    assert not template_takes_parts(lambda m: tok.apply_chat_template(m, tokenize=False))   # SmolLM2's ChatML

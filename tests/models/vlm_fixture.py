@@ -9,14 +9,26 @@ import numpy as np
 SMOLLM2 = os.path.expanduser("~/.cache/pagedllm/models/SmolLM2-135M-Instruct")
 IMAGE_TOKENS = 16   # (64 / 8)^2 patches, pixel-shuffled by 2
 
+# SmolVLM's own chat template (its processor's): it iterates over the content parts and puts
+# <image> where a {"type": "image"} part stands.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
-def build_tiny_idefics3(path: str) -> str:
+
+def build_tiny_idefics3(path: str, do_image_splitting: bool = False) -> str:
+    """do_image_splitting: SmolVLM's default, here an image's longest edge is resized to 128 and
+    it is cut into 64 x 64 tiles (up to 2 x 2) plus the whole image at 64."""
     import torch
     from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
                               Idefics3Processor)
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
     tok = AutoTokenizer.from_pretrained(SMOLLM2)
-    ip = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 64},
+    ip = Idefics3ImageProcessorPil(do_image_splitting=do_image_splitting,
+                                   size={"longest_edge": 128 if do_image_splitting else 64},
                                    max_image_size={"longest_edge": 64})
     proc = Idefics3Processor(ip, tok, image_seq_len=IMAGE_TOKENS)
     text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,

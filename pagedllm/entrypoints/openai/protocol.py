@@ -266,9 +266,15 @@ class CompletionResponse(OpenAIBaseModel):
 
 
 # ------------------------------------------------------------------ chat
+class ImageURL(OpenAIBaseModel):
+    url: StrictStr
+    detail: Optional[StrictStr] = None   # OpenAI's "auto" / "low" / "high": the model's processor decides
+
+
 class ContentPart(OpenAIBaseModel):
     type: StrictStr
     text: Optional[StrictStr] = None
+    image_url: Optional[ImageURL] = None   # type "image_url": multimodal/media.py loads it
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -298,6 +304,9 @@ class ChatMessage(OpenAIBaseModel):
                 raise ValueError(f"message content of type {p.type!r} is not supported (text only)")
             parts.append(p.text)
         return "\n".join(parts)
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
 
 
 class FunctionDefinition(OpenAIBaseModel):

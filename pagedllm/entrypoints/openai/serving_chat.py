@@ -3,6 +3,7 @@
 n best hypotheses of a search of width n, best first."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
@@ -16,6 +17,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, prompt_logprobs_json,
     usage_dict, random_id)
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts, template_takes_parts
+from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
 from pagedllm.entrypoints.openai.tool_parsers.hermes import render_tool_messages, tools_system_prompt
@@ -46,18 +49,23 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser_class = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
         self.reasoning_parser_class = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self._template_renders_tools: Optional[bool] = None
+        self._template_takes_parts: Optional[bool] = None
 
-    def conversation(self, req_messages) -> list[dict]:
+    def conversation(self, req_messages, images: bool = False) -> list[dict]:
         """The messages as the chat template takes them; 400 when their text alone cannot fit
-        in the context (checked before the template renders or the tokenizer runs)."""
+        in the context (checked before the template renders or the tokenizer runs). images: a
+        message with image_url parts keeps its parts (image_prompt turns them into placeholders)."""
         conv = []
         for i, m in enumerate(req_messages):
             with bad_input_is_400():
                 check_role(m.role, f"messages[{i}].role")
-            try:
-                text = m.text()
-            except ValueError as e:
-                raise OpenAIError(str(e), param="messages") from None
+            if images and m.has_images():
+                text = [p.model_dump(exclude_none=True) for p in m.content]
+            else:
+                try:
+                    text = m.text()
+                except ValueError as e:
+                    raise OpenAIError(str(e), param="messages") from None
             msg = {"role": m.role, "content": text if text is not None else ""}
             if m.name is not None:
                 msg["name"] = m.name
@@ -74,9 +82,11 @@ class OpenAIServingChat(OpenAIServing):
         return conv
 
     def prompt_ids(self, conv: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                   tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> list[int]:
-        """Token ids of the conversation; `tools` go to the template, or, where it does not render
-        them (the default model's ChatML), into a Hermes system block with the calls as text."""
+                   tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None,
+                   tokenize: bool = True):
+        """Token ids of the conversation (its text: tokenize=False); `tools` go to the template, or,
+        where it does not render them (the default model's ChatML), into a Hermes system block with
+        the calls as text."""
         kwargs = dict(template_kwargs or {})
         if tools:
             if self.renders_tools():
@@ -90,10 +100,17 @@ class OpenAIServingChat(OpenAIServing):
                     conv = [{"role": "system", "content": block}] + conv
         try:
             return apply_chat_template(self.tokenizer, conv, add_generation_prompt, self.chat_template,
-                                       continue_final_message, **kwargs)
+                                       continue_final_message, tokenize, **kwargs)
         except Exception as e:  # ValueError, jinja2 errors (raise_exception in templates), ...
             raise OpenAIError(f"the chat template could not be applied to the messages: {e}",
                               param="messages") from None
+
+    def template_takes_parts(self) -> bool:
+        """Whether the chat template iterates over content parts (multimodal/chat.py; probed once)."""
+        if self._template_takes_parts is None:
+            self._template_takes_parts = template_takes_parts(
+                lambda m: apply_chat_template(self.tokenizer, m, True, self.chat_template, tokenize=False))
+        return self._template_takes_parts
 
     def renders_tools(self) -> bool:
         """Whether the chat template uses its `tools` variable (a probe rendered with and without)."""
@@ -163,8 +180,14 @@ class OpenAIServingChat(OpenAIServing):
         if tool_constraint is not None and params.structured_outputs is not None:
             raise OpenAIError("tool_choice required or a named function constrains the output already: "
                               "response_format / structured_outputs cannot be added", param="tool_choice")
-        ids = self.prompt_ids(self.conversation(req.messages), req.add_generation_prompt,
-                              req.continue_final_message, tools, req.chat_template_kwargs)
+        conv = self.conversation(req.messages, images=True)
+        prompt = None
+        if has_image_parts(conv):
+            prompt = await self.image_prompt(conv, req, tools)
+            ids = prompt.token_ids
+        else:
+            ids = self.prompt_ids(conv, req.add_generation_prompt, req.continue_final_message, tools,
+                                  req.chat_template_kwargs)
         if not ids:
             raise OpenAIError("the messages produced an empty prompt", param="messages")
         max_tokens = self.check_context(len(ids), max_tokens, "messages")
@@ -179,12 +202,14 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.use_beam_search:
+            if prompt is not None:
+                raise OpenAIError("images are not supported with use_beam_search", param="use_beam_search")
             handles = self.start_beam_searches(req, [(ids, max_tokens)], request_id)
             if req.stream:
                 return self._beam_stream(req, request_id, created, handles, len(ids))
             return await self._beam_full(req, request_id, created, handles, len(ids))
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        stream = self.engine.add_request({"prompt_token_ids": ids}, params, request_id, kind,
+        stream = self.engine.add_request(prompt or {"prompt_token_ids": ids}, params, request_id, kind,
                                          lora_request=self.lora_request(req.model), priority=req.priority)
 
         reasoning_parser = self.reasoning_parser_class() if self.reasoning_parser_class else None
@@ -194,6 +219,32 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             return self._stream(req, request_id, created, stream, len(ids), output_parser)
         return await self._full(req, request_id, created, stream, len(ids), output_parser)
+
+    async def image_prompt(self, conv: list[dict], req: ChatCompletionRequest, tools) -> ProcessedPrompt:
+        """A conversation with image_url parts -> its text with one placeholder per image, expanded
+        by the model's processor. 400 naming the part for a text-only model, more images than
+        --limit-mm-per-prompt, or an image that does not load, before any image is fetched (the
+        count) or processed (the loading); the loading and the processor run in a thread."""
+        processor = self.engine.processor
+        where = image_part_locations(conv)
+        as_parts = self.template_takes_parts()
+        if tools and as_parts and not self.renders_tools():
+            raise OpenAIError("tools with images need a chat template that renders tools: this one takes "
+                              "content parts, and the tools' system block is text", param="tools")
+        with bad_input_is_400():
+            mm = processor.load_mm_processor(where[0])
+            processor.check_image_count(len(where), "messages")
+            messages, images = await asyncio.to_thread(
+                split_image_parts, conv, mm.image_token, processor.config.model_config.allowed_local_media_path,
+                as_parts)
+            processor.check_messages_chars(messages)
+        text = self.prompt_ids(messages, req.add_generation_prompt, req.continue_final_message, tools,
+                               req.chat_template_kwargs, tokenize=False)
+        try:   # the processor's errors (a placeholder typed into the text, a split image) name no field
+            return await asyncio.to_thread(processor.process_images,
+                                           {"prompt": text, "multi_modal_data": {"image": images}})
+        except ValueError as e:
+            raise OpenAIError(str(e), param=getattr(e, "param", None) or "messages") from None
 
     # ------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids, logprobs, k: int) -> ChatChoiceLogprobs:

@@ -1,0 +1,71 @@
+"""A seeded fuzz of the image path on the tiny Idefics3: a random mix of requests with none, one
+or two images (drawn from a small pool, so images repeat within and across prompts), arriving at
+random steps, some aborted, under a random token budget (images split across steps), a small KV
+cache (preemption) and prefix caching on or off. After each case: no block in use, the free
+queue holds every block, the encoder cache holds nothing, and every request that finished gives
+the greedy tokens of the same prompts run together on a roomy engine (itself equal to
+transformers in test_idefics3.py)."""
+import random
+
+import pytest
+
+from models.vlm_fixture import build_tiny_idefics3, image
+from pagedllm.engine.output_processor import OutputKind
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+
+TEXTS = ["Look <image> and say", "Compare <image> with <image> now", "The capital of France is",
+         "<image> what is this", "Tell me about <image> and then <image> please"]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3_fuzz")))
+
+
+@pytest.fixture(scope="module")
+def roomy(vlm_dir):
+    return LLM(vlm_dir, dtype="float32", enable_prefix_caching=False)
+
+
+def _draw(rng: random.Random, k: int) -> list[tuple[dict | str, SamplingParams, int, int]]:
+    """(prompt, params, arrival step, abort step or -1) of k requests."""
+    pool = [image(s) for s in (1, 2, 3)]
+    out = []
+    for _ in range(k):
+        text = rng.choice(TEXTS)
+        images = [rng.choice(pool) for _ in range(text.count("<image>"))]
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+        params = SamplingParams(max_tokens=rng.randint(1, 8), temperature=0, ignore_eos=True)
+        out.append((prompt, params, rng.randint(0, 3), rng.randint(1, 10) if rng.random() < 0.2 else -1))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_image_workload_fuzz(vlm_dir, roomy, seed):
+    rng = random.Random(f"vlm-{seed}")
+    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=rng.choice([8, 24, 64, 2048]),
+              num_gpu_blocks=rng.choice([8, 10, 64]), enable_prefix_caching=rng.random() < 0.7)
+    engine = llm.llm_engine
+    requests = _draw(rng, rng.randint(3, 7))
+    done, step = {}, 0
+    while step < 400 and (step <= 10 or engine.has_unfinished_requests()):
+        for i, (prompt, params, arrive, abort) in enumerate(requests):
+            if arrive == step:
+                engine.add_request(f"r{i}", prompt, params, kind=OutputKind.FINAL_ONLY)
+            if abort == step:
+                engine.abort_request([f"r{i}"])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    assert not engine.has_unfinished_requests(), f"seed {seed}: unfinished after {step} steps"
+    pool = engine.core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1, f"seed {seed}: blocks in use"
+    cache = engine.core.model_executor.driver_worker.model_runner.encoder_cache
+    assert cache.features == {} and cache.users == {}, f"seed {seed}: encoder cache entries left"
+    kept = [i for i in range(len(requests))
+            if f"r{i}" in done and done[f"r{i}"].outputs[0].finish_reason == "length"]
+    refs = roomy.generate([requests[i][0] for i in kept], [requests[i][1] for i in kept], use_tqdm=False)
+    for i, ref in zip(kept, refs):
+        assert done[f"r{i}"].outputs[0].token_ids == ref.outputs[0].token_ids, f"seed {seed}: request {i}"
