@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "cpu_vec.h"
 #include "kv_quant.h"
 #include "ops.h"
 
@@ -16,7 +17,7 @@
 // (W = L - start of them; start > 0 in a sliding window) reached through the block table; the
 // entries before start's block are never read (a sliding-window request frees those blocks).
 // k, v point at this KV head of slot 0; ks / vs are slot strides. T is the cache's element:
-// float, uint16_t holding bfloat16 bits, or a quantized element (kv_quant.h) whose per-token
+// float, uint16_t holding bfloat16 bits, c10::Half, or a quantized element (kv_quant.h) whose per-token
 // scales ksc / vsc (this KV head of slot 0, slot stride ss) fold into the score and the softmax
 // weight. q and out are float32.
 template <typename T>
@@ -69,7 +70,7 @@ static void decode_task_scalar(const Task<T>& t) {
   }
 }
 
-#ifdef __AVX512F__
+#ifdef CPU_VEC_SIMD
 // prefetcht1 as an asm statement: GCC 12 -O3 emitted none of the _mm_prefetch calls of these
 // loops (objdump of the build).
 static inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
@@ -108,80 +109,67 @@ static inline void prefetch_kv(const Task<T>& t, int64_t i) {
     prefetch_block(t, t.v, first + i - n, t.vs);
 }
 
-// ND = D / 16 vectors a head row. Scores: each key row is loaded once into registers and
-// dotted with the G query heads. Output: GN heads at a time accumulate in registers while
-// the value rows stream past once.
-template <int ND, int GN, typename T>
-static void pv_heads(const Task<T>& t, int64_t g0) {
-  __m512 acc[GN][ND];
+// Output accumulators held in registers: at most ACC_REGS vectors (of the 32 AVX-512 / 16 AVX2
+// registers), in column runs of at most COL_VECS vectors of a head row.
+#ifdef __AVX512F__
+constexpr int ACC_REGS = 24, COL_VECS = 16;
+#else
+constexpr int ACC_REGS = 12, COL_VECS = 8;
+#endif
+
+// ND = D / VL vectors a head row. Output columns [c0, c0 + CW) vectors of GN heads from g0
+// accumulate in registers while the value rows stream past once: each row widened once for
+// the GN heads.
+template <int ND, int CW, int GN, typename T>
+static void pv_heads(const Task<T>& t, int64_t g0, int c0) {
+  vec acc[GN][CW];
   for (int gi = 0; gi < GN; ++gi)
-    for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CW; ++c) acc[gi][c] = vzero();
   const int64_t first = t.start / t.block_size, nblk = (t.L - 1) / t.block_size - first + 1;
   const int64_t pd = prefetch_distance(t);
   for (int64_t blk = first, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
-    const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs;
+    const T* vb = t.v + (int64_t)t.blocks[blk] * t.block_size * t.vs + VL * c0;
     prefetch_kv(t, nblk + blk - first + pd);
     for (int64_t j = j0; j < n; ++j) {
       const T* v = vb + j * t.vs;
-      __m512 vv[ND];
-      for (int c = 0; c < ND; ++c) vv[c] = load16(v + 16 * c);
+      vec vv[CW];
+      for (int c = 0; c < CW; ++c) vv[c] = vload(v + VL * c);
       const float vscale = row_scale(t, t.vsc, t.blocks[blk], j);
       for (int gi = 0; gi < GN; ++gi) {
-        const __m512 p = _mm512_set1_ps(t.scores[(g0 + gi) * t.W + t0 + j - t.start] * vscale);
-        for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
+        const vec p = vset(t.scores[(g0 + gi) * t.W + t0 + j - t.start] * vscale);
+        for (int c = 0; c < CW; ++c) acc[gi][c] = vfma(p, vv[c], acc[gi][c]);
       }
     }
   }
   for (int gi = 0; gi < GN; ++gi)
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(t.out + (g0 + gi) * t.D + 16 * c, acc[gi][c]);
+    for (int c = 0; c < CW; ++c) vst(t.out + (g0 + gi) * t.D + VL * (c0 + c), acc[gi][c]);
 }
 
 // The last rem (< N + 1) heads from g in one pass.
-template <int ND, int N, typename T>
-static void pv_rest(const Task<T>& t, int64_t g, int64_t rem) {
+template <int ND, int CW, int N, typename T>
+static void pv_rest(const Task<T>& t, int64_t g, int64_t rem, int c0) {
   if constexpr (N >= 1) {
-    if (rem == N) return pv_heads<ND, N, T>(t, g);
-    pv_rest<ND, N - 1, T>(t, g, rem);
+    if (rem == N) return pv_heads<ND, CW, N, T>(t, g, c0);
+    pv_rest<ND, CW, N - 1, T>(t, g, rem, c0);
   }
 }
 
-// v[i]'s 16 lanes summed, for i < 16 -> lane i: unpack and shuffle pairs, 45 instructions for 16
-// sums where one reduction each costs ~8.
-static inline __m512 sum16(const __m512* v) {
-  __m512 u[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m512 *x = v + 4 * i, *y = x + 1, *z = x + 2, *w = x + 3;
-    // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] and the same of z, w
-    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(*x, *y), _mm512_unpackhi_ps(*x, *y));
-    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(*z, *w), _mm512_unpackhi_ps(*z, *w));
-    // per 128-bit lane: [x, y, z, w] of that lane
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // 128-bit lane k of the result: u[k]'s four lanes added
-  const __m512 s01 =
-      _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 s23 =
-      _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
-
-// Scores of query head g against rows k[0..n) (1 <= n <= 16, row stride ks) -> lanes 0..n-1,
-// before the scale: one accumulator a key row (in registers: the 16 are unrolled; lanes past n
-// repeat row n - 1, for the caller's masked store), reduced together by sum16.
+// Scores of query head g against rows k[0..n) (1 <= n <= VL, row stride ks) -> lanes 0..n-1,
+// before the scale: one accumulator a key row (in registers: the VL are unrolled; lanes past n
+// repeat row n - 1, for the caller's partial store), reduced together by vsum_lanes.
 template <int ND, typename T>
-static inline __m512 qk_rows(const float* q, const T* k, int64_t ks, int64_t n) {
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) {
+static inline vec qk_rows(const float* q, const T* k, int64_t ks, int64_t n) {
+  vec acc[VL];
+  for (int j = 0; j < VL; ++j) {
     const T* row = k + std::min<int64_t>(j, n - 1) * ks;
-    acc[j] = _mm512_mul_ps(_mm512_loadu_ps(q), load16(row));
-    for (int c = 1; c < ND; ++c)
-      acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(row + 16 * c), acc[j]);
+    acc[j] = vmul(vld(q), vload(row));
+    for (int c = 1; c < ND; ++c) acc[j] = vfma(vld(q + VL * c), vload(row + VL * c), acc[j]);
   }
-  return sum16(acc);
+  return vsum_lanes(acc);
 }
 
+#ifdef __AVX512BF16__
 // bfloat16 cache: the query's pairs (exact: a bfloat16 model's query is bfloat16) against the
 // rows' pairs straight from the page, vdpbf16ps, no widening of the keys.
 template <int ND>
@@ -193,11 +181,15 @@ static inline __m512 qk_rows_bf16(const __m512bh* q2, const uint16_t* k, int64_t
     for (int c = 0; c < ND / 2; ++c)
       acc[j] = _mm512_dpbf16_ps(acc[j], q2[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
   }
-  return sum16(acc);
+  return vsum_lanes(acc);
 }
+#endif
 
+// Scores a tile of VL keys at a time (each key row loaded once and dotted with the G query
+// heads), the softmax, then the values' pass in register tiles of heads x columns.
 template <int ND, typename T>
-static void decode_task_avx512(const Task<T>& t) {
+static void decode_task_vec(const Task<T>& t) {
+#ifdef __AVX512BF16__
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   __m512bh q2[BF16 ? 8 * ND / 2 : 1];  // the first 8 heads' pairs (ND / 2 vectors each)
   const int64_t Gp = BF16 ? std::min<int64_t>(t.G, 8) : 0;
@@ -205,40 +197,43 @@ static void decode_task_avx512(const Task<T>& t) {
     for (int c = 0; c < ND / 2; ++c)
       q2[g * ND / 2 + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(t.q + g * t.D + 32 * c + 16),
                                                _mm512_loadu_ps(t.q + g * t.D + 32 * c));
+#endif
   const int64_t first = t.start / t.block_size, pd = prefetch_distance(t);
   for (int64_t i = 0; i < pd; ++i) prefetch_kv(t, i);
   for (int64_t blk = first, t0 = blk * t.block_size; t0 < t.L; t0 += t.block_size, ++blk) {
     const int64_t j0 = std::max(t.start - t0, (int64_t)0), n = std::min(t.block_size, t.L - t0);
     const T* kb = t.k + (int64_t)t.blocks[blk] * t.block_size * t.ks;
     prefetch_kv(t, blk - first + pd);
-    for (int64_t j = j0; j < n; j += 16) {
-      const int64_t m = std::min<int64_t>(16, n - j);
-      const __mmask16 keep = (__mmask16)((1u << m) - 1);
-      __m512 scale = _mm512_set1_ps(t.scale);
+    for (int64_t j = j0; j < n; j += VL) {
+      const int64_t m = std::min<int64_t>(VL, n - j);
+      vec scale = vset(t.scale);
       if constexpr (is_quantized_kv<T>()) {
-        alignas(64) float rs[16] = {};
+        alignas(64) float rs[VL] = {};
         for (int64_t i = 0; i < m; ++i) rs[i] = row_scale(t, t.ksc, t.blocks[blk], j + i);
-        scale = _mm512_mul_ps(scale, _mm512_load_ps(rs));
+        scale = vmul(scale, vld(rs));
       }
       for (int64_t g = 0; g < t.G; ++g) {
-        __m512 s;
+        vec s;
+#ifdef __AVX512BF16__
         if constexpr (BF16)
           s = g < Gp ? qk_rows_bf16<ND>(q2 + g * ND / 2, kb + j * t.ks, t.ks, m)
                      : qk_rows<ND, T>(t.q + g * t.D, kb + j * t.ks, t.ks, m);
         else
+#endif
           s = qk_rows<ND, T>(t.q + g * t.D, kb + j * t.ks, t.ks, m);
-        _mm512_mask_storeu_ps(t.scores + g * t.W + t0 + j - t.start, keep, _mm512_mul_ps(s, scale));
+        vst_first(t.scores + g * t.W + t0 + j - t.start, vmul(s, scale), m);
       }
     }
   }
   softmax_rows(t.scores, t.G, t.W);
-  // GN x ND accumulators, up to 24 of the 32 registers: a value row is widened once for GN heads
-  constexpr int GMAX = ND >= 16 ? 1 : 24 / ND;
-  int64_t g = 0;
-  for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, GMAX, T>(t, g);
-  pv_rest<ND, GMAX - 1, T>(t, g, t.G - g);
+  constexpr int CW = ND < COL_VECS ? ND : COL_VECS;
+  constexpr int GMAX = ACC_REGS / CW > 1 ? ACC_REGS / CW : 1;
+  for (int c0 = 0; c0 < ND; c0 += CW) {
+    int64_t g = 0;
+    for (; g + GMAX <= t.G; g += GMAX) pv_heads<ND, CW, GMAX, T>(t, g, c0);
+    pv_rest<ND, CW, GMAX - 1, T>(t, g, t.G - g, c0);
+  }
 }
-
 #endif
 
 static void softmax_rows(float* s, int64_t G, int64_t L) {
@@ -246,18 +241,15 @@ static void softmax_rows(float* s, int64_t G, int64_t L) {
     float* sg = s + g * L;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < L; ++i) m = sg[i] > m ? sg[i] : m;
-    float sum = 0.f;
+    vec vsum = vzero();
+    const vec vm = vset(m);
     int64_t i = 0;
-#ifdef __AVX512F__
-    __m512 vsum = _mm512_setzero_ps();
-    const __m512 vm = _mm512_set1_ps(m);
-    for (; i + 16 <= L; i += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), vm));
-      _mm512_storeu_ps(sg + i, e);
-      vsum = _mm512_add_ps(vsum, e);
+    for (; i + VL <= L; i += VL) {
+      const vec e = vexp(vsub(vld(sg + i), vm));
+      vst(sg + i, e);
+      vsum = vadd(vsum, e);
     }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
+    float sum = vreduce(vsum);
     for (; i < L; ++i) {
       sg[i] = std::exp(sg[i] - m);
       sum += sg[i];
@@ -269,17 +261,17 @@ static void softmax_rows(float* s, int64_t G, int64_t L) {
 
 template <typename T>
 static void decode_task(const Task<T>& t) {
-#ifdef __AVX512F__
-  if (t.D == 64) return decode_task_avx512<4, T>(t);
-  if (t.D == 128) return decode_task_avx512<8, T>(t);
-  if (t.D == 256) return decode_task_avx512<16, T>(t);  // Gemma 3
+#ifdef CPU_VEC_SIMD
+  if (t.D == 64) return decode_task_vec<64 / VL, T>(t);
+  if (t.D == 128) return decode_task_vec<128 / VL, T>(t);
+  if (t.D == 256) return decode_task_vec<256 / VL, T>(t);  // Gemma 3
 #endif
   decode_task_scalar<T>(t);
 }
 
-// q [B, H, D] contiguous of element Q (float, or uint16_t bfloat16 bits), caches [S, Hkv, D] of
-// element C (Q itself, or a quantized element with scales [S, Hkv] float32) -> out [B, H, D] of Q.
-// bfloat16: each task widens its G query rows into a float32 buffer and rounds its float32
+// q [B, H, D] contiguous of element Q (float, uint16_t bfloat16 bits or c10::Half), caches [S, Hkv, D]
+// of element C (Q itself, or a quantized element with scales [S, Hkv] float32) -> out [B, H, D] of Q.
+// 16-bit Q: each task widens its G query rows into a float32 buffer and rounds its float32
 // output once.
 template <typename Q, typename C>
 static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -301,7 +293,7 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
   const float fscale = (float)scale;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * max_len);
-    std::vector<float> qbuf(F32 ? 0 : G * D), obuf(F32 ? 0 : G * D);  // [G, D] bfloat16 only
+    std::vector<float> qbuf(F32 ? 0 : G * D), obuf(F32 ? 0 : G * D);  // [G, D] 16-bit only
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hkv, h = idx % Hkv;
       const Q* qt = qp + (b * H + h * G) * D;
@@ -324,7 +316,7 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
       // clang-format on
       decode_task<C>(t);
       if constexpr (!F32)
-        for (int64_t i = 0; i < G * D; ++i) ot[i] = f2bf(obuf[i]);
+        for (int64_t i = 0; i < G * D; ++i) ot[i] = from_f<Q>(obuf[i]);
     }
   });
   return out;
@@ -363,9 +355,9 @@ static torch::Tensor decode_by_cache(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 // q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
-// seq_lens [B] int32 -> out [B, H, D]. float32, or bfloat16 (q and out; computed in float32); the
-// caches of q's dtype, or int8 / fp8 with k_scale / v_scale [S, Hkv] float32 (value = element x
-// its token's scale). window > 0: a sliding-window layer, each query attends to its last
+// seq_lens [B] int32 -> out [B, H, D]. float32, bfloat16 or float16 (q and out; computed in float32);
+// the caches of q's dtype, or (float32 / bfloat16 q) int8 / fp8 with k_scale / v_scale [S, Hkv] float32
+// (value = element x its token's scale). window > 0: a sliding-window layer, each query attends to its last
 // `window` keys only.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
@@ -375,6 +367,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   if (q.scalar_type() == torch::kBFloat16)
     return decode_by_cache<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size,
                                      scale, window, k_scale, v_scale);
+  if (q.scalar_type() == torch::kHalf) {  // a float16 cache only (no int8 / fp8 beside it)
+    TORCH_CHECK(k_cache.scalar_type() == torch::kHalf && v_cache.scalar_type() == torch::kHalf &&
+                    !k_scale.has_value() && !v_scale.has_value(),
+                "a float16 query takes a float16 cache");
+    return run_decode<c10::Half, c10::Half>(q.contiguous(), k_cache, v_cache, block_table, seq_lens,
+                                            block_size, scale, window, nullptr, nullptr);
+  }
   TORCH_CHECK(q.scalar_type() == torch::kFloat);
   return decode_by_cache<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale,
                                 window, k_scale, v_scale);

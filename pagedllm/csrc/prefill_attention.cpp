@@ -21,25 +21,15 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "cpu_vec.h"
 #include "ops.h"
 
 namespace {
 
-// The float32 vector of this build: 16 lanes (AVX-512), 8 (AVX2), or 1 (portable).
+// The broadcast rows of a micro-tile (AB x 4 accumulators of the 32 / 16 registers), and the
+// causal / window mask of each vector width (cpu_vec.h's vec).
 #if defined(__AVX512F__)
-constexpr int VL = 16;
-constexpr int AB = 4;  // broadcast rows a micro-tile: AB x 4 accumulators of the 32 registers
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vld(const float* p) { return _mm512_loadu_ps(p); }
-inline void vst(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline vec vexp(vec x) { return exp512(x); }
+constexpr int AB = 4;
 // s where key position kp is visible from the rows' positions qpos (kp <= qpos, and
 // kp > qpos - w when w > 0), -inf elsewhere.
 inline vec vmask(vec s, vec qpos, float kp, float w) {
@@ -52,24 +42,8 @@ inline vec vkeep(vec p, vec s) {
   return _mm512_maskz_mov_ps(
       _mm512_cmp_ps_mask(s, vset(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ), p);
 }
-template <typename T>
-inline vec vload(const T* p) {
-  return load16(p);
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int VL = 8;
-constexpr int AB = 2;  // AB x 4 accumulators of the 16 registers
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vld(const float* p) { return _mm256_loadu_ps(p); }
-inline void vst(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline vec vexp(vec x) { return exp256(x); }
+#elif defined(CPU_VEC_SIMD)
+constexpr int AB = 2;
 inline vec vmask(vec s, vec qpos, float kp, float w) {
   vec m = _mm256_cmp_ps(vset(kp), qpos, _CMP_GT_OQ);
   if (w > 0) m = _mm256_or_ps(m, _mm256_cmp_ps(vset(kp), vsub(qpos, vset(w)), _CMP_LE_OQ));
@@ -78,32 +52,12 @@ inline vec vmask(vec s, vec qpos, float kp, float w) {
 inline vec vkeep(vec p, vec s) {
   return _mm256_and_ps(p, _mm256_cmp_ps(s, vset(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ));
 }
-template <typename T>
-inline vec vload(const T* p) {
-  return load8(p);
-}
 #else
-constexpr int VL = 1;
 constexpr int AB = 1;
-using vec = float;
-inline vec vzero() { return 0.f; }
-inline vec vset(float x) { return x; }
-inline vec vld(const float* p) { return *p; }
-inline void vst(float* p, vec v) { *p = v; }
-inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
-inline vec vmul(vec a, vec b) { return a * b; }
-inline vec vadd(vec a, vec b) { return a + b; }
-inline vec vsub(vec a, vec b) { return a - b; }
-inline vec vmax(vec a, vec b) { return a > b ? a : b; }
-inline vec vexp(vec x) { return std::exp(x); }
 inline vec vmask(vec s, vec qpos, float kp, float w) {
   return kp > qpos || (w > 0 && kp <= qpos - w) ? -std::numeric_limits<float>::infinity() : s;
 }
 inline vec vkeep(vec p, vec s) { return s == -std::numeric_limits<float>::infinity() ? 0.f : p; }
-template <typename T>
-inline vec vload(const T* p) {
-  return to_f(*p);
-}
 #endif
 
 constexpr int64_t ROWS = 64;  // target rows (query tokens x G heads) a task: 4 AVX-512 vectors

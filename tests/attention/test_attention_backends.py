@@ -26,11 +26,12 @@ def test_selector():
     want = CPUAttentionBackend if cpu_kernels.cpu_decode_supported(fp32) else TorchSDPABackend
     assert type(get_attn_backend("cpu", fp32, "torch")) is want
     assert get_attn_backend("cpu", fp32, "torch") is get_attn_backend(torch.device("cpu"), fp32, "torch")
-    assert type(get_attn_backend("cpu", torch.float16, "torch")) is TorchSDPABackend   # no fp16 kernel
+    assert type(get_attn_backend("cpu", torch.float16, "torch")) is want   # float16 pages too
+    assert type(get_attn_backend("cpu", torch.float64, "torch")) is TorchSDPABackend   # no float64 kernel
     with pytest.raises(ValueError, match="attention backend must be one of"):
         get_attn_backend("cpu", fp32, "flash")
     with pytest.raises(ValueError, match="cpu attention backend needs"):
-        get_attn_backend("cpu", torch.float16, "cpu")
+        get_attn_backend("cpu", torch.float64, "cpu")
 
 
 def test_triton_selected():
@@ -84,16 +85,17 @@ def test_kv_cache_spec_sizes_the_cache(tiny_dir):
     assert layer.kv_cache[0] is k and layer.backend is runner.attn_backend
 
 
-def test_cpu_and_torch_backends_same_greedy_tokens(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cpu_and_torch_backends_same_greedy_tokens(tiny_dir, monkeypatch, dtype):
     """The engine's CPU backend, and the SDPA reference the selector falls back to where the C++
     kernel does not build: same greedy tokens over prefills and decodes of 1 and 4 requests."""
     require_built(cpu_kernels.decode_kernel())   # a kernel that does not build fails (skip: no compiler)
-    assert cpu_kernels.cpu_decode_supported(torch.float32)
+    assert cpu_kernels.cpu_decode_supported(getattr(torch, dtype))
     prompts = [[(7 * i + n) % 400 + 3 for i in range(n)] for n in (5, 17, 2, 33)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     def generate(expected_backend):
-        llm = LLM(tiny_dir, max_num_batched_tokens=24)
+        llm = LLM(tiny_dir, max_num_batched_tokens=24, dtype=dtype)
         assert llm.llm_engine.core.model_executor.driver_worker.model_runner.attn_backend.name == expected_backend
         return [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch],
                                                                 params, use_tqdm=False)]

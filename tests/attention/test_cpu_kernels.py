@@ -60,23 +60,33 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
                 t += 1
 
 
+# Output rounding of each dtype (the kernel computes in float32 throughout).
+FLOAT64_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", list(FLOAT64_TOL), ids=str)
 @pytest.mark.parametrize("H, Hkv, D, bs, window", [(9, 3, 64, 16, 0), (8, 8, 64, 4, 0), (12, 1, 64, 32, 0),
-                                                   (8, 2, 128, 16, 0), (6, 2, 128, 8, 19), (8, 1, 256, 16, 0)])
+                                                   (8, 2, 128, 16, 0), (6, 2, 128, 8, 19), (8, 1, 256, 16, 0),
+                                                   (10, 2, 64, 5, 0), (4, 2, 128, 7, 9), (4, 1, 48, 16, 0),
+                                                   (6, 3, 80, 3, 0)])
 @pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
-def test_decode_kernel_bfloat16_against_float64(H, Hkv, D, bs, window):
-    """A bfloat16 query and cache (the kernel's own paths: key pairs dotted straight from the
-    page, 16 keys a tile, every query head of a KV head in one pass over the values) against
-    attention in float64 over the same bfloat16 values; lengths cut tiles and blocks anywhere."""
+def test_decode_kernel_against_float64(dtype, H, Hkv, D, bs, window):
+    """float32, bfloat16 and float16 queries and caches (each build's paths: VL-key score tiles
+    reduced together, a bfloat16 cache's pairs dotted straight from the page where AVX512-BF16
+    has them, every query head of a KV head in one pass over the values, in column runs)
+    against attention in float64 over the same values. Lengths cut tiles and blocks anywhere
+    (block sizes 3, 5, 7); head dims 48 and 80 take the portable loop."""
     require_built(decode_kernel())
     gen = torch.Generator().manual_seed(H * 7 + D + bs)
-    seq_lens = torch.tensor([1, 15, 16, 17, 40, 3 * bs + 5], dtype=torch.int32)
+    seq_lens = torch.tensor([1, 7, 15, 16, 17, 40, 3 * bs + 5, 131], dtype=torch.int32)
     nb = -(-int(seq_lens.max()) // bs)
     B, S = len(seq_lens), (len(seq_lens) * nb + 3) * bs
     table = torch.randperm(S // bs, generator=gen)[:B * nb].view(B, nb).to(torch.int32)   # pages anywhere
-    kc = torch.randn(S, Hkv, D, generator=gen).to(torch.bfloat16)
-    vc = torch.randn(S, Hkv, D, generator=gen).to(torch.bfloat16)
-    q = (torch.randn(B, H, D, generator=gen) * 2).to(torch.bfloat16)
+    kc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    vc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    q = (torch.randn(B, H, D, generator=gen) * 2).to(dtype)
     out = decode_kernel()(q, kc, vc, table, seq_lens, bs, D ** -0.5, window)
+    assert out.dtype == dtype and out.shape == q.shape
     for b, L in enumerate(seq_lens.tolist()):
         keys = torch.arange(max(L - window, 0) if window else 0, L)
         slots = table[b, keys // bs].long() * bs + keys % bs
@@ -84,7 +94,36 @@ def test_decode_kernel_bfloat16_against_float64(H, Hkv, D, bs, window):
         v = vc[slots].double().repeat_interleave(H // Hkv, dim=1)
         w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * D ** -0.5, dim=-1)
         ref = torch.einsum("hn,nhd->hd", w, v)
-        torch.testing.assert_close(out[b].double(), ref, atol=1e-2, rtol=1e-2)   # bfloat16's output rounding
+        tol = FLOAT64_TOL[dtype]
+        torch.testing.assert_close(out[b].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+def test_decode_kernel_builds_prefetch_and_vector_paths():
+    """Each x86 build has the vectorised decode path (the portable loop has no prefetches) with
+    its L2 prefetches (prefetcht1) for float32, bfloat16 and float16 caches: the compiler once
+    dropped every _mm_prefetch of these loops without a word. Read from the build's machine
+    code (where the compiler inlined the path: run_decode, decode_task_vec, pv_heads, prefetch_kv)."""
+    import shutil
+    import subprocess
+
+    from pagedllm.csrc.build import NATIVE, cpu_extension, selected_isa
+    if selected_isa() == NATIVE:
+        pytest.skip("the portable build (not x86) has no vector path")
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed")
+    ext = require_built(cpu_extension())
+    asm = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", ext.__file__], check=True,
+                         capture_output=True, text=True).stdout
+    prefetching = []   # names of the functions with a prefetcht1
+    for chunk in asm.split("\n\n"):
+        head, _, body = chunk.partition(">:\n")
+        if "prefetcht1" in body:
+            prefetching.append(head.split("<", 1)[-1])
+    kernel_parts = ("run_decode<", "decode_task_vec<", "pv_heads<", "prefetch_kv<")
+    for elem in ("float", "unsigned short", "c10::Half"):   # unsigned short: bfloat16 bits
+        assert any(part in name and f"<{elem}" in name.replace(", ", "<")
+                   for name in prefetching for part in kernel_parts), f"no prefetching decode path for {elem}"
 
 
 @pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs

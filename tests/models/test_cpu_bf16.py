@@ -105,7 +105,7 @@ def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
     from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
     require_built(decode_kernel())
-    assert cpu_decode_supported(torch.bfloat16) and not cpu_decode_supported(torch.float16)
+    assert cpu_decode_supported(torch.bfloat16) and not cpu_decode_supported(torch.float64)
     rng = np.random.default_rng(H * 100 + bs)
     seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1, 300], dtype=np.int32)   # decodes only
     table, S = shuffled_block_table(seq_lens, bs, rng)

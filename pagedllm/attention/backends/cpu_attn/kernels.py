@@ -4,9 +4,11 @@ The torch path gathers every decode request's whole context out of the paged cac
 padded tensor each layer (a copy as large as the context) before attending. This kernel reads
 K and V straight from the pages through the block table, once: for each (request, KV head)
 the G query heads that share that KV head are scored together, then a softmax, then the
-weighted sum of V. A bfloat16 cache is read the same way, each key / value row widened to
-float32 as it is loaded (q, scores, softmax and the sums all in float32; the output rounded to
-bfloat16 once): half the bytes of a float32 cache. The C++ is csrc/attention.cpp, built with
+weighted sum of V. A bfloat16 or float16 cache is read the same way, each key / value row
+widened to float32 as it is loaded (q, scores, softmax and the sums all in float32; the output
+rounded once): half the bytes of a float32 cache. Its vector path (head_dim 64, 128, 256) is
+one source for the AVX-512 and AVX2 builds (csrc/cpu_vec.h); other head dims take a portable
+loop. The C++ is csrc/attention.cpp, built with
 the other CPU kernels into one extension (csrc/build.py); if it cannot be built,
 `decode_kernel()` is None and the caller keeps the torch path.
 
@@ -32,7 +34,7 @@ def decode_kernel():
     return ext.paged_decode if ext is not None else None
 
 
-DECODE_DTYPES = (torch.float32, torch.bfloat16)
+DECODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
