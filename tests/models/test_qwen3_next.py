@@ -1,0 +1,34 @@
+"""Qwen3-Next: Gated DeltaNet layers and gated attention layers in one KV cache, the conv and
+delta-rule states placed in the attention layers' K and V pages; greedy output equal to
+transformers' own class on random weights, token for token, with sparse MoE layers (shared
+expert) and dense ones, under chunked prefill with a small token budget and a cache small
+enough to preempt."""
+import pytest
+
+from models.hybrid_utils import check_batch_against_transformers, make_hf_model
+
+# Gated DeltaNet: 2 key heads x 16 serving 4 value heads x 16: a delta-rule state of
+# 4 x 16 x 16 = 1024 floats, a conv state of (2 x 32 + 64) x 3 = 384; attention: 4 KV heads x 16
+# a token, so a block of 16 tokens has K and V rows of 1024 floats: the delta-rule state fills
+# the K row, the conv state fits the V row.
+CONFIG = dict(hidden_size=64, intermediate_size=48, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+              num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+              max_position_embeddings=256,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                           "full_attention"],
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, initializer_range=0.1,
+              tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("sparse_step, mlp_only", [(1, [2]), (2, []), (1, [0, 1, 2, 3, 4])],
+                         ids=["moe-and-dense", "every-second-moe", "dense"])
+def test_qwen3_next_equals_transformers(tmp_path, sparse_step, mlp_only):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    model_dir, model = make_hf_model(tmp_path, Qwen3NextConfig, Qwen3NextForCausalLM, **CONFIG,
+                                     decoder_sparse_step=sparse_step, mlp_only_layers=mlp_only)
+    # The longest request holds 6 attention blocks + 2 state blocks at full length; 12 blocks
+    # hold fewer than the batch.
+    check_batch_against_transformers(model_dir, model, f"Qwen3-Next sparse_step={sparse_step} dense={mlp_only}",
+                                     ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                     block_size=16, num_gpu_blocks=12)
