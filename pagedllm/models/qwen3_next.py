@@ -64,6 +64,8 @@ class Qwen3NextSparseMoe(MoEBlock):
 
 
 class Qwen3NextDecoderLayer(LlamaDecoderLayer):
+    deltanet = GatedDeltaNet   # the linear-attention layers' class (Qwen3.5: FlatGatedDeltaNet)
+
     def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, layer_idx: int = 0) -> None:
         nn.Module.__init__(self)
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
@@ -72,7 +74,7 @@ class Qwen3NextDecoderLayer(LlamaDecoderLayer):
         if self.is_attention:
             self.self_attn = Qwen3NextAttention(hf, tp, head_dim, comm)
         else:
-            self.linear_attn = GatedDeltaNet(hf)
+            self.linear_attn = self.deltanet(hf)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = (Qwen3NextSparseMoe(hf, tp, comm) if is_sparse_layer(hf, layer_idx)
                     else LlamaMLP(hidden, tp.intermediate, False, comm))

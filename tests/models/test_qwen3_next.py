@@ -1,4 +1,4 @@
-"""Qwen3-Next: Gated DeltaNet layers and gated attention layers in one KV cache, the conv and
+"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers and gated attention layers in one KV cache, the conv and
 delta-rule states placed in the attention layers' K and V pages; greedy output equal to
 transformers' own class on random weights, token for token, with sparse MoE layers (shared
 expert) and dense ones, under chunked prefill with a small token budget and a cache small
@@ -30,5 +30,16 @@ def test_qwen3_next_equals_transformers(tmp_path, sparse_step, mlp_only):
     # The longest request holds 6 attention blocks + 2 state blocks at full length; 12 blocks
     # hold fewer than the batch.
     check_batch_against_transformers(model_dir, model, f"Qwen3-Next sparse_step={sparse_step} dense={mlp_only}",
+                                     ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                     block_size=16, num_gpu_blocks=12)
+
+
+def test_qwen3_5_text_equals_transformers(tmp_path):
+    """Qwen3.5's text model: the same layers, a dense MLP each, the Gated DeltaNet's
+    projections as separate matrices."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    config = {k: v for k, v in CONFIG.items() if "expert" not in k}
+    model_dir, model = make_hf_model(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, **config)
+    check_batch_against_transformers(model_dir, model, "Qwen3.5 text",
                                      ["FullAttentionManager", "StateManager", "StateManager"], 1,
                                      block_size=16, num_gpu_blocks=12)

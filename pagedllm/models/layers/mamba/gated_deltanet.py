@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers.linear import ReplicatedLinear
+from pagedllm.models.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedllm.models.layers.mamba.causal_conv1d import causal_conv1d
 from pagedllm.models.layers.mamba.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from pagedllm.models.layers.mamba.state_layer import StateLayer
@@ -41,8 +41,7 @@ class GatedDeltaNet(StateLayer):
         self.eps = hf.get("rms_norm_eps", 1e-6)
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim, False)
-        self.in_proj_ba = ReplicatedLinear(hidden, 2 * self.hv, False)
+        self.make_projections(hidden)
         self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
@@ -50,6 +49,10 @@ class GatedDeltaNet(StateLayer):
         self.out_proj = ReplicatedLinear(self.value_dim, hidden, False)
         # One request's state: the conv's last K - 1 inputs, the delta-rule state of every value head.
         self.state_shapes = ((self.conv_dim, self.kernel - 1), (self.hv, self.dk, self.dv))
+
+    def make_projections(self, hidden: int) -> None:
+        self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim, False)
+        self.in_proj_ba = ReplicatedLinear(hidden, 2 * self.hv, False)
 
     def split_projections(self, x: torch.Tensor):
         """x [T, hidden] -> mixed q|k|v [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]: the
@@ -92,3 +95,17 @@ class GatedDeltaNet(StateLayer):
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm_weight * o.to(x.dtype)) * F.silu(z.float())
         return self.out_proj(o.to(x.dtype).reshape(T, self.value_dim))
+
+
+class FlatGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's layer (transformers' Qwen3_5GatedDeltaNet): the same layer with its projections
+    as four checkpoint matrices, in_proj_qkv (q of every key head, then k, then v), in_proj_z,
+    in_proj_b, in_proj_a, loaded into one fused in_proj (shards 0-3)."""
+
+    def make_projections(self, hidden: int) -> None:
+        self.in_proj = MergedColumnParallelLinear(
+            hidden, [range(self.conv_dim), range(self.value_dim), range(self.hv), range(self.hv)], False)
+
+    def split_projections(self, x: torch.Tensor):
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        return mixed, z.reshape(x.shape[0], self.hv, self.dv), b, a
