@@ -21,6 +21,8 @@ _MODELS = {
     "Mamba2ForCausalLM": ("mamba2", "Mamba2ForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 

@@ -1,0 +1,80 @@
+"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers and gated attention layers in one KV cache, the conv and
+delta-rule states placed in the attention layers' K and V pages; greedy output equal to
+transformers' own class on random weights, token for token, with sparse MoE layers (shared
+expert) and dense ones, under chunked prefill with a small token budget and a cache small
+enough to preempt."""
+import pytest
+
+from engine.test_greedy_equality import assert_greedy_equal
+from models.hybrid_utils import check_batch_against_transformers, make_hf_model, prompts, run_with_late_arrival
+from models.test_qwen3 import hf_reference
+from pagedllm import LLM
+
+# Gated DeltaNet: 2 key heads x 16 serving 4 value heads x 16: a delta-rule state of
+# 4 x 16 x 16 = 1024 floats, a conv state of (2 x 32 + 64) x 3 = 384; attention: 4 KV heads x 16
+# a token, so a block of 16 tokens has K and V rows of 1024 floats: the delta-rule state fills
+# the K row, the conv state fits the V row.
+CONFIG = dict(hidden_size=64, intermediate_size=48, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+              num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+              max_position_embeddings=256,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                           "full_attention"],
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, initializer_range=0.1,
+              tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("sparse_step, mlp_only", [(1, [2]), (2, []), (1, [0, 1, 2, 3, 4])],
+                         ids=["moe-and-dense", "every-second-moe", "dense"])
+def test_qwen3_next_equals_transformers(tmp_path, sparse_step, mlp_only):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    model_dir, model = make_hf_model(tmp_path, Qwen3NextConfig, Qwen3NextForCausalLM, **CONFIG,
+                                     decoder_sparse_step=sparse_step, mlp_only_layers=mlp_only)
+    # The longest request holds 6 attention blocks + 2 state blocks at full length; 12 blocks
+    # hold fewer than the batch.
+    check_batch_against_transformers(model_dir, model, f"Qwen3-Next sparse_step={sparse_step} dense={mlp_only}",
+                                     ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                     block_size=16, num_gpu_blocks=12)
+
+
+def test_qwen3_5_text_equals_transformers(tmp_path):
+    """Qwen3.5's text model: the same layers, a dense MLP each, the Gated DeltaNet's
+    projections as separate matrices."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    config = {k: v for k, v in CONFIG.items() if "expert" not in k}
+    model_dir, model = make_hf_model(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, **config)
+    check_batch_against_transformers(model_dir, model, "Qwen3.5 text",
+                                     ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                     block_size=16, num_gpu_blocks=12)
+
+
+def qwen3_next(tmp_path, **overrides):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    return make_hf_model(tmp_path, Qwen3NextConfig, Qwen3NextForCausalLM, **{**CONFIG, **overrides})
+
+
+def test_qwen3_next_late_requests_preempt_running_ones(tmp_path):
+    """Running requests preempted mid-decode restart from a zero state and recompute it."""
+    model_dir, model = qwen3_next(tmp_path)
+    early, late = prompts([41, 33]), prompts([19, 6])
+    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, block_size=16, max_num_batched_tokens=16,
+                                              max_num_seqs=4, num_gpu_blocks=10)
+    assert preemptions > 0
+    assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late),
+                        "Qwen3-Next preempted")
+
+
+def test_a_delta_rule_state_larger_than_a_block_names_the_block_size(tmp_path):
+    """The delta-rule state (4 x 16 x 16 floats) needs a K page of 1024 floats: 4 KV heads x 16
+    x block_size, so block_size 16; at 8 the error says so."""
+    model_dir, _ = qwen3_next(tmp_path)
+    with pytest.raises(ValueError, match=r"block_size 8: a recurrent layer's state .* use block_size >= 16"):
+        LLM(model_dir, block_size=8)
+
+
+def test_bad_layer_types_are_refused():
+    from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
+    hf = {**CONFIG, "vocab_size": 256, "layer_types": ["linear_attention", "mamba", "full_attention",
+                                                        "full_attention", "full_attention"]}
+    with pytest.raises(ValueError, match="layer_types must list one of"):
+        Qwen3NextForCausalLM(hf, 256)
