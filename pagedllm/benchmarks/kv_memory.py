@@ -6,11 +6,15 @@ before groups). One greedy request of --input-len random tokens generating --out
 "With freeing" is read from the KV cache manager each step (blocks held in every group x the
 bytes of a block: one layer of each group); "without" is the same request's token count in
 blocks of every layer's page (what the single-table layout holds: it frees nothing).
+
+--per-request: a hybrid's bytes per request against an all-attention model's
+(kv_memory_per_request.py).
 """
 from __future__ import annotations
 
 import argparse
 
+from pagedllm.benchmarks import kv_memory_per_request
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, random_requests, write_json
 
 
@@ -19,9 +23,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=2048)
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
+    kv_memory_per_request.add_cli_args(p)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.per_request:
+        return kv_memory_per_request.main(args)
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams

@@ -58,8 +58,8 @@ def case_requests(seed: int, group: int, case: int, spec: EngineSpec) -> list[Re
     return draw_requests(random.Random(f"case-{seed}-{group}-{case}"), spec, prefix=f"c{group}.{case}")
 
 
-def build_engine(**kw) -> LLMEngine:
-    return LLMEngine.from_engine_args(EngineArgs(model=MODEL, seed=0, **kw))
+def build_engine(model: str = MODEL, **kw) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=model, seed=0, **kw))
 
 
 def effective_max_tokens(req: RequestSpec, max_model_len: int) -> int:
@@ -259,8 +259,8 @@ def check_beam(req: RequestSpec, out, max_model_len: int) -> None:
 class Reference:
     """Runs a request alone on a roomy engine (no preemption, no prefix cache), memoised."""
 
-    def __init__(self) -> None:
-        self.engine = build_engine(max_model_len=MAX_MODEL_LEN_CAP, max_num_seqs=8, num_gpu_blocks=64,
+    def __init__(self, model: str = MODEL) -> None:
+        self.engine = build_engine(model, max_model_len=MAX_MODEL_LEN_CAP, max_num_seqs=8, num_gpu_blocks=64,
                                    enable_prefix_caching=False)
         self.memo: dict = {}
 
@@ -362,12 +362,13 @@ def run_checked_case(engine, reference, reqs, tally: Tally) -> None:
     tally.steps += res.steps
 
 
-def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, verbose: bool = False) -> Tally:
-    """Run the cases of each (group, case indices) on one engine per group; failures are
-    collected (the engine is rebuilt after one), not raised."""
+def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, verbose: bool = False,
+         model: str = MODEL, spec_of=group_spec) -> Tally:
+    """Run the cases of each (group, case indices) on one engine per group (its configuration
+    `spec_of(seed, group)`); failures are collected (the engine is rebuilt after one), not raised."""
     tally = Tally()
     for group, cases in groups:
-        spec = group_spec(seed, group)
+        spec = spec_of(seed, group)
         engine = None
         for case in cases:
             reqs = case_requests(seed, group, case, spec)
@@ -377,7 +378,7 @@ def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, v
                     print("  " + r.describe())
             try:
                 if engine is None:
-                    engine = build_engine(**spec.engine_kwargs())
+                    engine = build_engine(model, **spec.engine_kwargs())
                 run_checked_case(engine, reference, reqs, tally)
             except Exception as e:   # noqa: BLE001 -- every escape is a finding, with its seed
                 where = traceback.extract_tb(e.__traceback__)[-1]

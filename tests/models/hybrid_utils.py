@@ -16,9 +16,9 @@ LENGTHS = [1, 6, 19, 41, 70]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def make_hf_model(path, config_cls, model_cls, **config):
+def make_hf_model(path, config_cls, model_cls, vocab=VOCAB, eos_token_id=None, **config):
     from pagedllm.models.random_model import _write_tokenizer
-    cfg = config_cls(vocab_size=VOCAB, bos_token_id=1, eos_token_id=None, pad_token_id=0, **config)
+    cfg = config_cls(vocab_size=vocab, bos_token_id=1, eos_token_id=eos_token_id, pad_token_id=0, **config)
     torch.manual_seed(0)
     model = model_cls(cfg).float().eval()
     if hasattr(model, "set_experts_implementation"):   # MoE: the plain per-expert loop
@@ -30,7 +30,7 @@ def make_hf_model(path, config_cls, model_cls, **config):
             elif "norm" in name:
                 p.normal_(1.0, 0.2)
     model.save_pretrained(path)
-    _write_tokenizer(path, VOCAB)
+    _write_tokenizer(path, vocab)
     return str(path), model
 
 

@@ -1,0 +1,84 @@
+"""The workload fuzzer (test_engine_fuzz.py) on two models with recurrent layers: a tiny random
+LFM2 (short convolutions + attention: attention blocks and conv-state blocks from one pool) and a
+tiny random Mamba2 (every layer recurrent: one state block per request), built as
+tests/models/test_lfm2.py and test_mamba2.py build them (there equal to transformers).
+
+The same random mix of requests (arrivals, aborts, n / best_of, beam search, chunked prefill)
+under a KV cache small enough that preemption is the normal case: after every case no request,
+block or state block is left held, and greedy / seeded requests equal the same request alone on a
+roomy engine over the same model. Prefix caching and swap, where drawn, are what such a model
+makes of them (off, with a warning; recompute)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+from engine.test_engine_fuzz import Reference, fuzz
+from fuzz_workload import VOCAB, cdiv, draw_engine_spec
+from models.hybrid_utils import make_hf_model
+from models.test_lfm2 import CONFIG as LFM2_CONFIG
+from models.test_mamba2 import CONFIG as MAMBA2_CONFIG
+
+CASES = 8            # 2 engine configurations of 4 cases: a few seconds a model
+CASES_PER_ENGINE = 4
+EOS = 2              # fuzz_workload's vocabulary: "w3".."w511", EOS id 2
+
+
+def build(kind: str, path) -> tuple[str, int, int]:
+    """-> (model dir, attention layers' KV heads x head_dim or 0, state blocks per request)."""
+    if kind == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+        model_dir, _ = make_hf_model(path, Lfm2Config, Lfm2ForCausalLM, vocab=VOCAB, eos_token_id=EOS,
+                                     **LFM2_CONFIG)
+        return model_dir, 1, 2   # 4 conv layers in 2 state groups
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+    model_dir, _ = make_hf_model(path, Mamba2Config, Mamba2ForCausalLM, vocab=VOCAB, eos_token_id=EOS,
+                                 **MAMBA2_CONFIG)
+    return model_dir, 0, 1
+
+
+def spec_drawer(has_attention: int, states: int):
+    """The fuzzer's engine draw, with blocks of >= 4 tokens (LFM2's conv state fills a 4-token
+    K page), a pool of 1 to 2 requests' worth at full length (states included) and room for
+    at least 4 running requests, so the pool runs short."""
+    def spec_of(seed: int, group: int):
+        rng = random.Random(f"hybrid-engine-{seed}-{group}")
+        spec = draw_engine_spec(rng)
+        block_size = max(spec.block_size, 4)
+        per_request = has_attention * cdiv(spec.max_model_len, block_size) + states
+        blocks = 1 + int(per_request * rng.choice([1, 1.5, 2]))
+        return dataclasses.replace(spec, block_size=block_size, num_gpu_blocks=blocks,
+                                   max_num_seqs=max(spec.max_num_seqs, 4))
+    return spec_of
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "mamba2"])
+def test_engine_fuzz_on_a_recurrent_model(request, tmp_path, one_thread, kind):
+    seed = request.config.getoption("--fuzz-seed")
+    model_dir, has_attention, states = build(kind, tmp_path)
+    groups = [(g, list(range(CASES_PER_ENGINE))) for g in range(CASES // CASES_PER_ENGINE)]
+    t0 = time.monotonic()
+    tally = fuzz(seed, groups, Reference(model_dir), model=model_dir, spec_of=spec_drawer(has_attention, states))
+    print(f"\n{kind} fuzz, seed {seed}: {tally.cases} cases in {time.monotonic() - t0:.1f} s, {tally.steps} steps, "
+          f"requests {dict(tally.requests)}, preemptions {tally.preemptions}, ties {tally.ties}; "
+          f"refusals {dict(tally.refusals)}")
+    if tally.failures:
+        pytest.fail(f"{len(tally.failures)} of {tally.cases} cases failed:\n" + "\n".join(tally.failures),
+                    pytrace=False)
+    assert tally.requests["served"] >= tally.requests["refused"], f"mostly refused: {dict(tally.requests)}"
+    # A state-only model's requests never grow: a short pool holds requests back at admission,
+    # and only a late request of higher priority preempts; with attention blocks it is common.
+    if has_attention:
+        assert tally.preemptions > 0, "the pool never ran short: no preemption exercised"
