@@ -8,16 +8,14 @@ position, so a prompt's positions end below its length and decoding goes on at
 len + `rope_delta`."""
 from __future__ import annotations
 
-from typing import Iterable
-
 import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.models.layers.rotary_embedding import RotaryEmbedding, _rotate
-from pagedllm.models.layers.weight_utils import default_weight_loader
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.qwen2_vl_vision import Qwen2VLVisionTransformer
+from pagedllm.models.vlm import VisionLanguageModel
 
 
 def mrope_positions(num_tokens: int, images, merge: int) -> tuple[np.ndarray, int]:
@@ -67,7 +65,7 @@ class Qwen2VLTextModel(LlamaForCausalLM):
         return MRotaryEmbedding(hf, head_dim, max_positions)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True   # the runner gives positions [3, T] (mrope_positions at prefill)
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
@@ -95,27 +93,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """A prompt's M-RoPE positions [3, num_tokens] and rope delta; images: its ImageInputs."""
         return mrope_positions(num_tokens, [(im.offset, im.pixel_values.shape[:3]) for im in images], self.merge)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, input_ids, positions, hidden_in=None):
-        return self.language_model(input_ids, positions, hidden_in)
-
-    def compute_logits(self, hidden: torch.Tensor):
-        return self.language_model.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text, loaded = [], set()
-        for name, tensor in weights:
-            # Qwen's layout (model.* text, visual.*) or transformers' (model.language_model.*, model.visual.*).
-            name = name.removeprefix("model.")
-            if not name.startswith("visual."):
-                text.append((name.removeprefix("language_model."), tensor))
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unexpected weight {name!r}")
-            default_weight_loader(param, tensor)
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+    def text_weight_name(self, name: str):
+        # Qwen's layout (model.* text, visual.*) or transformers' (model.language_model.*, model.visual.*).
+        name = name.removeprefix("model.")
+        return None if name.startswith("visual.") else name.removeprefix("language_model.")

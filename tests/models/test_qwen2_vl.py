@@ -9,7 +9,7 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.qwen2_vl import mrope_positions
 from pagedllm.sampling_params import SamplingParams
 from models.qwen2vl_fixture import IMAGE, MERGE, build_tiny_qwen2vl, hf_greedy, hf_inputs
-from models.vlm_fixture import image
+from models.vlm_fixture import generate_checked, image
 
 ONE = f"Look at {IMAGE} and say what you see"
 TWO = f"Compare {IMAGE} with {IMAGE} now, please"
@@ -36,10 +36,6 @@ def _prompt(text, images):
     return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
 
-def _runner(llm):
-    return llm.llm_engine.core.model_executor.driver_worker.model_runner
-
-
 def test_mrope_positions_match_transformers(vlm_dir):
     import torch
     from transformers import Qwen2VLForConditionalGeneration
@@ -62,11 +58,7 @@ def test_greedy_matches_transformers(vlm_dir, budget):
     refs = [hf_greedy(vlm_dir, t, imgs, N) for t, imgs in _cases()]
     assert refs[0] != hf_greedy(vlm_dir, ONE, [image(4, (120, 100))], N)   # the image decides the tokens
     llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
-    outs = llm.generate([_prompt(t, imgs) for t, imgs in _cases()], _greedy(), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == refs
-    cache = _runner(llm).encoder_cache
-    assert cache.images_encoded == 3
-    assert cache.features == {} and cache.users == {}   # freed once prefilled
+    generate_checked(llm, _cases(), refs, N)
 
 
 def test_preemption_keeps_positions(vlm_dir):
