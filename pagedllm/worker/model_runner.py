@@ -137,7 +137,8 @@ class ModelRunner:
             self.spec_decoder.paged.needs_target_hidden   # reads the eager forward's hidden states
         if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
                 and self.num_kv_cache_groups == 1 and not mtp   # a captured step has one block table
-                and not self.kv_cache_config.has_state):        # and attention metadata only
+                and not self.kv_cache_config.has_state          # and attention metadata only
+                and not getattr(self.model, "uses_mrope", False)):   # and positions [T], not M-RoPE's [3, T]
             from pagedllm.worker.cuda_graph import CudaGraphs
             self.graphs = CudaGraphs(self, dc.cuda_graph_sizes, dc.mixed_graph_sizes, capture=True)
 

@@ -70,3 +70,18 @@ def test_preemption_keeps_positions(vlm_dir):
     outs = llm.generate([_prompt(t, imgs) for t, imgs in prompts], _greedy(40), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     assert llm.llm_engine.num_preemptions > 0
+
+
+def test_prefix_cache_reuses_the_image(vlm_dir):
+    """The same image and text again: its blocks are reused, the encoder does not run and the
+    tokens (positions from the table kept per request) stay transformers'."""
+    text, images = _cases()[0]
+    llm = LLM(vlm_dir, dtype="float32", enable_prefix_caching=True, block_size=4)
+    kv = llm.llm_engine.core.scheduler.kv_cache_manager
+    cache = llm.llm_engine.core.model_executor.driver_worker.model_runner.encoder_cache
+    first = llm.generate(_prompt(text, images), _greedy(), use_tqdm=False)
+    hits = kv.stats.hits
+    again = llm.generate(_prompt(text, images), _greedy(), use_tqdm=False)
+    assert kv.stats.hits - hits >= 12 and cache.images_encoded == 1
+    assert list(again[0].outputs[0].token_ids) == list(first[0].outputs[0].token_ids) == \
+        hf_greedy(vlm_dir, text, images, N)
