@@ -43,8 +43,13 @@ class MRotaryEmbedding(RotaryEmbedding):
     by the position of its section's axis."""
 
     def __init__(self, hf: dict, head_dim: int, max_positions: int) -> None:
-        super().__init__(hf, head_dim, max_positions)
-        sections = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("mrope_section")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        sections = rope.get("mrope_section")
+        # Qwen's checkpoints name the type "mrope" (rope_scaling); its frequencies are the default ones.
+        rope.pop("type", None)
+        rope["rope_type"] = "default" if rope.get("rope_type", "mrope") == "mrope" else rope["rope_type"]
+        rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        super().__init__({**hf, "rope_parameters": rope, "rope_scaling": None}, head_dim, max_positions)
         if not sections or sum(sections) != self.rot_dim // 2:
             raise ValueError(f"rope_parameters.mrope_section {sections} must add up to head_dim/2 = {self.rot_dim // 2}")
         axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])

@@ -85,3 +85,24 @@ def test_prefix_cache_reuses_the_image(vlm_dir):
     assert kv.stats.hits - hits >= 12 and cache.images_encoded == 1
     assert list(again[0].outputs[0].token_ids) == list(first[0].outputs[0].token_ids) == \
         hf_greedy(vlm_dir, text, images, N)
+
+
+def test_qwen_checkpoint_layout(vlm_dir):
+    """Qwen's own config.json: the text fields at the top level and rope_scaling of type "mrope"
+    give the same text config and rotary tables as transformers' nested layout."""
+    import json
+
+    import torch
+
+    from pagedllm.models.hf_config import flatten_multimodal_config
+    from pagedllm.models.qwen2_vl import MRotaryEmbedding
+    nested = json.load(open(f"{vlm_dir}/config.json"))
+    text = nested["text_config"]
+    rope = {"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]}
+    top = {**{k: v for k, v in nested.items() if k != "text_config"},
+           **{k: v for k, v in text.items() if k != "rope_parameters"},
+           "rope_theta": text["rope_parameters"]["rope_theta"], "rope_scaling": rope}
+    a, b = flatten_multimodal_config(nested), flatten_multimodal_config(top)
+    assert a["hidden_size"] == b["hidden_size"] and b["multimodal_config"] is top
+    ra, rb = MRotaryEmbedding(a, 16, 64), MRotaryEmbedding(b, 16, 64)
+    assert torch.equal(ra.cos, rb.cos) and torch.equal(ra.axis, rb.axis)
