@@ -102,7 +102,8 @@ class Processor:
             raise ParamError(param, f"{param}: images need a vision-language model; this model takes text only")
         if self.mm_processor is None:
             from pagedllm.multimodal.processing import load_mm_processor
-            self.mm_processor = load_mm_processor(self.config.model_config.model)
+            mc = self.config.model_config
+            self.mm_processor = load_mm_processor(mc.model, (mc.hf_config.get("architectures") or [""])[0])
         return self.mm_processor
 
     def check_image_count(self, count: int, param: str) -> None:

@@ -54,15 +54,16 @@ def has_recurrent_layers(hf_config: dict) -> bool:
 
 # Vision-language architectures whose text model is one of ours: the engine reads the text
 # model's shapes (KV cache, vocabulary) at the top level, the whole config under "multimodal_config".
-MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration")
 
 
 def flatten_multimodal_config(hf_config: dict) -> dict:
     """A vision-language config.json -> its text_config with "architectures" and the whole
-    config ("multimodal_config") added; any other config unchanged."""
+    config ("multimodal_config") added; any other config unchanged. Qwen's own Qwen2-VL
+    checkpoints keep the text model's fields at the top level (no text_config)."""
     if not set(hf_config.get("architectures") or ()) & set(MULTIMODAL_ARCHITECTURES):
         return hf_config
-    text = dict(hf_config["text_config"])
+    text = dict(hf_config.get("text_config") or {k: v for k, v in hf_config.items() if k != "vision_config"})
     text["architectures"] = hf_config["architectures"]
     text["multimodal_config"] = hf_config
     return text

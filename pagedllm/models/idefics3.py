@@ -5,14 +5,12 @@ features over the image placeholder rows (worker/encoder_cache.py) and hands the
 text model as its input hidden states."""
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
-from pagedllm.models.layers.weight_utils import default_weight_loader
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.siglip import SiglipVisionTransformer
+from pagedllm.models.vlm import VisionLanguageModel
 
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
@@ -25,7 +23,7 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     return x.reshape(B, seq // (scale * scale), D * scale * scale)
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         """hf: the text model's config with the whole config under "multimodal_config"
         (models/hf_config.py flatten_multimodal_config)."""
@@ -48,26 +46,6 @@ class Idefics3ForConditionalGeneration(nn.Module):
         x = self.vision_model(pixel_values.to(self.connector.modality_projection.proj.weight.dtype))
         return self.connector.modality_projection.proj(pixel_shuffle(x, self.scale))
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed(input_ids)
-
-    def forward(self, input_ids, positions, hidden_in=None):
-        return self.language_model(input_ids, positions, hidden_in)
-
-    def compute_logits(self, hidden: torch.Tensor):
-        return self.language_model.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        text, loaded = [], set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("text_model.") or name == "lm_head.weight":
-                text.append((name.removeprefix("text_model."), tensor))
-                continue
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unexpected weight {name!r}")
-            default_weight_loader(param, tensor)
-            loaded.add(name)
-        return loaded | {f"language_model.{n}" for n in self.language_model.load_weights(text)}
+    def text_weight_name(self, name: str):
+        name = name.removeprefix("model.")
+        return name.removeprefix("text_model.") if name.startswith("text_model.") or name == "lm_head.weight" else None

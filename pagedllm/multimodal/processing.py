@@ -9,7 +9,10 @@ from pagedllm.multimodal.hashing import hash_image
 from pagedllm.multimodal.inputs import ImageInput
 
 
-def load_mm_processor(model_dir: str):
+def load_mm_processor(model_dir: str, architecture: str = ""):
+    from pagedllm.multimodal.qwen2_vl_processing import QWEN2_VL_ARCHITECTURES, Qwen2VLProcessing
+    if architecture in QWEN2_VL_ARCHITECTURES:
+        return Qwen2VLProcessing(model_dir)
     from transformers import AutoProcessor
     return AutoProcessor.from_pretrained(model_dir)
 
@@ -33,6 +36,8 @@ def process_prompt(processor, prompt: str, images: list) -> tuple[list[int], tup
     if prompt.count(image_token) != len(images):
         raise ValueError(f"prompt has {prompt.count(image_token)} {image_token} placeholders for "
                          f"{len(images)} images: put one {image_token} where each image goes")
+    if hasattr(processor, "process"):   # pagedllm's own (multimodal/qwen2_vl_processing.py)
+        return processor.process(prompt, images)
     if not images:
         return processor.tokenizer(prompt)["input_ids"], ()
     out = processor(text=[prompt], images=[images], return_tensors="np", return_text_replacement_offsets=True)

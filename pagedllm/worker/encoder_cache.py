@@ -85,6 +85,11 @@ class EncoderCache:
             missing[image.hash] = image
         if not missing:
             return
+        if hasattr(self.model, "encode_image_list"):   # images of different shapes, each its own grid (Qwen2-VL)
+            for h, f in zip(missing, self.model.encode_image_list([m.pixel_values for m in missing.values()])):
+                self.features[h] = f                                       # [length, hidden]
+                self.images_encoded += 1
+            return
         pixels = torch.from_numpy(np.concatenate([m.pixel_values for m in missing.values()]))   # [tiles, 3, S, S]
         device = next(self.model.parameters()).device
         feats = self.model.encode_images(pixels.to(device))               # [tiles, tokens, hidden]

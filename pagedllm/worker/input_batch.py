@@ -30,6 +30,8 @@ class CachedRequestState:
     # Several KV cache groups: the block tables of groups 1.. (block_ids is group 0's).
     extra_block_ids: list[list[int]] = field(default_factory=list)
     mm_inputs: tuple = ()   # multimodal.inputs.ImageInput of each image of the prompt
+    # M-RoPE (Qwen2-VL) with images: (the prompt's positions [3, prompt] int64, rope delta); None: plain.
+    mrope: Optional[tuple] = None
 
 
 @dataclass

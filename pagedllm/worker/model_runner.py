@@ -23,6 +23,7 @@ from pagedllm.profiler import PROFILER
 from pagedllm.worker.async_output import AsyncOutputs
 from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.fault_injection import FaultInjector
+from pagedllm.worker.mrope import step_mrope_positions
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.runner_output import to_runner_output
 from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, build_step_metadata, kv_cache_config_of_specs
@@ -57,7 +58,8 @@ class ModelRunner:
         self.memory_baseline = MemorySnapshot.take(self.device)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
         # Vision-language models: image features by content hash (worker/encoder_cache.py).
-        self.encoder_cache = EncoderCache(self.model) if hasattr(self.model, "encode_images") else None
+        self.encoder_cache = (EncoderCache(self.model) if hasattr(self.model, "encode_images")
+                              or hasattr(self.model, "encode_image_list") else None)
         # --enable-lora: the adapter slots, wrapped around the linears' methods (pagedllm/lora).
         self.lora_manager = make_lora_manager(self.model, config, self.device)
         self.memory_after_load = MemorySnapshot.take(self.device)
@@ -135,7 +137,8 @@ class ModelRunner:
             self.spec_decoder.paged.needs_target_hidden   # reads the eager forward's hidden states
         if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
                 and self.num_kv_cache_groups == 1 and not mtp   # a captured step has one block table
-                and not self.kv_cache_config.has_state):        # and attention metadata only
+                and not self.kv_cache_config.has_state          # and attention metadata only
+                and not getattr(self.model, "uses_mrope", False)):   # and positions [T], not M-RoPE's [3, T]
             from pagedllm.worker.cuda_graph import CudaGraphs
             self.graphs = CudaGraphs(self, dc.cuda_graph_sizes, dc.mixed_graph_sizes, capture=True)
 
@@ -204,6 +207,9 @@ class ModelRunner:
                                        data.lora_request,
                                        extra_block_ids=[list(ids) for ids in data.block_ids_by_group[1:]],
                                        mm_inputs=data.mm_inputs)
+            if data.mm_inputs and getattr(self.model, "uses_mrope", False):
+                table, delta = self.model.image_positions(data.num_prompt_tokens, data.mm_inputs)
+                state.mrope = (torch.from_numpy(table), delta)
             self.requests[data.req_id] = state
             batch.add_request(state)
 
@@ -367,6 +373,9 @@ class ModelRunner:
         with set_forward_context(meta):
             if self.decode_loop is not None and self.decode_loop.applies(meta, input_ids.shape[0]):
                 return self.decode_loop(input_ids, positions)   # the layers in one C++ call
+            if getattr(self.model, "uses_mrope", False):   # [3, T]: worker/mrope.py
+                positions = step_mrope_positions(inputs.positions, inputs.query_start_loc.tolist(),
+                                                 self.input_batch.states[:self.input_batch.num_reqs]).to(self.device)
             return self.model(input_ids, positions, self._embed_images(input_ids, inputs))
 
     def _embed_images(self, input_ids: torch.Tensor, inputs) -> Optional[torch.Tensor]:

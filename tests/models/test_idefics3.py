@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
-from models.vlm_fixture import IMAGE_TOKENS, SMOLVLM_TEMPLATE, build_tiny_idefics3, hf_greedy, image
+from models.vlm_fixture import IMAGE_TOKENS, SMOLVLM_TEMPLATE, build_tiny_idefics3, generate_checked, hf_greedy, image
 
 ONE = "Look <image> and say what you see in this picture, please, in one line"
 TWO = "Compare <image> with <image> now"
@@ -43,11 +43,7 @@ def test_greedy_matches_transformers(vlm_dir, budget):
     refs = [hf_greedy(vlm_dir, t, imgs, N) for t, imgs in _cases()]
     assert refs[0] != hf_greedy(vlm_dir, ONE, [image(4)], N)   # the image decides the tokens
     llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
-    outs = llm.generate([_prompt(t, imgs) for t, imgs in _cases()], _greedy(), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == refs
-    cache = _runner(llm).encoder_cache
-    assert cache.images_encoded == 3
-    assert cache.features == {} and cache.users == {}   # freed once prefilled
+    generate_checked(llm, _cases(), refs, N)
 
 
 def test_prefix_cache_keys_blocks_with_image_hashes(vlm_dir):

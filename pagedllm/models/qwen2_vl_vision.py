@@ -1,0 +1,102 @@
+"""Qwen2-VL's vision transformer: patches of 2 frames x P x P pixels embedded by a linear map
+(the checkpoint's Conv3d with stride = kernel, flattened), blocks of bidirectional attention
+within each image with a 2-D rotary embedding (row and column of each patch), and a patch merger
+that concatenates each merge x merge group of neighbouring patches into one text-width token."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def vision_patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
+    """-> [t*h*w, 2] (row, column) of each patch in the processor's order: merge x merge blocks
+    row-major, patches row-major within a block, repeated for each frame group."""
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+    pos = torch.stack([rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)], dim=-1)
+    return pos.repeat(t, 1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x [N, dim] (the patches of every image); cos/sin [N, 1, head_dim] float32; lengths:
+        each image's patch count (attention stays within an image)."""
+        N = x.shape[0]
+        q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)   # [N, H, D] each
+        # The rotation in float32, as transformers does, whatever the model's dtype.
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+               for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(N, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(dim, mlp_hidden)
+        self.mlp.fc2 = nn.Linear(mlp_hidden, dim)
+        if act not in ("quick_gelu", "gelu"):
+            raise ValueError(f"vision_config.hidden_act {act!r} is not supported (quick_gelu, gelu)")
+        self.act = act
+
+    def forward(self, x, cos, sin, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        h = self.mlp.fc1(self.norm2(x))
+        h = h * torch.sigmoid(1.702 * h) if self.act == "quick_gelu" else F.gelu(h)
+        return x + self.mlp.fc2(h)
+
+
+class Qwen2VLVisionTransformer(nn.Module):
+    def __init__(self, vc: dict) -> None:
+        super().__init__()
+        dim, heads = vc.get("embed_dim", 1280), vc.get("num_heads", 16)
+        self.merge = vc.get("spatial_merge_size", 2)
+        self.patch_dim = vc.get("in_channels", 3) * vc.get("temporal_patch_size", 2) * vc.get("patch_size", 14) ** 2
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Module()
+        kernel = (vc.get("temporal_patch_size", 2), vc.get("patch_size", 14), vc.get("patch_size", 14))
+        self.patch_embed.proj.weight = nn.Parameter(torch.empty(dim, vc.get("in_channels", 3), *kernel))
+        head_dim = dim // heads
+        theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        # head_dim/4 frequencies each for the row and the column.
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32)
+                                                         / (head_dim // 2)), persistent=False)
+        mlp_hidden = int(dim * vc.get("mlp_ratio", 4))
+        self.blocks = nn.ModuleList(VisionBlock(dim, heads, mlp_hidden, vc.get("hidden_act", "quick_gelu"))
+                                    for _ in range(vc.get("depth", 32)))
+        merged = dim * self.merge ** 2
+        self.merger = nn.Module()
+        self.merger.ln_q = nn.LayerNorm(dim, eps=1e-6)
+        self.merger.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, vc["hidden_size"]))
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """patches [N, C*2*P*P] of every image in order, grids: each image's (t, h, w) in
+        patches -> [N / merge^2, text hidden] (each image's tokens in order)."""
+        w = self.patch_embed.proj.weight
+        x = F.linear(patches.to(w.dtype), w.flatten(1))                     # [N, dim]
+        pos = torch.cat([vision_patch_positions(*g, self.merge) for g in grids]).to(x.device)   # [N, 2]
+        freqs = (pos.unsqueeze(-1).float() * self.inv_freq.to(x.device)).flatten(1)   # [N, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                 # [N, 1, head_dim]
+        cos, sin = emb.cos(), emb.sin()
+        lengths = [t * h * w for t, h, w in grids]
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        m = self.merger
+        return m.mlp(m.ln_q(x).view(-1, m.mlp[0].in_features))

@@ -1,0 +1,108 @@
+"""Qwen2-VL against transformers' own Qwen2VLForConditionalGeneration on a tiny random-weight
+checkpoint: greedy tokens with one and two images (of different grids) among text, with a
+text-only prompt in the same batch, with images split across chunked-prefill steps, and with
+preemption by recompute; the M-RoPE positions against transformers' get_rope_index."""
+import numpy as np
+import pytest
+
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.models.qwen2_vl import mrope_positions
+from pagedllm.sampling_params import SamplingParams
+from models.qwen2vl_fixture import IMAGE, MERGE, build_tiny_qwen2vl, hf_greedy, hf_inputs
+from models.vlm_fixture import generate_checked, image
+
+ONE = f"Look at {IMAGE} and say what you see"
+TWO = f"Compare {IMAGE} with {IMAGE} now, please"
+TEXT = "The capital of France is"
+N = 6
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_qwen2vl(str(tmp_path_factory.mktemp("qwen2vl")))
+
+
+def _greedy(n=N):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _cases():
+    # (height, width) (90, 60) and (48, 80): grids of 6 x 4 and 4 x 6 patches (6 tokens each,
+    # one taller than wide, one wider than tall); (120, 100): 6 x 6 patches (max_pixels), 9 tokens.
+    return [(ONE, [image(1, (120, 100))]), (TWO, [image(2, (90, 60)), image(3)]), (TEXT, [])]
+
+
+def _prompt(text, images):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def test_mrope_positions_match_transformers(vlm_dir):
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+    model = Qwen2VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32)
+    for text, images in _cases()[:2]:
+        inputs = hf_inputs(vlm_dir, text, images)
+        ref, ref_delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                    inputs["image_grid_thw"])
+        ids = inputs["input_ids"][0].numpy()
+        starts = np.flatnonzero(np.diff(np.r_[0, inputs["mm_token_type_ids"][0].numpy()]) == 1)
+        pos, delta = mrope_positions(len(ids), list(zip(starts, inputs["image_grid_thw"].tolist())), MERGE)
+        assert np.array_equal(pos, ref[:, 0].numpy()) and delta == int(ref_delta)
+        assert delta < 0   # the image's tokens span fewer positions than tokens
+
+
+@pytest.mark.parametrize("budget", [2048, 4])
+def test_greedy_matches_transformers(vlm_dir, budget):
+    """One image, two images and a text-only prompt in one batch; a budget of 4 tokens splits
+    every image across prefill steps (the encoder cache holds it between them)."""
+    refs = [hf_greedy(vlm_dir, t, imgs, N) for t, imgs in _cases()]
+    assert refs[0] != hf_greedy(vlm_dir, ONE, [image(4, (120, 100))], N)   # the image decides the tokens
+    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    generate_checked(llm, _cases(), refs, N)
+
+
+def test_preemption_keeps_positions(vlm_dir):
+    """A KV cache too small for the three image prompts at once: preempted requests resume
+    (prompt and generated tokens recomputed, their M-RoPE positions kept) with transformers' tokens."""
+    prompts = [(ONE, [image(s, (120, 100))]) for s in (1, 4, 6)]
+    refs = [hf_greedy(vlm_dir, t, imgs, 40) for t, imgs in prompts]
+    llm = LLM(vlm_dir, dtype="float32", num_gpu_blocks=6, enable_prefix_caching=False)
+    outs = llm.generate([_prompt(t, imgs) for t, imgs in prompts], _greedy(40), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    assert llm.llm_engine.num_preemptions > 0
+
+
+def test_prefix_cache_reuses_the_image(vlm_dir):
+    """The same image and text again: its blocks are reused, the encoder does not run and the
+    tokens (positions from the table kept per request) stay transformers'."""
+    text, images = _cases()[0]
+    llm = LLM(vlm_dir, dtype="float32", enable_prefix_caching=True, block_size=4)
+    kv = llm.llm_engine.core.scheduler.kv_cache_manager
+    cache = llm.llm_engine.core.model_executor.driver_worker.model_runner.encoder_cache
+    first = llm.generate(_prompt(text, images), _greedy(), use_tqdm=False)
+    hits = kv.stats.hits
+    again = llm.generate(_prompt(text, images), _greedy(), use_tqdm=False)
+    assert kv.stats.hits - hits >= 12 and cache.images_encoded == 1
+    assert list(again[0].outputs[0].token_ids) == list(first[0].outputs[0].token_ids) == \
+        hf_greedy(vlm_dir, text, images, N)
+
+
+def test_qwen_checkpoint_layout(vlm_dir):
+    """Qwen's own config.json: the text fields at the top level and rope_scaling of type "mrope"
+    give the same text config and rotary tables as transformers' nested layout."""
+    import json
+
+    import torch
+
+    from pagedllm.models.hf_config import flatten_multimodal_config
+    from pagedllm.models.qwen2_vl import MRotaryEmbedding
+    nested = json.load(open(f"{vlm_dir}/config.json"))
+    text = nested["text_config"]
+    rope = {"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]}
+    top = {**{k: v for k, v in nested.items() if k != "text_config"},
+           **{k: v for k, v in text.items() if k != "rope_parameters"},
+           "rope_theta": text["rope_parameters"]["rope_theta"], "rope_scaling": rope}
+    a, b = flatten_multimodal_config(nested), flatten_multimodal_config(top)
+    assert a["hidden_size"] == b["hidden_size"] and b["multimodal_config"] is top
+    ra, rb = MRotaryEmbedding(a, 16, 64), MRotaryEmbedding(b, 16, 64)
+    assert torch.equal(ra.cos, rb.cos) and torch.equal(ra.axis, rb.axis)
