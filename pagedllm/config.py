@@ -48,6 +48,7 @@ class PoolerConfig:
 
 @dataclass
 class ModelConfig:
+    """The model's plain values; built from a model directory by models/model_config_loader.py."""
     model: str                      # directory of an HF-format model
     hf_config: dict = field(repr=False)
     dtype: str = "float32"
@@ -65,46 +66,9 @@ class ModelConfig:
     limit_mm_per_prompt: dict = field(default_factory=dict)
     allowed_local_media_path: str = ""
 
-    def set_quantization(self, method: Optional[str], group_size: Optional[int], device: str) -> None:
-        """Validated --quantization; a GGUF model directory (models/layers/quantization/gguf.py)
-        is always served as "gguf"."""
-        from pagedllm.models.layers.quantization.registry import validate_quantization
-        from pagedllm.models.layers.quantization.gguf_dir import is_gguf_dir
-        if is_gguf_dir(self.model):
-            if method not in (None, "gguf"):
-                raise ValueError(f"quantization {method!r}: a GGUF model is served as it is (quantization gguf)")
-            method = "gguf"
-        validate_quantization(method, group_size, device, self.dtype)
-        self.quantization, self.quantization_group_size = method, group_size
-
     def validate(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
-
-    @classmethod
-    def from_dir(cls, path: str, dtype: str = "float32", max_model_len: Optional[int] = None,
-                 seed: int = 0) -> "ModelConfig":
-        if not os.path.isdir(path):
-            raise ValueError(f"model path '{path}' does not exist or is not a directory")
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"model directory '{path}' has no config.json; "
-                             "an HF-format model directory is required")
-        with open(cfg_path) as f:
-            hf = json.load(f)
-        from pagedllm.models.hf_config import flatten_multimodal_config
-        from pagedllm.models.registry import resolve_architecture
-        hf = flatten_multimodal_config(hf)
-        resolve_architecture(hf, where=f" in '{cfg_path}'")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        derived = int(hf.get("max_position_embeddings", 2048))
-        if max_model_len is None:
-            max_model_len = derived
-        elif not isinstance(max_model_len, int) or not (1 <= max_model_len <= derived):
-            raise ValueError(f"max_model_len must be an integer in [1, {derived}] "
-                             f"(the model's max_position_embeddings), got {max_model_len!r}")
-        return cls(model=path, hf_config=hf, dtype=dtype, max_model_len=max_model_len, seed=seed)
 
     # Shapes read by the KV cache and the model.
     @property
@@ -122,11 +86,6 @@ class ModelConfig:
     @property
     def hidden_size(self) -> int:
         return self.hf_config["hidden_size"]
-
-    @property
-    def head_dim(self) -> int:
-        from pagedllm.models.hf_config import head_dim_of
-        return head_dim_of(self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -246,7 +205,9 @@ class LoRAConfig:
 class DeviceConfig:
     """Where the model runs and how (the knobs of the GPU path; the CPU ignores the others)."""
     device: str = "cpu"                    # "cpu" or "cuda" (resolved from "auto" by EngineArgs)
-    attention_backend: str = "torch"       # "torch" (CPU) or "triton" (paged kernels, GPU)
+    # "torch" (CPU) or "triton" (paged kernels, GPU): a name in attention/backends/registry.py,
+    # checked by EngineArgs, which resolves "auto".
+    attention_backend: str = "torch"
     gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use
     enforce_eager: bool = False            # True: no CUDA graphs at all
     # Decode batch sizes captured as CUDA graphs; a decode batch is padded to the next one.
@@ -257,10 +218,6 @@ class DeviceConfig:
     def validate(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        from pagedllm.attention.backends.registry import backend_choices
-        if self.attention_backend not in backend_choices():
-            raise ValueError(f"attention_backend must be one of {('auto',) + backend_choices()}, "
-                             f"got {self.attention_backend!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

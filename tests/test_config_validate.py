@@ -26,7 +26,6 @@ def _model(**kw):
     (ParallelConfig(data_parallel_size=True), "data_parallel_size must be an integer >= 1, got True"),
     (ParallelConfig(distributed_executor_backend="mpi"), "distributed_executor_backend must be 'mp' or 'ray', got 'mpi'"),
     (DeviceConfig(device="tpu"), "device must be 'auto', 'cpu' or 'cuda', got 'tpu'"),
-    (DeviceConfig(attention_backend="flash"), "attention_backend must be one of ('auto', 'torch', 'triton'), got 'flash'"),
     (DeviceConfig(gpu_memory_utilization=0), "gpu_memory_utilization must be in (0, 1], got 0"),
     (LoRAConfig(max_lora_rank=0), "max_lora_rank must be an integer >= 1, got 0"),
     (LoRAConfig(max_loras=2, max_cpu_loras=1), "max_cpu_loras must be an integer >= max_loras (2), got 1"),

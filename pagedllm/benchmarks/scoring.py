@@ -37,10 +37,10 @@ def nll_sum(logits, targets) -> float:
 
 def load_pagedllm(model_dir: str, dtype: str, window: int, quantization=None, group_size=None):
     """pagedllm's model, loaded as the engine loads it (packed or quantized linears, fused ops)."""
-    from pagedllm.config import ModelConfig
     from pagedllm.models.loader import load_model
-    config = ModelConfig.from_dir(model_dir, dtype=dtype, max_model_len=window)
-    config.set_quantization(quantization, group_size, "cpu")
+    from pagedllm.models.model_config_loader import model_config_from_dir, set_quantization
+    config = model_config_from_dir(model_dir, dtype=dtype, max_model_len=window)
+    set_quantization(config, quantization, group_size, "cpu")
     return config, load_model(config)
 
 

@@ -9,12 +9,14 @@ import json
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from pagedllm.attention.backends.registry import backend_choices
 from pagedllm.config import (CUDAGRAPH_MODES, DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
                              KV_CACHE_DTYPES, PREEMPTION_MODES, RUNNERS, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                             LoRAConfig, ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
+                             LoRAConfig, ParallelConfig, PoolerConfig, SchedulerConfig,
                              SpeculativeConfig, cuda_graph_ladder, mixed_graph_ladder, resolve_dtype)
 from pagedllm.engine.cli_fields import arg
 from pagedllm.engine.compat import check_compatibility
+from pagedllm.models.model_config_loader import model_config_from_dir, set_quantization
 
 
 def _quantization_choices() -> list[str]:
@@ -23,7 +25,6 @@ def _quantization_choices() -> list[str]:
 
 
 def _attention_backend_choices() -> tuple[str, ...]:
-    from pagedllm.attention.backends.registry import backend_choices
     return ("auto", *backend_choices())
 
 
@@ -148,12 +149,12 @@ class EngineArgs:
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a number of bytes >= 1, got {self.kv_cache_memory!r}")
         dc = self._device_config()
-        mc = ModelConfig.from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
+        mc = model_config_from_dir(path, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
         mc.dtype = resolve_dtype(mc.dtype, mc.hf_config, dc.device)
         mc.runner = self.runner
         from pagedllm.engine.generation_defaults import load_sampling_defaults
         mc.sampling_defaults = load_sampling_defaults(self.generation_config, path)
-        mc.set_quantization(self.quantization, self.quantization_group_size, dc.device)
+        set_quantization(mc, self.quantization, self.quantization_group_size, dc.device)
         from pagedllm.multimodal.limits import check_allowed_local_media_path, parse_limit_mm_per_prompt
         mc.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         mc.allowed_local_media_path = check_allowed_local_media_path(self.allowed_local_media_path)
@@ -194,9 +195,12 @@ class EngineArgs:
         return config
 
     def _device_config(self) -> DeviceConfig:
-        """'auto' resolved; other bad values are refused by EngineConfig.validate."""
+        """'auto' resolved and the backend's name checked against the attention backends' registry;
+        other bad values are refused by EngineConfig.validate."""
         device = resolve_device(self.device)
         backend = self.attention_backend
+        if backend not in _attention_backend_choices():
+            raise ValueError(f"attention_backend must be one of {_attention_backend_choices()}, got {backend!r}")
         if backend == "auto":
             backend = "triton" if device == "cuda" else "torch"
         if backend == "triton":

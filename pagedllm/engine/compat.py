@@ -145,11 +145,11 @@ def check_speculative_model(config: "EngineConfig") -> None:
 def check_draft_dir(config: "EngineConfig", path: str) -> None:
     """A draft model directory must share the target's vocabulary, reach its max_model_len and
     keep one KV cache group (its cache pages through the target's one block table)."""
-    from pagedllm.config import ModelConfig
     from pagedllm.models.hf_config import mixes_attention_windows
+    from pagedllm.models.model_config_loader import model_config_from_dir
     target = config.model_config
     try:
-        draft = ModelConfig.from_dir(path).hf_config
+        draft = model_config_from_dir(path).hf_config
     except ValueError as e:
         raise ValueError(f"speculative_config.model {path!r}: {e}") from None
     if draft.get("vocab_size") != target.vocab_size:

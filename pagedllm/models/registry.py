@@ -1,7 +1,7 @@
 """Architecture name (config.json "architectures") -> model class.
 
-The classes are imported when first asked for, so that validating a config (config.py)
-imports no torch. A new architecture is one line here and its module under pagedllm/models/.
+The classes are imported when first asked for, so that reading a model directory
+(model_config_loader.py) imports no torch. A new architecture is one line here and its module under pagedllm/models/.
 """
 from __future__ import annotations
 

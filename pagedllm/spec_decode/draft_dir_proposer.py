@@ -16,10 +16,10 @@ from pagedllm.spec_decode.paged_draft import PagedDraftProposer
 
 def load_draft_model(engine_config, path: str):
     """The draft's model, with the target's dtype, device, attention backend and max_model_len."""
-    from pagedllm.config import ModelConfig
     from pagedllm.models.loader import load_model
+    from pagedllm.models.model_config_loader import model_config_from_dir
     mc, dc = engine_config.model_config, engine_config.device_config
-    draft = ModelConfig.from_dir(path, dtype=mc.dtype, max_model_len=mc.max_model_len, seed=mc.seed)
+    draft = model_config_from_dir(path, dtype=mc.dtype, max_model_len=mc.max_model_len, seed=mc.seed)
     return load_model(draft, None, dc.device, dc.attention_backend)
 
 

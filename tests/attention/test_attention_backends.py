@@ -13,6 +13,7 @@ from pagedllm.attention.kv_cache_spec import FullAttentionSpec
 from pagedllm.attention.layer import Attention, bind_kv_cache, get_kv_cache_spec
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.forward_context import get_forward_context, set_forward_context
+from pagedllm.models.hf_config import head_dim_of
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +76,13 @@ def test_kv_cache_spec_sizes_the_cache(tiny_dir):
     llm = LLM(tiny_dir)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     mc = runner.config.model_config
+    head_dim = head_dim_of(mc.hf_config)
     specs = get_kv_cache_spec(runner.model, runner.block_size, runner.dtype)
     assert list(specs) == [f"layers.{i}.self_attn.attn" for i in range(mc.num_layers)]
-    assert set(specs.values()) == {FullAttentionSpec(runner.block_size, mc.num_kv_heads, mc.head_dim, runner.dtype)}
-    assert runner.kv_bytes_per_block() == 2 * mc.num_layers * runner.block_size * mc.num_kv_heads * mc.head_dim * 4
+    assert set(specs.values()) == {FullAttentionSpec(runner.block_size, mc.num_kv_heads, head_dim, runner.dtype)}
+    assert runner.kv_bytes_per_block() == 2 * mc.num_layers * runner.block_size * mc.num_kv_heads * head_dim * 4
     k, v = runner.kv_caches[0]
-    assert k.shape == v.shape and k.shape[1:] == (mc.num_kv_heads, mc.head_dim)
+    assert k.shape == v.shape and k.shape[1:] == (mc.num_kv_heads, head_dim)
     layer = runner.model.layers[0].self_attn.attn
     assert layer.kv_cache[0] is k and layer.backend is runner.attn_backend
 

@@ -30,8 +30,8 @@ def test_qwen3_moe_equals_transformers(tmp_path, norm_topk_prob):
     from pagedllm.models.layers.fused_moe import FusedMoE
     from pagedllm.models.llama import LlamaMLP
     from pagedllm.models.loader import load_model
-    from pagedllm.config import ModelConfig
-    ours = load_model(ModelConfig.from_dir(model_dir, max_model_len=64))
+    from pagedllm.models.model_config_loader import model_config_from_dir
+    ours = load_model(model_config_from_dir(model_dir, max_model_len=64))
     kinds = [type(layer.mlp.experts if hasattr(layer.mlp, "experts") else layer.mlp) for layer in ours.layers]
     assert kinds == [FusedMoE, LlamaMLP, FusedMoE]
     assert ours.layers[0].mlp.experts.renormalize is norm_topk_prob

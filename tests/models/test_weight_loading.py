@@ -123,9 +123,9 @@ def _tiny_dir(tmp_path, edit):
 
 
 def _load(model_dir):
-    from pagedllm.config import ModelConfig
     from pagedllm.models.loader import load_model
-    return load_model(ModelConfig.from_dir(model_dir))
+    from pagedllm.models.model_config_loader import model_config_from_dir
+    return load_model(model_config_from_dir(model_dir))
 
 
 def test_missing_unexpected_and_misshapen_weights_are_named(tmp_path):

@@ -1,7 +1,7 @@
-"""Attention backends by name: the one table that the selector, config validation and the CLI's
---attention-backend choices read. A backend is one folder, backends/<name>/, and one line here
+"""Attention backends by name: the one table that the selector, EngineArgs' check of the name and
+the CLI's --attention-backend choices read. A backend is one folder, backends/<name>/, and one line here
 naming its class; the class is imported only when a model is built with it (the Triton one
-imports triton), so this module stays torch-free for the CLI and config.py."""
+imports triton), so this module stays torch-free for the CLI and EngineArgs."""
 from __future__ import annotations
 
 import importlib

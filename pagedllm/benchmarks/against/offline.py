@@ -94,10 +94,11 @@ def same_outputs(a: dict, b: dict) -> int:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from pagedllm.config import ModelConfig, resolve_dtype
+    from pagedllm.config import resolve_dtype
     from pagedllm.engine.llm_engine import load_tokenizer
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.models.download import resolve_model
+    from pagedllm.models.model_config_loader import model_config_from_dir
 
     check_args(ns)
     if ns.py_spy:
@@ -107,7 +108,7 @@ def main(ns: argparse.Namespace) -> int:
     model_dir = str(resolve_model(ns.model, None))
     dtype = ns.dtype
     if dtype == "auto":  # pagedllm's choice on the CPU, given to vLLM too
-        dtype = resolve_dtype("auto", ModelConfig.from_dir(model_dir, dtype="auto").hf_config, "cpu")
+        dtype = resolve_dtype("auto", model_config_from_dir(model_dir, dtype="auto").hf_config, "cpu")
     requests = workload_requests(load_tokenizer(model_dir), ns)
     venv_dir = Path(ns.vllm_venv).expanduser() if ns.vllm_venv else V.default_venv()
     vllm_py = V.ensure_vllm_venv(venv_dir)

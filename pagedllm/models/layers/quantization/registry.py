@@ -2,7 +2,7 @@
 benches, config validation, the model resolver and the loader read. A method is one class (its
 config: which LinearMethod each layer gets) and one line in METHODS; the class is imported when
 a model is loaded (the kernels import torch), so this module stays torch-free for the CLI and
-config.py.
+the model config's loader (models/model_config_loader.py).
 
 The class's protocol: `from_quant_args(group_size, model_dir, hf_config)` -> an instance
 (group_size: one of the line's group_sizes or None) whose `get_linear_method(lm_head)` gives
