@@ -19,6 +19,7 @@ BENCHMARKS = [
     ("prefill-attention", "prefill_attention", "prefill attention over a prompt: the C++ paged kernel vs SDPA", False),
     ("priority", "priority", "urgent requests' TTFT vs the others' under a full queue, fcfs vs priority", True),
     ("encoder", "encoder", "an encoder model's embeddings, batched across requests vs one at a time", False),
+    ("vision", "vision", "an image in a chat: encode time, TTFT of turn 1 vs turn 2 reusing the image", False),
     ("kv-memory", "kv_memory", "KV cache held by one long request, sliding groups freeing vs one table", True),
 ]
 

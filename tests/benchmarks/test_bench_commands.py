@@ -102,3 +102,15 @@ def test_encoder(tmp_path):
     for r in d["rows"]:   # texts/s is the texts over the median round's seconds
         assert r["rate"] == pytest.approx(12 / r["s"]) and r["s"] == d["seconds"][r["name"]][0]
     assert d["max_diff"] < 1e-5   # the served vectors are sentence-transformers' (the work timed is right)
+
+
+def test_vision(tmp_path):
+    """Turn 2 of a chat about an image, on the tiny random Idefics3: the prefix cache serves the
+    image's blocks (whole blocks of 16, past the image's 16 placeholder tokens), the encoder does
+    not run again (turn 1's 16 answer tokens fill the block where the image ends), and the answer
+    is that of an engine that re-encodes it."""
+    d = bench(tmp_path, "vision", "--shape", "tiny", "--image-size", "64", "--repeat", "2")
+    assert d["image_tokens"] == 16 and d["turn2_encoder_runs"] == [0, 0] and d["turn2_answers_identical"]
+    assert all(c % 16 == 0 and c > 16 for c in d["turn2_cached"]), d["turn2_cached"]
+    assert set(d["medians"]) == {"processor_s", "encode_s", "turn1_ttft_s", "turn2_hit_ttft_s",
+                                 "turn2_reencoded_ttft_s"}

@@ -95,6 +95,8 @@ def _error(r, status, field=None):
     ({"messages": [], "max_tokens": 5}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5}, "image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}],
+      "max_tokens": 5}, "messages[0].content[0]: images need a vision-language model"),
     ({"messages": MSGS, "max_tokens": 5, "temperature": -1}, "temperature"),
     ({"messages": MSGS, "max_tokens": 5, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"messages": MSGS, "max_tokens": 5, "stop_sequences": [""]}, "stop_sequences"),

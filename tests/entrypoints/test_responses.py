@@ -89,7 +89,7 @@ def test_stream_matches_chat(client, chat_reference):
     (dict(max_output_tokens=0), "max_output_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input"),
-    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]), "input"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]), "input[0].content[0]"),
     (dict(input=[{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]), "input[1].role"),
 ])
 def test_refused_with_400(client, kwargs, param):

@@ -16,9 +16,18 @@ class TextBlock(OpenAIBaseModel):
     text: StrictStr
 
 
+class BlockSource(OpenAIBaseModel):
+    """An image block's source: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+    (checked in serving_messages.py, naming the field)."""
+    type: StrictStr
+    media_type: Optional[StrictStr] = None
+    data: Optional[StrictStr] = None
+    url: Optional[StrictStr] = None
+
+
 class ContentBlock(OpenAIBaseModel):
-    """One block of a message: text, an assistant's tool_use, a user's tool_result (thinking
-    blocks of an earlier assistant turn are accepted and dropped, as templates drop them)."""
+    """One block of a message: text, a user's image, an assistant's tool_use, a user's tool_result
+    (thinking blocks of an earlier assistant turn are accepted and dropped, as templates drop them)."""
     type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
     text: Optional[StrictStr] = None
     id: Optional[StrictStr] = None                  # tool_use
@@ -27,6 +36,7 @@ class ContentBlock(OpenAIBaseModel):
     tool_use_id: Optional[StrictStr] = None         # tool_result
     content: Optional[Union[StrictStr, list[TextBlock]]] = None
     is_error: Optional[StrictBool] = None
+    source: Optional[BlockSource] = None            # image
 
 
 class AnthropicMessage(OpenAIBaseModel):

@@ -16,10 +16,13 @@ from pagedllm.entrypoints.openai.protocol import (INT64_MAX, INT64_MIN, Number, 
 
 # ------------------------------------------------------------------ the request
 class ResponseInputContent(OpenAIBaseModel):
-    """A part of an input message (input_text, or output_text of an earlier answer), of a
-    function_call_output's output, or of a reasoning item."""
+    """A part of an input message (input_text, input_image, or output_text of an earlier answer),
+    of a function_call_output's output, or of a reasoning item."""
     type: StrictStr
     text: Optional[StrictStr] = None
+    image_url: Optional[StrictStr] = None   # input_image: a data:, file:// or http(s) URL
+    file_id: Optional[StrictStr] = None     # input_image: refused (no file store)
+    detail: Optional[StrictStr] = None      # input_image: "low" / "high" / "auto"; the processor decides
 
 
 class ResponseInputItem(OpenAIBaseModel):

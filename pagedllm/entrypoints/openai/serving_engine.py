@@ -44,11 +44,13 @@ def invalid_request(e: ValueError, renames: Optional[dict[str, str]] = None) -> 
 
 def renamed_error(e: OpenAIError, renames: dict[str, str]) -> OpenAIError:
     """An error of the chat path in the words of an API built on it (Anthropic's, the Responses
-    API's): the field it names renamed, in `param` and in the message."""
+    API's): the field it names renamed, in `param` and in the message. A key may be a path
+    (`messages[1].content[0]`): it is renamed where it stands whole, not inside a longer path."""
     new = renames.get(e.param) if e.param else None
     if new is None:
         return e
-    return OpenAIError(re.sub(rf"\b{re.escape(e.param)}\b", new, e.message), e.status, e.type, new, e.code)
+    whole = rf"(?<![\w.\]]){re.escape(e.param)}(?![\w\[]|\.\w)"
+    return OpenAIError(re.sub(whole, new, e.message), e.status, e.type, new, e.code)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """POST /v1/responses on the chat path, as /v1/messages is: `instructions` (a system message), the
 stored conversation of `previous_response_id`, and `input` (text, messages, function_call and
-function_call_output items) become a chat completion request, with `tools` / `tool_choice` /
+function_call_output items; a message's input_image parts as chat's image_url parts, whose 400s
+are renamed to name the input_image) become a chat completion request, with `tools` / `tool_choice` /
 `text.format` as chat's; OpenAIServingChat runs it (template, tool and reasoning parsers,
 sampling, the grammar that forces a required or named call), and its answer comes back as output
 items: `reasoning`, `message`, `function_call`. Streams: serving_responses_stream.py.
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 
 from pagedllm import envs
 from pagedllm.entrypoints.llm import check_role
+from pagedllm.entrypoints.openai.image_parts import ImagePaths
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.protocol_responses import (ResponseHead, ResponseInputItem, ResponsesRequest,
                                                             assistant_turn, function_call_item, hex_id, status_of,
@@ -34,8 +36,28 @@ def _text(parts, where: str) -> str:
         return parts or ""
     bad = [p.type for p in parts if p.type not in _TEXT_PARTS or p.text is None]
     if bad:
-        raise OpenAIError(f"{where}: content of type {bad[0]!r} is not supported (input_text only)", param="input")
+        raise OpenAIError(f"{where}: content of type {bad[0]!r} is not supported (input_text; input_image in a "
+                          "message)", param="input")
     return "\n".join(p.text for p in parts)
+
+
+def _content(parts, where: str, chat_where: str, paths: ImagePaths):
+    """A message's content for chat: its text, or with input_image parts chat's text and image_url
+    parts in their order (`image_url`: a data:, file:// or http(s) URL, as chat's)."""
+    if parts is None or isinstance(parts, str) or all(p.type != "input_image" for p in parts):
+        return _text(parts, where)
+    out = []
+    for j, p in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        if p.type != "input_image":
+            out.append({"type": "text", "text": _text([p], where)})
+        elif p.image_url is None:
+            why = " (file_id is not supported: there is no file store)" if p.file_id is not None else ""
+            raise OpenAIError(f"{at}: an input_image part needs image_url, a data:, file:// or http(s) URL{why}",
+                              param=at)
+        else:
+            out.append(paths.part(p.image_url, f"{chat_where}.content[{j}]", at, f"{at}.image_url"))
+    return out
 
 
 def _needs(item: ResponseInputItem, where: str, *names: str) -> None:
@@ -44,10 +66,11 @@ def _needs(item: ResponseInputItem, where: str, *names: str) -> None:
             raise OpenAIError(f"{where}: a {item.type} item needs {name}", param="input")
 
 
-def input_messages(items, history: list[dict]) -> list[dict]:
+def input_messages(items, history: list[dict], paths: ImagePaths, first: int = 0) -> list[dict]:
     """`input` as chat messages: a message item as it is, function_call items as the tool_calls of
     an assistant message (the one before them, or a new one), a function_call_output as a tool
-    message answering a call made earlier (in `history` or in `input`); reasoning is dropped."""
+    message answering a call made earlier (in `history` or in `input`); reasoning is dropped.
+    `first`: the index of the first of them among the chat request's messages (for `paths`)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
@@ -61,7 +84,8 @@ def input_messages(items, history: list[dict]) -> list[dict]:
                 raise OpenAIError(f"{where}: a message item needs role", param="input")
             with bad_input_is_400():
                 check_role(item.role, f"{where}.role")
-            out.append({"role": item.role, "content": _text(item.content, where)})
+            out.append({"role": item.role,
+                        "content": _content(item.content, where, f"messages[{first + len(out)}]", paths)})
         elif item.type == "function_call":
             _needs(item, where, "call_id", "name", "arguments")
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
@@ -153,12 +177,13 @@ class OpenAIServingResponses:
     async def create_response(self, req: ResponsesRequest, raw_request=None):
         history = [] if req.previous_response_id is None else \
             self.stored(req.previous_response_id, "previous_response_id")[1]
-        turn = input_messages(req.input, history)
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+        paths = ImagePaths()
+        turn = input_messages(req.input, history, paths, len(system) + len(history))
         try:   # this turn's instructions only: a stored conversation has none
             result = await self.chat.create_chat_completion(chat_request(req, system + history + turn), raw_request)
         except OpenAIError as e:
-            raise renamed_error(e, _RENAMES) from None
+            raise renamed_error(e, {**_RENAMES, **paths}) from None
         head = ResponseHead(req, self.chat.model_name, store=req.store is not False and self.store_enabled)
 
         def finished(body: dict, items: list[dict]) -> dict:
