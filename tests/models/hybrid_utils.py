@@ -62,6 +62,17 @@ def run_with_late_arrival(model_dir, early, late, **settings):
     return outs, engine.num_preemptions, failed
 
 
+def check_late_arrivals_preempt(model_dir, model, label, **settings):
+    """Two long early prompts, then two short late ones of higher priority that preempt them
+    (16-token steps, 4 sequences): every output equal to transformers' -> the outputs."""
+    early, late = prompts([41, 33]), prompts([19, 6])
+    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, max_num_batched_tokens=16, max_num_seqs=4,
+                                                 **settings)
+    assert preemptions > 0
+    assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late), label)
+    return outs
+
+
 def check_batch_against_transformers(model_dir, model, label, managers, min_preemptions, **settings):
     """Prompts of LENGTHS in one batch of at most 4, 16 tokens a step (chunked prefill): greedy
     equal to `model`'s, the KV cache's group managers named `managers`, at least min_preemptions

@@ -6,9 +6,7 @@ preempted (their attention blocks and states recomputed), and late requests of a
 priority preempting running ones."""
 import pytest
 
-from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import check_batch_against_transformers, make_hf_model, prompts, run_with_late_arrival
-from models.test_qwen3 import hf_reference
+from models.hybrid_utils import check_batch_against_transformers, check_late_arrivals_preempt, make_hf_model
 
 from pagedllm import LLM
 
@@ -36,13 +34,7 @@ def test_lfm2_equals_transformers_chunked_and_preempted(tmp_path, conv_bias):
 
 
 def test_lfm2_late_requests_preempt_running_ones(tmp_path):
-    model_dir, model = lfm2(tmp_path)
-    early, late = prompts([41, 33]), prompts([19, 6])
-    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, block_size=4, max_num_batched_tokens=16,
-                                              max_num_seqs=4, num_gpu_blocks=24)
-    assert preemptions > 0
-    assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late),
-                        "LFM2 preempted")
+    check_late_arrivals_preempt(*lfm2(tmp_path), "LFM2 preempted", block_size=4, num_gpu_blocks=24)
 
 
 def test_a_state_larger_than_a_block_names_the_block_size(tmp_path):

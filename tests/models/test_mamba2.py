@@ -5,8 +5,8 @@ the last chunk left, across SSD chunk boundaries), and when late requests of a h
 preempt running ones (their state recomputed from the first token)."""
 import pytest
 from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import (MAX_TOKENS, check_batch_against_transformers, make_hf_model, prompts,
-                                 run_with_late_arrival)
+from models.hybrid_utils import (MAX_TOKENS, check_batch_against_transformers, check_late_arrivals_preempt,
+                                 make_hf_model, prompts, run_with_late_arrival)
 from models.test_qwen3 import hf_reference
 
 from pagedllm import LLM
@@ -29,13 +29,7 @@ def test_mamba2_equals_transformers_batched_and_chunked(tmp_path):
 def test_mamba2_state_recomputed_after_preemption(tmp_path):
     """Two state blocks: two early requests hold both; two late ones of a higher priority
     preempt them, and the early ones start again from a zero state."""
-    model_dir, model = mamba2(tmp_path)
-    early, late = prompts([41, 33]), prompts([19, 6])
-    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, block_size=4, max_num_batched_tokens=16,
-                                              max_num_seqs=4, num_gpu_blocks=3)
-    assert preemptions > 0
-    refs = hf_reference(model, early + late)
-    assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], refs, "Mamba2 preempted")
+    outs = check_late_arrivals_preempt(*mamba2(tmp_path), "Mamba2 preempted", block_size=4, num_gpu_blocks=3)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs.values())
 
 

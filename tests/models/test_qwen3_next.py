@@ -5,9 +5,7 @@ expert) and dense ones, under chunked prefill with a small token budget and a ca
 enough to preempt."""
 import pytest
 
-from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import check_batch_against_transformers, make_hf_model, prompts, run_with_late_arrival
-from models.test_qwen3 import hf_reference
+from models.hybrid_utils import check_batch_against_transformers, check_late_arrivals_preempt, make_hf_model
 from pagedllm import LLM
 
 # Gated DeltaNet: 2 key heads x 16 serving 4 value heads x 16: a delta-rule state of
@@ -55,13 +53,7 @@ def qwen3_next(tmp_path, **overrides):
 
 def test_qwen3_next_late_requests_preempt_running_ones(tmp_path):
     """Running requests preempted mid-decode restart from a zero state and recompute it."""
-    model_dir, model = qwen3_next(tmp_path)
-    early, late = prompts([41, 33]), prompts([19, 6])
-    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, block_size=16, max_num_batched_tokens=16,
-                                              max_num_seqs=4, num_gpu_blocks=10)
-    assert preemptions > 0
-    assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late),
-                        "Qwen3-Next preempted")
+    check_late_arrivals_preempt(*qwen3_next(tmp_path), "Qwen3-Next preempted", block_size=16, num_gpu_blocks=10)
 
 
 def test_a_delta_rule_state_larger_than_a_block_names_the_block_size(tmp_path):
