@@ -10,6 +10,7 @@ fixed state (`MambaSpec.state_bytes`), whatever T is.
 from __future__ import annotations
 
 import argparse
+import copy
 
 # LiquidAI/LFM2-1.2B's config (hidden 2048, 16 layers, 32 heads, 8 KV heads of 64).
 LFM2_1B = dict(vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16,
@@ -36,7 +37,8 @@ def meta_model(hf_config: dict, architecture: str, max_len: int):
 def configs() -> dict[str, tuple[dict, str]]:
     from transformers import LlamaConfig, Lfm2Config
     from pagedllm.models.random_model import SHAPES
-    llama = {k: v for k, v in SHAPES["llama-3.2-1b"].items() if k != "torch_dtype"}
+    # A deep copy: transformers moves rope_theta into the rope_scaling dict it is given.
+    llama = copy.deepcopy({k: v for k, v in SHAPES["llama-3.2-1b"].items() if k != "torch_dtype"})
     return {"LFM2-1.2B shape (hybrid)": (Lfm2Config(**LFM2_1B).to_dict(), "Lfm2ForCausalLM"),
             "Llama-3.2-1B shape": (LlamaConfig(**llama).to_dict(), "LlamaForCausalLM")}
 

@@ -9,6 +9,7 @@ where the default model does not cover a shape; nothing is downloaded.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -63,7 +64,7 @@ def random_hf_model(shape: str, seed: int = 0, initializer_range: float = 0.02):
         raise ValueError(f"unknown random model shape {shape!r}; known: {', '.join(SHAPES)}")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    spec = dict(SHAPES[shape])
+    spec = copy.deepcopy(SHAPES[shape])
     dtype = getattr(torch, spec.pop("torch_dtype"))
     cfg = AutoConfig.for_model(spec.pop("model_type", "llama"), **spec, bos_token_id=BOS, eos_token_id=EOS,
                                pad_token_id=UNK, initializer_range=initializer_range, dtype=dtype)
