@@ -227,7 +227,10 @@ def test_decode_instance_killed_mid_stream(servers):
     """A decode instance killed while it streams through the proxy: the client's stream ends with
     an error event and [DONE] (no hang, no cut without a word), and the proxy serves on."""
     prefill = servers[0]
-    decode = tiny_server(MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0))
+    # Every step of a request holding token 7 sleeps 20 ms there: the stream lasts ~5 s, so it
+    # cannot end whole before the kill (it did once in CI: the tiny model streams 248 tokens fast).
+    decode = tiny_server(MAX_LEN, "--kv-transfer-config", _kv_config("kv_consumer", 3.0),
+                         env={"PAGEDLLM_FAULT_INJECTION": "slow:7:20"})
     proxy = Proxy(prefill.url, decode.url)
     try:
         body = {"model": TINY, "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 8, "temperature": 0,
