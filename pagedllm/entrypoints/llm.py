@@ -10,7 +10,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.engine.processor import PromptType
-from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts, template_takes_parts
+from pagedllm.multimodal.chat import chat_placeholder, has_image_parts, image_part_locations, split_image_parts, template_takes_parts
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams, pooling_params
 
@@ -128,7 +128,7 @@ class LLM:
         processor.check_image_count(len(image_part_locations(conversation)), "messages")   # before loading them
         tokenizer = self.get_tokenizer()
         as_parts = template_takes_parts(lambda m: apply_chat_template(tokenizer, m, True, chat_template, tokenize=False))
-        messages, images = split_image_parts(conversation, mm.image_token,
+        messages, images = split_image_parts(conversation, chat_placeholder(mm),
                                              processor.config.model_config.allowed_local_media_path, as_parts)
         processor.check_messages_chars(messages)
         text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tokenize=False)

@@ -23,6 +23,13 @@ def has_image_parts(conversation) -> bool:
     return bool(image_part_locations(conversation))
 
 
+def chat_placeholder(mm_processor) -> str:
+    """The text an image part becomes in a string content: the processor's `chat_placeholder`
+    where the model's template wraps its image token (Qwen2-VL's
+    <|vision_start|><|image_pad|><|vision_end|>), else its image token."""
+    return getattr(mm_processor, "chat_placeholder", mm_processor.image_token)
+
+
 _PROBE = "pagedllm-content-probe"
 
 
@@ -38,9 +45,10 @@ def template_takes_parts(render) -> bool:
     return _PROBE in text and "'type'" not in text and '"type"' not in text
 
 
-def split_image_parts(conversation: list, image_token: str, allowed_local_media_path: str = "",
+def split_image_parts(conversation: list, placeholder: str, allowed_local_media_path: str = "",
                       as_parts: bool = False) -> tuple[list, list]:
-    """-> (the messages, the images in order); image_url parts are loaded here (blocking: the
+    """-> (the messages, the images in order); placeholder: what an image part becomes in a
+    string content (chat_placeholder); image_url parts are loaded here (blocking: the
     server calls this in a thread). The messages have string contents, or with as_parts (a
     template that takes parts: template_takes_parts) lists of {"type": "text"} and
     {"type": "image"} parts, every message's. ParamError naming a part that is neither text nor
@@ -72,5 +80,5 @@ def split_image_parts(conversation: list, image_token: str, allowed_local_media_
             messages.append({**m, "content": [{"type": "image"} if t is None else {"type": "text", "text": t}
                                               for t in text]})
         else:
-            messages.append({**m, "content": "\n".join(image_token if t is None else t for t in text)})
+            messages.append({**m, "content": "\n".join(placeholder if t is None else t for t in text)})
     return messages, images

@@ -13,6 +13,7 @@ QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
 
 class Qwen2VLProcessing:
     image_token = "<|image_pad|>"
+    chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"   # as Qwen2-VL's chat template writes an image
 
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer

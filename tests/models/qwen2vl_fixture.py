@@ -9,6 +9,21 @@ from models.vlm_fixture import SMOLLM2
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PATCH, MERGE = 14, 2
+# Qwen2-VL-Instruct's own chat template (its tokenizer_config.json): it iterates over content parts
+# and writes each image part as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tiny_qwen2vl(path: str) -> str:
@@ -17,6 +32,7 @@ def build_tiny_qwen2vl(path: str) -> str:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     tok = AutoTokenizer.from_pretrained(SMOLLM2)
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.chat_template = QWEN2_VL_TEMPLATE
     side = PATCH * MERGE   # 28: one merged token
     ip = Qwen2VLImageProcessorPil(min_pixels=4 * side * side, max_pixels=12 * side * side)
     ids = tok.convert_tokens_to_ids(VISION_TOKENS)

@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatLogprob, ChatLogprobContent, ChatResponseMessage, PromptTokensDetails, UsageInfo, prompt_logprobs_json,
     usage_dict, random_id)
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
-from pagedllm.multimodal.chat import has_image_parts, image_part_locations, split_image_parts, template_takes_parts
+from pagedllm.multimodal.chat import chat_placeholder, has_image_parts, image_part_locations, split_image_parts, template_takes_parts
 from pagedllm.multimodal.inputs import ProcessedPrompt
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
@@ -235,7 +235,7 @@ class OpenAIServingChat(OpenAIServing):
             mm = processor.load_mm_processor(where[0])
             processor.check_image_count(len(where), "messages")
             messages, images = await asyncio.to_thread(
-                split_image_parts, conv, mm.image_token, processor.config.model_config.allowed_local_media_path,
+                split_image_parts, conv, chat_placeholder(mm), processor.config.model_config.allowed_local_media_path,
                 as_parts)
             processor.check_messages_chars(messages)
         text = self.prompt_ids(messages, req.add_generation_prompt, req.continue_final_message, tools,
