@@ -54,7 +54,8 @@ def has_recurrent_layers(hf_config: dict) -> bool:
 
 # Vision-language architectures whose text model is one of ours: the engine reads the text
 # model's shapes (KV cache, vocabulary) at the top level, the whole config under "multimodal_config".
-MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                            "Qwen2_5_VLForConditionalGeneration")
 
 
 def flatten_multimodal_config(hf_config: dict) -> dict:

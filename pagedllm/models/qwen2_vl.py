@@ -72,17 +72,19 @@ class Qwen2VLTextModel(LlamaForCausalLM):
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True   # the runner gives positions [3, T] (mrope_positions at prefill)
+    vision_class = Qwen2VLVisionTransformer   # Qwen2.5-VL's: models/qwen2_5_vl.py
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         """hf: the text model's config with the whole config under "multimodal_config"
         (models/hf_config.py flatten_multimodal_config)."""
         super().__init__()
         if parallel is not None and parallel.world_size > 1:
-            raise ValueError("Qwen2-VL runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1")
+            raise ValueError(f"{type(self).__name__} runs on one rank: tensor_parallel_size and "
+                             f"pipeline_parallel_size must be 1")
         mm = hf["multimodal_config"]
         self.image_token_id = mm["image_token_id"]
         self.merge = mm["vision_config"].get("spatial_merge_size", 2)
-        self.visual = Qwen2VLVisionTransformer(mm["vision_config"])
+        self.visual = self.vision_class(mm["vision_config"])
         # Qwen2: biases on q, k and v only (models/llama.py reads model_type).
         self.language_model = Qwen2VLTextModel({**hf, "model_type": "qwen2"}, max_positions, None)
 

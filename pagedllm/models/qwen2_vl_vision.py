@@ -43,32 +43,63 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(N, -1))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str) -> None:
+class VisionMLP(nn.Module):
+    """Qwen2-VL's: fc1, quick_gelu (or gelu), fc2."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, num_heads)
-        self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(dim, mlp_hidden)
-        self.mlp.fc2 = nn.Linear(mlp_hidden, dim)
         if act not in ("quick_gelu", "gelu"):
             raise ValueError(f"vision_config.hidden_act {act!r} is not supported (quick_gelu, gelu)")
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
         self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h) if self.act == "quick_gelu" else F.gelu(h))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm attention and MLP, each with its residual; norm: the norm's class (dim, eps)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp: nn.Module, norm) -> None:
+        super().__init__()
+        self.norm1 = norm(dim, 1e-6)
+        self.norm2 = norm(dim, 1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
-        h = self.mlp.fc1(self.norm2(x))
-        h = h * torch.sigmoid(1.702 * h) if self.act == "quick_gelu" else F.gelu(h)
-        return x + self.mlp.fc2(h)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Each merge x merge group of neighbouring patches (consecutive rows) normed, concatenated
+    and projected to the text width."""
+
+    def __init__(self, dim: int, out_dim: int, merge: int, norm) -> None:
+        super().__init__()
+        merged = dim * merge ** 2
+        self.ln_q = norm(dim, 1e-6)
+        self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] -> [N / merge^2, out_dim]."""
+        return self.mlp(self.ln_q(x).view(-1, self.mlp[0].in_features))
 
 
 class Qwen2VLVisionTransformer(nn.Module):
     def __init__(self, vc: dict) -> None:
         super().__init__()
-        dim, heads = vc.get("embed_dim", 1280), vc.get("num_heads", 16)
+        dim = vc.get("embed_dim", 1280)
+        mlp_hidden, act = int(dim * vc.get("mlp_ratio", 4)), vc.get("hidden_act", "quick_gelu")
+        self.build(vc, dim, vc["hidden_size"], nn.LayerNorm, lambda: VisionMLP(dim, mlp_hidden, act))
+
+    def build(self, vc: dict, dim: int, out_dim: int, norm, make_mlp) -> None:
+        """The parts Qwen2-VL and Qwen2.5-VL share, with their norm's class and MLP."""
+        heads = vc.get("num_heads", 16)
         self.merge = vc.get("spatial_merge_size", 2)
-        self.patch_dim = vc.get("in_channels", 3) * vc.get("temporal_patch_size", 2) * vc.get("patch_size", 14) ** 2
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Module()
         kernel = (vc.get("temporal_patch_size", 2), vc.get("patch_size", 14), vc.get("patch_size", 14))
@@ -78,25 +109,24 @@ class Qwen2VLVisionTransformer(nn.Module):
         # head_dim/4 frequencies each for the row and the column.
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32)
                                                          / (head_dim // 2)), persistent=False)
-        mlp_hidden = int(dim * vc.get("mlp_ratio", 4))
-        self.blocks = nn.ModuleList(VisionBlock(dim, heads, mlp_hidden, vc.get("hidden_act", "quick_gelu"))
-                                    for _ in range(vc.get("depth", 32)))
-        merged = dim * self.merge ** 2
-        self.merger = nn.Module()
-        self.merger.ln_q = nn.LayerNorm(dim, eps=1e-6)
-        self.merger.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, vc["hidden_size"]))
+        self.blocks = nn.ModuleList(VisionBlock(dim, heads, make_mlp(), norm) for _ in range(vc.get("depth", 32)))
+        self.merger = PatchMerger(dim, out_dim, self.merge, norm)
 
-    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """patches [N, C*2*P*P] of every image in order, grids: each image's (t, h, w) in
-        patches -> [N / merge^2, text hidden] (each image's tokens in order)."""
+    def embed(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]):
+        """patches [N, C*2*P*P] -> (x [N, dim], cos, sin [N, 1, head_dim] float32 of each
+        patch's row and column)."""
         w = self.patch_embed.proj.weight
         x = F.linear(patches.to(w.dtype), w.flatten(1))                     # [N, dim]
         pos = torch.cat([vision_patch_positions(*g, self.merge) for g in grids]).to(x.device)   # [N, 2]
         freqs = (pos.unsqueeze(-1).float() * self.inv_freq.to(x.device)).flatten(1)   # [N, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                 # [N, 1, head_dim]
-        cos, sin = emb.cos(), emb.sin()
+        return x, emb.cos(), emb.sin()
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """patches [N, C*2*P*P] of every image in order, grids: each image's (t, h, w) in
+        patches -> [N / merge^2, text hidden] (each image's tokens in order)."""
+        x, cos, sin = self.embed(patches, grids)
         lengths = [t * h * w for t, h, w in grids]
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
-        m = self.merger
-        return m.mlp(m.ln_q(x).view(-1, m.mlp[0].in_features))
+        return self.merger(x)

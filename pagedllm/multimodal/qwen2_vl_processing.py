@@ -1,4 +1,4 @@
-"""Qwen2-VL's prompt processing (what transformers' Qwen2VLProcessor does, without its video
+"""Qwen2-VL's (and Qwen2.5-VL's) prompt processing (what transformers' Qwen2VLProcessor does, without its video
 half, which needs torchvision): the checkpoint's image processor cuts each image into patches on
 a (t, h, w) grid, and each image token of the prompt is repeated t*h*w/merge^2 times."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 from pagedllm.multimodal.hashing import hash_image
 from pagedllm.multimodal.inputs import ImageInput
 
-QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
+QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 class Qwen2VLProcessing:

@@ -1,5 +1,6 @@
-"""Qwen2-VL against transformers' own Qwen2VLForConditionalGeneration on a tiny random-weight
-checkpoint: greedy tokens with one and two images (of different grids) among text, with a
+"""Qwen2-VL and Qwen2.5-VL against transformers' own Qwen2VLForConditionalGeneration and
+Qwen2_5_VLForConditionalGeneration on tiny random-weight checkpoints: the vision towers' image
+features (Qwen2.5-VL's windowed attention with uneven windows), greedy tokens with one and two images (of different grids) among text, with a
 text-only prompt in the same batch, with images split across chunked-prefill steps, and with
 preemption by recompute; the M-RoPE positions against transformers' get_rope_index."""
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.qwen2_vl import mrope_positions
 from pagedllm.sampling_params import SamplingParams
-from models.qwen2vl_fixture import IMAGE, MERGE, build_tiny_qwen2vl, hf_greedy, hf_inputs
+from models.qwen2vl_fixture import IMAGE, MERGE, build_tiny_qwen2vl, hf_greedy, hf_inputs, hf_model
 from models.vlm_fixture import generate_checked, image
 
 ONE = f"Look at {IMAGE} and say what you see"
@@ -17,9 +18,9 @@ TEXT = "The capital of France is"
 N = 6
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_qwen2vl(str(tmp_path_factory.mktemp("qwen2vl")))
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm_dir(tmp_path_factory, request):
+    return build_tiny_qwen2vl(str(tmp_path_factory.mktemp(request.param)), qwen2_5=request.param == "qwen2_5_vl")
 
 
 def _greedy(n=N):
@@ -36,10 +37,27 @@ def _prompt(text, images):
     return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
 
-def test_mrope_positions_match_transformers(vlm_dir):
+def test_image_features_match_transformers(vlm_dir):
+    """Two images of different grids in one encoder call: transformers' vision tower's merged
+    features (its pooler_output), image by image."""
     import torch
-    from transformers import Qwen2VLForConditionalGeneration
-    model = Qwen2VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32)
+
+    from pagedllm.multimodal.processing import load_mm_processor
+    images = [image(1, (120, 100)), image(2, (90, 60)), image(3)]
+    model, inputs = hf_model(vlm_dir), hf_inputs(vlm_dir, IMAGE * 3, images)
+    with torch.no_grad():
+        ref = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+    ref = ref.split([9, 6, 6])
+    llm = LLM(vlm_dir, dtype="float32")
+    _, inputs = load_mm_processor(vlm_dir, model.config.architectures[0]).process(IMAGE * 3, images)
+    ours = llm.llm_engine.core.model_executor.driver_worker.model_runner.model.encode_image_list(
+        [im.pixel_values for im in inputs])
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())   # magnitudes ~ 10 (the widened merger)
+
+
+def test_mrope_positions_match_transformers(vlm_dir):
+    model = hf_model(vlm_dir)
     for text, images in _cases()[:2]:
         inputs = hf_inputs(vlm_dir, text, images)
         ref, ref_delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
