@@ -1,4 +1,5 @@
-"""A seeded fuzz of the image path on the tiny Idefics3: a random mix of requests with none, one
+"""A seeded fuzz of the image path on the tiny Idefics3 and Qwen2.5-VL (M-RoPE positions kept
+through chunks, prefix hits, preemption and aborts): a random mix of requests with none, one
 or two images (drawn from a small pool, so images repeat within and across prompts), arriving at
 random steps, some aborted, under a random token budget (images split across steps), a small KV
 cache (preemption) and prefix caching on or off. After each case: no block in use, the free
@@ -9,6 +10,7 @@ import random
 
 import pytest
 
+from models.qwen2vl_fixture import IMAGE, build_tiny_qwen2vl
 from models.vlm_fixture import build_tiny_idefics3, image
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.llm import LLM
@@ -18,23 +20,28 @@ TEXTS = ["Look <image> and say", "Compare <image> with <image> now", "The capita
          "<image> what is this", "Tell me about <image> and then <image> please"]
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3_fuzz")))
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+def vlm(tmp_path_factory, request):
+    """-> (checkpoint, the text a prompt writes for one image)."""
+    path = str(tmp_path_factory.mktemp(f"{request.param}_fuzz"))
+    if request.param == "idefics3":
+        return build_tiny_idefics3(path), "<image>"
+    return build_tiny_qwen2vl(path, qwen2_5=True), IMAGE
 
 
 @pytest.fixture(scope="module")
-def roomy(vlm_dir):
-    return LLM(vlm_dir, dtype="float32", enable_prefix_caching=False)
+def roomy(vlm):
+    return LLM(vlm[0], dtype="float32", enable_prefix_caching=False)
 
 
-def _draw(rng: random.Random, k: int) -> list[tuple[dict | str, SamplingParams, int, int]]:
-    """(prompt, params, arrival step, abort step or -1) of k requests."""
+def _draw(rng: random.Random, k: int, placeholder: str) -> list[tuple[dict | str, SamplingParams, int, int]]:
+    """(prompt, params, arrival step, abort step or -1) of k requests; placeholder: the model's
+    text for one image."""
     pool = [image(s) for s in (1, 2, 3)]
     out = []
     for _ in range(k):
-        text = rng.choice(TEXTS)
-        images = [rng.choice(pool) for _ in range(text.count("<image>"))]
+        text = rng.choice(TEXTS).replace("<image>", placeholder)
+        images = [rng.choice(pool) for _ in range(text.count(placeholder))]
         prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
         params = SamplingParams(max_tokens=rng.randint(1, 8), temperature=0, ignore_eos=True)
         out.append((prompt, params, rng.randint(0, 3), rng.randint(1, 10) if rng.random() < 0.2 else -1))
@@ -42,12 +49,12 @@ def _draw(rng: random.Random, k: int) -> list[tuple[dict | str, SamplingParams, 
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_image_workload_fuzz(vlm_dir, roomy, seed):
+def test_image_workload_fuzz(vlm, roomy, seed):
     rng = random.Random(f"vlm-{seed}")
-    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=rng.choice([8, 24, 64, 2048]),
+    llm = LLM(vlm[0], dtype="float32", max_num_batched_tokens=rng.choice([8, 24, 64, 2048]),
               num_gpu_blocks=rng.choice([8, 10, 64]), enable_prefix_caching=rng.random() < 0.7)
     engine = llm.llm_engine
-    requests = _draw(rng, rng.randint(3, 7))
+    requests = _draw(rng, rng.randint(3, 7), vlm[1])
     done, step = {}, 0
     while step < 400 and (step <= 10 or engine.has_unfinished_requests()):
         for i, (prompt, params, arrive, abort) in enumerate(requests):

@@ -124,3 +124,21 @@ def test_qwen_checkpoint_layout(vlm_dir):
     assert a["hidden_size"] == b["hidden_size"] and b["multimodal_config"] is top
     ra, rb = MRotaryEmbedding(a, 16, 64), MRotaryEmbedding(b, 16, 64)
     assert torch.equal(ra.cos, rb.cos) and torch.equal(ra.axis, rb.axis)
+
+
+def test_window_order_by_hand():
+    """Two images: a 3 x 3 merged grid in windows of 2 x 2 groups (4, 2, 2 and 1 groups), then a
+    2 x 3 grid (4 and 2), its indices after the first image's 9."""
+    from pagedllm.models.qwen2_5_vl import window_order
+    order, lengths = window_order([(1, 6, 6), (1, 4, 6)], merge=2, window=2)
+    assert order.tolist() == [0, 1, 3, 4, 2, 5, 6, 7, 8, 9, 10, 12, 13, 11, 14]
+    assert lengths == [16, 8, 8, 4, 16, 8]   # patches: groups x merge^2
+
+
+@pytest.mark.parametrize("field, value, words", [("hidden_act", "gelu", "hidden_act 'gelu'"),
+                                                 ("window_size", 14, "window_size 14")])
+def test_bad_qwen2_5_vision_config(field, value, words):
+    from models.qwen2vl_fixture import QWEN2_5_VISION
+    from pagedllm.models.qwen2_5_vl import Qwen2_5_VLVisionTransformer
+    with pytest.raises(ValueError, match=words):
+        Qwen2_5_VLVisionTransformer({**QWEN2_5_VISION, field: value})
