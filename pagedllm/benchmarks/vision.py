@@ -1,7 +1,8 @@
 """`pagedllm bench vision`: the cost of an image in a chat on an Idefics3 / SmolVLM model (by
-default random weights in SmolVLM-256M's shape, models/random_vlm.py). Per round, a new image:
-the HF processor's time and the encoder's time for it (the model's encode_images, called
-directly); the TTFT of turn 1 (a question about the image: the encoder runs); the TTFT of turn
+default random weights in SmolVLM-256M's shape, models/random_vlm.py) or a Qwen2-VL / Qwen2.5-VL
+checkpoint (--model). Per round, a new image:
+the HF processor's time and the encoder's time for it (the model's encode_images, or
+encode_image_list for a model whose images have their own grids, called directly); the TTFT of turn 1 (a question about the image: the encoder runs); the TTFT of turn
 2 (turn 1, its answer and a follow-up) on the same engine, where the prefix cache covers the
 image and the encoder does not run again (counted); and the same turn 2 on an engine with
 prefix caching off, which encodes the image again and prefills the whole conversation (what a
@@ -19,8 +20,8 @@ from pagedllm.benchmarks.common import command_line, machine_info, print_table, 
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="an Idefics3 / SmolVLM checkpoint directory (default: random "
-                                                 "weights of --shape)")
+    p.add_argument("--model", default=None, help="an Idefics3 / SmolVLM or Qwen2(.5)-VL checkpoint directory "
+                                                 "(default: random weights of --shape)")
     p.add_argument("--shape", default="smolvlm-256m", help="random shape when no --model (smolvlm-256m, tiny)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--image-size", type=int, default=512, help="side of the square test images (pixels)")
@@ -60,7 +61,10 @@ def _encode_times(llm, img) -> tuple[float, float, int]:
     pixels = torch.from_numpy(image.pixel_values).to(next(model.parameters()).dtype)   # [tiles, 3, S, S]
     with torch.inference_mode():
         start = time.perf_counter()
-        model.encode_images(pixels)
+        if hasattr(model, "encode_image_list"):   # Qwen2-VL's: patches [t, h, w, C*2*P*P] of one image
+            model.encode_image_list([image.pixel_values])
+        else:
+            model.encode_images(pixels)
         encoded = time.perf_counter() - start
     return processed, encoded, image.length
 

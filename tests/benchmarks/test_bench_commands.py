@@ -114,3 +114,14 @@ def test_vision(tmp_path):
     assert all(c % 16 == 0 and c > 16 for c in d["turn2_cached"]), d["turn2_cached"]
     assert set(d["medians"]) == {"processor_s", "encode_s", "turn1_ttft_s", "turn2_hit_ttft_s",
                                  "turn2_reencoded_ttft_s"}
+
+
+def test_vision_qwen2_5_vl(tmp_path):
+    """The same on a tiny Qwen2.5-VL checkpoint (--model): its images encoded through
+    encode_image_list, turn 2 reusing the image without an encoder run."""
+    from models.qwen2vl_fixture import build_tiny_qwen2vl
+    model = build_tiny_qwen2vl(str(tmp_path / "qwen2_5_vl"), qwen2_5=True)
+    d = bench(tmp_path, "vision", "--model", model, "--image-size", "112", "--repeat", "1")
+    # 112 x 112 is over the fixture's max_pixels (12 merged tokens): resized to 84 x 84, 3 x 3 tokens.
+    assert d["image_tokens"] == 9 and d["turn2_encoder_runs"] == [0] and d["turn2_answers_identical"]
+    assert d["turn2_cached"][0] > 16 and d["medians"]["encode_s"] > 0
