@@ -58,7 +58,8 @@ def test_preemption(vlm_dir):
     recomputed, their images' tokens again bidirectional, with transformers' tokens."""
     prompts = [(TWO, [image(s), image(s + 1)]) for s in (1, 4, 6)]
     refs = [hf_greedy(vlm_dir, t, imgs, 40) for t, imgs in prompts]
-    llm = LLM(vlm_dir, dtype="float32", num_gpu_blocks=10, block_size=8, enable_prefix_caching=False)
+    llm = LLM(vlm_dir, dtype="float32", num_gpu_blocks=28, block_size=8, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
     outs = llm.generate([_prompt(t, imgs) for t, imgs in prompts], _greedy(40), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     assert llm.llm_engine.num_preemptions > 0
