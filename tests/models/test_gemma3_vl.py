@@ -7,14 +7,11 @@ tokens (transformers without it gives others)."""
 import pytest
 
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.sampling_params import SamplingParams
 from models.gemma3v_fixture import IMAGE, IMAGE_TOKENS, build_tiny_gemma3v, hf_greedy
-from models.vlm_fixture import generate_checked, image
+from models.vlm_fixture import generate_checked, greedy, image, mm_prompt
 
-ONE = f"Look at {IMAGE} and say what you see"
-TWO = f"Compare {IMAGE} with {IMAGE} now, please"
-TEXT = "The capital of France is"
-N = 6
+ONE, TWO = f"Look at {IMAGE} and say what you see", f"Compare {IMAGE} with {IMAGE} now, please"
+TEXT, N = "The capital of France is", 6
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +26,6 @@ def refs(vlm_dir):
 
 def _cases():
     return [(ONE, [image(1)]), (TWO, [image(2), image(3, (40, 64))]), (TEXT, [])]
-
-
-def _prompt(text, images):
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-
-
-def _greedy(n=N):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 def test_the_image_and_its_mask_decide_the_tokens(vlm_dir, refs):
@@ -60,7 +49,7 @@ def test_preemption(vlm_dir):
     refs = [hf_greedy(vlm_dir, t, imgs, 40) for t, imgs in prompts]
     llm = LLM(vlm_dir, dtype="float32", num_gpu_blocks=28, block_size=8, max_num_batched_tokens=32,
               enable_prefix_caching=False)
-    outs = llm.generate([_prompt(t, imgs) for t, imgs in prompts], _greedy(40), use_tqdm=False)
+    outs = llm.generate([mm_prompt(t, imgs) for t, imgs in prompts], greedy(40), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     assert llm.llm_engine.num_preemptions > 0
 
@@ -70,15 +59,15 @@ def test_prefix_hit_inside_an_image(vlm_dir):
     of its tokens attend to the cached ones and to each other, as transformers does."""
     text = f"Look at {IMAGE}"
     llm = LLM(vlm_dir, dtype="float32", enable_prefix_caching=True, block_size=8)
-    prompt_ids = llm.llm_engine.processor.process_images(_prompt(text, [image(1)])).token_ids
+    prompt_ids = llm.llm_engine.processor.process_images(mm_prompt(text, [image(1)])).token_ids
     first = prompt_ids.index(llm.llm_engine.processor.load_mm_processor().soft_token_id)
     hit = (len(prompt_ids) - 1) // 8 * 8
     assert first < hit < first + IMAGE_TOKENS   # the prompt is such that the hit ends inside the image
     kv = llm.llm_engine.core.scheduler.kv_cache_manager
     ref = hf_greedy(vlm_dir, text, [image(1)], N)
-    assert list(llm.generate(_prompt(text, [image(1)]), _greedy(), use_tqdm=False)[0].outputs[0].token_ids) == ref
+    assert list(llm.generate(mm_prompt(text, [image(1)]), greedy(N), use_tqdm=False)[0].outputs[0].token_ids) == ref
     hits = kv.stats.hits
-    assert list(llm.generate(_prompt(text, [image(1)]), _greedy(), use_tqdm=False)[0].outputs[0].token_ids) == ref
+    assert list(llm.generate(mm_prompt(text, [image(1)]), greedy(N), use_tqdm=False)[0].outputs[0].token_ids) == ref
     assert kv.stats.hits - hits == hit
 
 
