@@ -15,9 +15,9 @@ def bidirectional_spans(states, num_computed, num_scheduled) -> Optional[dict]:
     A loop over the requests with images and their images."""
     spans = {}
     for r, state in enumerate(states):
-        if not state.mm_inputs:
-            continue
         c, end = int(num_computed[r]), int(num_computed[r]) + int(num_scheduled[r])
+        if not state.mm_inputs or c >= state.mm_inputs[-1].end:   # no image, or past them (decoding)
+            continue
         row = []
         for image in state.mm_inputs:
             for start, length in image.runs or ((0, image.length),):
