@@ -143,6 +143,10 @@ class SchedulerConfig:
     # "fcfs" (arrival order) or "priority": waiting and running requests ordered by
     # (request priority, arrival); the lowest-priority running request is the one preempted.
     scheduling_policy: str = "fcfs"
+    # vLLM's disable_chunked_mm_input, which it forces for models whose image tokens attend to
+    # each other both ways (Gemma 3): a step never ends inside an image; its tokens wait for a
+    # step with room for all of them.
+    disable_chunked_mm_input: bool = False
 
     def validate(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

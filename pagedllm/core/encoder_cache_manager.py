@@ -6,13 +6,18 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def trim_to_encoder_budget(images: Sequence, start: int, n: int, budget: int) -> tuple[int, int]:
+def trim_to_encoder_budget(images: Sequence, start: int, n: int, budget: int,
+                           whole: bool = False) -> tuple[int, int]:
     """images (multimodal.inputs.ImageInput: offset, length), tokens [start, start + n) to
     schedule, encoder budget left (in image tokens) -> (tokens to schedule, budget used). An image
     that starts in the window is encoded this step; the window stops before the first image that
-    does not fit, unless it is the first thing to compute (it runs alone, so no image waits forever)."""
+    does not fit, unless it is the first thing to compute (it runs alone, so no image waits forever).
+    whole (SchedulerConfig.disable_chunked_mm_input, vLLM's rule): the window never ends inside
+    an image; it stops before it (0 tokens when it starts inside or at it: the request waits)."""
     used = 0
     for image in images:
+        if whole and image.offset < start + n < image.end:
+            return max(image.offset - start, 0), used
         if start <= image.offset < start + n:
             if used + image.length > budget and image.offset > start:
                 return image.offset - start, used

@@ -330,7 +330,8 @@ class Scheduler:
         """n, or fewer so that the images the tokens start fit the step's encoder budget."""
         if not request.mm_inputs or n <= 0:
             return n
-        n, used = trim_to_encoder_budget(request.mm_inputs, request.num_computed_tokens, n, step.encoder_budget)
+        n, used = trim_to_encoder_budget(request.mm_inputs, request.num_computed_tokens, n, step.encoder_budget,
+                                         self.config.disable_chunked_mm_input)
         step.encoder_budget -= used
         return n
 
@@ -386,8 +387,9 @@ class Scheduler:
             request.num_computed_tokens += num_hit_tokens
             n = self._trim_to_encoder(request, n, step)
             request.num_computed_tokens -= num_hit_tokens
-            if n < self._num_tokens_to_compute(request) - num_hit_tokens and not self.config.chunked_prefill:
-                return None   # the whole prompt runs in one step or waits
+            if n == 0 or (n < self._num_tokens_to_compute(request) - num_hit_tokens
+                          and not self.config.chunked_prefill):
+                return None   # the whole prompt runs in one step or waits; so does a whole image
         blocks = (kv.swap_in(request, n) if swapped
                   else kv.allocate_slots(request, self._with_lookahead(request, n, num_hit_tokens), hits))
         if blocks is None:

@@ -16,6 +16,7 @@ from pagedllm.config import (CUDAGRAPH_MODES, DEVICES, DISTRIBUTED_EXECUTOR_BACK
                              SpeculativeConfig, cuda_graph_ladder, mixed_graph_ladder, resolve_dtype)
 from pagedllm.engine.cli_fields import arg
 from pagedllm.engine.compat import check_compatibility
+from pagedllm.models.hf_config import bidirectional_image_tokens
 from pagedllm.models.model_config_loader import model_config_from_dir, set_quantization
 
 
@@ -170,6 +171,13 @@ class EngineArgs:
                              preemption_mode=self.preemption_mode,
                              async_scheduling=bool(self.async_scheduling),
                              scheduling_policy=self.scheduling_policy)
+        image_tokens = bidirectional_image_tokens(mc.hf_config)
+        if image_tokens:   # vLLM forces --disable-chunked-mm-input for such models
+            sc.disable_chunked_mm_input = True
+            if self.max_num_batched_tokens < image_tokens:
+                raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= {image_tokens}, "
+                                 "the tokens of one image: this model's image tokens attend to each other, "
+                                 "so an image is prefilled in one step")
         cc = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                          num_gpu_blocks=self.num_gpu_blocks,
                          enable_prefix_caching=prefix_caching,

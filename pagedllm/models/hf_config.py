@@ -55,7 +55,19 @@ def has_recurrent_layers(hf_config: dict) -> bool:
 # Vision-language architectures whose text model is one of ours: the engine reads the text
 # model's shapes (KV cache, vocabulary) at the top level, the whole config under "multimodal_config".
 MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                            "Qwen2_5_VLForConditionalGeneration")
+                            "Qwen2_5_VLForConditionalGeneration",
+                            "Gemma3ForConditionalGeneration")
+# Those whose image tokens attend to each other both ways (Gemma 3): an image is prefilled in one step.
+BIDIRECTIONAL_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
+
+def bidirectional_image_tokens(hf_config: dict) -> int:
+    """The tokens of one image where an image's tokens attend to each other both ways (they
+    must be prefilled in one step), else 0. hf_config: flattened (flatten_multimodal_config)."""
+    mm = hf_config.get("multimodal_config") or {}
+    if not set(mm.get("architectures") or ()) & set(BIDIRECTIONAL_IMAGE_ARCHITECTURES):
+        return 0
+    return mm.get("mm_tokens_per_image", 256)
 
 
 def flatten_multimodal_config(hf_config: dict) -> dict:

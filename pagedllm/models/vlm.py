@@ -17,6 +17,10 @@ class VisionLanguageModel(nn.Module):
         """A checkpoint tensor's name -> its name in the text model; None: a vision weight."""
         raise NotImplementedError
 
+    def vision_weight_name(self, name: str) -> str:
+        """A vision checkpoint tensor's name -> its parameter's name."""
+        return name.removeprefix("model.")
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed(input_ids)
 
@@ -34,7 +38,7 @@ class VisionLanguageModel(nn.Module):
             if text_name is not None:
                 text.append((text_name, tensor))
                 continue
-            name = name.removeprefix("model.")
+            name = self.vision_weight_name(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r}")

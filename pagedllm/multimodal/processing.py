@@ -13,6 +13,9 @@ def load_mm_processor(model_dir: str, architecture: str = ""):
     from pagedllm.multimodal.qwen2_vl_processing import QWEN2_VL_ARCHITECTURES, Qwen2VLProcessing
     if architecture in QWEN2_VL_ARCHITECTURES:
         return Qwen2VLProcessing(model_dir)
+    from pagedllm.multimodal.gemma3_processing import GEMMA3_ARCHITECTURES, Gemma3Processing
+    if architecture in GEMMA3_ARCHITECTURES:
+        return Gemma3Processing(model_dir)
     from transformers import AutoProcessor
     return AutoProcessor.from_pretrained(model_dir)
 
@@ -36,7 +39,7 @@ def process_prompt(processor, prompt: str, images: list) -> tuple[list[int], tup
     if prompt.count(image_token) != len(images):
         raise ValueError(f"prompt has {prompt.count(image_token)} {image_token} placeholders for "
                          f"{len(images)} images: put one {image_token} where each image goes")
-    if hasattr(processor, "process"):   # pagedllm's own (multimodal/qwen2_vl_processing.py)
+    if hasattr(processor, "process"):   # pagedllm's own (multimodal/qwen2_vl_processing.py, gemma3_processing.py)
         return processor.process(prompt, images)
     if not images:
         return processor.tokenizer(prompt)["input_ids"], ()

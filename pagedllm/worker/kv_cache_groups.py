@@ -40,15 +40,17 @@ def assign_kv_cache_groups(model: nn.Module, config: KVCacheConfig, specs: list[
     return tensor_specs
 
 
-def build_step_metadata(backend, inputs, block_size: int, config: KVCacheConfig, device):
+def build_step_metadata(backend, inputs, block_size: int, config: KVCacheConfig, device, bidirectional=None):
     """The step's metadata of every group, from its own block table and slot mapping: the
     backend's for an attention group, a StateMetadata for a recurrent-state group. One group:
-    its metadata alone; several: a list, one per group."""
+    its metadata alone; several: a list, one per group. bidirectional: the step's image spans
+    that attend both ways (worker/bidirectional.py), for every attention group."""
+    extra = {} if bidirectional is None else {"bidirectional": bidirectional}
     tables = [inputs.block_table, *inputs.group_block_tables]
     slots = [inputs.slot_mapping, *inputs.group_slot_mappings]
     metas = [StateMetadata.build(inputs.query_start_loc, inputs.num_computed_tokens, table, device)
              if group.state_blocks is not None else
              backend.build_metadata(inputs.query_start_loc, inputs.seq_lens, table, slot, block_size,
-                                    inputs.max_query_len, inputs.max_seq_len)
+                                    inputs.max_query_len, inputs.max_seq_len, **extra)
              for group, table, slot in zip(config.kv_cache_groups, tables, slots)]
     return metas[0] if len(metas) == 1 else metas

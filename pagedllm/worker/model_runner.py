@@ -21,6 +21,7 @@ from pagedllm.models.layers.mamba.state_layer import state_layers
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
 from pagedllm.worker.async_output import AsyncOutputs
+from pagedllm.worker.bidirectional import bidirectional_spans
 from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.fault_injection import FaultInjector
 from pagedllm.worker.mrope import step_mrope_positions
@@ -359,7 +360,11 @@ class ModelRunner:
         if self.graphs is not None and not lora_active and self.graphs.can_run(inputs):
             return inputs, None    # a captured decode step builds its own metadata
         # Several KV cache groups: a list, one per group.
-        meta = build_step_metadata(self.attn_backend, inputs, self.block_size, self.kv_cache_config, self.device)
+        spans = (bidirectional_spans(batch.states[:batch.num_reqs], batch.num_computed_tokens_cpu,
+                                     inputs.num_scheduled_tokens)
+                 if getattr(self.model, "bidirectional_images", False) else None)
+        meta = build_step_metadata(self.attn_backend, inputs, self.block_size, self.kv_cache_config, self.device,
+                                   spans)
         return inputs, meta
 
     def _forward(self, inputs, meta) -> torch.Tensor:

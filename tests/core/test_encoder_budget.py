@@ -15,6 +15,18 @@ def test_budget_stops_before_the_image_that_does_not_fit():
     assert trim_to_encoder_budget([A, B], 10, 8, 0) == (8, 0)      # A started earlier: no cost
 
 
+def test_whole_images_are_never_cut():
+    """disable_chunked_mm_input (an image's tokens attend to each other): a step ends before an
+    image it cannot finish, or schedules nothing when it starts inside or at one."""
+    assert trim_to_encoder_budget([A, B], 0, 12, 64, whole=True) == (4, 0)     # stop before A
+    assert trim_to_encoder_budget([A, B], 0, 30, 64, whole=True) == (24, 16)   # A whole, stop before B
+    assert trim_to_encoder_budget([A, B], 0, 40, 64, whole=True) == (40, 32)   # both end in the window
+    assert trim_to_encoder_budget([A, B], 4, 10, 64, whole=True) == (0, 0)     # at A, no room: waits
+    assert trim_to_encoder_budget([A, B], 12, 6, 64, whole=True) == (0, 0)     # inside A (a prefix hit)
+    assert trim_to_encoder_budget([A, B], 12, 8, 64, whole=True) == (8, 0)     # A's rest fits
+    assert trim_to_encoder_budget([A, B], 0, 12, 64) == (12, 16)               # chunked: A is cut
+
+
 def test_blocks_key_on_the_images_they_cover():
     assert block_image_keys([A, B], 3, 16) == [(111,), (111, 222), (222,)]
     ids = list(range(48))

@@ -65,13 +65,20 @@ def hf_greedy(path: str, prompt: str, images: list, max_tokens: int) -> list[int
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def mm_prompt(text: str, images: list):
+    """LLM.generate's prompt: with multi_modal_data when there are images, else the text."""
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def greedy(max_tokens: int):
+    from pagedllm.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
 def generate_checked(llm, cases: list, refs: list, max_tokens: int) -> None:
     """cases: (prompt, images) in one batch; greedy tokens equal refs, each image encoded once,
     and nothing left in the encoder cache."""
-    from pagedllm.sampling_params import SamplingParams
-    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else t for t, imgs in cases]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate([mm_prompt(t, imgs) for t, imgs in cases], greedy(max_tokens), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     cache = llm.llm_engine.core.model_executor.driver_worker.model_runner.encoder_cache
     assert cache.images_encoded == sum(len(imgs) for _, imgs in cases)

@@ -22,6 +22,9 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     supports_sliding_window: bool = False   # layers with a sliding window (attention.layer.Attention)
     supports_mla: bool = False               # MLA layers (attention.mla_attention.MLAAttention)
+    # build_metadata takes `bidirectional` {request row: [(lo, hi), ...]}: spans of tokens (an
+    # image's, Gemma 3) that attend to each other both ways at prefill.
+    supports_bidirectional_spans: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

@@ -33,6 +33,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if kernel is not None:   # every chunk in one call, through the block table, written into out
         kernel(q, k_cache, v_cache, out, pages.q_start, pages.q_len, pages.seq_lens, pages.block_table,
                meta.block_size, scale, meta.sliding_window or 0)
+        attend_prefills(q, k, v, caches, meta, scale, out, meta.masked_prefills)   # images' chunks
         return out
     attend_prefills(q, k, v, caches, meta, scale, out)
     return out

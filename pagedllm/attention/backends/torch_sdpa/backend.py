@@ -19,16 +19,17 @@ class TorchSDPABackend(AttentionBackend):
     max_decode_query_len = 1  # a request with more new tokens attends as a prefill chunk
     supports_sliding_window = True
     supports_mla = True
+    supports_bidirectional_spans = True   # build_metadata's `bidirectional` (Gemma 3's images)
     attend = staticmethod(paged_attention)   # the forward's kernel (the CPU backend's differs)
 
     def build_metadata(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
                        max_query_len: Optional[int] = None,
-                       max_seq_len: Optional[int] = None) -> AttentionMetadata:
+                       max_seq_len: Optional[int] = None, bidirectional: Optional[dict] = None) -> AttentionMetadata:
         return build_attention_metadata(query_start_loc.numpy(), seq_lens.numpy(), block_table.numpy(),
                                         block_size, slot_mapping, decode_by_pages=self.decode_by_pages,
                                         max_decode_query_len=self.max_decode_query_len,
-                                        prefill_by_pages=self.prefill_by_pages)
+                                        prefill_by_pages=self.prefill_by_pages, bidirectional=bidirectional)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(q, k, v, kv_cache[0], kv_cache[1], meta.windowed(layer.sliding_window),

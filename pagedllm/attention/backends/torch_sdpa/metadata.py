@@ -47,6 +47,10 @@ class AttentionMetadata:
     # The torch path's PrefillChunk list, or the function that builds it on first use (a step
     # whose chunks the C++ kernel takes builds no masks).
     prefill_chunks: Any = field(default=(), repr=False)
+    # Chunks whose images' tokens attend to each other both ways (build_attention_metadata's
+    # `bidirectional`): masked torch-path chunks, left out of prefill_pages.
+    masked_prefills: list = field(default_factory=list, repr=False)
+    bidirectional: Optional[dict] = field(default=None, repr=False)
     # What it was built from, to build the same step for another window (once each).
     inputs: tuple = field(default=(), repr=False)
     by_window: dict = field(default_factory=dict, repr=False)
@@ -65,7 +69,8 @@ class AttentionMetadata:
         if sliding_window not in self.by_window:
             self.by_window[sliding_window] = build_attention_metadata(
                 *self.inputs, sliding_window=sliding_window, max_decode_query_len=self.max_decode_query_len,
-                prefill_by_pages=self.prefill_pages is not None)
+                prefill_by_pages=self.prefill_pages is not None or bool(self.masked_prefills),
+                bidirectional=self.bidirectional)
         return self.by_window[sliding_window]
 
 
@@ -74,7 +79,8 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
                              slot_mapping: torch.Tensor, decode_by_pages: bool = False,
                              sliding_window: Optional[int] = None,
                              max_decode_query_len: int = 1,
-                             prefill_by_pages: bool = False) -> AttentionMetadata:
+                             prefill_by_pages: bool = False,
+                             bidirectional: Optional[dict] = None) -> AttentionMetadata:
     """query_start_loc [num_reqs+1], seq_lens [num_reqs], block_table [num_reqs, max_blocks].
     decode_by_pages: the decode kernel reads pages itself (no slot matrix needed).
     prefill_by_pages: the prefill chunks' PrefillPages too, for the C++ prefill kernel (their
@@ -85,10 +91,16 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     is the very call a one-token decode of that token makes.
     sliding_window W: a query at position p attends to keys (p - W, p] only (transformers'
     sliding-window mask); keys before the window are never gathered, so their blocks may have
-    been freed (the block table may name a block another request now holds)."""
+    been freed (the block table may name a block another request now holds).
+    bidirectional {request row: [(lo, hi), ...]}: token spans (an image's, in sequence positions)
+    whose tokens attend to each other both ways (transformers' block mask: OR(causal, same
+    span), then AND the window); each span's tokens this step include its last, the ones before
+    the chunk are past. Those rows attend as masked prefill chunks, never by the kernels."""
     q_lens = np.diff(query_start_loc)
     computed = seq_lens - q_lens
     as_decode = (q_lens == 1) | ((q_lens <= max_decode_query_len) & (computed > 0))
+    spans = bidirectional or {}
+    as_decode[list(spans)] = False
     # One decode query per new token of those requests, in token order: its request row, its
     # token index and its number of keys; [Bd] each.
     rows = np.nonzero(as_decode)[0]
@@ -124,24 +136,27 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
         decode_mask = torch.from_numpy(valid)[:, None, None, :]
 
     prefill_rows = np.nonzero(~as_decode)[0]
+    paged_rows = np.array([r for r in prefill_rows if r not in spans], dtype=np.int64)
     prefill_pages = None
-    if prefill_by_pages and len(prefill_rows):
-        nb = -(-int(seq_lens[prefill_rows].max()) // block_size)
+    if prefill_by_pages and len(paged_rows):
+        nb = -(-int(seq_lens[paged_rows].max()) // block_size)
         i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
-        prefill_pages = PrefillPages(i32(query_start_loc[prefill_rows]), i32(q_lens[prefill_rows]),
-                                     i32(seq_lens[prefill_rows]), i32(block_table[prefill_rows, :nb]))
+        prefill_pages = PrefillPages(i32(query_start_loc[paged_rows]), i32(q_lens[paged_rows]),
+                                     i32(seq_lens[paged_rows]), i32(block_table[paged_rows, :nb]))
 
-    def prefill_chunks() -> list[PrefillChunk]:
+    def prefill_chunks(rows) -> list[PrefillChunk]:
         prefills = []
-        for row in prefill_rows:
+        for row in rows:
             start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
             c, s = int(computed[row]), int(seq_lens[row])
-            if c == 0 and (not sliding_window or s <= sliding_window):
+            if c == 0 and (not sliding_window or s <= sliding_window) and row not in spans:
                 prefills.append(PrefillChunk(start, end, None, None))
                 continue
             k0 = int(first_key(np.int64(c)))
             kpos, qpos = np.arange(k0, s), np.arange(c, s)
             mask = kpos[None, :] <= qpos[:, None]                               # [q_len, s - k0]
+            for lo, hi in spans.get(row, ()):   # a loop over the row's images
+                mask |= ((qpos >= lo) & (qpos < hi))[:, None] & ((kpos >= lo) & (kpos < hi))[None, :]
             if sliding_window:
                 mask &= kpos[None, :] > qpos[:, None] - sliding_window
             # No past: the chunk's own K/V (k0 is 0), windowed by the mask.
@@ -149,9 +164,10 @@ def build_attention_metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray,
             prefills.append(PrefillChunk(start, end, kv_slots, torch.from_numpy(mask)))
         return prefills
     inputs = (query_start_loc, seq_lens, block_table, block_size, slot_mapping, decode_by_pages)
+    chunks = (lambda: prefill_chunks(prefill_rows)) if prefill_by_pages else prefill_chunks(prefill_rows)
     return AttentionMetadata(slot_mapping, decode_token_idx, decode_kv_slots, decode_mask,
                              decode_bt, decode_sl, block_size, all_decode=not len(prefill_rows),
                              sliding_window=sliding_window, max_decode_query_len=max_decode_query_len,
-                             prefill_pages=prefill_pages,
-                             prefill_chunks=prefill_chunks if prefill_by_pages else prefill_chunks(),
-                             inputs=inputs)
+                             prefill_pages=prefill_pages, prefill_chunks=chunks,
+                             masked_prefills=prefill_chunks(sorted(spans)) if prefill_by_pages else [],
+                             bidirectional=bidirectional, inputs=inputs)

@@ -46,11 +46,12 @@ def attend_decodes(q: torch.Tensor, caches: tuple, meta: AttentionMetadata, scal
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple,
-                    meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """The prefill chunks' rows of out, one SDPA call a chunk (k, v: this step's)."""
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor, chunks=None) -> None:
+    """The prefill chunks' rows of out, one SDPA call a chunk (k, v: this step's); chunks:
+    those of meta.prefills to run (None: all)."""
     quantized = len(caches) > 2
     gqa = q.shape[1] != k.shape[1]
-    for p in meta.prefills:
+    for p in meta.prefills if chunks is None else chunks:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)          # [1, H, q_len, D]
         if p.kv_slots is None and not quantized:   # no past: the chunk's own K/V, plain causal
             kp, vp = k[p.start:p.end], v[p.start:p.end]
