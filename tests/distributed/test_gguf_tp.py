@@ -1,7 +1,8 @@
 """Tensor parallelism over a GGUF file held in its blocks (models/gguf/tp_split.py): greedy output
 at TP=2 (two Gloo processes, each holding its rows of the column-parallel matrices and its
 blocks of each row of o_proj / down_proj) equals TP=1 on the same make-gguf file token for
-token; a row's blocks cut at a boundary dequantise as the gguf package's whole row does; a file
+token; a row's blocks cut at a boundary dequantise as the gguf package's whole row does, and
+two row-parallel halves of a layer sum to the whole layer (every kernel build); a file
 whose row-parallel split would cut a block is refused before any process starts, naming the
 tensor, its type and the sizes.
 
@@ -105,3 +106,38 @@ def test_sliced_row_blobs_dequantise_as_the_whole_rows(type_name, features):
     with pytest.raises(ValueError, match=f"input features 16..{features.stop - 1} of a {type_name} row are not whole "
                                          f"blocks"):
         slice_row_blobs(blob, range(16, features.stop), 1 + raw.shape[1])
+
+
+@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("extension", [True, False])
+def test_row_parallel_halves_sum_to_the_whole_layer(type_name, extension):
+    """Two RowParallelLinear ranks (no collective here: their partial products are summed by
+    hand) loading the same row blobs as one whole layer: the sum is the whole layer's product
+    up to float summation order, and without the extension the dequantised slices are the
+    gguf package's values exactly."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from pagedllm.models.gguf.writer import quantize_rows
+    from pagedllm.models.layers.linear import RowParallelLinear
+    from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, row_blob
+    raw = quantize_rows(np.random.default_rng(1).standard_normal((37, 512)).astype(np.float32), type_name)
+    blob = torch.from_numpy(row_blob(raw, type_name, [type_name]))   # [37 outputs, 512 features]
+
+    def layer(features: range):
+        method = GGUFLinearMethod([type_name], {})
+        if not extension:
+            method.ops = None
+        out = RowParallelLinear(features, 37, False, None, method)
+        out.weight.weight_loader(out.weight, blob)
+        method.process_weights_after_loading(out)
+        return out
+
+    x = torch.randn(5, 512)
+    whole, halves = layer(range(512)), [layer(range(0, 256)), layer(range(256, 512))]
+    split = halves[0](x[:, :256]) + halves[1](x[:, 256:])
+    torch.testing.assert_close(split, whole(x), rtol=1e-5, atol=1e-4)
+    if not extension:
+        w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+        assert torch.equal(halves[1].qweight, w[:, 256:])
