@@ -111,7 +111,8 @@ CONFLICTS: tuple[Conflict, ...] = (
 
 def check_compatibility(config: "EngineConfig") -> None:
     """ValueError for the first pair of features that do not combine, a split the model cannot
-    take, or a speculative method the model cannot carry; run after EngineConfig.validate."""
+    take (a GGUF file's: row-parallel inputs in whole blocks), or a speculative method the model
+    cannot carry; run after EngineConfig.validate."""
     for rule in CONFLICTS:
         if rule.feature.on(config) and rule.other.on(config):
             raise ValueError(rule.message)
