@@ -111,7 +111,8 @@ CONFLICTS: tuple[Conflict, ...] = (
 
 def check_compatibility(config: "EngineConfig") -> None:
     """ValueError for the first pair of features that do not combine, a split the model cannot
-    take, or a speculative method the model cannot carry; run after EngineConfig.validate."""
+    take (a GGUF file's: row-parallel inputs in whole blocks), or a speculative method the model
+    cannot carry; run after EngineConfig.validate."""
     for rule in CONFLICTS:
         if rule.feature.on(config) and rule.other.on(config):
             raise ValueError(rule.message)
@@ -119,6 +120,9 @@ def check_compatibility(config: "EngineConfig") -> None:
     if p.world_size > 1:
         from pagedllm.distributed.sharding import validate_parallel_sizes
         validate_parallel_sizes(config.model_config.hf_config, p.tensor_parallel_size, p.pipeline_parallel_size)
+        if p.tensor_parallel_size > 1 and config.model_config.quantization == "gguf":
+            from pagedllm.models.gguf.tp_split import check_tp_split
+            check_tp_split(config.model_config.model, config.model_config.hf_config, p.tensor_parallel_size)
     if config.speculative_config is not None:
         check_speculative_model(config)
 

@@ -24,6 +24,13 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                  max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
                  rms_norm_eps=1e-5, torch_dtype="float32"),
+    # Every matrix whole 256-value super-blocks (K-type GGUF files keep their type), and at TP=2
+    # an uneven split (3 KV heads: 4 and 8 query heads of 64) whose o_proj / down_proj shares
+    # are still whole super-blocks; a vocabulary that is no multiple of 16.
+    "tiny-superblocks": dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=2,
+                             num_attention_heads=12, num_key_value_heads=3, head_dim=64, vocab_size=1000,
+                             max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
+                             rms_norm_eps=1e-5, torch_dtype="float32"),
     # meta-llama/Llama-3.2-1B: 1.24 B parameters, GQA 4, head_dim 64, llama3 RoPE scaling.
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,

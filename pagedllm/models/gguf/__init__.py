@@ -9,5 +9,6 @@ reader: the metadata of a file is read in seconds, its weights are never dequant
 - weights.py: the file's tensors as (HF name, tensor) for the loader, quantized linears
   repacked by the caller's function, everything else dequantised.
 - model_dir.py: the small model directory (config, tokenizer, gguf.json) that serves a file.
+- tp_split.py: tensor parallelism over the blocks (which bytes of a row a rank holds).
 - writer.py: random-weight GGUF files of real shapes, as llama.cpp's converter writes them.
 """

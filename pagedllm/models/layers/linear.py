@@ -142,8 +142,9 @@ class RowParallelLinear(LinearBase):
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param, loaded, shard_id=None):
-        # A GGUF row blob's columns are bytes, not features: it is loaded whole (one rank only).
-        if param is self.bias or getattr(param, "gguf_features", None) is not None:
+        if param is self.bias:
             copy_weight(param.data, loaded)
+        elif hasattr(param, "input_slice"):   # columns that are not features (GGUF row blobs: bytes)
+            copy_weight(param.data, param.input_slice(loaded, self.input_range))
         else:
             copy_weight(param.data, loaded[:, self.input_range.start:self.input_range.stop])

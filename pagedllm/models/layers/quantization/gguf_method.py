@@ -4,7 +4,8 @@ token embedding (rows dequantised when looked up).
 Loading: each GGUF row arrives as a row blob [rows, width] uint8 (`row_blob`): its GGML type
 number, the row's bytes as in the file, zero padding to the widest row type of the file at that
 width, so the layers' weight loaders cut and fuse rows as they do float rows (a fused QKV may
-mix Q4_K and Q6_K rows). `process_weights_after_loading` repacks each run of one type into
+mix Q4_K and Q6_K rows); a row-parallel rank takes its blocks of each row (`input_slice`,
+models/gguf/tp_split.py). `process_weights_after_loading` repacks each run of one type into
 csrc/gguf_linear.cpp's layout (gguf_repack.py) and holds `qweight` (the bytes) and `scales` (the
 int64 group table, where the decode loop looks for a quantized linear's second tensor). A tied
 LM head and the embedding share one packed weight. Without the C++ extension: the dequantised
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.models.gguf.tp_split import slice_row_blobs
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.models.layers.quantization.gguf_repack import BLOCK, TYPE_IDS, pack_segments, row_bytes
 
@@ -74,6 +76,8 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         shape = (output_size, blob_width(self.types, input_size))
         layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
         layer.weight.gguf_features = input_size   # on the Parameter: a tied head has no create_weights
+        layer.weight.input_slice = lambda blob, features: torch.from_numpy(   # a row-parallel rank's features
+            slice_row_blobs(blob.numpy(), features, shape[1]))
 
     def process_weights_after_loading(self, layer):
         param = layer.weight
