@@ -15,14 +15,17 @@ block in their place. A model of one kind of layer (Llama; Mistral, whose every 
 has one group and behaves as before groups; Gemma 3 has full and sliding groups, and a
 prefix-cache hit needs every group to hit (a sliding group only inside the window).
 A hybrid model's recurrent layers form state groups (core/state_kv_cache_manager.py): each
-request holds a fixed number of blocks there, and prefix caching is off (no state is kept at
-block boundaries to resume from).
+request holds a fixed number of blocks there; prefix caching keeps snapshots of the state at
+block boundaries of prompts, and a hit needs the attention blocks and a snapshot at the same
+boundary (the longest such). So that snapshots exist where later prompts will diverge, the
+scheduler ends prefill chunks at a prompt's snapshot boundaries (`prefill_chunk_end`).
 """
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
@@ -114,12 +117,9 @@ class KVCacheManager:
             state = [g.state_blocks for g in kv_cache_config.kv_cache_groups]
         else:
             windows, state = [sliding_window], [None]
-        # Recurrent-state groups (core/state_kv_cache_manager.py): never swapped, never cached.
+        # Recurrent-state groups (core/state_kv_cache_manager.py): never swapped; cached as
+        # snapshots at block boundaries.
         self.has_state = any(n is not None for n in state)
-        if enable_caching and self.has_state:
-            logger.warning("prefix caching is off: this model keeps a recurrent state, and no state "
-                           "is kept at block boundaries to resume a cached prefix from")
-            self.enable_caching = enable_caching = False
         # The window every layer has (one group); None with several groups.
         self.sliding_window = windows[0] if len(windows) == 1 else None
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
@@ -137,6 +137,9 @@ class KVCacheManager:
         # Hashes of each request's full blocks, computed as its tokens arrive.
         self.req_to_block_hashes: defaultdict[str, list[int]] = defaultdict(list)
         self.stats = PrefixCacheStats()
+        # Recurrent models: blocks of the prompt's prefix found in the attention groups at
+        # admission, where the prompt parts from earlier ones (a snapshot boundary).
+        self.req_to_attn_hit: dict[str, int] = {}
         # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
@@ -167,8 +170,15 @@ class KVCacheManager:
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.num_groups == 1:   # the plain longest cached prefix, as before groups
-            blocks = SingleTypeKVCacheManager.find_longest_cache_hit(self.managers[0], hashes, max_blocks)
+            m = self.managers[0]
+            find = m.find_longest_cache_hit if isinstance(m, StateManager) else \
+                partial(SingleTypeKVCacheManager.find_longest_cache_hit, m)
+            blocks = find(hashes, max_blocks)
             return blocks, len(blocks) * self.block_size
+        if self.has_state:
+            self.req_to_attn_hit[request.request_id] = min(
+                len(m.find_longest_cache_hit(hashes, max_blocks)) for m in self.managers
+                if not isinstance(m, StateManager))
         # Shorten the hit until every group hits that far (a sliding group's hit at n blocks
         # need not hold at fewer: look again at the new length).
         while True:
@@ -215,7 +225,33 @@ class KVCacheManager:
             hashes = self._block_hashes(request)
             for m in self.managers:
                 m.cache_full_blocks(m.req_to_blocks[req_id], hashes, num_full)
+            if self.has_state:
+                self._save_snapshots(request, num_computed, hashes)
         return new[0] if self.num_groups == 1 else KVCacheBlocks(new)
+
+    def _save_snapshots(self, request: Request, num_computed: int, hashes: Sequence[int]) -> None:
+        """The request's computed tokens stand at a block boundary of its prompt: keep its
+        states there (each state group's StateManager.save_snapshot; the runner copies the
+        blocks before this step's forward, so the copy is the state at that boundary)."""
+        k = num_computed // self.block_size
+        if k == 0 or num_computed % self.block_size or num_computed > request.num_prompt_tokens:
+            return
+        for m in self.managers:
+            if isinstance(m, StateManager):
+                m.save_snapshot(request.request_id, hashes[k - 1])
+
+    def prefill_chunk_end(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
+        """num_new_tokens, or fewer so that the chunk from num_computed ends at the first
+        snapshot boundary inside it: where the prompt's cached attention prefix ended at
+        admission (the next prompt with that prefix resumes there) and the prompt's last block
+        boundary (a longer prompt that repeats this one, as a chat's next turn does). Only for
+        recurrent models with prefix caching; a chunk that ends elsewhere leaves no snapshot."""
+        if not (self.enable_caching and self.has_state):
+            return num_new_tokens
+        bs, end = self.block_size, num_computed + num_new_tokens
+        points = (self.req_to_attn_hit.get(request.request_id, 0) * bs, request.num_prompt_tokens // bs * bs)
+        inside = [p for p in points if num_computed < p < end]
+        return min(inside) - num_computed if inside else num_new_tokens
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Sliding windows: free the request's blocks that no query from position
@@ -290,15 +326,22 @@ class KVCacheManager:
         return out, inn
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies = list(self.pending_copies)
+        """The step's block copies, made safe to run at once (the runner reads every source
+        before it writes any destination): a copy out of a block an earlier copy wrote reads
+        that copy's source instead, and a destination written twice keeps the last; so the
+        answer equals the copies run in order (a state snapshot saved and hit in one step)."""
+        src_of: dict[int, int] = {}
+        for src, dst in self.pending_copies:
+            src_of[dst] = src_of.get(src, src)
         self.pending_copies.clear()   # the same list object: the group managers append to it
-        return copies
+        return [(src, dst) for dst, src in src_of.items() if src != dst]
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (tails are the first to be evicted)."""
         for m in self.managers:
             m.free(request.request_id)
         self.req_to_block_hashes.pop(request.request_id, None)
+        self.req_to_attn_hit.pop(request.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Group 0's block table of the request (with one group: its whole table)."""
