@@ -23,9 +23,8 @@ scheduler ends prefill chunks at a prompt's snapshot boundaries (`prefill_chunk_
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from functools import partial
 from typing import Optional, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
@@ -137,9 +136,11 @@ class KVCacheManager:
         # Hashes of each request's full blocks, computed as its tokens arrive.
         self.req_to_block_hashes: defaultdict[str, list[int]] = defaultdict(list)
         self.stats = PrefixCacheStats()
-        # Recurrent models: blocks of the prompt's prefix found in the attention groups at
-        # admission, where the prompt parts from earlier ones (a snapshot boundary).
+        # Recurrent models: blocks of the prompt's prefix found in the attention groups (or,
+        # without attention, among recent prompts) at admission, where the prompt parts from
+        # earlier ones (a snapshot boundary).
         self.req_to_attn_hit: dict[str, int] = {}
+        self.seen_prompt_blocks: OrderedDict[int, None] = OrderedDict()   # (recurrent layers only)
         # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
@@ -169,11 +170,12 @@ class KVCacheManager:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.num_groups == 1 and isinstance(self.managers[0], StateManager):
+            self._remember_prompt(request, hashes)
+            blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks)
+            return blocks, len(blocks) * self.block_size
         if self.num_groups == 1:   # the plain longest cached prefix, as before groups
-            m = self.managers[0]
-            find = m.find_longest_cache_hit if isinstance(m, StateManager) else \
-                partial(SingleTypeKVCacheManager.find_longest_cache_hit, m)
-            blocks = find(hashes, max_blocks)
+            blocks = SingleTypeKVCacheManager.find_longest_cache_hit(self.managers[0], hashes, max_blocks)
             return blocks, len(blocks) * self.block_size
         if self.has_state:
             self.req_to_attn_hit[request.request_id] = min(
@@ -187,6 +189,22 @@ class KVCacheManager:
             if shortest == max_blocks:
                 return KVCacheBlocks(hits), max_blocks * self.block_size
             max_blocks = shortest
+
+    def _remember_prompt(self, request: Request, hashes: Sequence[int]) -> None:
+        """A model of recurrent layers only has no attention blocks to tell where a prompt
+        parts from earlier ones: the hashes of recent prompts' blocks do (at most num_blocks
+        of them, least recently seen dropped first)."""
+        seen = self.seen_prompt_blocks
+        num_prompt_blocks = min(len(hashes), request.num_prompt_tokens // self.block_size)
+        known = 0
+        while known < num_prompt_blocks and hashes[known] in seen:
+            known += 1
+        self.req_to_attn_hit[request.request_id] = known
+        for h in hashes[:num_prompt_blocks]:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.block_pool.num_blocks:
+            seen.popitem(last=False)
 
     def _hits_by_group(self, new_computed_blocks) -> Sequence[list[KVCacheBlock]]:
         if isinstance(new_computed_blocks, KVCacheBlocks):
