@@ -18,7 +18,7 @@ A hybrid model's recurrent layers form state groups (core/state_kv_cache_manager
 request holds a fixed number of blocks there; prefix caching keeps snapshots of the state at
 block boundaries of prompts, and a hit needs the attention blocks and a snapshot at the same
 boundary (the longest such). So that snapshots exist where later prompts will diverge, the
-scheduler ends prefill chunks at a prompt's snapshot boundaries (`prefill_chunk_end`).
+scheduler ends a prefill chunk where the prompt parts from cached ones (`prefill_chunk_end`).
 """
 from __future__ import annotations
 
@@ -248,28 +248,28 @@ class KVCacheManager:
         return new[0] if self.num_groups == 1 else KVCacheBlocks(new)
 
     def _save_snapshots(self, request: Request, num_computed: int, hashes: Sequence[int]) -> None:
-        """The request's computed tokens stand at a block boundary of its prompt: keep its
-        states there (each state group's StateManager.save_snapshot; the runner copies the
-        blocks before this step's forward, so the copy is the state at that boundary)."""
+        """The request's computed tokens stand at a block boundary (of its prompt, or of its
+        output as it decodes: a chat's next turn repeats both): keep its states there (each state
+        group's StateManager.save_snapshot; the runner copies the blocks before this step's
+        forward, so the copy is the state at that boundary). Async scheduling may count tokens
+        not known yet: no hash, no snapshot."""
         k = num_computed // self.block_size
-        if k == 0 or num_computed % self.block_size or num_computed > request.num_prompt_tokens:
+        if k == 0 or num_computed % self.block_size or k > len(hashes):
             return
         for m in self.managers:
             if isinstance(m, StateManager):
                 m.save_snapshot(request.request_id, hashes[k - 1])
 
     def prefill_chunk_end(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
-        """num_new_tokens, or fewer so that the chunk from num_computed ends at the first
-        snapshot boundary inside it: where the prompt's cached attention prefix ended at
-        admission (the next prompt with that prefix resumes there) and the prompt's last block
-        boundary (a longer prompt that repeats this one, as a chat's next turn does). Only for
-        recurrent models with prefix caching; a chunk that ends elsewhere leaves no snapshot."""
+        """num_new_tokens, or fewer so that the chunk from num_computed ends where the prompt's
+        cached attention prefix ended at admission (where it parts from earlier prompts: the
+        next prompt with that prefix resumes there). Only for recurrent models with prefix
+        caching; a chunk that ends elsewhere leaves no snapshot. A prompt that shares no whole
+        block with a cached one is never cut (no step is added to its time to first token)."""
         if not (self.enable_caching and self.has_state):
             return num_new_tokens
-        bs, end = self.block_size, num_computed + num_new_tokens
-        points = (self.req_to_attn_hit.get(request.request_id, 0) * bs, request.num_prompt_tokens // bs * bs)
-        inside = [p for p in points if num_computed < p < end]
-        return min(inside) - num_computed if inside else num_new_tokens
+        cut = self.req_to_attn_hit.get(request.request_id, 0) * self.block_size
+        return cut - num_computed if num_computed < cut < num_computed + num_new_tokens else num_new_tokens
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Sliding windows: free the request's blocks that no query from position

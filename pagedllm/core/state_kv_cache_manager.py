@@ -8,7 +8,7 @@ others (all or nothing), and a preempted request frees them and recomputes its s
 A request's own state is written in place every step, so it is never shared; a forked child
 gets its own blocks, copied from the parent's (the runner copies the pages, as for
 copy-on-write). Prefix caching keeps *snapshots* instead: when a request's computed tokens
-stand at a block boundary of its prompt, its state is copied into fresh blocks cached under
+stand at a block boundary, its state is copied into fresh blocks cached under
 that boundary's block hash and freed at once (ref count 0: they wait in the free queue and are
 evicted least recently used first, like any cached block). A later request whose prefix ends at
 that boundary copies the snapshot into its own state blocks and computes from there.

@@ -4,7 +4,7 @@ freed at once (evicted LRU with the other cached blocks); a later request resume
 longest boundary where the attention blocks and the snapshot are both cached."""
 from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheGroupSpec, add_state_groups, make_kv_cache_config
-from pagedllm.request import Request
+from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 BS = 4
@@ -57,21 +57,38 @@ def test_the_hit_is_the_longest_boundary_with_both():
     b = req("b", list(range(14)))
     hits, n = kv.get_computed_blocks(b)
     assert n == 4 and len(hits.groups[0]) == 1 and kv.req_to_attn_hit["b"] == 3
-    # b's prefill ends its first chunk where its cached attention prefix ended (12), not its last boundary.
+    # b's prefill ends its first chunk where its cached attention prefix ended (12).
     assert kv.prefill_chunk_end(b, 4, 9) == 8
     assert kv.prefill_chunk_end(b, 12, 1) == 1
 
 
-def test_chunks_end_at_the_prompts_last_boundary():
+def test_a_prompt_that_shares_no_block_is_never_cut():
     kv = KVCacheManager(30, BS, enable_caching=True, kv_cache_config=hybrid())
     a = req("a", list(range(14)))
-    assert kv.prefill_chunk_end(a, 0, 14) == 12     # 14 // 4 * 4
-    assert kv.prefill_chunk_end(a, 0, 7) == 7       # no boundary of interest inside
-    assert kv.prefill_chunk_end(a, 12, 2) == 2
+    kv.get_computed_blocks(a)
+    assert kv.req_to_attn_hit["a"] == 0 and kv.prefill_chunk_end(a, 0, 14) == 14
     off = KVCacheManager(30, BS, enable_caching=False, kv_cache_config=hybrid())
+    off.req_to_attn_hit["a"] = 2
     assert off.prefill_chunk_end(a, 0, 14) == 14
-    plain = KVCacheManager(30, BS, enable_caching=True, kv_cache_config=make_kv_cache_config([None] * 2))
-    assert plain.prefill_chunk_end(a, 0, 14) == 14
+
+
+def test_snapshots_at_decode_boundaries():
+    """A request that decodes past a block boundary keeps its state there too (a chat's next
+    turn repeats the prompt and the answer); tokens counted but not known yet (async
+    scheduling's placeholders) have no hash: no snapshot."""
+    kv = KVCacheManager(30, BS, enable_caching=True, kv_cache_config=hybrid())
+    a = req("a", list(range(6)))
+    run(kv, a, 6)
+    a.append_output_token_ids([40, 41, 42])
+    # Steps from 6 and 7: no boundary; the step from 8 (a boundary) copies the state first.
+    assert [len(run(kv, a, 1)) for _ in range(3)] == [0, 0, 1]
+    b = req("b", list(range(6)) + [40, 41, 9])
+    assert kv.get_computed_blocks(b)[1] == 8
+    c = req("c", list(range(12)))
+    run(kv, c, 12)
+    assert kv.allocate_slots(c, 1) is not None and len(kv.take_pending_copies()) == 1   # at 12, all known
+    c.num_computed_tokens = 16   # placeholders: 4 tokens scheduled, not known
+    assert kv.allocate_slots(c, 1) is not None and kv.take_pending_copies() == []
 
 
 def test_snapshots_are_evicted_with_the_free_blocks():
@@ -130,7 +147,6 @@ def test_recurrent_only_model():
     cfg = KVCacheConfig((KVCacheGroupSpec((0, 1), None, 1),), 2, (0, 1))
     kv = KVCacheManager(20, BS, enable_caching=True, kv_cache_config=cfg)
     a = req("a", list(range(10)))
-    assert kv.prefill_chunk_end(a, 0, 10) == 8
     run(kv, a, 8)
     assert len(run(kv, a, 2)) == 1
     b = req("b", list(range(8)) + [7, 7, 7])
@@ -141,3 +157,39 @@ def test_recurrent_only_model():
     kv.free(a)
     kv.free(b)
     assert kv.num_free_blocks() == 19
+
+
+def test_a_recurrent_only_model_finds_where_prompts_part_from_recent_ones():
+    """Without attention blocks, the hashes of recent prompts' blocks tell where a prompt parts
+    from earlier ones (at most num_blocks hashes, oldest dropped first)."""
+    cfg = KVCacheConfig((KVCacheGroupSpec((0,), None, 1),), 1, (0,))
+    kv = KVCacheManager(4, BS, enable_caching=True, kv_cache_config=cfg)
+    system = list(range(10))
+    a, b = req("a", system + [50, 51, 52]), req("b", system + [60, 61, 62, 63])
+    kv.get_computed_blocks(a)
+    assert kv.req_to_attn_hit["a"] == 0
+    kv.get_computed_blocks(b)
+    assert kv.req_to_attn_hit["b"] == 2                # b parts from a in its third block
+    assert kv.prefill_chunk_end(b, 0, 14) == 8         # so its first chunk ends at 8
+    assert len(kv.seen_prompt_blocks) == 4             # a's 3 and b's third (bounded by 4 blocks)
+
+
+def test_the_scheduler_ends_prefill_chunks_at_snapshot_boundaries():
+    """Three prompts sharing 9 tokens (2 blocks and 1), 64-token budget: the first (14 tokens)
+    runs whole; the second 0 -> 8 (where it parts from the first's cached blocks, keeping its
+    state there), 8 -> 14; the third resumes at 8."""
+    from pagedllm.config import SchedulerConfig
+    from pagedllm.core.scheduler import Scheduler
+    kv = KVCacheManager(40, BS, enable_caching=True, kv_cache_config=hybrid())
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    system = list(range(9))
+    chunks = []
+    for i, tail in enumerate(([50, 51, 52, 53, 54], [60, 61, 62, 63, 64], [70, 71, 72])):
+        r = Request(f"r{i}", system + tail, SamplingParams(max_tokens=1), eos_token_id=None)
+        sched.add_request(r)
+        while r.num_computed_tokens < r.num_prompt_tokens:
+            n = sched.schedule().num_scheduled_tokens[r.request_id]
+            chunks.append((r.request_id, r.num_computed_tokens - n, r.num_computed_tokens))
+        sched.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
+    assert chunks == [("r0", 0, 14), ("r1", 0, 8), ("r1", 8, 14), ("r2", 8, 12)]
+    assert kv.stats.hits == 8

@@ -37,31 +37,34 @@ def one_by_one(llm, ids):
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "lfm2", "qwen3_5"])
-def test_a_repeated_prompt_resumes_from_the_state_snapshot(tmp_path, kind):
-    """A 47-token prompt (2 full blocks and 15 tokens): its first chunk ends at 32, where its
-    state is kept; its first 35 tokens (3 computed from the snapshot before the first sample:
-    a wrong state shows) and a longer prompt that starts with it (a chat's next turn) hit those
-    32 tokens. A prompt sharing only 10 tokens (no whole block) misses."""
+def test_prompts_resume_from_state_snapshots(tmp_path, kind):
+    """A 47-token prompt runs whole (it shares nothing) and keeps its state at 48 as it decodes;
+    its first 35 tokens part from it after 2 blocks, so run 0 -> 32 (state kept), 32 -> 35; the
+    prompt plus 20 more tokens then hits 32 tokens, a chat's next turn (the prompt, the answer,
+    more) 48, one sharing 10 tokens (no whole block) nothing, and the 35 tokens again 32 (3
+    computed from the snapshot before the first sample: a wrong state shows)."""
     model_dir, model = build(kind, tmp_path)
     first, more, other = prompts([47, 20, 30])
-    ids = [first, first[:35], first + more, first[:10] + other]
-    refs = hf_reference(model, ids)
     llm = LLM(model_dir, enable_prefix_caching=True)
     assert llm.llm_engine.config.cache_config.block_size == 16
-    outs, hits = one_by_one(llm, ids)
-    assert hits == [0, 32, 64, 64]
-    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 0]
-    assert_greedy_equal(outs, refs, f"{kind} prefix hit")
+    outs, hits = one_by_one(llm, [first, first[:35]])
+    answer = list(outs[0].outputs[0].token_ids)
+    ids = [first, first[:35], first + more, first + answer + more, first[:10] + other, first[:35]]
+    more_outs, more_hits = one_by_one(llm, ids[2:])
+    outs, hits = outs + more_outs, hits + more_hits
+    assert hits == [0, 0, 32, 80, 80, 112]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32, 48, 0, 32]
+    assert_greedy_equal(outs, hf_reference(model, ids), f"{kind} prefix hit")
     plain, _ = one_by_one(LLM(model_dir, enable_prefix_caching=False), ids)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
 @pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
 def test_a_shared_system_prompt_hits_from_the_third_request(tmp_path, kind):
-    """A 40-token system prompt and three different questions. The first request keeps its state
-    at its own last boundary (48) only; the second finds the first's attention blocks for 32
-    tokens but no state there, so it computes from 0 and ends a chunk at 32, keeping its state;
-    the third hits 32 tokens (2 blocks)."""
+    """A 40-token system prompt and three different questions. The first request runs whole
+    (nothing shared); the second finds the first's attention blocks for 32 tokens but no state
+    there, so it computes from 0 and ends a chunk at 32, keeping its state; the third hits 32
+    tokens (2 blocks)."""
     model_dir, model = build(kind, tmp_path)
     system, *questions = prompts([40, 20, 25, 30])
     ids = [system + q for q in questions]
