@@ -22,7 +22,6 @@ scheduler ends a prefill chunk where the prompt parts from cached ones (`prefill
 """
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -34,8 +33,6 @@ from pagedllm.core.single_type_kv_cache_manager import (FullAttentionManager, Si
                                                          SlidingWindowManager)
 from pagedllm.core.state_kv_cache_manager import StateManager
 from pagedllm.request import Request
-
-logger = logging.getLogger(__name__)
 
 
 def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
