@@ -181,14 +181,15 @@ def _sampling(rng: random.Random, max_tokens: Optional[int]) -> dict:
 
 
 def draw_requests(rng: random.Random, spec: EngineSpec, prefix: str, max_requests: int = 8,
-                  max_arrival: int = 12, beam: bool = True) -> list[RequestSpec]:
-    """A case's requests, ids `{prefix}-{i}`, in arrival order."""
+                  max_arrival: int = 12, beam: bool = True, share: float = 0.4) -> list[RequestSpec]:
+    """A case's requests, ids `{prefix}-{i}`, in arrival order; `share` of them start with a
+    part of one shared prompt."""
     mml = spec.max_model_len
     shared = _words(rng, mml)   # prompts that share a prefix exercise the prefix cache
     out = []
     for i in range(rng.randint(1, max_requests)):
         n = _prompt_length(rng, mml)
-        if rng.random() < 0.4:
+        if rng.random() < share:
             k = rng.randint(1, n)
             prompt = shared[:k] + _words(rng, n - k)
         else:

@@ -15,13 +15,14 @@ block in their place. A model of one kind of layer (Llama; Mistral, whose every 
 has one group and behaves as before groups; Gemma 3 has full and sliding groups, and a
 prefix-cache hit needs every group to hit (a sliding group only inside the window).
 A hybrid model's recurrent layers form state groups (core/state_kv_cache_manager.py): each
-request holds a fixed number of blocks there, and prefix caching is off (no state is kept at
-block boundaries to resume from).
+request holds a fixed number of blocks there; prefix caching keeps snapshots of the state at
+block boundaries of prompts, and a hit needs the attention blocks and a snapshot at the same
+boundary (the longest such). So that snapshots exist where later prompts will diverge, the
+scheduler ends a prefill chunk where the prompt parts from cached ones (`prefill_chunk_end`).
 """
 from __future__ import annotations
 
-import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -32,8 +33,6 @@ from pagedllm.core.single_type_kv_cache_manager import (FullAttentionManager, Si
                                                          SlidingWindowManager)
 from pagedllm.core.state_kv_cache_manager import StateManager
 from pagedllm.request import Request
-
-logger = logging.getLogger(__name__)
 
 
 def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
@@ -114,12 +113,9 @@ class KVCacheManager:
             state = [g.state_blocks for g in kv_cache_config.kv_cache_groups]
         else:
             windows, state = [sliding_window], [None]
-        # Recurrent-state groups (core/state_kv_cache_manager.py): never swapped, never cached.
+        # Recurrent-state groups (core/state_kv_cache_manager.py): never swapped; cached as
+        # snapshots at block boundaries.
         self.has_state = any(n is not None for n in state)
-        if enable_caching and self.has_state:
-            logger.warning("prefix caching is off: this model keeps a recurrent state, and no state "
-                           "is kept at block boundaries to resume a cached prefix from")
-            self.enable_caching = enable_caching = False
         # The window every layer has (one group); None with several groups.
         self.sliding_window = windows[0] if len(windows) == 1 else None
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
@@ -137,6 +133,11 @@ class KVCacheManager:
         # Hashes of each request's full blocks, computed as its tokens arrive.
         self.req_to_block_hashes: defaultdict[str, list[int]] = defaultdict(list)
         self.stats = PrefixCacheStats()
+        # Recurrent models: blocks of the prompt's prefix found in the attention groups (or,
+        # without attention, among recent prompts) at admission, where the prompt parts from
+        # earlier ones (a snapshot boundary).
+        self.req_to_attn_hit: dict[str, int] = {}
+        self.seen_prompt_blocks: OrderedDict[int, None] = OrderedDict()   # (recurrent layers only)
         # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
@@ -166,9 +167,17 @@ class KVCacheManager:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.num_groups == 1 and isinstance(self.managers[0], StateManager):
+            self._remember_prompt(request, hashes)
+            blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks)
+            return blocks, len(blocks) * self.block_size
         if self.num_groups == 1:   # the plain longest cached prefix, as before groups
             blocks = SingleTypeKVCacheManager.find_longest_cache_hit(self.managers[0], hashes, max_blocks)
             return blocks, len(blocks) * self.block_size
+        if self.has_state:
+            self.req_to_attn_hit[request.request_id] = min(
+                len(m.find_longest_cache_hit(hashes, max_blocks)) for m in self.managers
+                if not isinstance(m, StateManager))
         # Shorten the hit until every group hits that far (a sliding group's hit at n blocks
         # need not hold at fewer: look again at the new length).
         while True:
@@ -177,6 +186,22 @@ class KVCacheManager:
             if shortest == max_blocks:
                 return KVCacheBlocks(hits), max_blocks * self.block_size
             max_blocks = shortest
+
+    def _remember_prompt(self, request: Request, hashes: Sequence[int]) -> None:
+        """A model of recurrent layers only has no attention blocks to tell where a prompt
+        parts from earlier ones: the hashes of recent prompts' blocks do (at most num_blocks
+        of them, least recently seen dropped first)."""
+        seen = self.seen_prompt_blocks
+        num_prompt_blocks = min(len(hashes), request.num_prompt_tokens // self.block_size)
+        known = 0
+        while known < num_prompt_blocks and hashes[known] in seen:
+            known += 1
+        self.req_to_attn_hit[request.request_id] = known
+        for h in hashes[:num_prompt_blocks]:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.block_pool.num_blocks:
+            seen.popitem(last=False)
 
     def _hits_by_group(self, new_computed_blocks) -> Sequence[list[KVCacheBlock]]:
         if isinstance(new_computed_blocks, KVCacheBlocks):
@@ -215,7 +240,33 @@ class KVCacheManager:
             hashes = self._block_hashes(request)
             for m in self.managers:
                 m.cache_full_blocks(m.req_to_blocks[req_id], hashes, num_full)
+            if self.has_state:
+                self._save_snapshots(request, num_computed, hashes)
         return new[0] if self.num_groups == 1 else KVCacheBlocks(new)
+
+    def _save_snapshots(self, request: Request, num_computed: int, hashes: Sequence[int]) -> None:
+        """The request's computed tokens stand at a block boundary (of its prompt, or of its
+        output as it decodes: a chat's next turn repeats both): keep its states there (each state
+        group's StateManager.save_snapshot; the runner copies the blocks before this step's
+        forward, so the copy is the state at that boundary). Async scheduling may count tokens
+        not known yet: no hash, no snapshot."""
+        k = num_computed // self.block_size
+        if k == 0 or num_computed % self.block_size or k > len(hashes):
+            return
+        for m in self.managers:
+            if isinstance(m, StateManager):
+                m.save_snapshot(request.request_id, hashes[k - 1])
+
+    def prefill_chunk_end(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
+        """num_new_tokens, or fewer so that the chunk from num_computed ends where the prompt's
+        cached attention prefix ended at admission (where it parts from earlier prompts: the
+        next prompt with that prefix resumes there). Only for recurrent models with prefix
+        caching; a chunk that ends elsewhere leaves no snapshot. A prompt that shares no whole
+        block with a cached one is never cut (no step is added to its time to first token)."""
+        if not (self.enable_caching and self.has_state):
+            return num_new_tokens
+        cut = self.req_to_attn_hit.get(request.request_id, 0) * self.block_size
+        return cut - num_computed if num_computed < cut < num_computed + num_new_tokens else num_new_tokens
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Sliding windows: free the request's blocks that no query from position
@@ -290,15 +341,22 @@ class KVCacheManager:
         return out, inn
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies = list(self.pending_copies)
+        """The step's block copies, made safe to run at once (the runner reads every source
+        before it writes any destination): a copy out of a block an earlier copy wrote reads
+        that copy's source instead, and a destination written twice keeps the last; so the
+        answer equals the copies run in order (a state snapshot saved and hit in one step)."""
+        src_of: dict[int, int] = {}
+        for src, dst in self.pending_copies:
+            src_of[dst] = src_of.get(src, src)
         self.pending_copies.clear()   # the same list object: the group managers append to it
-        return copies
+        return [(src, dst) for dst, src in src_of.items() if src != dst]
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks, tail first (tails are the first to be evicted)."""
         for m in self.managers:
             m.free(request.request_id)
         self.req_to_block_hashes.pop(request.request_id, None)
+        self.req_to_attn_hit.pop(request.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Group 0's block table of the request (with one group: its whole table)."""

@@ -340,12 +340,12 @@ class Scheduler:
         (without chunked prefill, a request whose remaining prompt does not fit waits)."""
         if len(unit) == 1:   # the common case
             need = self._num_tokens_to_compute(unit[0])
-            n = self._trim_to_encoder(unit[0], min(need, budget), step)
+            n = self._trim_to_encoder(unit[0], self._chunk(unit[0], min(need, budget)), step)
             return [(unit[0], n)] if n > 0 and (n == need or self.config.chunked_prefill) else []
         plan = []
         for request in unit:
             need = self._num_tokens_to_compute(request)
-            n = min(need, budget)
+            n = self._chunk(request, min(need, budget))
             if n <= 0 or (n < need and not self.config.chunked_prefill):
                 continue   # nothing to compute (a beam waiting for its siblings), or no room
             plan.append((request, n))
@@ -382,7 +382,7 @@ class Scheduler:
             if not with_unit:
                 return None
             n = 0
-        n = min(n, step.budget)
+        n = self._chunk(request, min(n, step.budget), num_hit_tokens)
         if request.mm_inputs and n:   # the tokens after the prefix hits
             request.num_computed_tokens += num_hit_tokens
             n = self._trim_to_encoder(request, n, step)
@@ -412,6 +412,14 @@ class Scheduler:
         step.num_scheduled[request.request_id] = n
         step.budget -= n
         return n
+
+    def _chunk(self, request: Request, n: int, num_hit_tokens: int = 0) -> int:
+        """n tokens from the request's computed ones (and its hits), or fewer under chunked
+        prefill so that the chunk ends where a recurrent model keeps a state snapshot
+        (KVCacheManager.prefill_chunk_end)."""
+        if not self.config.chunked_prefill or n <= 0:
+            return n
+        return self.kv_cache_manager.prefill_chunk_end(request, request.num_computed_tokens + num_hit_tokens, n)
 
     def _with_lookahead(self, request: Request, n: int, num_hit_tokens: int = 0) -> int:
         """n and the draft model's lookahead slots (none past max_model_len; the draft

@@ -82,6 +82,8 @@ def _async_refuses(what: str) -> str:
 # Checked in this order; the first pair with both features on is the error.
 CONFLICTS: tuple[Conflict, ...] = (
     # A rejected draft would have to roll the state back; the recurrent layers are not split.
+    # (Prefix caching and async scheduling run with them: states are cached as snapshots at
+    # block boundaries, core/state_kv_cache_manager.py.)
     Conflict(RECURRENT, SPECULATIVE, "speculative_config is not supported for a model with recurrent layers "
                                      "(Mamba2, LFM2): their state cannot be rolled back to the last accepted token"),
     Conflict(RECURRENT, SPLIT, "tensor_parallel_size and pipeline_parallel_size must be 1 for a model with "

@@ -1,6 +1,6 @@
 """Recurrent state as a KV cache group (no torch model): a state group holds a fixed number of
 blocks per request whatever its length, from the pool the attention groups use; admission
-counts them; a preempted request frees them (recompute); prefix caching is off for hybrids."""
+counts them; a preempted request frees them (recompute). Snapshots: test_state_snapshots.py."""
 import pytest
 import torch
 
@@ -95,16 +95,6 @@ def test_preemption_recomputes_the_state():
     r.num_computed_tokens = 0
     assert kv.allocate_slots(r, 10) is not None
     assert kv.get_num_blocks_by_group("a") == [3, STATE, STATE]
-
-
-def test_prefix_caching_is_off_for_hybrids(caplog):
-    with caplog.at_level("WARNING"):
-        kv = KVCacheManager(100, BS, enable_caching=True, kv_cache_config=hybrid())
-    assert not kv.enable_caching and "recurrent state" in caplog.text
-    a, b = req("a", list(range(13))), req("b", list(range(13)))
-    assert kv.allocate_slots(a, 13) is not None
-    a.num_computed_tokens = 13
-    assert kv.get_computed_blocks(b) == ([], 0)
 
 
 def test_fork_copies_the_state():

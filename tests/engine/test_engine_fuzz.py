@@ -54,8 +54,8 @@ def group_spec(seed: int, group: int) -> EngineSpec:
     return draw_engine_spec(random.Random(f"engine-{seed}-{group}"))
 
 
-def case_requests(seed: int, group: int, case: int, spec: EngineSpec) -> list[RequestSpec]:
-    return draw_requests(random.Random(f"case-{seed}-{group}-{case}"), spec, prefix=f"c{group}.{case}")
+def case_requests(seed: int, group: int, case: int, spec: EngineSpec, share: float = 0.4) -> list[RequestSpec]:
+    return draw_requests(random.Random(f"case-{seed}-{group}-{case}"), spec, prefix=f"c{group}.{case}", share=share)
 
 
 def build_engine(model: str = MODEL, **kw) -> LLMEngine:
@@ -336,6 +336,7 @@ class Tally:
     ties: int = 0
     preemptions: int = 0
     swaps: int = 0
+    prefix_hits: int = 0   # prompt tokens found in the prefix cache
     steps: int = 0
     failures: list = field(default_factory=list)
 
@@ -363,15 +364,16 @@ def run_checked_case(engine, reference, reqs, tally: Tally) -> None:
 
 
 def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, verbose: bool = False,
-         model: str = MODEL, spec_of=group_spec) -> Tally:
+         model: str = MODEL, spec_of=group_spec, share: float = 0.4) -> Tally:
     """Run the cases of each (group, case indices) on one engine per group (its configuration
-    `spec_of(seed, group)`); failures are collected (the engine is rebuilt after one), not raised."""
+    `spec_of(seed, group)`); failures are collected (the engine is rebuilt after one), not raised.
+    share: the fraction of prompts that start with part of a case's shared prompt."""
     tally = Tally()
     for group, cases in groups:
         spec = spec_of(seed, group)
         engine = None
         for case in cases:
-            reqs = case_requests(seed, group, case, spec)
+            reqs = case_requests(seed, group, case, spec, share)
             if verbose:
                 print(f"\n{case_label(seed, group, case)}: {spec}")
                 for r in reqs:
@@ -393,6 +395,7 @@ def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, v
         if engine is not None:
             tally.preemptions += engine.num_preemptions
             tally.swaps += engine.core.scheduler.num_swaps
+            tally.prefix_hits += engine.core.scheduler.kv_cache_manager.stats.hits
     return tally
 
 

@@ -6,8 +6,9 @@ tests/models/test_lfm2.py and test_mamba2.py build them (there equal to transfor
 The same random mix of requests (arrivals, aborts, n / best_of, beam search, chunked prefill)
 under a KV cache small enough that preemption is the normal case: after every case no request,
 block or state block is left held, and greedy / seeded requests equal the same request alone on a
-roomy engine over the same model. Prefix caching and swap, where drawn, are what such a model
-makes of them (off, with a warning; recompute)."""
+roomy engine over the same model. Prefix caching is always on (state snapshots at block
+boundaries; the workload's prompts share prefixes) and must hit; swap, where drawn, is what such
+a model makes of it (recompute)."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,16 +44,20 @@ def build(kind: str, path) -> tuple[str, int, int]:
 
 def spec_drawer(has_attention: int, states: int):
     """The fuzzer's engine draw, with blocks of >= 4 tokens (LFM2's conv state fills a 4-token
-    K page), a pool of 1 to 2 requests' worth at full length (states included) and room for
-    at least 4 running requests, so the pool runs short."""
+    K page), a pool of 1 to 2 requests' worth at full length (states included; the second
+    engine 4 and 16 blocks for snapshots) and room for at least 4 running requests, so the pool runs short; prefix caching on."""
     def spec_of(seed: int, group: int):
         rng = random.Random(f"hybrid-engine-{seed}-{group}")
         spec = draw_engine_spec(rng)
         block_size = max(spec.block_size, 4)
         per_request = has_attention * cdiv(spec.max_model_len, block_size) + states
-        blocks = 1 + int(per_request * rng.choice([1, 1.5, 2]))
+        # The second engine is roomier, so that cached blocks and state snapshots outlive
+        # the requests that left them, and prefills in chunks (which end at snapshot boundaries).
+        roomy = group > 0
+        blocks = 1 + (4 * per_request + 16 if roomy else int(per_request * rng.choice([1, 1.5, 2])))
         return dataclasses.replace(spec, block_size=block_size, num_gpu_blocks=blocks,
-                                   max_num_seqs=max(spec.max_num_seqs, 4))
+                                   max_num_seqs=max(spec.max_num_seqs, 4), enable_prefix_caching=True,
+                                   enable_chunked_prefill=spec.enable_chunked_prefill or roomy)
     return spec_of
 
 
@@ -70,14 +75,19 @@ def test_engine_fuzz_on_a_recurrent_model(request, tmp_path, one_thread, kind):
     model_dir, has_attention, states = build(kind, tmp_path)
     groups = [(g, list(range(CASES_PER_ENGINE))) for g in range(CASES // CASES_PER_ENGINE)]
     t0 = time.monotonic()
-    tally = fuzz(seed, groups, Reference(model_dir), model=model_dir, spec_of=spec_drawer(has_attention, states))
+    tally = fuzz(seed, groups, Reference(model_dir), model=model_dir, spec_of=spec_drawer(has_attention, states),
+                 share=0.8)
     print(f"\n{kind} fuzz, seed {seed}: {tally.cases} cases in {time.monotonic() - t0:.1f} s, {tally.steps} steps, "
-          f"requests {dict(tally.requests)}, preemptions {tally.preemptions}, ties {tally.ties}; "
+          f"requests {dict(tally.requests)}, preemptions {tally.preemptions}, prefix hits {tally.prefix_hits} "
+          f"tokens, ties {tally.ties}; "
           f"refusals {dict(tally.refusals)}")
     if tally.failures:
         pytest.fail(f"{len(tally.failures)} of {tally.cases} cases failed:\n" + "\n".join(tally.failures),
                     pytrace=False)
     assert tally.requests["served"] >= tally.requests["refused"], f"mostly refused: {dict(tally.requests)}"
+    # The default seed's workload hits (a few other seeds' draw no prefix a snapshot covers).
+    if seed == 0:
+        assert tally.prefix_hits > 0, "no prefix-cache hit: the state snapshots were never used"
     # A state-only model's requests never grow: a short pool holds requests back at admission,
     # and only a late request of higher priority preempts; with attention blocks it is common.
     if has_attention:

@@ -81,7 +81,7 @@ def check_batch_against_transformers(model_dir, model, label, managers, min_pree
     refs = hf_reference(model, ids)
     llm = LLM(model_dir, max_num_batched_tokens=16, max_num_seqs=4, **settings)
     manager = llm.llm_engine.core.scheduler.kv_cache_manager
-    assert [type(m).__name__ for m in manager.managers] == managers and not manager.enable_caching
+    assert [type(m).__name__ for m in manager.managers] == managers and manager.enable_caching
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
     assert_greedy_equal(outs, refs, label)
     assert llm.llm_engine.num_preemptions >= min_preemptions
