@@ -7,7 +7,8 @@ The same random mix of requests (arrivals, aborts, n / best_of, beam search, chu
 under a KV cache small enough that preemption is the normal case: after every case no request,
 block or state block is left held, and greedy / seeded requests equal the same request alone on a
 roomy engine over the same model. Prefix caching and swap, where drawn, are what such a model
-makes of them (off, with a warning; recompute)."""
+makes of them (prefix caching off, with a warning; swap moves the states with the attention
+blocks)."""
 from __future__ import annotations
 
 import dataclasses

@@ -33,8 +33,11 @@ def test_lfm2_equals_transformers_chunked_and_preempted(tmp_path, conv_bias):
                                      block_size=4, num_gpu_blocks=26)
 
 
-def test_lfm2_late_requests_preempt_running_ones(tmp_path):
-    check_late_arrivals_preempt(*lfm2(tmp_path), "LFM2 preempted", block_size=4, num_gpu_blocks=24)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_lfm2_late_requests_preempt_running_ones(tmp_path, mode):
+    """Swap: the attention blocks and both state groups' blocks go to the CPU and come back."""
+    check_late_arrivals_preempt(*lfm2(tmp_path), f"LFM2 preempted ({mode})", block_size=4, num_gpu_blocks=24,
+                                preemption_mode=mode, num_cpu_blocks=64)
 
 
 def test_a_state_larger_than_a_block_names_the_block_size(tmp_path):

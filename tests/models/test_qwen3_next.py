@@ -56,6 +56,16 @@ def test_qwen3_next_late_requests_preempt_running_ones(tmp_path):
     check_late_arrivals_preempt(*qwen3_next(tmp_path), "Qwen3-Next preempted", block_size=16, num_gpu_blocks=10)
 
 
+def test_qwen3_5_late_requests_swapped_out_and_in(tmp_path):
+    """Preempted by swap, a request's attention blocks and its conv and delta-rule states (in
+    the attention pages of other blocks) go to CPU blocks and come back: it resumes from them."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    config = {k: v for k, v in CONFIG.items() if "expert" not in k}
+    model_dir, model = make_hf_model(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, **config)
+    check_late_arrivals_preempt(model_dir, model, "Qwen3.5 swapped", block_size=16, num_gpu_blocks=10,
+                                preemption_mode="swap", num_cpu_blocks=32)
+
+
 def test_a_delta_rule_state_larger_than_a_block_names_the_block_size(tmp_path):
     """The delta-rule state (4 x 16 x 16 floats) needs a K page of 1024 floats: 4 KV heads x 16
     x block_size, so block_size 16; at 8 the error says so."""
