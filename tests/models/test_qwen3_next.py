@@ -6,7 +6,6 @@ enough to preempt."""
 import pytest
 
 from models.hybrid_utils import check_batch_against_transformers, check_late_arrivals_preempt, make_hf_model
-from pagedllm import LLM
 
 # Gated DeltaNet: 2 key heads x 16 serving 4 value heads x 16: a delta-rule state of
 # 4 x 16 x 16 = 1024 floats, a conv state of (2 x 32 + 64) x 3 = 384; attention: 4 KV heads x 16
