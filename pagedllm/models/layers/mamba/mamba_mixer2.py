@@ -64,7 +64,8 @@ class Mamba2Mixer(StateLayer):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        self.norm_weight = nn.Parameter(torch.ones(self.intermediate), requires_grad=False)
+        self.norm_weight = (nn.Parameter(torch.ones(self.intermediate), requires_grad=False)
+                            if self.norm_order != GATE_ONLY else None)   # no norm, no weight
         self.out_proj = ReplicatedLinear(self.intermediate, hidden, hf.get("out_bias", bias))
         # One request's state: the conv's last K - 1 inputs, the SSM state of every head.
         self.state_shapes = ((self.conv_dim, self.kernel - 1), (self.num_heads, self.head_dim, self.d_state))
