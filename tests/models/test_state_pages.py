@@ -1,6 +1,7 @@
 """A recurrent state spread over several blocks' pages (models/layers/mamba/state_pages.py):
 the pieces laid out as written by hand, and gather / scatter / zero checked against a page
 layout built element by element in plain Python."""
+import pytest
 import torch
 
 from pagedllm.models.layers.mamba.state_pages import Piece, StatePages, blocks_needed, state_pieces
@@ -37,19 +38,23 @@ def _reference_layout(pages, blocks, shapes, row_elems):
     return out
 
 
-def test_gather_scatter_and_zero_against_the_layout():
-    row_elems, shapes, num_blocks = [6, 4], [(2, 3), (3, 4)], 7
+@pytest.mark.parametrize("shapes, blocks", [
+    ([(2, 3), (3, 4)], [[5, 2], [1, 6]]),        # the second tensor over 3 rows of 2 blocks, none whole
+    ([(2, 3), (4, 5)], [[5, 2, 4], [1, 6, 3]]),  # the second fills block 1 whole: moved as one page
+    ([(5,), (5,)], [[5], [1]])])                 # the second straddling K and V of one block
+def test_gather_scatter_and_zero_against_the_layout(shapes, blocks):
+    row_elems, num_blocks = [6, 4], 7
     k, v = torch.arange(num_blocks * 6.0).view(num_blocks, 6), 100 + torch.arange(num_blocks * 4.0).view(num_blocks, 4)
     pages = StatePages([k, v], shapes)
-    assert pages.num_blocks == 2
-    blocks = torch.tensor([[5, 2], [1, 6]])   # two requests, two blocks each, in no order
+    blocks = torch.tensor(blocks)   # two requests' blocks, in no order
+    assert pages.num_blocks == blocks.shape[1]
     ref = _reference_layout([k, v], blocks, shapes, row_elems)
     for i in range(2):
         got = pages.gather(i, blocks)
         assert got.shape == (2, *shapes[i])
         assert torch.equal(got, torch.stack([ref[r][i] for r in range(2)]))
     # Scatter new values for request 1 only, then read the pages back by hand.
-    new = [torch.full((1, 2, 3), -1.0), -torch.arange(12.0).view(1, 3, 4) - 10]
+    new = [-torch.arange(float(torch.Size(s).numel())).view(1, *s) - 10 * (i + 1) for i, s in enumerate(shapes)]
     for i in range(2):
         pages.scatter(i, blocks[1:], new[i])
     back = _reference_layout([k, v], blocks, shapes, row_elems)
@@ -57,5 +62,8 @@ def test_gather_scatter_and_zero_against_the_layout():
     assert all(torch.equal(a, b) for a, b in zip(back[0], ref[0]))   # request 0 untouched
     pages.zero(blocks[:1])
     assert all(t.eq(0).all() for t in _reference_layout([k, v], blocks[:1], shapes, row_elems)[0])
-    # The tail of block 2's V row (elements 2, 3) is no piece of the state: left as it was.
-    assert v[2, 2:].tolist() == [100 + 2 * 4 + 2, 100 + 2 * 4 + 3]
+    # The tail of the last block's page past the state is no piece of it: left as it was.
+    used = sum(torch.Size(s).numel() for s in shapes) - 10 * (blocks.shape[1] - 1)
+    last = int(blocks[0, -1])
+    tail = torch.cat([k[last], v[last]])[used:]
+    assert torch.equal(tail, torch.cat([torch.arange(6.0) + 6 * last, 100 + torch.arange(4.0) + 4 * last])[used:])
