@@ -113,8 +113,8 @@ class KVCacheManager:
             state = [g.state_blocks for g in kv_cache_config.kv_cache_groups]
         else:
             windows, state = [sliding_window], [None]
-        # Recurrent-state groups (core/state_kv_cache_manager.py): never swapped; cached as
-        # snapshots at block boundaries.
+        # Recurrent-state groups (core/state_kv_cache_manager.py): swapped with the attention
+        # blocks; cached as snapshots at block boundaries.
         self.has_state = any(n is not None for n in state)
         # The window every layer has (one group); None with several groups.
         self.sliding_window = windows[0] if len(windows) == 1 else None
@@ -140,7 +140,10 @@ class KVCacheManager:
         self.seen_prompt_blocks: OrderedDict[int, None] = OrderedDict()   # (recurrent layers only)
         # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
+        # A swapped request's CPU blocks (every group's, in group order) and, per group, which
+        # entries of its block table held one (False: a sliding window's null block).
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.req_to_swap_layout: dict[str, tuple[tuple[bool, ...], ...]] = {}
         self.pending_swap_out: list[tuple[int, int]] = []   # (device block, cpu block)
         self.pending_swap_in: list[tuple[int, int]] = []    # (cpu block, device block)
 
@@ -212,8 +215,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Optional[list[KVCacheBlock]] = None
-                       ) -> Optional[list[KVCacheBlock]]:
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       save_snapshots: bool = True) -> Optional[list[KVCacheBlock]]:
         """Make room for `num_new_tokens` after the request's computed ones (and after
         `new_computed_blocks`, prefix-cache hits not yet counted in num_computed_tokens).
 
@@ -240,7 +243,7 @@ class KVCacheManager:
             hashes = self._block_hashes(request)
             for m in self.managers:
                 m.cache_full_blocks(m.req_to_blocks[req_id], hashes, num_full)
-            if self.has_state:
+            if self.has_state and save_snapshots:
                 self._save_snapshots(request, num_computed, hashes)
         return new[0] if self.num_groups == 1 else KVCacheBlocks(new)
 
@@ -299,17 +302,20 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ swap
     def swap_out(self, request: Request) -> bool:
-        """Move a request's KV to CPU blocks and free its device blocks; False (nothing done)
-        when the swap space is too full, or the cache has several groups or a recurrent state
-        (not swapped: the request is recomputed)."""
-        if self.num_groups > 1 or self.has_state:
+        """Move a request's blocks in every group (attention KV and recurrent states alike) to
+        CPU blocks and free its device blocks; False (nothing done) when the swap space is too
+        full. A sliding group's blocks behind the window are dropped first (not swapped)."""
+        rid = request.request_id
+        self.remove_skipped_blocks(rid, request.num_computed_tokens)
+        null = self.block_pool.null_block
+        tables = [m.req_to_blocks.get(rid, []) for m in self.managers]
+        held = [b for t in tables for b in t if b is not null]
+        if len(held) > len(self.free_cpu_blocks):
             return False
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        if len(blocks) > len(self.free_cpu_blocks):
-            return False
-        cpu = [self.free_cpu_blocks.pop() for _ in blocks]
-        self.pending_swap_out.extend(zip((b.block_id for b in blocks), cpu))
-        self.req_to_cpu_blocks[request.request_id] = cpu
+        cpu = [self.free_cpu_blocks.pop() for _ in held]
+        self.pending_swap_out.extend(zip((b.block_id for b in held), cpu))
+        self.req_to_cpu_blocks[rid] = cpu
+        self.req_to_swap_layout[rid] = tuple(tuple(b is not null for b in t) for t in tables)
         self.free(request)
         return True
 
@@ -317,21 +323,28 @@ class KVCacheManager:
         return request.request_id in self.req_to_cpu_blocks
 
     def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[KVCacheBlock]]:
-        """Bring a swapped request back, with room for `num_new_tokens` more; None (nothing
-        done) when the device has too few free blocks."""
-        cpu = self.req_to_cpu_blocks[request.request_id]
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        if need > self.block_pool.get_num_free_blocks():
+        """Bring a swapped request back, each group's table as it was (new device blocks, the
+        null block where a window had dropped one), with room for `num_new_tokens` more ->
+        group 0's table; None (nothing done) when the device has too few free blocks."""
+        rid = request.request_id
+        cpu, layout = self.req_to_cpu_blocks[rid], self.req_to_swap_layout[rid]
+        if len(cpu) > self.block_pool.get_num_free_blocks():
             return None
-        blocks = self.block_pool.get_new_blocks(need)
-        self.req_to_blocks[request.request_id] = blocks
-        self.pending_swap_in.extend(zip(cpu, (b.block_id for b in blocks)))
-        self.free_cpu_blocks.extend(reversed(cpu))
-        del self.req_to_cpu_blocks[request.request_id]
-        return blocks
+        restored = self.block_pool.get_new_blocks(len(cpu))
+        fresh, null = iter(restored), self.block_pool.null_block
+        for m, kept in zip(self.managers, layout):
+            m.req_to_blocks[rid] = [next(fresh) if k else null for k in kept]
+        # No snapshot of the restored states: they are written after this step's block copies.
+        if self.allocate_slots(request, num_new_tokens, save_snapshots=False) is None:
+            self.free(request)
+            return None
+        self.pending_swap_in.extend(zip(cpu, (b.block_id for b in restored)))
+        self.drop_swapped(request)
+        return self.req_to_blocks[rid]
 
     def drop_swapped(self, request: Request) -> None:
         cpu = self.req_to_cpu_blocks.pop(request.request_id, None)
+        self.req_to_swap_layout.pop(request.request_id, None)
         if cpu:
             self.free_cpu_blocks.extend(reversed(cpu))
 

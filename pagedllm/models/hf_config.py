@@ -41,9 +41,10 @@ def mixes_attention_windows(hf_config: dict) -> bool:
 
 
 # Layer types of recurrent layers in configs' `layer_types` (LFM2's "conv", Granite / Qwen3-Next's
-# "mamba" / "linear_attention"), and model types whose every layer is recurrent.
+# "mamba" / "linear_attention"), and model types whose every layer is recurrent (Falcon-H1's:
+# attention and Mamba2 side by side).
 RECURRENT_LAYER_TYPES = ("conv", "mamba", "linear_attention")
-RECURRENT_MODEL_TYPES = ("mamba", "mamba2")
+RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "falcon_h1")
 
 
 def has_recurrent_layers(hf_config: dict) -> bool:

@@ -48,7 +48,8 @@ def build_step_metadata(backend, inputs, block_size: int, config: KVCacheConfig,
     extra = {} if bidirectional is None else {"bidirectional": bidirectional}
     tables = [inputs.block_table, *inputs.group_block_tables]
     slots = [inputs.slot_mapping, *inputs.group_slot_mappings]
-    metas = [StateMetadata.build(inputs.query_start_loc, inputs.num_computed_tokens, table, device)
+    metas = [StateMetadata.build(inputs.query_start_loc, inputs.num_computed_tokens, table, device,
+                                 group.state_blocks)
              if group.state_blocks is not None else
              backend.build_metadata(inputs.query_start_loc, inputs.seq_lens, table, slot, block_size,
                                     inputs.max_query_len, inputs.max_seq_len, **extra)

@@ -339,13 +339,16 @@ class ModelRunner:
     def _prepare(self, so: SchedulerOutput):
         """Block copies, the batch brought in step with `so`, and this step's (inputs, attention
         metadata); None when no request runs. Shared with the workers of a split model."""
-        # Order matters: a block swapped out this step may be swapped into or copied into.
+        # Order matters: a block swapped out this step may be copied or swapped into, and a
+        # copy may read a block freed this step (a preempted request's state snapshot, a hit
+        # snapshot evicted again) that a swap-in then overwrites; no copy reads a swap-in's
+        # blocks (KVCacheManager.swap_in saves no snapshot).
         if so.blocks_to_swap_out:
             self._copy_blocks(so.blocks_to_swap_out, self.kv_caches, self.cpu_caches)
-        if so.blocks_to_swap_in:
-            self._copy_blocks(so.blocks_to_swap_in, self.cpu_caches, self.kv_caches)
         if so.blocks_to_copy:
             self._copy_blocks(so.blocks_to_copy, self.kv_caches, self.kv_caches)
+        if so.blocks_to_swap_in:
+            self._copy_blocks(so.blocks_to_swap_in, self.cpu_caches, self.kv_caches)
         self._update_states(so)
         batch = self.input_batch
         if batch.num_reqs == 0:

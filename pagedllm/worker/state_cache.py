@@ -2,15 +2,15 @@
 the KV cache layout of a model with recurrent layers, and each such layer's state tensors as
 views of the cache pages.
 
-Every request holds one block in each state group, so a layer's whole state must fit one
-block of its shared tensor (vLLM raises the attention block size for this; here the block
-size is the user's, and a state that does not fit is a ValueError naming the size it needs):
 - a model of recurrent layers only (Mamba2): one state group of every layer; tensor i is
-  layer i's state tensors themselves, [num_blocks, *shape] each;
+  layer i's state tensors themselves, [num_blocks, *shape] each; a request holds one block;
 - a hybrid (LFM2): the attention layout plus state groups over the same tensor slots
   (core/kv_cache_utils.add_state_groups). Block b of a slot is row b of its K and of its V
-  ([num_blocks, block_size * heads * head_dim] each); a state layer places each of its state
-  tensors in one of those rows (first fit), so its view is [num_blocks, *shape], strided.
+  ([num_blocks, block_size * heads * head_dim] each). A state layer whose state tensors fit
+  those rows of one block (first fit) sees them as [num_blocks, *shape] strided views; a
+  larger state is laid over the rows of several blocks (models/layers/mamba/state_pages.py,
+  vLLM instead raises the attention block size), and every request holds that many blocks in
+  each state group (the most any recurrent layer needs).
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import math
 import torch
 from torch import nn
 
-from pagedllm.attention.kv_cache_spec import KVCacheSpec, MambaSpec
+from pagedllm.attention.kv_cache_spec import KVCacheSpec
 from pagedllm.attention.kv_quant import is_quantized
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheGroupSpec, add_state_groups
 from pagedllm.models.layers.mamba.state_layer import state_layers
+from pagedllm.models.layers.mamba.state_pages import StatePages, blocks_needed
 from pagedllm.worker.kv_cache_groups import assign_kv_cache_groups, kv_cache_config_of_specs
 
 
@@ -59,14 +60,10 @@ def state_kv_cache_layout(model: nn.Module, attn_specs: list[KVCacheSpec], block
         config = KVCacheConfig((KVCacheGroupSpec(tuple(range(n)), None, 1),), n, tuple(range(n)))
         tensor_specs = list(specs)
     else:
-        config = add_state_groups(kv_cache_config_of_specs(attn_specs, False), n, 1)
+        rows = _row_elems(attn_specs[0])
+        state_blocks = max(_blocks_of(rows, spec.shapes) for spec in specs)
+        config = add_state_groups(kv_cache_config_of_specs(attn_specs, False), n, state_blocks)
         tensor_specs = assign_kv_cache_groups(model, config, attn_specs)
-        for spec in specs:
-            need = _fits_from(spec, tensor_specs[0], block_size)
-            if need != block_size:
-                raise ValueError(f"block_size {block_size}: a recurrent layer's state ({spec.state_bytes} bytes, "
-                                 f"shapes {list(spec.shapes)}) must fit one KV-cache block of the attention "
-                                 f"layers; use block_size >= {need}")
     first = len(config.tensor_of_layer) - n
     groups = config.group_of_layer()
     for i, layer in enumerate(layers):
@@ -74,21 +71,18 @@ def state_kv_cache_layout(model: nn.Module, attn_specs: list[KVCacheSpec], block
     return config, tensor_specs
 
 
-def _fits_from(spec: MambaSpec, attn_spec: KVCacheSpec, block_size: int) -> int:
-    """The smallest block size from block_size up (powers of two) whose attention page holds
-    the state; block_size itself when it fits."""
-    bs = block_size
-    while _placement([e * bs // block_size for e in _row_elems(attn_spec)], spec.shapes) is None:
-        bs *= 2
-    return bs
+def _blocks_of(row_elems: list[int], shapes) -> int:
+    """Blocks one request's state takes: 1 where its tensors fit one page's rows whole, else
+    as many as hold them laid end to end."""
+    return 1 if _placement(row_elems, shapes) is not None else blocks_needed(row_elems, shapes)
 
 
 def bind_state_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], num_blocks: int) -> None:
     """Give each recurrent layer its state tensors, [num_blocks, *shape] views of its shared
-    tensor's cache ([] unbinds)."""
+    tensor's cache, or the pages of several blocks its state is spread over ([] unbinds)."""
     for layer in state_layers(model).values():
+        layer.state = layer.pages = None
         if not kv_caches:
-            layer.state = None
             continue
         slot = kv_caches[layer.kv_cache_tensor_id]
         shapes = layer.state_shapes
@@ -98,6 +92,7 @@ def bind_state_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]
         rows = [t.view(num_blocks, -1) for t in slot]   # block b's page: row b of each tensor
         where = _placement([r.shape[1] for r in rows], shapes)
         if where is None:
-            raise RuntimeError(f"the state {shapes} does not fit a block of {[tuple(t.shape) for t in slot]}")
+            layer.pages = StatePages(rows, shapes)
+            continue
         layer.state = tuple(rows[r][:, off:off + math.prod(s)].view(num_blocks, *s)
                             for (r, off), s in zip(where, shapes))

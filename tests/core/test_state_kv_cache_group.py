@@ -1,6 +1,7 @@
 """Recurrent state as a KV cache group (no torch model): a state group holds a fixed number of
 blocks per request whatever its length, from the pool the attention groups use; admission
-counts them; a preempted request frees them (recompute). Snapshots: test_state_snapshots.py."""
+counts them; a preempted request frees them (recompute) or swaps them out with its attention
+blocks. Snapshots: test_state_snapshots.py."""
 import pytest
 import torch
 
@@ -84,17 +85,71 @@ def test_admission_counts_the_state_blocks():
 
 
 def test_preemption_recomputes_the_state():
-    """A hybrid request is not swapped (several groups): it frees every block and, resumed from
-    token 0, takes fresh state blocks."""
-    kv = KVCacheManager(40, BS, num_cpu_blocks=40, kv_cache_config=hybrid())
+    """Preempted by recompute, a hybrid request frees every block and, resumed from token 0,
+    takes fresh state blocks."""
+    kv = KVCacheManager(40, BS, kv_cache_config=hybrid())
     r = req("a", list(range(10)))
     assert kv.allocate_slots(r, 10) is not None
-    assert kv.swap_out(r) is False and not kv.is_swapped(r)
     kv.free(r)
     assert kv.num_free_blocks() == 39
     r.num_computed_tokens = 0
     assert kv.allocate_slots(r, 10) is not None
     assert kv.get_num_blocks_by_group("a") == [3, STATE, STATE]
+
+
+def _moved(out, inn, before):
+    """Where each block of the `before` tables lands through the swaps out and in."""
+    to_cpu, from_cpu = dict(out), dict(inn)
+    return [[from_cpu[to_cpu[b]] for b in table] for table in before]
+
+
+def test_swap_moves_every_group_and_back_in_place():
+    """10 tokens: 3 attention blocks and 3 in each state group, all 9 swapped out to CPU blocks
+    and back into new device blocks, each into the same group and table position it left; the
+    request resumes with room for 3 more tokens (13: a fourth attention block)."""
+    kv = KVCacheManager(40, BS, num_cpu_blocks=40, kv_cache_config=hybrid())
+    r = req("a", list(range(13)))
+    assert kv.allocate_slots(r, 10) is not None
+    r.num_computed_tokens = 10
+    before = kv.get_block_ids_by_group("a")
+    assert kv.swap_out(r) and kv.is_swapped(r)
+    assert kv.num_free_blocks() == 39 and len(kv.free_cpu_blocks) == 39 - 9
+    out = kv.pending_swap_out[:]
+    # Another request takes 24 + 6 blocks: the 9 left would hold the swapped blocks but not
+    # the fourth attention block as well, so the resume waits, nothing changed.
+    other = req("b", list(range(96)))
+    assert kv.allocate_slots(other, 96) is not None and kv.num_free_blocks() == 9
+    assert kv.swap_in(r, 3) is None and kv.is_swapped(r) and kv.num_free_blocks() == 9
+    assert kv.take_pending_swaps()[1] == [] and kv.get_block_ids_by_group("a") == ([], [], [])
+    kv.free(other)
+    assert kv.swap_in(r, 3) is not None and not kv.is_swapped(r)
+    after = kv.get_block_ids_by_group("a")
+    assert [len(t) for t in after] == [4, STATE, STATE]
+    assert _moved(out, kv.take_pending_swaps()[1], before) == [after[0][:3], after[1], after[2]]
+    assert len(kv.free_cpu_blocks) == 39
+    kv.free(r)
+    assert kv.num_free_blocks() == 39
+
+
+def test_swap_leaves_the_blocks_behind_a_window():
+    """A full and a sliding group (window 8, blocks of 4): after 20 tokens the sliding group's
+    first (20 - 8 + 1) // 4 = 3 blocks are behind every later query's window; the swap drops
+    them (null blocks, no CPU copy) and brings back the other 5 + 2, with room for one more
+    token."""
+    kv = KVCacheManager(40, BS, num_cpu_blocks=40, kv_cache_config=make_kv_cache_config([None, 8]))
+    r = req("a", list(range(24)))
+    assert kv.allocate_slots(r, 20) is not None
+    r.num_computed_tokens = 20
+    before = kv.get_block_ids_by_group("a")
+    assert kv.swap_out(r) and len(kv.free_cpu_blocks) == 39 - 7
+    out = kv.take_pending_swaps()[0]
+    assert kv.swap_in(r, 1) is not None
+    after = kv.get_block_ids_by_group("a")
+    # 21 tokens: a sixth block in each group, new (not swapped).
+    assert after[1][:3] == [0, 0, 0] and 0 not in after[1][3:] + after[0] and len(after[0]) == len(after[1]) == 6
+    assert _moved(out, kv.take_pending_swaps()[1], [before[0], before[1][3:]]) == [after[0][:5], after[1][3:5]]
+    kv.free(r)
+    assert kv.num_free_blocks() == 39 and len(kv.free_cpu_blocks) == 39 - 7 + 7
 
 
 def test_fork_copies_the_state():

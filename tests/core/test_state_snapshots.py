@@ -193,3 +193,20 @@ def test_the_scheduler_ends_prefill_chunks_at_snapshot_boundaries():
         sched.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
     assert chunks == [("r0", 0, 14), ("r1", 0, 8), ("r1", 8, 14), ("r2", 8, 12)]
     assert kv.stats.hits == 8
+
+
+def test_a_swapped_in_request_saves_no_snapshot_of_states_not_yet_restored():
+    """The runner copies blocks before it swaps blocks in (a copy may read a block freed this
+    step that a swap-in overwrites), so a request swapped back in at a boundary must not save a
+    snapshot out of its restored state blocks: they hold the state only after the copies. The
+    preempted request's own pending snapshot, saved before its swap-out, reads a block that
+    the step's copies see before any swap-in writes it."""
+    kv = KVCacheManager(20, BS, num_cpu_blocks=20, enable_caching=True, kv_cache_config=hybrid())
+    a = req("a", list(range(13)))
+    run(kv, a, 4)
+    assert kv.swap_out(a)
+    kv.take_pending_swaps()
+    assert kv.swap_in(a, 4) is not None              # at 4, a boundary: no snapshot out of the restored state
+    assert kv.take_pending_copies() == []
+    a.num_computed_tokens += 4
+    assert len(run(kv, a, 4)) == 1                  # at 8, on its own state again: kept

@@ -7,8 +7,8 @@ The same random mix of requests (arrivals, aborts, n / best_of, beam search, chu
 under a KV cache small enough that preemption is the normal case: after every case no request,
 block or state block is left held, and greedy / seeded requests equal the same request alone on a
 roomy engine over the same model. Prefix caching is always on (state snapshots at block
-boundaries; the workload's prompts share prefixes) and must hit; swap, where drawn, is what such
-a model makes of it (recompute)."""
+boundaries; the workload's prompts share prefixes) and must hit; swap, where drawn, moves the
+states with the attention blocks."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,34 +29,36 @@ CASES_PER_ENGINE = 4
 EOS = 2              # fuzz_workload's vocabulary: "w3".."w511", EOS id 2
 
 
-def build(kind: str, path) -> tuple[str, int, int]:
-    """-> (model dir, attention layers' KV heads x head_dim or 0, state blocks per request)."""
+def build(kind: str, path):
+    """-> (model dir, whether it has attention layers, state blocks per request at a block size)."""
     if kind == "lfm2":
         from transformers import Lfm2Config, Lfm2ForCausalLM
         model_dir, _ = make_hf_model(path, Lfm2Config, Lfm2ForCausalLM, vocab=VOCAB, eos_token_id=EOS,
                                      **LFM2_CONFIG)
-        return model_dir, 1, 2   # 4 conv layers in 2 state groups
+        # 4 conv layers in 2 state groups; a conv state of 64 x 2 floats over pages of
+        # block_size x 2 x 32 floats: 2 blocks at block_size 1.
+        return model_dir, 1, lambda block_size: 2 * (2 if block_size == 1 else 1)
     from transformers import Mamba2Config, Mamba2ForCausalLM
     model_dir, _ = make_hf_model(path, Mamba2Config, Mamba2ForCausalLM, vocab=VOCAB, eos_token_id=EOS,
                                  **MAMBA2_CONFIG)
-    return model_dir, 0, 1
+    return model_dir, 0, lambda block_size: 1
 
 
-def spec_drawer(has_attention: int, states: int):
-    """The fuzzer's engine draw, with blocks of >= 4 tokens (LFM2's conv state fills a 4-token
-    K page), a pool of 1 to 2 requests' worth at full length (states included; the second
-    engine 4 and 16 blocks for snapshots) and room for at least 4 running requests, so the pool runs short; prefix caching on."""
+def spec_drawer(has_attention: int, states):
+    """The fuzzer's engine draw (blocks of 1 and 2 tokens spread LFM2's conv states over the K
+    and V rows of one or two blocks), a pool of 1 to 2 requests' worth at full length (states
+    included; the second engine 4 and 16 blocks for snapshots) and room for at least 4 running
+    requests, so the pool runs short; prefix caching on."""
     def spec_of(seed: int, group: int):
         rng = random.Random(f"hybrid-engine-{seed}-{group}")
         spec = draw_engine_spec(rng)
-        block_size = max(spec.block_size, 4)
-        per_request = has_attention * cdiv(spec.max_model_len, block_size) + states
+        per_request = has_attention * cdiv(spec.max_model_len, spec.block_size) + states(spec.block_size)
         # The second engine is roomier, so that cached blocks and state snapshots outlive
         # the requests that left them, and prefills in chunks (which end at snapshot boundaries).
         roomy = group > 0
         blocks = 1 + (4 * per_request + 16 if roomy else int(per_request * rng.choice([1, 1.5, 2])))
-        return dataclasses.replace(spec, block_size=block_size, num_gpu_blocks=blocks,
-                                   max_num_seqs=max(spec.max_num_seqs, 4), enable_prefix_caching=True,
+        return dataclasses.replace(spec, num_gpu_blocks=blocks, max_num_seqs=max(spec.max_num_seqs, 4),
+                                   enable_prefix_caching=True,
                                    enable_chunked_prefill=spec.enable_chunked_prefill or roomy)
     return spec_of
 

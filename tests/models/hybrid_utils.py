@@ -41,7 +41,7 @@ def prompts(lengths):
 
 def run_with_late_arrival(model_dir, early, late, **settings):
     """`early` prompts (priority 1) run a few steps, then `late` ones (priority 0) arrive and
-    preempt them where blocks are short -> (outputs by request id, preemptions, ids of the
+    preempt them where blocks are short -> (outputs by request id, the engine, ids of the
     requests failed by an injected fault)."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, scheduling_policy="priority", **settings))
     for i, p in enumerate(early):
@@ -59,17 +59,27 @@ def run_with_late_arrival(model_dir, early, late, **settings):
         engine.add_request(f"l{i}", {"prompt_token_ids": p}, GREEDY, arrival_time=10.0 + i, priority=0)
     while engine.has_unfinished_requests():
         step()
-    return outs, engine.num_preemptions, failed
+    return outs, engine, failed
 
 
 def check_late_arrivals_preempt(model_dir, model, label, **settings):
     """Two long early prompts, then two short late ones of higher priority that preempt them
-    (16-token steps, 4 sequences): every output equal to transformers' -> the outputs."""
+    (16-token steps, 4 sequences): every output equal to transformers', every block back at the
+    end -> the outputs. With preemption_mode "swap" (and swap space for all), every preemption
+    swaps: a request's attention blocks and recurrent states go to CPU blocks and come back into
+    other device blocks, its state not recomputed (it resumes with tokens computed, so its rows
+    are not zeroed), and every CPU block is free at the end."""
     early, late = prompts([41, 33]), prompts([19, 6])
-    outs, preemptions, _ = run_with_late_arrival(model_dir, early, late, max_num_batched_tokens=16, max_num_seqs=4,
-                                                 **settings)
-    assert preemptions > 0
+    outs, engine, _ = run_with_late_arrival(model_dir, early, late, max_num_batched_tokens=16, max_num_seqs=4,
+                                            **settings)
+    sched = engine.core.scheduler
+    assert sched.num_preemptions > 0
     assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late), label)
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks() == kv.block_pool.num_blocks - 1
+    if settings.get("preemption_mode") == "swap":
+        assert sched.num_swaps == sched.num_preemptions, "every preemption swaps"
+        assert len(kv.free_cpu_blocks) == settings["num_cpu_blocks"] - 1 and not kv.req_to_cpu_blocks
     return outs
 
 

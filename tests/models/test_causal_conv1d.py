@@ -28,17 +28,20 @@ def test_chunks_carry_the_state(chunks):
     torch.testing.assert_close(state[0], x[-(K - 1):].T)
 
 
-def test_packed_requests_each_with_its_state():
-    """Three requests of 5, 1 and 2 tokens, each after a first chunk of 3 tokens."""
+@pytest.mark.parametrize("lens", [(5, 1, 2), (1, 1, 1)], ids=["mixed", "decodes"])
+def test_packed_requests_each_with_its_state(lens):
+    """Three requests of 5, 1 and 2 tokens (or one token each: a step of decodes), each after a
+    first chunk of 3 tokens."""
     g = torch.Generator().manual_seed(1)
-    w, b = torch.randn(C, K, generator=g, dtype=torch.float64), None
-    seqs = [torch.randn(3 + n, C, generator=g, dtype=torch.float64) for n in (5, 1, 2)]
+    w, b = torch.randn(C, K, generator=g, dtype=torch.float64), torch.randn(C, generator=g, dtype=torch.float64)
+    seqs = [torch.randn(3 + n, C, generator=g, dtype=torch.float64) for n in lens]
     state = torch.zeros(3, C, K - 1, dtype=torch.float64)
     for r, s in enumerate(seqs):   # first chunks, one request a call
         causal_conv1d(s[:3], w, b, state[r:r + 1], torch.tensor([0, 3]))
     x = torch.cat([s[3:] for s in seqs])
-    y = causal_conv1d(x, w, b, state, torch.tensor([0, 5, 6, 8]))
+    y = causal_conv1d(x, w, b, state, torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]))
     torch.testing.assert_close(y, torch.cat([reference(s, w, b)[3:] for s in seqs]))
+    torch.testing.assert_close(state, torch.stack([s[-(K - 1):].T for s in seqs]))
 
 
 def test_bad_shapes():

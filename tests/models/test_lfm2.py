@@ -9,6 +9,7 @@ import pytest
 from models.hybrid_utils import check_batch_against_transformers, check_late_arrivals_preempt, make_hf_model
 
 from pagedllm import LLM
+from pagedllm.models.layers.mamba.state_layer import state_layers
 
 # Layers conv, attention, conv, conv, attention, conv: 2 attention layers, so 4 conv layers in
 # 2 state groups of 2; the MLP's width 144 -> int(2 * 144 / 3) = 96 (a multiple of 32).
@@ -33,22 +34,31 @@ def test_lfm2_equals_transformers_chunked_and_preempted(tmp_path, conv_bias):
                                      block_size=4, num_gpu_blocks=26)
 
 
-def test_lfm2_late_requests_preempt_running_ones(tmp_path):
-    check_late_arrivals_preempt(*lfm2(tmp_path), "LFM2 preempted", block_size=4, num_gpu_blocks=24)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_lfm2_late_requests_preempt_running_ones(tmp_path, mode):
+    """Swap: the attention blocks and both state groups' blocks go to the CPU and come back."""
+    check_late_arrivals_preempt(*lfm2(tmp_path), f"LFM2 preempted ({mode})", block_size=4, num_gpu_blocks=24,
+                                preemption_mode=mode, num_cpu_blocks=64)
 
 
-def test_a_state_larger_than_a_block_names_the_block_size(tmp_path):
-    """A conv state of 64 x 2 floats needs an attention K page of >= 128 floats: 2 KV heads x 16
-    x block_size, so block_size 4; at 2 the error says so."""
-    model_dir, _ = lfm2(tmp_path)
-    with pytest.raises(ValueError, match=r"block_size 2: a recurrent layer's state .* use block_size >= 4"):
-        LLM(model_dir, block_size=2)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_conv_state_over_two_blocks(tmp_path, mode):
+    """Blocks of 1 token: an attention page is a K and a V row of 2 heads x 16 = 32 floats, so a
+    conv state of 64 x 2 floats is laid over the K and V rows of 2 blocks, which each request
+    holds in each state group; greedy still equals transformers, preempted both ways."""
+    model_dir, model = lfm2(tmp_path)
+    outs = check_late_arrivals_preempt(model_dir, model, f"LFM2, states over 2 blocks ({mode})", block_size=1,
+                                       num_gpu_blocks=120, preemption_mode=mode, num_cpu_blocks=256)
+    assert len(outs) == 4
+    llm = LLM(model_dir, block_size=1, num_gpu_blocks=20)
+    assert [g.state_blocks for g in llm.llm_engine.core.kv_cache_config.kv_cache_groups] == [None, 2, 2]
+    layers = state_layers(llm.llm_engine.core.model_executor.driver_worker.model_runner.model).values()
+    assert all(layer.state is None and layer.pages.num_blocks == 2 for layer in layers)
 
 
 def test_conv_states_are_views_of_the_attention_pages(tmp_path):
     """Each conv layer's state is a [num_blocks, 64, 2] view into the K tensor of its slot:
     writing request r's state writes block r's page, the one the attention groups also use."""
-    from pagedllm.models.layers.mamba.state_layer import state_layers
     model_dir, _ = lfm2(tmp_path)
     llm = LLM(model_dir, block_size=4, num_gpu_blocks=10)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner

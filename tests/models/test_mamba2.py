@@ -26,10 +26,13 @@ def test_mamba2_equals_transformers_batched_and_chunked(tmp_path):
     check_batch_against_transformers(*mamba2(tmp_path), "Mamba2 chunked", ["StateManager"], 0, block_size=4)
 
 
-def test_mamba2_state_recomputed_after_preemption(tmp_path):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_mamba2_state_after_preemption(tmp_path, mode):
     """Two state blocks: two early requests hold both; two late ones of a higher priority
-    preempt them, and the early ones start again from a zero state."""
-    outs = check_late_arrivals_preempt(*mamba2(tmp_path), "Mamba2 preempted", block_size=4, num_gpu_blocks=3)
+    preempt them, and the early ones start again from a zero state (recompute) or from their
+    state swapped out to CPU blocks and back into the other state block."""
+    outs = check_late_arrivals_preempt(*mamba2(tmp_path), f"Mamba2 preempted ({mode})", block_size=4,
+                                       num_gpu_blocks=3, preemption_mode=mode, num_cpu_blocks=8)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs.values())
 
 
@@ -67,7 +70,7 @@ def test_parallel_samples_fork_the_state_where_there_is_room(tmp_path):
 def test_what_a_recurrent_state_cannot_do_is_refused(tmp_path, caplog):
     """Speculative decoding (no state rollback) and split models are ValueErrors before the
     model loads, a quantized KV cache once the runner sees the layers; prefix caching stays on
-    (state snapshots: test_hybrid_prefix_cache.py); swap preemption falls back to recompute."""
+    (state snapshots: test_hybrid_prefix_cache.py); swap preemption moves the states."""
     from pagedllm.engine.arg_utils import EngineArgs
     model_dir, _ = mamba2(tmp_path)
     with pytest.raises(ValueError, match="speculative_config is not supported for a model with recurrent layers"):
@@ -77,7 +80,6 @@ def test_what_a_recurrent_state_cannot_do_is_refused(tmp_path, caplog):
         EngineArgs(model=model_dir, tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' for a model with recurrent layers"):
         LLM(model_dir, kv_cache_dtype="int8")
-    llm = LLM(model_dir, enable_prefix_caching=True, preemption_mode="swap", num_cpu_blocks=8)
+    llm = LLM(model_dir, enable_prefix_caching=True)
     manager = llm.llm_engine.core.scheduler.kv_cache_manager
     assert manager.enable_caching
-    assert manager.swap_out(None) is False

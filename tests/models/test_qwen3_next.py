@@ -6,7 +6,6 @@ enough to preempt."""
 import pytest
 
 from models.hybrid_utils import check_batch_against_transformers, check_late_arrivals_preempt, make_hf_model
-from pagedllm import LLM
 
 # Gated DeltaNet: 2 key heads x 16 serving 4 value heads x 16: a delta-rule state of
 # 4 x 16 x 16 = 1024 floats, a conv state of (2 x 32 + 64) x 3 = 384; attention: 4 KV heads x 16
@@ -56,12 +55,31 @@ def test_qwen3_next_late_requests_preempt_running_ones(tmp_path):
     check_late_arrivals_preempt(*qwen3_next(tmp_path), "Qwen3-Next preempted", block_size=16, num_gpu_blocks=10)
 
 
-def test_a_delta_rule_state_larger_than_a_block_names_the_block_size(tmp_path):
-    """The delta-rule state (4 x 16 x 16 floats) needs a K page of 1024 floats: 4 KV heads x 16
-    x block_size, so block_size 16; at 8 the error says so."""
-    model_dir, _ = qwen3_next(tmp_path)
-    with pytest.raises(ValueError, match=r"block_size 8: a recurrent layer's state .* use block_size >= 16"):
-        LLM(model_dir, block_size=8)
+def test_qwen3_5_late_requests_swapped_out_and_in(tmp_path):
+    """Preempted by swap, a request's attention blocks and its conv and delta-rule states (in
+    the attention pages of other blocks) go to CPU blocks and come back: it resumes from them."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    config = {k: v for k, v in CONFIG.items() if "expert" not in k}
+    model_dir, model = make_hf_model(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, **config)
+    check_late_arrivals_preempt(model_dir, model, "Qwen3.5 swapped", block_size=16, num_gpu_blocks=10,
+                                preemption_mode="swap", num_cpu_blocks=32)
+
+
+def test_qwen3_5_states_over_three_blocks(tmp_path):
+    """Blocks of 4 tokens: a page is a K and a V row of 4 x 4 heads x 16 = 256 floats, so the
+    delta-rule state (4 x 16 x 16 = 1024 floats) and the conv state (384) are laid over 3
+    blocks' pages (1408 <= 3 x 512), the delta-rule state straddling rows: a batch under chunked
+    prefill, preempted, equal to transformers."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from pagedllm.models.layers.mamba.state_layer import state_layers
+    config = {k: v for k, v in CONFIG.items() if "expert" not in k}
+    model_dir, model = make_hf_model(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, **config)
+    llm = check_batch_against_transformers(model_dir, model, "Qwen3.5 text, states over 3 blocks",
+                                           ["FullAttentionManager", "StateManager", "StateManager"], 1,
+                                           block_size=4, num_gpu_blocks=40)
+    assert [g.state_blocks for g in llm.llm_engine.core.kv_cache_config.kv_cache_groups] == [None, 3, 3]
+    layers = state_layers(llm.llm_engine.core.model_executor.driver_worker.model_runner.model).values()
+    assert all(layer.state is None and layer.pages.num_blocks == 3 for layer in layers)
 
 
 def test_bad_layer_types_are_refused():

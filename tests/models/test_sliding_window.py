@@ -153,19 +153,22 @@ def gemma_groups_dir(tmp_path_factory):
     return _gemma(tmp_path_factory.mktemp("gemma3-groups"), GROUPS_WINDOW, [local, local, full] * 2)
 
 
-def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir, mode):
     """Prompts up to 7 windows long and a long generation, blocks of 4, a 16-token budget, a
-    cache that preempts: greedy equals transformers, and every local group of a decoding
-    request holds at most the 3 blocks its window spans (its global group: all of them);
-    a second pass hits the prefix cache (the local groups only inside the window) and
-    gives the same tokens."""
+    cache that preempts (by recompute, or by swapping every group's blocks out and back, the
+    local groups' blocks behind the window left behind): greedy equals transformers, and every
+    local group of a decoding request holds at most the 3 blocks its window spans (its global
+    group: all of them); a second pass hits the prefix cache (the local groups only inside the
+    window) and gives the same tokens."""
     from transformers import AutoModelForCausalLM
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 40, 61, 20)]
     lengths = [MAX_TOKENS] * 4 + [LONG_TOKENS]
     hf = AutoModelForCausalLM.from_pretrained(gemma_groups_dir, dtype=torch.float32).eval()
     refs = [hf_greedy(hf, [p], n, min_new_tokens=n)[0] for p, n in zip(prompts, lengths)]
-    llm = LLM(str(gemma_groups_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60)
+    llm = LLM(str(gemma_groups_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60,
+              preemption_mode=mode, num_cpu_blocks=128)
     engine = llm.llm_engine
     kv = engine.core.scheduler.kv_cache_manager
     assert [m.sliding_window for m in kv.managers] == [None, GROUPS_WINDOW, GROUPS_WINDOW]
@@ -187,12 +190,14 @@ def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir):
                 most_full = max(most_full, full)
     assert most_full == -((20 + LONG_TOKENS - 1) // -4)   # the long request reached its end in full
     assert engine.num_preemptions > 0
+    assert engine.core.scheduler.num_swaps == (engine.num_preemptions if mode == "swap" else 0)
     _assert_equal([outs[str(i)] for i in range(5)], refs, "gemma3 kv cache groups")
     for _ in range(2):   # the first pass caches the prompt (the long generation evicted it)
         again = llm.generate([{"prompt_token_ids": prompts[3]}], GREEDY, use_tqdm=False)
     assert again[0].num_cached_tokens == 60   # the last prompt token is always computed
     _assert_equal(again, refs[3:4], "gemma3 kv cache groups, prefix cache")
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks - 1
+    assert len(kv.free_cpu_blocks) == (127 if mode == "swap" else 0) and not kv.req_to_cpu_blocks
 
 
 def test_several_groups_refuse_what_reads_one_block_table(gemma_groups_dir):

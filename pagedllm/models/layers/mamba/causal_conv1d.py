@@ -5,7 +5,8 @@ token-by-token decode give the same outputs as one pass over the whole sequence.
 
 Several requests at once: their tokens are packed along one axis (query_start_loc), each with
 its own state row; one unfold over the padded [state | chunk] of every request, no loop over
-tokens.
+tokens. A step of one token a request (every request scheduled has at least one) appends it to
+its state row instead: no padding, index or gather.
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.shape[0] != channels or state.shape[1:] != (channels, k - 1):
         raise ValueError(f"weight must be [{channels}, K] and state [num_reqs, {channels}, K-1], "
                          f"got {tuple(weight.shape)} and {tuple(state.shape)}")
+    if num_tokens == state.shape[0]:   # one token a request (a step of decodes): no padding
+        window = torch.cat([state.to(x.dtype), x.unsqueeze(2)], dim=2)   # [num_reqs, channels, K]
+        y = (window * weight).sum(-1)
+        state.copy_(window[:, :, 1:].to(state.dtype))
+        return y + bias if bias is not None else y
     starts = query_start_loc[:-1]
     lens = query_start_loc[1:] - starts                       # [num_reqs]
     num_reqs, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0

@@ -66,13 +66,12 @@ class GatedDeltaNet(StateLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the step's tokens, requests packed) -> [T, hidden]."""
-        meta, (conv_state, rec_state) = self.step_state()
+        meta = self.step_state()
         T, r = x.shape[0], self.hv // self.hk
         mixed, z, b, a = self.split_projections(x)
-        idx = meta.state_indices
-        conv = conv_state[idx]                                        # [R, conv_dim, K-1] (a copy)
+        conv = self.load_state(meta, 0)                               # [R, conv_dim, K-1] (a copy)
         mixed = F.silu(causal_conv1d(mixed, self.conv1d_weight[:, 0], None, conv, meta.query_start_loc))
-        conv_state[idx] = conv                                        # written back in place
+        self.store_state(meta, 0, conv)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # [T, Hv, Dk]: each key head serves r consecutive value heads
         q = l2_normalize(q.reshape(T, self.hk, self.dk)).repeat_interleave(r, dim=1)
@@ -81,14 +80,15 @@ class GatedDeltaNet(StateLayer):
         beta = b.float().sigmoid()                                    # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if meta.all_decode:
-            s = rec_state[idx]                                        # [R, Hv, Dk, Dv]
+            s = self.load_state(meta, 1)                              # [R, Hv, Dk, Dv]
             o = gated_delta_rule_step(q, k, v, g, beta, s)
-            rec_state[idx] = s.to(rec_state.dtype)
+            self.store_state(meta, 1, s)
         else:
             o = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
-            for i, block in enumerate(meta.blocks):                   # rec_state[block] is a view
+            for i in range(len(meta.blocks)):
                 s, e = meta.starts[i], meta.starts[i + 1]
-                o[s:e] = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], rec_state[block])
+                with self.request_state(meta, 1, i) as state:         # [Hv, Dk, Dv], updated in place
+                    o[s:e] = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
         # RMSNorm per value head, then the gate (transformers' Qwen3NextRMSNormGated: from the
         # output in the model's dtype)
         o = o.to(x.dtype).float()

@@ -25,10 +25,9 @@ class ShortConv(StateLayer):
     def forward(self, x: torch.Tensor, positions=None, rope=None) -> torch.Tensor:
         """x [T, hidden] (requests packed) -> [T, hidden]; positions and rope unused (the
         attention layers' signature)."""
-        meta, (conv_state,) = self.step_state()
+        meta = self.step_state()
         B, C, xs = self.in_proj(x).chunk(3, dim=-1)                   # [T, hidden] each
-        idx = meta.state_indices
-        conv = conv_state[idx]                                        # [R, hidden, K-1] (a copy)
+        conv = self.load_state(meta, 0)                               # [R, hidden, K-1] (a copy)
         y = causal_conv1d(B * xs, self.conv_weight[:, 0], self.conv_bias, conv, meta.query_start_loc)
-        conv_state[idx] = conv                                        # written back in place
+        self.store_state(meta, 0, conv)
         return self.out_proj(C * y)
