@@ -4,30 +4,22 @@ processor expands to the image's soft tokens): the chat's tokens are transformer
 the template renders, and the server (official openai client, image_url as a data URL, streamed
 and not) gives them too, with a token budget of one image (each image prefilled whole in its
 step) and text-only requests beside it."""
-import asyncio
-
 import pytest
 from transformers import AutoTokenizer
 
+from entrypoints.test_server_qwen2_vl import GREEDY, N, _greedy, image_chats_beside_text, streamed_text
 from entrypoints.test_server_vision import _data_url, _messages
 from models.gemma3v_fixture import IMAGE, IMAGE_TOKENS, build_tiny_gemma3v, hf_greedy
 from models.vlm_fixture import image
 from server_utils import RemoteServer
 
-N = 6
 MODEL = "gemma3v"
-GREEDY = dict(max_tokens=N, temperature=0, extra_body={"ignore_eos": True})
 PICTURE = image(5, (120, 100))
 
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     return build_tiny_gemma3v(str(tmp_path_factory.mktemp("gemma3v")))
-
-
-def _greedy():
-    from pagedllm.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +58,9 @@ def test_server_gives_offline_tokens(vlm_dir, chat):
         client = s.client()
         messages = _messages(_data_url(PICTURE))
         r = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
-        assert r.choices[0].message.content == offline.outputs[0].text
-        assert r.usage.prompt_tokens == len(offline.prompt_token_ids)
-        stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == offline.outputs[0].text
-
-        aclient = s.async_client()
-
-        async def chat(msgs):
-            r = await aclient.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
-            return r.choices[0].message.content
-
-        async def run():
-            text = [[{"role": "user", "content": f"Count to {i}"}] for i in (3, 5)]
-            return await asyncio.gather(*(chat(m) for m in (text[0], messages, text[1], messages)))
-        texts = asyncio.run(run())
-        assert texts[1] == texts[3] == offline.outputs[0].text
+        assert (r.choices[0].message.content, r.usage.prompt_tokens) == (offline.outputs[0].text,
+                                                                         len(offline.prompt_token_ids))
+        assert streamed_text(client, MODEL, messages) == offline.outputs[0].text
+        assert image_chats_beside_text(s, MODEL, messages) == [offline.outputs[0].text] * 2
     finally:
         s.close()
