@@ -59,7 +59,8 @@ def _draw(rng: random.Random, k: int, placeholder: str) -> list[tuple[dict | str
     return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+# seeds 7 and 10 draw the smallest token budget (images split across steps; Gemma 3: one image a step)
+@pytest.mark.parametrize("seed", [*range(6), 7, 10])
 def test_image_workload_fuzz(vlm, roomy, seed):
     rng = random.Random(f"vlm-{seed}")
     llm = LLM(vlm.path, dtype="float32", max_num_batched_tokens=max(rng.choice([8, 24, 64, 2048]), vlm.min_budget),
