@@ -60,6 +60,25 @@ def test_string_content_template_wraps_the_image(vlm_dir, offline):
     assert list(out.outputs[0].token_ids) == hf_greedy(vlm_dir, prompt, [PICTURE], N)
 
 
+def streamed_text(client, model: str, messages: list) -> str:
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def image_chats_beside_text(s: RemoteServer, model: str, messages: list) -> list[str]:
+    """The chat `messages` sent twice at once with two text-only chats, greedy: its two answers."""
+    aclient = s.async_client()
+
+    async def chat(msgs):
+        r = await aclient.chat.completions.create(model=model, messages=msgs, **GREEDY)
+        return r.choices[0].message.content
+
+    async def run():
+        text = [[{"role": "user", "content": f"Count to {i}"}] for i in (3, 5)]
+        return await asyncio.gather(*(chat(m) for m in (text[0], messages, text[1], messages)))
+    return asyncio.run(run())[1::2]
+
+
 def test_server_gives_offline_tokens(vlm_dir, offline):
     """Streamed and not, a repeat that hits the prefix cache, and text-only chats at the same
     time: the image chat's text and prompt length are LLM.chat's every time."""
@@ -73,22 +92,10 @@ def test_server_gives_offline_tokens(vlm_dir, offline):
         assert r.choices[0].message.content == offline.outputs[0].text
         assert r.usage.prompt_tokens == len(offline.prompt_token_ids)
         before = wait_idle(s)
-        stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == offline.outputs[0].text
+        assert streamed_text(client, MODEL, messages) == offline.outputs[0].text
         hits = "pagedllm:prefix_cache_hits_total"
         after = wait_metrics(s, lambda m: m[hits] > before[hits], "the repeat's prefix-cache hits")
         assert after[hits] - before[hits] >= 4 * (len(offline.prompt_token_ids) // 4 - 1)   # all but the last block
-
-        aclient = s.async_client()
-
-        async def chat(msgs):
-            r = await aclient.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
-            return r.choices[0].message.content
-
-        async def run():
-            text = [[{"role": "user", "content": f"Count to {i}"}] for i in (3, 5)]
-            return await asyncio.gather(*(chat(m) for m in (text[0], messages, text[1], messages)))
-        texts = asyncio.run(run())
-        assert texts[1] == texts[3] == offline.outputs[0].text
+        assert image_chats_beside_text(s, MODEL, messages) == [offline.outputs[0].text] * 2
     finally:
         s.close()

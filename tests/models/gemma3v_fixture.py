@@ -1,6 +1,6 @@
 """A tiny random-weight Gemma 3 with its vision tower (Gemma3ForConditionalGeneration) built with
 transformers' own classes: the SmolLM2 tokenizer with Gemma 3's image tokens added (as its
-boi / eoi / image special tokens), transformers' Gemma3Processor over Gemma 3's image processor
+boi / eoi / image special tokens) and Gemma 3's chat template, transformers' Gemma3Processor over Gemma 3's image processor
 at 32 x 32 pixels; 16 tokens an image, a sliding window of 8 (shorter than an image, so the
 window cuts into an image's bidirectional block)."""
 from __future__ import annotations
@@ -11,6 +11,25 @@ IMAGE = "<start_of_image>"   # what a prompt writes where an image goes
 IMAGE_TOKENS = 16
 QK_NORM = 2.0
 SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# Gemma 3's own chat template (google/gemma-3-4b-it's tokenizer_config.json): it iterates over
+# content parts, trims their text and writes each image part as <start_of_image>.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}")
 
 
 def build_tiny_gemma3v(path: str) -> str:
@@ -18,6 +37,7 @@ def build_tiny_gemma3v(path: str) -> str:
     from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     tok = AutoTokenizer.from_pretrained(SMOLLM2, extra_special_tokens=SPECIAL)
+    tok.chat_template = GEMMA3_TEMPLATE
     proc = Gemma3Processor(Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tok,
                            image_seq_length=IMAGE_TOKENS)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,

@@ -1,5 +1,6 @@
-"""A seeded fuzz of the image path on the tiny Idefics3 and Qwen2.5-VL (M-RoPE positions kept
-through chunks, prefix hits, preemption and aborts): a random mix of requests with none, one
+"""A seeded fuzz of the image path on the tiny Idefics3, Qwen2.5-VL (M-RoPE positions kept
+through chunks) and Gemma 3 (each image's tokens bidirectional, prefilled in one step; prefix
+hits that end inside an image), with prefix hits, preemption and aborts: a random mix of requests with none, one
 or two images (drawn from a small pool, so images repeat within and across prompts), arriving at
 random steps, some aborted, under a random token budget (images split across steps), a small KV
 cache (preemption) and prefix caching on or off. After each case: no block in use, the free
@@ -7,9 +8,11 @@ queue holds every block, the encoder cache holds nothing, and every request that
 the greedy tokens of the same prompts run together on a roomy engine (itself equal to
 transformers in test_idefics3.py)."""
 import random
+from typing import NamedTuple
 
 import pytest
 
+from models import gemma3v_fixture
 from models.qwen2vl_fixture import IMAGE, build_tiny_qwen2vl
 from models.vlm_fixture import build_tiny_idefics3, image
 from pagedllm.engine.output_processor import OutputKind
@@ -20,18 +23,26 @@ TEXTS = ["Look <image> and say", "Compare <image> with <image> now", "The capita
          "<image> what is this", "Tell me about <image> and then <image> please"]
 
 
-@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
-def vlm(tmp_path_factory, request):
-    """-> (checkpoint, the text a prompt writes for one image)."""
+class Vlm(NamedTuple):
+    path: str
+    placeholder: str        # the text a prompt writes for one image
+    min_budget: int = 1     # Gemma 3 prefills an image in one step: its budget holds one image's tokens
+    kv_groups: int = 1      # KV-cache groups (Gemma 3: one full, two sliding): the blocks scale with them
+
+
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl", "gemma3"])
+def vlm(tmp_path_factory, request) -> Vlm:
     path = str(tmp_path_factory.mktemp(f"{request.param}_fuzz"))
     if request.param == "idefics3":
-        return build_tiny_idefics3(path), "<image>"
-    return build_tiny_qwen2vl(path, qwen2_5=True), IMAGE
+        return Vlm(build_tiny_idefics3(path), "<image>")
+    if request.param == "gemma3":
+        return Vlm(gemma3v_fixture.build_tiny_gemma3v(path), gemma3v_fixture.IMAGE, gemma3v_fixture.IMAGE_TOKENS, 3)
+    return Vlm(build_tiny_qwen2vl(path, qwen2_5=True), IMAGE)
 
 
 @pytest.fixture(scope="module")
 def roomy(vlm):
-    return LLM(vlm[0], dtype="float32", enable_prefix_caching=False)
+    return LLM(vlm.path, dtype="float32", enable_prefix_caching=False)
 
 
 def _draw(rng: random.Random, k: int, placeholder: str) -> list[tuple[dict | str, SamplingParams, int, int]]:
@@ -48,13 +59,14 @@ def _draw(rng: random.Random, k: int, placeholder: str) -> list[tuple[dict | str
     return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+# seeds 7 and 10 draw the smallest token budget (images split across steps; Gemma 3: one image a step)
+@pytest.mark.parametrize("seed", [*range(6), 7, 10])
 def test_image_workload_fuzz(vlm, roomy, seed):
     rng = random.Random(f"vlm-{seed}")
-    llm = LLM(vlm[0], dtype="float32", max_num_batched_tokens=rng.choice([8, 24, 64, 2048]),
-              num_gpu_blocks=rng.choice([8, 10, 64]), enable_prefix_caching=rng.random() < 0.7)
+    llm = LLM(vlm.path, dtype="float32", max_num_batched_tokens=max(rng.choice([8, 24, 64, 2048]), vlm.min_budget),
+              num_gpu_blocks=rng.choice([8, 10, 64]) * vlm.kv_groups, enable_prefix_caching=rng.random() < 0.7)
     engine = llm.llm_engine
-    requests = _draw(rng, rng.randint(3, 7), vlm[1])
+    requests = _draw(rng, rng.randint(3, 7), vlm.placeholder)
     done, step = {}, 0
     while step < 400 and (step <= 10 or engine.has_unfinished_requests()):
         for i, (prompt, params, arrive, abort) in enumerate(requests):
