@@ -20,12 +20,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """As torch_sdpa.paged_attention.paged_attention (same shapes), for metadata built with or
     without pages."""
     caches = write_step_kv(k, v, k_cache, v_cache, meta, kv_scales)
+
+    def decode(qd: torch.Tensor) -> torch.Tensor:   # the C++ kernel reads the pages directly
+        return decode_kernel()(qd, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens,
+                               meta.block_size, scale, meta.sliding_window or 0, *caches[2:])
+
+    paged_decode = meta.decode_block_table is not None
+    if paged_decode and meta.all_decode and len(meta.decode_seq_lens) == q.shape[0]:
+        return decode(q)   # every token a decode query, in token order: no gather, no scatter
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # [T, H, D] contiguous
-    if meta.decode_block_table is not None:   # the C++ kernel reads the pages directly
-        out[meta.decode_token_idx] = decode_kernel()(q[meta.decode_token_idx], k_cache, v_cache,
-                                                     meta.decode_block_table, meta.decode_seq_lens,
-                                                     meta.block_size, scale, meta.sliding_window or 0,
-                                                     *caches[2:])
+    if paged_decode:
+        out[meta.decode_token_idx] = decode(q[meta.decode_token_idx])
     elif meta.decode_token_idx is not None:
         attend_decodes(q, caches, meta, scale, out)
     pages = meta.prefill_pages
