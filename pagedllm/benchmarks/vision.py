@@ -29,6 +29,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=512, help="side of the square test images (pixels)")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GiB",
+                   help="KV cache of each engine (the workloads are small; the engine's default is 4)")
     p.add_argument("--output-json", default=None, metavar="PATH")
     vision_throughput.add_cli_args(p)
 
@@ -80,11 +82,17 @@ def _print_header(path: str, dtype: str) -> dict:
     return m
 
 
+def _kv_bytes(ns) -> int:
+    if not ns.kv_cache_memory > 0:
+        raise ValueError(f"kv_cache_memory must be > 0 GiB, got {ns.kv_cache_memory}")
+    return int(ns.kv_cache_memory * 2 ** 30)
+
+
 def throughput_main(ns, path: str) -> int:
     from pagedllm import LLM
     if ns.repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {ns.repeat}")
-    res = vision_throughput.run_throughput(LLM(path, dtype=ns.dtype), ns, _image)
+    res = vision_throughput.run_throughput(LLM(path, dtype=ns.dtype, kv_cache_memory=_kv_bytes(ns)), ns, _image)
     m = _print_header(path, ns.dtype)
     vision_throughput.print_throughput(res, ns)
     if ns.output_json:
@@ -98,7 +106,7 @@ def main(ns) -> int:
     path = ns.model or str(random_vlm_dir(ns.shape))
     if ns.throughput:
         return throughput_main(ns, path)
-    engines = {caching: LLM(path, dtype=ns.dtype, enable_prefix_caching=caching)
+    engines = {caching: LLM(path, dtype=ns.dtype, enable_prefix_caching=caching, kv_cache_memory=_kv_bytes(ns))
                for caching in (True, False)}
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     question, follow_up = "What is in this picture?", "And what colours does it have?"
