@@ -7,7 +7,8 @@ encode_image_list for a model whose images have their own grids, called directly
 image and the encoder does not run again (counted); and the same turn 2 on an engine with
 prefix caching off, which encodes the image again and prefills the whole conversation (what a
 server without image-aware caching does every turn). Rounds interleaved (--repeat); medians.
-TTFT is the engine's: from the request's arrival (its images processed) to its first token."""
+TTFT is the engine's: from the request's arrival (its images processed) to its first token.
+With --throughput N: offline throughput with images in the batch instead (vision_throughput.py)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ import time
 
 import numpy as np
 
+from pagedllm.benchmarks import vision_throughput
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
 
 
@@ -27,7 +29,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=512, help="side of the square test images (pixels)")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GiB",
+                   help="KV cache of each engine (the workloads are small; the engine's default is 4)")
     p.add_argument("--output-json", default=None, metavar="PATH")
+    vision_throughput.add_cli_args(p)
 
 
 def _image(seed: int, side: int):
@@ -69,11 +74,39 @@ def _encode_times(llm, img) -> tuple[float, float, int]:
     return processed, encoded, image.length
 
 
+def _print_header(path: str, dtype: str) -> dict:
+    m = machine_info()
+    print(f"command: {command_line()}")
+    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
+    print(f"model: {path} ({dtype})", end="; ")
+    return m
+
+
+def _kv_bytes(ns) -> int:
+    if not ns.kv_cache_memory > 0:
+        raise ValueError(f"kv_cache_memory must be > 0 GiB, got {ns.kv_cache_memory}")
+    return int(ns.kv_cache_memory * 2 ** 30)
+
+
+def throughput_main(ns, path: str) -> int:
+    from pagedllm import LLM
+    if ns.repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {ns.repeat}")
+    res = vision_throughput.run_throughput(LLM(path, dtype=ns.dtype, kv_cache_memory=_kv_bytes(ns)), ns, _image)
+    m = _print_header(path, ns.dtype)
+    vision_throughput.print_throughput(res, ns)
+    if ns.output_json:
+        write_json(ns.output_json, {"command": command_line(), "machine": m, "model": path, **res})
+    return 0
+
+
 def main(ns) -> int:
     from pagedllm import LLM, SamplingParams
     from pagedllm.models.random_vlm import random_vlm_dir
     path = ns.model or str(random_vlm_dir(ns.shape))
-    engines = {caching: LLM(path, dtype=ns.dtype, enable_prefix_caching=caching)
+    if ns.throughput:
+        return throughput_main(ns, path)
+    engines = {caching: LLM(path, dtype=ns.dtype, enable_prefix_caching=caching, kv_cache_memory=_kv_bytes(ns))
                for caching in (True, False)}
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     question, follow_up = "What is in this picture?", "And what colours does it have?"
@@ -98,10 +131,8 @@ def main(ns) -> int:
         turn2_encodes.append(runs)
         cached.append(hit)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    m = machine_info()
-    print(f"command: {command_line()}")
-    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
-    print(f"model: {path} ({ns.dtype}); {ns.image_size}x{ns.image_size} images, {tokens} placeholder tokens each; "
+    m = _print_header(path, ns.dtype)
+    print(f"{ns.image_size}x{ns.image_size} images, {tokens} placeholder tokens each; "
           f"{ns.repeat} rounds, medians\n")
     table = [{"what": "HF processor, per image", "s": med["processor_s"]},
              {"what": "encoder, per image", "s": med["encode_s"]},

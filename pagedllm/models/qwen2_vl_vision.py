@@ -18,6 +18,17 @@ def vision_patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
     return pos.repeat(t, 1)
 
 
+def input_channels(vc: dict) -> int:
+    """The patch embedding's input channels. transformers' Qwen2VLVisionConfig and
+    Qwen2_5_VLVisionConfig read `in_channels` (default 3); Qwen's released config.json files name
+    it `in_chans`, which transformers keeps as an extra attribute it never reads. Either, where
+    given, must be 3: the image processor's patches are RGB (3 x 2 x P x P values each)."""
+    for field in ("in_channels", "in_chans"):
+        if vc.get(field, 3) != 3:
+            raise ValueError(f"vision_config.{field} {vc[field]!r} is not supported: the images are RGB (3 channels)")
+    return 3
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -103,7 +114,7 @@ class Qwen2VLVisionTransformer(nn.Module):
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Module()
         kernel = (vc.get("temporal_patch_size", 2), vc.get("patch_size", 14), vc.get("patch_size", 14))
-        self.patch_embed.proj.weight = nn.Parameter(torch.empty(dim, vc.get("in_channels", 3), *kernel))
+        self.patch_embed.proj.weight = nn.Parameter(torch.empty(dim, input_channels(vc), *kernel))
         head_dim = dim // heads
         theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         # head_dim/4 frequencies each for the row and the column.

@@ -116,12 +116,43 @@ def test_vision(tmp_path):
                                  "turn2_reencoded_ttft_s"}
 
 
+def test_vision_throughput(tmp_path):
+    """8 requests, 4 with a 64 x 64 image before their text, on the tiny random Idefics3. Each
+    image is 23 prompt tokens (<fake_token_around_image>, "<global-img>" as 5 text tokens, 16
+    image tokens, <fake_token_around_image>). All eight prompts fit one step's token budget
+    (2048): the distinct images are encoded once each; the shared image once, the other three
+    requests finding it in the encoder cache and the first's block of 16 (its tags and first 10
+    image tokens) in the prefix cache, registered as the step scheduled it."""
+    d = bench(tmp_path, "vision", "--shape", "tiny", "--image-size", "64", "--throughput", "8",
+              "--input-len", "16", "--output-len", "4", "--repeat", "1")
+    text, distinct, same = d["rows"]
+    assert [r["run"] for r in d["rows"]] == ["text only", "distinct images", "same image"]
+    assert all(r["requests"] == 8 and r["output_tokens"] == 8 * 4 for r in d["rows"])
+    assert (text["images"], distinct["images"], same["images"]) == (0, 4, 4) and d["image_requests"] == 4
+    assert distinct["prompt_tokens"] == same["prompt_tokens"] == text["prompt_tokens"] + 4 * 23
+    counters = ("images_encoded", "mm_queries", "mm_hits", "cached_tokens")
+    assert [text[k] for k in counters] == [[0], [0], [0], [0]] and text["encoder_share"] == 0
+    assert [distinct[k] for k in counters] == [[4], [4], [0], [0]]
+    assert [same[k] for k in counters] == [[1], [4], [3], [3 * 16]]
+    assert all(0 < r["encoder_share"] < 1 and 0 < r["processor_share"] < 1 for r in (distinct, same))
+    assert d["ratio_req_s"] == pytest.approx(distinct["req_s"] / text["req_s"])
+    assert text["total_tok_s"] == pytest.approx((text["prompt_tokens"] + 32) / text["elapsed_s"])
+
+
 def test_vision_qwen2_5_vl(tmp_path):
     """The same on a tiny Qwen2.5-VL checkpoint (--model): its images encoded through
-    encode_image_list, turn 2 reusing the image without an encoder run."""
+    encode_image_list, turn 2 reusing the image without an encoder run; and --throughput's
+    counters (the prompts fit one step: the shared image encoded once)."""
     from models.qwen2vl_fixture import build_tiny_qwen2vl
     model = build_tiny_qwen2vl(str(tmp_path / "qwen2_5_vl"), qwen2_5=True)
     d = bench(tmp_path, "vision", "--model", model, "--image-size", "112", "--repeat", "1")
     # 112 x 112 is over the fixture's max_pixels (12 merged tokens): resized to 84 x 84, 3 x 3 tokens.
     assert d["image_tokens"] == 9 and d["turn2_encoder_runs"] == [0] and d["turn2_answers_identical"]
     assert d["turn2_cached"][0] > 16 and d["medians"]["encode_s"] > 0
+    # --throughput: 4 requests, 2 with an image (11 prompt tokens: vision_start, 9, vision_end).
+    d = bench(tmp_path, "vision", "--model", model, "--image-size", "112", "--throughput", "4", "--input-len", "8",
+              "--output-len", "2", "--repeat", "1")
+    text, distinct, same = d["rows"]
+    assert distinct["prompt_tokens"] == same["prompt_tokens"] == text["prompt_tokens"] + 2 * 11
+    assert (distinct["images_encoded"], distinct["mm_hits"]) == ([2], [0])
+    assert (same["images_encoded"], same["mm_queries"], same["mm_hits"]) == ([1], [2], [1])

@@ -40,6 +40,44 @@ def _prompt(text, images):
 def test_image_features_match_transformers(vlm_dir):
     """Two images of different grids in one encoder call: transformers' vision tower's merged
     features (its pooler_output), image by image."""
+    _features_match_transformers(vlm_dir)
+
+
+def test_released_config_field_names(vlm_dir, tmp_path):
+    """The checkpoint's vision_config as Qwen's released config.json files write it: `in_chans`
+    (and Qwen2.5-VL's `spatial_patch_size`) instead of transformers' `in_channels`. transformers
+    reads in_channels (its default, 3) and keeps in_chans unread; the engine builds the same tower,
+    whose features are transformers'."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+    path = shutil.copytree(vlm_dir, tmp_path / "released")
+    cfg = json.loads((path / "config.json").read_text())
+    vision = cfg["vision_config"]
+    vision["in_chans"] = vision.pop("in_channels")
+    if "fullatt_block_indexes" in vision:
+        vision["spatial_patch_size"] = vision["patch_size"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoConfig.from_pretrained(path).vision_config
+    assert (hf.in_channels, hf.in_chans) == (3, 3)
+    _features_match_transformers(str(path))
+
+
+@pytest.mark.parametrize("field", ["in_channels", "in_chans"])
+def test_vision_input_channels_other_than_rgb(vlm_dir, field):
+    import json
+
+    from pagedllm.models.qwen2_5_vl import Qwen2_5_VLVisionTransformer
+    from pagedllm.models.qwen2_vl_vision import Qwen2VLVisionTransformer
+    vision = json.load(open(f"{vlm_dir}/config.json"))["vision_config"]
+    cls = Qwen2_5_VLVisionTransformer if "fullatt_block_indexes" in vision else Qwen2VLVisionTransformer
+    cls({**vision, field: 3})   # RGB: accepted under either name
+    with pytest.raises(ValueError, match=f"vision_config.{field} 1 is not supported"):
+        cls({**vision, field: 1})
+
+
+def _features_match_transformers(vlm_dir):
     import torch
 
     from pagedllm.multimodal.processing import load_mm_processor
