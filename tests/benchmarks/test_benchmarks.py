@@ -154,19 +154,3 @@ def test_bench_vision_throughput_bad_args(field, value):
     setattr(ns, field, value)
     with pytest.raises(ValueError, match=f"{field} must be"):
         check_args(ns)
-
-
-def test_bench_vision_random_texts_lengths_and_placeholder():
-    """Token lengths in input_len * [1 - ratio, 1 + ratio] before decoding (SmolLM2's byte-level
-    BPE re-encodes a decoded text to about as many tokens); a text holding the placeholder is drawn again."""
-    import numpy as np
-
-    from pagedllm.benchmarks.vision_throughput import random_texts
-
-    class Tok:   # ids 0..9 are the letters a..j; 9 ("j") is special
-        vocab_size, all_special_ids, added_tokens_decoder = 10, [9], {}
-
-        def decode(self, ids):
-            return "".join("abcdefghij"[i] for i in ids)
-    texts = random_texts(Tok(), 50, 10, 0.5, np.random.default_rng(0), avoid="ab")
-    assert len(texts) == 50 and all(5 <= len(t) <= 15 and "ab" not in t and "j" not in t for t in texts)
