@@ -5,7 +5,8 @@ Loading: each GGUF row arrives as a row blob [rows, width] uint8 (`row_blob`): i
 number, the row's bytes as in the file, zero padding to the widest row type of the file at that
 width, so the layers' weight loaders cut and fuse rows as they do float rows (a fused QKV may
 mix Q4_K and Q6_K rows). `process_weights_after_loading` repacks each run of one type into
-csrc/gguf_linear.cpp's layout (gguf_repack.py) and holds `qweight` (the bytes) and `scales` (the
+csrc/gguf_linear.cpp's layout (gguf_repack.py; codes in quads or pairs as
+$PAGEDLLM_GGUF_ACTIVATIONS, int8 or int16, says) and holds `qweight` (the bytes) and `scales` (the
 int64 group table, where the decode loop looks for a quantized linear's second tensor). A tied
 LM head and the embedding share one packed weight. Without the C++ extension: the dequantised
 float32 weight (the gguf package's) and torch.
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.models.layers.quantization.gguf_repack import BLOCK, TYPE_IDS, pack_segments, row_bytes
 
@@ -82,7 +84,7 @@ class GGUFLinearMethod(QuantizedLinearMethod):
             if self.ops is None:
                 self.shared[id(param)] = (_dequantized(segments), None)
             else:
-                self.shared[id(param)] = pack_segments(segments)
+                self.shared[id(param)] = pack_segments(segments, envs.PAGEDLLM_GGUF_ACTIVATIONS)
         packed, meta = self.shared[id(param)]
         layer.register_buffer("qweight", packed, persistent=False)
         layer.register_buffer("scales", meta, persistent=False)   # None without the extension
