@@ -1,26 +1,28 @@
 // Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) held in the
 // file's bytes, repacked at load (models/layers/quantization/gguf_repack.py) so that one SIMD lane is one
-// weight row: y = x W^T + b, float32 activations, any number of rows.
+// weight row: y = x W^T + b, float32 activations, any number of rows. The activations are
+// quantized per block of 32 to int8 (the default: gguf_int8.cpp, 4 products a lane) or int16
+// (this file, 2 a lane; PAGEDLLM_GGUF_ACTIVATIONS), each with its own order of the codes.
 //
 // Layout. Output rows in groups of 16; a group's bytes, for each super-block of its type (32
 // features: Q4_0 / Q4_1 / Q8_0; 256: Q4_K / Q6_K), are the 16 rows' per-row fields (float16 d,
-// m, dmin; 8-bit sub-block scales) as arrays of 16, then the integer codes in chunks of 32
-// bytes: byte 2i + j of a chunk belongs to row i, feature 2p + j of a 32-feature block (p the
-// chunk's feature pair). A chunk widened to int16 (vpmovzxbw) is 16 rows x 2 features: one
-// vpdpwssd with the pair of int16 activations broadcast adds 2 products to each row's sum. 4-bit
-// codes: chunk c (0..7) holds pair c in its low nibbles and pair c + 8 in its high ones. 8-bit:
-// chunk p holds pair p. 5-bit: 4-bit chunks for the low bits, then 2 chunks of 1-bit fields (chunk
-// c, bit f: pair c + 2 f). Q6_K: 4-bit chunks, then 4 chunks of 2-bit fields (chunk c, field f:
-// pair c + 4 f). Bytes a row: the file's (Q4_K: 148 for 144, Q5_K 180 for 176).
+// m, dmin; 8-bit sub-block scales) as arrays of 16, then the integer codes in chunks of 16 W
+// bytes: byte W i + j of a chunk belongs to row i, feature W u + j of a 32-feature block (u the
+// chunk's unit of W features: pairs, W = 2, for int16 activations; quads, W = 4, for int8). Of
+// a block's U = 32 / W units: 4-bit codes, chunk c holds unit c in its low nibbles and unit
+// c + U/2 in its high ones; 8-bit: chunk u holds unit u; 5-bit: the 4-bit chunks, then chunks of
+// 1-bit fields (chunk c, bit f: unit c + (U/8) f); Q6_K: the 4-bit chunks, then chunks of 2-bit
+// fields (chunk c, field f: unit c + (U/4) f). Pairs: a chunk widened to int16 (vpmovzxbw) is 16
+// rows x 2 features, one vpdpwssd with the pair of int16 activations broadcast adds 2 products to
+// each row's sum. Quads: gguf_int8.cpp. Bytes a row: the file's (Q4_K: 148 for 144, Q5_K 180 for 176).
 //
 // A weight tensor is a run of groups, each with its own type (a fused QKV may mix Q4_K and
-// Q6_K), described by `meta` [G, 4] int64: byte offset, GGML type, first output row, rows (<= 16;
-// the last group of a segment is padded with zero rows).
+// Q6_K), described by `meta` [G, 4] int64: byte offset, GGML type (+ QUADS when the codes are
+// in quads), first output row, rows (<= 16; the last group of a segment is padded with zero rows).
 //
-// Activations: each input row quantized to int16 in blocks of 32 (d = amax / 32767; int8 ones,
-// llama.cpp's Q8 scheme, cost the default model's greedy agreement: docs/design.md) with the
-// float sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's
-// -32 d sc, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
+// int16 activations: each input row quantized in blocks of 32 (d = amax / 32767) with the float
+// sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's -32 d sc,
+// Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
 // 128, |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
 //
 // Threads over row groups; within a group the activation rows in tiles of 8 (each tile reuses
