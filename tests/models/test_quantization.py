@@ -275,6 +275,17 @@ def test_gguf_types_without_a_kernel_are_refused_by_name():
     from pagedllm.models.layers.quantization.gguf_repack import row_bytes
     with pytest.raises(ValueError, match="a Q4_K row of 576 features is not whole blocks of 256"):
         row_bytes("Q4_K", 576)
+    with pytest.raises(ValueError, match="GGUF activations must be one of int8, int16, not 'int4'"):
+        pack_segments([("Q4_0", np.zeros((16, 18), dtype=np.uint8))], "int4")
+
+
+def test_gguf_activations_variable_is_checked(monkeypatch):
+    from pagedllm import envs
+    monkeypatch.delenv("PAGEDLLM_GGUF_ACTIVATIONS", raising=False)
+    assert envs.PAGEDLLM_GGUF_ACTIVATIONS == "int8"   # the default
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACTIVATIONS='fp8' is not valid"):
+        envs.PAGEDLLM_GGUF_ACTIVATIONS
 
 
 def test_bad_flags_are_value_errors():
