@@ -25,6 +25,14 @@ def _switch(default: bool) -> Callable[[Optional[str]], bool]:
     return lambda raw: default if not raw else raw != "0"
 
 
+def _one_of(default: str, allowed: tuple) -> Callable[[Optional[str]], str]:
+    def parse(raw: Optional[str]) -> str:
+        if raw and raw not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, not {raw!r}")
+        return raw or default
+    return parse
+
+
 def _number(kind: type, default):
     def parse(raw: Optional[str]):
         return default if not raw else kind(raw)
@@ -54,6 +62,10 @@ VARIABLES: dict[str, EnvVar] = {
                                       "1: never build or use the C++ CPU kernels (the torch code instead)"),
     "PAGEDLLM_CPU_ISA": EnvVar(_text(None), "avx2: use the C++ kernels' AVX2 build on an AVX-512 machine "
                                "(unset: the best build the CPU runs; csrc/build.py VARIANTS)"),
+    "PAGEDLLM_GGUF_ACTIVATIONS": EnvVar(_one_of("int8", ("int8", "int16")),
+                                        "GGUF linears quantize their activations per block of 32 to int8 "
+                                        "(llama.cpp's scheme, the faster kernels) or int16 (closer to float); "
+                                        "read when a model loads (docs/quantization.md)"),
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),
     "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of small decode steps"),
     "PAGEDLLM_PP_BATCH_QUEUE": EnvVar(_switch(True), "0: one pipeline-parallel step in flight, not several"),

@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1])
     p.add_argument("--isa", nargs="+", default=None, help="builds to time (default: every one this CPU runs)")
     p.add_argument("--seconds", type=float, default=0.3)
+    p.add_argument("--activations", nargs="+", default=["int8"], choices=["int8", "int16"],
+                   help="the kernels' activation codes (PAGEDLLM_GGUF_ACTIVATIONS), each timed in turn")
     ns = p.parse_args()
     tensors = {t.name: t for t in gguf.GGUFReader(ns.file).tensors}
     layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
@@ -52,21 +54,22 @@ def main() -> None:
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     weights = [(f"{lin} L{layer}", [f"blk.{layer}.{part}.weight" for part in parts], layers / 2)
                for lin, parts in LINEARS.items() for layer in (0, layers - 1)] + [("lm_head", [head], 1)]
-    packed = [(label, pack_segments([raw(n) for n in names]), int(tensors[names[0]].shape[0]),
-               [tensors[n].tensor_type.name for n in names], times) for label, names, times in weights]
     print(f"{ns.file}: {layers} layers, {torch.get_num_threads()} threads, CPU ms a call")
-    for isa in ns.isa or build.runnable_isas():
-        ops = build.isa_extension(isa)
-        for rows in ns.rows:
-            step = {}
-            for label, (w, meta), k, types, times in packed:
-                x = torch.randn(rows, k)
-                ms = _ms(lambda: ops.gguf_linear(x, w, meta, None), ns.seconds)
-                step[label.split()[0]] = step.get(label.split()[0], 0.0) + ms * times
-                print(f"{isa} rows {rows} {label:10s} {'+'.join(types):16s} {ms:8.3f} ms")
-            total = sum(step.values())
-            print(f"{isa} rows {rows} a step: " + ", ".join(f"{k} {v:.1f} ms ({100 * v / total:.0f} %)"
-                                                          for k, v in step.items()) + f"; linears {total:.1f} ms")
+    for acts in ns.activations:
+        packed = [(label, pack_segments([raw(n) for n in names], acts), int(tensors[names[0]].shape[0]),
+                   [tensors[n].tensor_type.name for n in names], times) for label, names, times in weights]
+        for isa in ns.isa or build.runnable_isas():
+            ops = build.isa_extension(isa)
+            for rows in ns.rows:
+                step = {}
+                for label, (w, meta), k, types, times in packed:
+                    x = torch.randn(rows, k)
+                    ms = _ms(lambda: ops.gguf_linear(x, w, meta, None), ns.seconds)
+                    step[label.split()[0]] = step.get(label.split()[0], 0.0) + ms * times
+                    print(f"{acts} {isa} rows {rows} {label:10s} {'+'.join(types):16s} {ms:8.3f} ms")
+                total = sum(step.values())
+                print(f"{acts} {isa} rows {rows} a step: " + ", ".join(
+                    f"{k} {v:.1f} ms ({100 * v / total:.0f} %)" for k, v in step.items()) + f"; linears {total:.1f} ms")
 
 
 if __name__ == "__main__":

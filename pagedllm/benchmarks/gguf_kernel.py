@@ -1,7 +1,8 @@
 """`pagedllm bench gguf-kernel`: one GGUF weight matrix through csrc/gguf_linear.cpp (the file's
 blocks, 16 rows interleaved) against the layout GGUF weights were held in before (int4 in groups
 of 32 for 4-bit types, int8 in groups of 32 / 16 for Q8_0 / Q6_K: csrc/quant_ops.cpp's
-quant_linear) and torch's float32 matmul, at each row count, in every ISA build the CPU runs.
+quant_linear) and torch's float32 matmul, at each row count, in every ISA build the CPU runs,
+with int8 and int16 activations (PAGEDLLM_GGUF_ACTIVATIONS: the codes in quads or pairs).
 Same process, same threads, the weights' bytes beside each.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", nargs=2, type=int, default=[8192, 2048], metavar=("N", "K"),
                    help="output x input features (default: Llama-3.2-1B's gate/up projection)")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16, 128])
+    p.add_argument("--activations", nargs="+", default=["int8", "int16"], choices=["int8", "int16"],
+                   help="the kernels' activation codes (codes in quads / pairs); each measured in turn")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     p.add_argument("--output-json", default=None, metavar="PATH")
@@ -82,7 +85,7 @@ def main(ns: argparse.Namespace) -> int:
     for type_name in ns.types:
         data = _blocks(type_name, n, k, rng)
         w = torch.from_numpy(dequantize(data, GGMLQuantizationType[type_name]).astype(np.float32))
-        packed, meta = pack_segments([(type_name, data)])
+        packed = {a: pack_segments([(type_name, data)], a) for a in ns.activations}
         old = _old_layout(type_name, w)
         old_bytes = sum(t.numel() * t.element_size() for t in old)
         for isa in build.runnable_isas():
@@ -91,19 +94,24 @@ def main(ns: argparse.Namespace) -> int:
                 raise RuntimeError(f"the {isa} build of the C++ kernels failed: {build.build_failures}")
             for rows in ns.rows:
                 x = torch.randn(rows, k)
-                new = _ms(lambda: ops.gguf_linear(x, packed, meta, None), ns.seconds)
+                # interleaved: each kernel's time beside the others' on a machine that may be busy
+                ms = {a: _ms(lambda a=a: ops.gguf_linear(x, *packed[a], None), ns.seconds) for a in ns.activations}
                 before = _ms(lambda: ops.quant_linear(x, *old, None), ns.seconds)
                 flt = _ms(lambda: x @ w.T, ns.seconds)
-                rows_out.append({"type": type_name, "isa": isa, "rows": rows, "gguf_ms": new, "old_ms": before,
-                                 "float_ms": flt, "speedup_old": before / new, "speedup_float": flt / new,
-                                 "file_mb": data.nbytes / 1e6, "held_mb": packed.numel() / 1e6,
-                                 "old_mb": old_bytes / 1e6})
-                print(f"{type_name} {isa} rows {rows}: {new:.3f} ms", flush=True)
+                for a, new in ms.items():
+                    rows_out.append({"type": type_name, "isa": isa, "acts": a, "rows": rows, "gguf_ms": new,
+                                     "old_ms": before, "float_ms": flt, "speedup_old": before / new,
+                                     "speedup_float": flt / new, "vs_int16": ms.get("int16", new) / new,
+                                     "file_mb": data.nbytes / 1e6, "held_mb": packed[a][0].numel() / 1e6,
+                                     "old_mb": old_bytes / 1e6})
+                print(f"{type_name} {isa} rows {rows}: " + ", ".join(f"{a} {t:.3f} ms" for a, t in ms.items()),
+                      flush=True)
     print()
-    print_table(rows_out, [("type", "type", ""), ("isa", "ISA", ""), ("rows", "rows", "d"),
+    print_table(rows_out, [("type", "type", ""), ("isa", "ISA", ""), ("acts", "activations", ""), ("rows", "rows", "d"),
                            ("gguf_ms", "blocks ms", ".3f"), ("old_ms", "int4/int8 layout ms", ".3f"),
                            ("float_ms", "float32 mm ms", ".3f"), ("speedup_old", "vs layout", ".2f"),
-                           ("speedup_float", "vs float32", ".2f"), ("file_mb", "file MB", ".1f"),
+                           ("speedup_float", "vs float32", ".2f"), ("vs_int16", "vs int16", ".2f"),
+                           ("file_mb", "file MB", ".1f"),
                            ("held_mb", "held MB", ".1f"), ("old_mb", "layout MB", ".1f")])
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "machine": machine, "results": rows_out})

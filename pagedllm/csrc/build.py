@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp",
-           "gguf_linear.cpp", "bindings.cpp")
+           "gguf_linear.cpp", "gguf_int8.cpp", "bindings.cpp")
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 CFLAGS = BASE_CFLAGS + ("-march=native",)
 

@@ -1,26 +1,28 @@
 // Linears on GGUF's block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) held in the
 // file's bytes, repacked at load (models/layers/quantization/gguf_repack.py) so that one SIMD lane is one
-// weight row: y = x W^T + b, float32 activations, any number of rows.
+// weight row: y = x W^T + b, float32 activations, any number of rows. The activations are
+// quantized per block of 32 to int8 (the default: gguf_int8.cpp, 4 products a lane) or int16
+// (this file, 2 a lane; PAGEDLLM_GGUF_ACTIVATIONS), each with its own order of the codes.
 //
 // Layout. Output rows in groups of 16; a group's bytes, for each super-block of its type (32
 // features: Q4_0 / Q4_1 / Q8_0; 256: Q4_K / Q6_K), are the 16 rows' per-row fields (float16 d,
-// m, dmin; 8-bit sub-block scales) as arrays of 16, then the integer codes in chunks of 32
-// bytes: byte 2i + j of a chunk belongs to row i, feature 2p + j of a 32-feature block (p the
-// chunk's feature pair). A chunk widened to int16 (vpmovzxbw) is 16 rows x 2 features: one
-// vpdpwssd with the pair of int16 activations broadcast adds 2 products to each row's sum. 4-bit
-// codes: chunk c (0..7) holds pair c in its low nibbles and pair c + 8 in its high ones. 8-bit:
-// chunk p holds pair p. 5-bit: 4-bit chunks for the low bits, then 2 chunks of 1-bit fields (chunk
-// c, bit f: pair c + 2 f). Q6_K: 4-bit chunks, then 4 chunks of 2-bit fields (chunk c, field f:
-// pair c + 4 f). Bytes a row: the file's (Q4_K: 148 for 144, Q5_K 180 for 176).
+// m, dmin; 8-bit sub-block scales) as arrays of 16, then the integer codes in chunks of 16 W
+// bytes: byte W i + j of a chunk belongs to row i, feature W u + j of a 32-feature block (u the
+// chunk's unit of W features: pairs, W = 2, for int16 activations; quads, W = 4, for int8). Of
+// a block's U = 32 / W units: 4-bit codes, chunk c holds unit c in its low nibbles and unit
+// c + U/2 in its high ones; 8-bit: chunk u holds unit u; 5-bit: the 4-bit chunks, then chunks of
+// 1-bit fields (chunk c, bit f: unit c + (U/8) f); Q6_K: the 4-bit chunks, then chunks of 2-bit
+// fields (chunk c, field f: unit c + (U/4) f). Pairs: a chunk widened to int16 (vpmovzxbw) is 16
+// rows x 2 features, one vpdpwssd with the pair of int16 activations broadcast adds 2 products to
+// each row's sum. Quads: gguf_int8.cpp. Bytes a row: the file's (Q4_K: 148 for 144, Q5_K 180 for 176).
 //
 // A weight tensor is a run of groups, each with its own type (a fused QKV may mix Q4_K and
-// Q6_K), described by `meta` [G, 4] int64: byte offset, GGML type, first output row, rows (<= 16;
-// the last group of a segment is padded with zero rows).
+// Q6_K), described by `meta` [G, 4] int64: byte offset, GGML type (+ QUADS when the codes are
+// in quads), first output row, rows (<= 16; the last group of a segment is padded with zero rows).
 //
-// Activations: each input row quantized to int16 in blocks of 32 (d = amax / 32767; int8 ones,
-// llama.cpp's Q8 scheme, cost the default model's greedy agreement: docs/design.md) with the
-// float sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's
-// -32 d sc, Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
+// int16 activations: each input row quantized in blocks of 32 (d = amax / 32767) with the float
+// sums of each 16 features for the mins and offsets (Q4_0's -8 d, Q5_0's -16 d, Q6_K's -32 d sc,
+// Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
 // 128, |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
 //
 // Threads over row groups; within a group the activation rows in tiles of 8 (each tile reuses
@@ -37,61 +39,33 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "gguf_blocks.h"
 #include "ops.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+namespace gguf {
 
-namespace {
-
-// GGML type numbers (gguf.GGMLQuantizationType).
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-constexpr int GROUP = 16;  // weight rows a group
-constexpr int QB = 32;     // features a block (an activation scale)
-constexpr int TILE = 8;    // activation rows a tile
-constexpr float QMAX = 32767.f;
-
-// Bytes of one super-block of a group, and its features.
-int64_t superblock_bytes(int64_t type) {
-  switch (type) {
-    case Q4_0: return 32 + 256;
-    case Q4_1: return 64 + 256;
-    case Q5_0: return 32 + 256 + 64;
-    case Q5_1: return 64 + 256 + 64;
-    case Q5_K: return 64 + 256 + 8 * 256 + 8 * 64;
-    case Q8_0: return 32 + 512;
-    case Q4_K: return 64 + 256 + 8 * 256;
-    case Q6_K: return 32 + 256 + 8 * 256 + 8 * 128;
-  }
-  TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
-  return 0;
+// One row's code of feature k (0..31) of a block, codes in units of W features (2: pairs, 4:
+// quads; 32 / W units, chunks of 16 W bytes). 4-bit: chunk u % (U / 2) holds unit u in its low
+// nibbles (u < U / 2) or high ones; 1-bit fields: chunk u % (U / 8), bit u / (U / 8); 2-bit:
+// chunk u % (U / 4), field u / (U / 4); 8-bit: chunk u.
+inline int u4_code(const uint8_t* chunks, int W, int row, int k) {
+  const int u = k / W, j = k % W, U = QB / W;
+  const uint8_t b = chunks[(u % (U / 2)) * 16 * W + W * row + j];
+  return u < U / 2 ? (b & 15) : (b >> 4);
 }
-int64_t superblock_features(int64_t type) {
-  return (type == Q4_K || type == Q5_K || type == Q6_K) ? 256 : 32;
+inline int u5_code(const uint8_t* lo, const uint8_t* hi, int W, int row, int k) {
+  const int u = k / W, j = k % W, n = QB / W / 8;
+  return u4_code(lo, W, row, k) | (((hi[(u % n) * 16 * W + W * row + j] >> (u / n)) & 1) << 4);
+}
+inline int q6_code(const uint8_t* lo, const uint8_t* hi, int W, int row, int k) {
+  const int u = k / W, j = k % W, n = QB / W / 4;
+  return u4_code(lo, W, row, k) | (((hi[(u % n) * 16 * W + W * row + j] >> (2 * (u / n))) & 3) << 4);
 }
 
-inline float h2f(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-
-// One row's code of feature k (0..31) of a block's chunks (4-bit: the low/high nibble rule above).
-inline int u4_code(const uint8_t* chunks, int row, int k) {
-  const int p = k / 2, j = k % 2;
-  const uint8_t b = chunks[(p % 8) * 32 + 2 * row + j];
-  return p < 8 ? (b & 15) : (b >> 4);
-}
-inline int u5_code(const uint8_t* lo, const uint8_t* hi, int row, int k) {
-  const int p = k / 2, j = k % 2;
-  return u4_code(lo, row, k) | (((hi[(p % 2) * 32 + 2 * row + j] >> (p / 2)) & 1) << 4);
-}
-inline int q6_code(const uint8_t* lo, const uint8_t* hi, int row, int k) {
-  const int p = k / 2, j = k % 2;
-  return u4_code(lo, row, k) | (((hi[(p % 4) * 32 + 2 * row + j] >> (2 * (p / 4))) & 3) << 4);
-}
-
-// Row `row` of a group as float32 (w = code s + m), `features` of them: the reference the scalar
-// kernel and the embedding lookup use.
-void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, float* out) {
-  const int64_t sb = superblock_bytes(type), sf = superblock_features(type);
+// The reference the scalar kernels and the embedding lookup use.
+void dequantize_group_row(const uint8_t* g, int64_t layout_type, int64_t K, int row, float* out) {
+  const int64_t type = layout_type % QUADS, sb = superblock_bytes(type), sf = superblock_features(type);
+  const int W = layout_type >= QUADS ? 4 : 2;
   for (int64_t s = 0; s < K / sf; ++s) {
     const uint8_t* p = g + s * sb;
     const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
@@ -102,9 +76,9 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
       const float m = with_m ? h2f(h[16 + row]) : (type == Q4_0 ? -8.f * d : type == Q5_0 ? -16.f * d : 0.f);
       const uint8_t* c = p + (with_m ? 64 : 32);
       for (int k = 0; k < QB; ++k) {
-        const int q = type == Q8_0                     ? (int8_t)c[(k / 2) * 32 + 2 * row + k % 2]
-                      : (type == Q5_0 || type == Q5_1) ? u5_code(c, c + 256, row, k)
-                                                       : u4_code(c, row, k);
+        const int q = type == Q8_0                     ? (int8_t)c[(k / W) * 16 * W + W * row + k % W]
+                      : (type == Q5_0 || type == Q5_1) ? u5_code(c, c + 256, W, row, k)
+                                                       : u4_code(c, W, row, k);
         o[k] = q * d + m;
       }
     } else if (type == Q4_K || type == Q5_K) {
@@ -114,7 +88,7 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
         const uint8_t* lo = p + 320 + j * 256;
         for (int k = 0; k < QB; ++k)
           o[j * QB + k] =
-              (type == Q4_K ? u4_code(lo, row, k) : u5_code(lo, p + 2368 + j * 64, row, k)) * sc - mn;
+              (type == Q4_K ? u4_code(lo, W, row, k) : u5_code(lo, p + 2368 + j * 64, W, row, k)) * sc - mn;
       }
     } else {  // Q6_K
       const float d = h2f(h[row]);
@@ -122,12 +96,19 @@ void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, fl
         const uint8_t *lo = p + 288 + j * 256, *hi = p + 288 + 2048 + j * 128;
         for (int k = 0; k < QB; ++k) {
           const float sc = d * (int8_t)p[32 + (2 * j + k / 16) * 16 + row];
-          o[j * QB + k] = (q6_code(lo, hi, row, k) - 32) * sc;
+          o[j * QB + k] = (q6_code(lo, hi, W, row, k) - 32) * sc;
         }
       }
     }
   }
 }
+
+}  // namespace gguf
+
+namespace {
+
+using namespace gguf;
+constexpr float QMAX = 32767.f;
 
 // The activations of T rows: int16 codes in blocks of 32 (as int32 pairs), each block's step,
 // the float sums of each 16 features.
@@ -158,11 +139,9 @@ Acts quantize_acts(const float* x, int64_t T, int64_t K) {
   return a;
 }
 
-#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || defined(__AVX2__)
+#ifdef GGUF_SIMD
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-constexpr int L = 16;  // rows a vector
 using VI = __m512i;
-using VF = __m512;
 inline VI widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
 inline VI widen_s8(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
 inline VI and_(VI v, int16_t m) { return _mm512_and_si512(v, _mm512_set1_epi16(m)); }
@@ -171,23 +150,8 @@ inline VI srl(VI v, int n) { return _mm512_srli_epi16(v, n); }
 inline VI sll(VI v, int n) { return _mm512_slli_epi16(v, n); }
 inline VI zero_i() { return _mm512_setzero_si512(); }
 inline VI dot(VI acc, VI w, int32_t x) { return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x)); }
-inline VF f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-inline VF u8f(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-inline VF s8f(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-inline VF cvt(VI v) { return _mm512_cvtepi32_ps(v); }
-inline VF set1(float f) { return _mm512_set1_ps(f); }
-inline VF zero_f() { return _mm512_setzero_ps(); }
-inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline void store(float* p, VF v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 #else
-constexpr int L = 8;
 using VI = __m256i;
-using VF = __m256;
 inline VI widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 inline VI widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 inline VI and_(VI v, int16_t m) { return _mm256_and_si256(v, _mm256_set1_epi16(m)); }
@@ -197,23 +161,6 @@ inline VI sll(VI v, int n) { return _mm256_slli_epi16(v, n); }
 inline VI zero_i() { return _mm256_setzero_si256(); }
 inline VI dot(VI acc, VI w, int32_t x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
-}
-inline VF f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-inline VF u8f(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-inline VF s8f(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-inline VF cvt(VI v) { return _mm256_cvtepi32_ps(v); }
-inline VF set1(float f) { return _mm256_set1_ps(f); }
-inline VF zero_f() { return _mm256_setzero_ps(); }
-inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline void store(float* p, VF v, int n) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, v);
-  std::memcpy(p, t, n * sizeof(float));
 }
 #endif
 
@@ -328,37 +275,21 @@ void group_rows(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int h
   }
 }
 
-// Output rows [row0, row0 + rows) of one group for every activation row.
 template <int M>
-void group_tile(const uint8_t* g, int64_t type, const Acts& a, int64_t t0, int64_t row0, int rows,
-                const float* bias, float* out, int64_t N) {
-  for (int h = 0; h * L < rows; ++h) {
-    VF y[M];
-    group_rows<M>(g, type, a, t0, h, y);
-    const int n = std::min(L, rows - h * L);
-    alignas(64) float t[L];
-    for (int r = 0; r < M; ++r) {
-      float* o = out + (t0 + r) * N + row0 + h * L;
-      store(t, y[r], L);
-      for (int i = 0; i < n; ++i) o[i] = t[i] + (bias ? bias[row0 + h * L + i] : 0.f);
+struct Tile {
+  static void run(int64_t t0, const uint8_t* g, int64_t type, const Acts& a, int64_t row0, int rows,
+                  const float* bias, float* out, int64_t N) {
+    for (int h = 0; h * L < rows; ++h) {
+      VF y[M];
+      group_rows<M>(g, type, a, t0, h, y);
+      write_tile<M>(y, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
     }
   }
-}
+};
 
 void run_group(const uint8_t* g, int64_t type, const Acts& a, int64_t t_begin, int64_t T, int64_t row0,
                int rows, const float* bias, float* out, int64_t N) {
-  for (int64_t t0 = t_begin; t0 < T; t0 += TILE) {
-    switch (std::min<int64_t>(TILE, T - t0)) {
-      case 1: group_tile<1>(g, type, a, t0, row0, rows, bias, out, N); break;
-      case 2: group_tile<2>(g, type, a, t0, row0, rows, bias, out, N); break;
-      case 3: group_tile<3>(g, type, a, t0, row0, rows, bias, out, N); break;
-      case 4: group_tile<4>(g, type, a, t0, row0, rows, bias, out, N); break;
-      case 5: group_tile<5>(g, type, a, t0, row0, rows, bias, out, N); break;
-      case 6: group_tile<6>(g, type, a, t0, row0, rows, bias, out, N); break;
-      case 7: group_tile<7>(g, type, a, t0, row0, rows, bias, out, N); break;
-      default: group_tile<8>(g, type, a, t0, row0, rows, bias, out, N); break;
-    }
-  }
+  over_tiles<Tile>(t_begin, T, g, type, a, row0, rows, bias, out, N);
 }
 #else
 // No SIMD: each row dequantised, then float dot products with the int16 activations.
@@ -393,6 +324,7 @@ Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int6
   int64_t N = 0;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t* e = m + 4 * g;
+    TORCH_CHECK(e[1] >= 0 && e[1] < 2 * QUADS, "meta row ", g, ": no GGML type ", e[1]);
     TORCH_CHECK(K % superblock_features(e[1]) == 0, "K ", K, " is not whole super-blocks of type ", e[1]);
     TORCH_CHECK(e[0] >= 0 &&
                     e[0] + K / superblock_features(e[1]) * superblock_bytes(e[1]) <= packed.numel() &&
@@ -417,17 +349,26 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto out = torch::empty({T, gs.N}, x.options());
   if (T == 0) return out;
-  const Acts a = quantize_acts(x.data_ptr<float>(), T, K);
+  // The activations as each layout's groups take them (a fused weight may hold both).
+  bool pairs = false, quads = false;
+  for (int64_t g = 0; g < gs.G; ++g) (gs.meta[4 * g + 1] >= QUADS ? quads : pairs) = true;
+  const Acts a = pairs ? quantize_acts(x.data_ptr<float>(), T, K) : Acts{{}, {}, {}, K};
+  std::vector<uint8_t> buf8(quads ? acts8_bytes(T, K) : 0);
+  const Acts8 a8 = quads ? quantize_acts8(x.data_ptr<float>(), T, K, buf8.data()) : Acts8{};
   float* op = out.data_ptr<float>();
-  // Each thread passes its groups over the activation rows a chunk at a time: a chunk's int16
-  // codes (~256 KiB) stay in the core's L2 instead of every group streaming all T rows again.
+  // Each thread passes its groups over the activation rows a chunk at a time: a chunk's codes
+  // (~256 KiB of int16) stay in the core's L2 instead of every group streaming all T rows again.
   // One parallel region (no barrier per chunk: on a busy machine each costs a time slice).
   const int64_t chunk = std::max<int64_t>(TILE, (int64_t{1} << 17) / K / TILE * TILE);
   at::parallel_for(0, gs.G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t t0 = 0; t0 < T; t0 += chunk)
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t* e = gs.meta + 4 * g;
-        run_group(gs.base + e[0], e[1], a, t0, std::min(T, t0 + chunk), e[2], (int)e[3], b, op, gs.N);
+        const int64_t t1 = std::min(T, t0 + chunk);
+        if (e[1] >= QUADS)
+          run_group8(gs.base + e[0], e[1], a8, t0, t1, e[2], (int)e[3], b, op, gs.N);
+        else
+          run_group(gs.base + e[0], e[1], a, t0, t1, e[2], (int)e[3], b, op, gs.N);
       }
   });
   return out;

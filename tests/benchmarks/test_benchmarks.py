@@ -127,16 +127,16 @@ def test_bench_spec_decode_runs(tmp_path):
 
 
 def test_bench_gguf_kernel_runs(tmp_path):
-    """The real command on a small matrix: a row per type, ISA build and row count, the held
-    bytes the file's (Q4_0: its own 18 a block; Q4_K: 148 a block of 144)."""
+    """The real command on a small matrix: a row per type, ISA build, row count and activations
+    (int8, int16), the held bytes the file's (Q4_0: its own 18 a block; Q4_K: 148 a block of 144)."""
     from pagedllm.csrc.build import runnable_isas
     out = tmp_path / "k.json"
     subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "gguf-kernel", "--types", "Q4_0",
                     "Q4_K", "--shape", "48", "512", "--rows", "1", "9", "--seconds", "0.01", "--output-json", str(out)],
                    check=True, capture_output=True, text=True, timeout=900)
     rows = json.loads(out.read_text())["results"]
-    assert [(r["type"], r["isa"], r["rows"]) for r in rows] == [
-        (t, isa, n) for t in ("Q4_0", "Q4_K") for isa in runnable_isas() for n in (1, 9)]
+    assert [(r["type"], r["isa"], r["rows"], r["acts"]) for r in rows] == [
+        (t, isa, n, a) for t in ("Q4_0", "Q4_K") for isa in runnable_isas() for n in (1, 9) for a in ("int8", "int16")]
     for r in rows:
         assert r["held_mb"] == pytest.approx(r["file_mb"] * (148 / 144 if r["type"] == "Q4_K" else 1))
         assert r["gguf_ms"] > 0 and r["old_ms"] > 0

@@ -53,13 +53,15 @@ NEEDED = ("llama-quantize", "llama-perplexity", "llama-tokenize")
                     reason=f"llama.cpp's tools are not built on this machine (missing {', '.join(missing_tools(NEEDED))} "
                            f"under {tool_path('llama-perplexity').parent}); `make llama-cpp` builds them (~15 min on "
                            "2 cores), which CI does not do")
-def test_perplexity_within_one_percent_of_llama_cpp_on_the_same_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("activations", ["int8", "int16"])   # PAGEDLLM_GGUF_ACTIVATIONS: both kernels
+def test_perplexity_within_one_percent_of_llama_cpp_on_the_same_file(tmp_path, monkeypatch, activations):
     from pagedllm.benchmarks import llama_cpp_perplexity
     from pagedllm.benchmarks.perplexity import DEFAULT_TEXT
     from pagedllm.models.download import find_gguf
     built = tool_path("llama-perplexity").parents[2]   # the tools stay where they are built
     monkeypatch.setattr("pagedllm.benchmarks.llama_cpp_tools.source_dir", lambda: built)
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))   # the file's model directory
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", activations)
     path = tmp_path / "smollm2.Q8_0.gguf"
     subprocess.run([str(tool_path("llama-quantize")), "--allow-requantize", str(find_gguf()), str(path), "Q8_0", "2"],
                    check=True, capture_output=True, timeout=300)

@@ -6,7 +6,8 @@ number, the row's bytes as in the file, zero padding to the widest row type of t
 width, so the layers' weight loaders cut and fuse rows as they do float rows (a fused QKV may
 mix Q4_K and Q6_K rows); a row-parallel rank takes its blocks of each row (`input_slice`,
 models/gguf/tp_split.py). `process_weights_after_loading` repacks each run of one type into
-csrc/gguf_linear.cpp's layout (gguf_repack.py) and holds `qweight` (the bytes) and `scales` (the
+csrc/gguf_linear.cpp's layout (gguf_repack.py; codes in quads or pairs as
+$PAGEDLLM_GGUF_ACTIVATIONS, int8 or int16, says) and holds `qweight` (the bytes) and `scales` (the
 int64 group table, where the decode loop looks for a quantized linear's second tensor). A tied
 LM head and the embedding share one packed weight. Without the C++ extension: the dequantised
 float32 weight (the gguf package's) and torch.
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.models.gguf.tp_split import slice_row_blobs
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
 from pagedllm.models.layers.quantization.gguf_repack import BLOCK, TYPE_IDS, pack_segments, row_bytes
@@ -86,7 +88,7 @@ class GGUFLinearMethod(QuantizedLinearMethod):
             if self.ops is None:
                 self.shared[id(param)] = (_dequantized(segments), None)
             else:
-                self.shared[id(param)] = pack_segments(segments)
+                self.shared[id(param)] = pack_segments(segments, envs.PAGEDLLM_GGUF_ACTIVATIONS)
         packed, meta = self.shared[id(param)]
         layer.register_buffer("qweight", packed, persistent=False)
         layer.register_buffer("scales", meta, persistent=False)   # None without the extension

@@ -13,6 +13,9 @@ import numpy as np
 import torch
 
 GROUP = 16   # rows a group
+QB = 32      # features a block
+UNIT = {"int8": 4, "int16": 2}   # activations -> features of a row a code unit (quads, pairs)
+QUADS = 256  # added to a group's type in meta: codes in quads
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
             "Q6_K": 14}   # gguf.GGMLQuantizationType
 BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
@@ -93,31 +96,37 @@ def _by_row(a: np.ndarray, g: int) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8).reshape(g, a.shape[1], -1)
 
 
-def _pairs(codes: np.ndarray, g: int) -> np.ndarray:
-    """codes [N, K] -> [G, K/32, 16 pairs, 32]: byte 2i + j of pair p = row i, feature 2p + j."""
-    return codes.reshape(g, GROUP, -1, 16, 2).transpose(0, 2, 3, 1, 4).reshape(g, -1, 16, 2 * GROUP)
+def _units(codes: np.ndarray, g: int, w: int) -> np.ndarray:
+    """codes [N, K] -> [G, K/32, 32/w units, 16 w]: byte w i + j of unit u = row i, feature w u + j
+    (w = 2: pairs, the int16 activations' layout; 4: quads, the int8 ones')."""
+    return codes.reshape(g, GROUP, -1, QB // w, w).transpose(0, 2, 3, 1, 4).reshape(g, -1, QB // w, w * GROUP)
 
 
-def _u4_chunks(codes: np.ndarray, g: int) -> np.ndarray:
-    """4-bit codes -> [G, K/32, 256]: chunk c = pair c (low nibbles) | pair c + 8 (high)."""
-    p = _pairs(codes, g)
-    return (p[:, :, :8] | (p[:, :, 8:] << 4)).reshape(p.shape[0], p.shape[1], -1)
+def _u4_chunks(codes: np.ndarray, g: int, w: int) -> np.ndarray:
+    """4-bit codes -> [G, K/32, 256]: of U units, chunk c = unit c (low nibbles) | unit c + U/2 (high)."""
+    p = _units(codes, g, w)
+    half = p.shape[2] // 2
+    return (p[:, :, :half] | (p[:, :, half:] << 4)).reshape(p.shape[0], p.shape[1], -1)
 
 
-def _u2_chunks(high: np.ndarray, g: int) -> np.ndarray:
-    """2-bit codes -> [G, K/32, 128]: chunk c, bits 2f..2f+1 = pair c + 4 f."""
-    p = _pairs(high, g).reshape(g, -1, 4, 4, 2 * GROUP)   # [G, B, f, c, 32]
+def _u2_chunks(high: np.ndarray, g: int, w: int) -> np.ndarray:
+    """2-bit codes -> [G, K/32, 128]: of U units, chunk c, bits 2f..2f+1 = unit c + (U/4) f."""
+    p = _units(high, g, w)
+    p = p.reshape(g, p.shape[1], 4, p.shape[2] // 4, -1)   # [G, B, f, c, 16 w]
     return (p[:, :, 0] | (p[:, :, 1] << 2) | (p[:, :, 2] << 4) | (p[:, :, 3] << 6)).reshape(g, p.shape[1], -1)
 
 
-def _u1_chunks(high: np.ndarray, g: int) -> np.ndarray:
-    """1-bit codes -> [G, K/32, 64]: chunk c, bit f = pair c + 2 f."""
-    p = _pairs(high, g).reshape(g, -1, 8, 2, 2 * GROUP)   # [G, B, f, c, 32]
+def _u1_chunks(high: np.ndarray, g: int, w: int) -> np.ndarray:
+    """1-bit codes -> [G, K/32, 64]: of U units, chunk c, bit f = unit c + (U/8) f."""
+    p = _units(high, g, w)
+    p = p.reshape(g, p.shape[1], 8, p.shape[2] // 8, -1)   # [G, B, f, c, 16 w]
     return sum(p[:, :, f] << f for f in range(8)).astype(np.uint8).reshape(g, p.shape[1], -1)
 
 
-def repack(data: np.ndarray, type_name: str) -> np.ndarray:
-    """One type's raw rows [N, row bytes] -> the groups' bytes [ceil(N / 16), group bytes]."""
+def repack(data: np.ndarray, type_name: str, activations: str = "int8") -> np.ndarray:
+    """One type's raw rows [N, row bytes] -> the groups' bytes [ceil(N / 16), group bytes], codes
+    in quads (int8 activations) or pairs (int16)."""
+    w = UNIT[activations]
     n = data.shape[0]
     g = -(-n // GROUP)
     if g * GROUP != n:   # zero rows: zero scales and codes, an output of 0 that is not stored
@@ -126,32 +135,35 @@ def repack(data: np.ndarray, type_name: str) -> np.ndarray:
     codes = f["codes"].view(np.uint8)
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         parts = [_by_row(f["d"], g)] + ([_by_row(f["m"], g)] if "m" in f else [])
-        parts.append(_u4_chunks(codes & 15, g))
+        parts.append(_u4_chunks(codes & 15, g, w))
         if type_name.startswith("Q5"):
-            parts.append(_u1_chunks(codes >> 4, g))
+            parts.append(_u1_chunks(codes >> 4, g, w))
     elif type_name == "Q8_0":
-        parts = [_by_row(f["d"], g), _pairs(codes, g).reshape(g, -1, 512)]
+        parts = [_by_row(f["d"], g), _units(codes, g, w).reshape(g, -1, 512)]
     else:
         s = f["d"].shape[1]
         if type_name in ("Q4_K", "Q5_K"):
             parts = [_by_row(f["d"], g), _by_row(f["dmin"], g), _by_row(f["sc"], g), _by_row(f["mn"], g),
-                     _u4_chunks(codes & 15, g).reshape(g, s, -1)]
+                     _u4_chunks(codes & 15, g, w).reshape(g, s, -1)]
             if type_name == "Q5_K":
-                parts.append(_u1_chunks(codes >> 4, g).reshape(g, s, -1))
+                parts.append(_u1_chunks(codes >> 4, g, w).reshape(g, s, -1))
         else:
-            parts = [_by_row(f["d"], g), _by_row(f["sc"], g), _u4_chunks(codes & 15, g).reshape(g, s, -1),
-                     _u2_chunks(codes >> 4, g).reshape(g, s, -1)]
+            parts = [_by_row(f["d"], g), _by_row(f["sc"], g), _u4_chunks(codes & 15, g, w).reshape(g, s, -1),
+                     _u2_chunks(codes >> 4, g, w).reshape(g, s, -1)]
     return np.concatenate(parts, axis=2).reshape(g, -1)
 
 
-def pack_segments(segments) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_segments(segments, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """[(type name, raw rows [n, row bytes])] in output-row order -> (packed uint8 [bytes],
-    meta int64 [groups, 4]) as gguf_linear takes them."""
+    meta int64 [groups, 4]) as gguf_linear takes them, for int8 or int16 activations."""
+    if activations not in UNIT:
+        raise ValueError(f"GGUF activations must be one of {', '.join(UNIT)}, not {activations!r}")
     blobs, meta, offset, row = [], [], 0, 0
     for type_name, data in segments:
-        groups = repack(data, type_name)
+        groups = repack(data, type_name, activations)
+        type_id = TYPE_IDS[type_name] + (QUADS if activations == "int8" else 0)
         for i in range(groups.shape[0]):
-            meta.append((offset + i * groups.shape[1], TYPE_IDS[type_name], row + i * GROUP,
+            meta.append((offset + i * groups.shape[1], type_id, row + i * GROUP,
                          min(GROUP, data.shape[0] - i * GROUP)))
         blobs.append(groups.reshape(-1))
         offset += groups.size

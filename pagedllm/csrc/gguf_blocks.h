@@ -1,0 +1,134 @@
+// What gguf_linear.cpp (int16 activations, codes in pairs) and gguf_int8.cpp (int8 activations,
+// codes in quads) share: the GGML type numbers, a group's super-block sizes (equal in both
+// layouts: only the order of the codes differs), the float SIMD helpers, the output of a tile.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace gguf {
+
+// GGML type numbers (gguf.GGMLQuantizationType).
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// Added to a group's type in `meta`: its codes are in quads (the int8 activations' layout).
+constexpr int64_t QUADS = 256;
+constexpr int GROUP = 16;  // weight rows a group
+constexpr int QB = 32;     // features a block (an activation scale)
+constexpr int TILE = 8;    // activation rows a tile
+
+// Bytes of one super-block of a group, and its features (either layout).
+inline int64_t superblock_bytes(int64_t type) {
+  switch (type % QUADS) {
+    case Q4_0: return 32 + 256;
+    case Q4_1: return 64 + 256;
+    case Q5_0: return 32 + 256 + 64;
+    case Q5_1: return 64 + 256 + 64;
+    case Q5_K: return 64 + 256 + 8 * 256 + 8 * 64;
+    case Q8_0: return 32 + 512;
+    case Q4_K: return 64 + 256 + 8 * 256;
+    case Q6_K: return 32 + 256 + 8 * 256 + 8 * 128;
+  }
+  TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  return 0;
+}
+inline int64_t superblock_features(int64_t type) {
+  const int64_t t = type % QUADS;
+  return (t == Q4_K || t == Q5_K || t == Q6_K) ? 256 : 32;
+}
+
+inline float h2f(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || defined(__AVX2__)
+#define GGUF_SIMD 1
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr int L = 16;  // weight rows a vector
+using VF = __m512;
+inline VF f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline VF u8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline VF s8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline VF cvt(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline VF set1(float f) { return _mm512_set1_ps(f); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+#else
+constexpr int L = 8;
+using VF = __m256;
+inline VF f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline VF u8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline VF s8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline VF cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline VF set1(float f) { return _mm256_set1_ps(f); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// y[M] (the sums of activation rows t0.. with the L weight rows from row0 + h L) into out [T, N],
+// the first n of each vector, plus the bias.
+template <int M>
+inline void write_tile(const VF* y, int64_t t0, int64_t row0, int h, int n, const float* bias, float* out,
+                       int64_t N) {
+  alignas(64) float t[L];
+  for (int r = 0; r < M; ++r) {
+    float* o = out + (t0 + r) * N + row0 + h * L;
+    store(t, y[r]);
+    for (int i = 0; i < n; ++i) o[i] = t[i] + (bias ? bias[row0 + h * L + i] : 0.f);
+  }
+}
+#endif
+
+// Calls tile<M>(t0) for the activation rows [t_begin, T) in tiles of at most TILE rows.
+template <template <int> class F, class... Args>
+inline void over_tiles(int64_t t_begin, int64_t T, Args&&... args) {
+  for (int64_t t0 = t_begin; t0 < T; t0 += TILE) {
+    switch (std::min<int64_t>(TILE, T - t0)) {
+      case 1: F<1>::run(t0, args...); break;
+      case 2: F<2>::run(t0, args...); break;
+      case 3: F<3>::run(t0, args...); break;
+      case 4: F<4>::run(t0, args...); break;
+      case 5: F<5>::run(t0, args...); break;
+      case 6: F<6>::run(t0, args...); break;
+      case 7: F<7>::run(t0, args...); break;
+      default: F<8>::run(t0, args...); break;
+    }
+  }
+}
+
+// The int8 activations of T rows (gguf_int8.cpp): codes in blocks of 32 (d = amax / 127, as
+// llama.cpp's Q8_0), each block's step, the integer sums of each 16 codes.
+struct Acts8 {
+  int8_t* q;     // [T, K]
+  float* d;      // [T, K/32]
+  int32_t* sum;  // [T, K/16]
+  int64_t K;
+};
+// Needs T K + 4 T K / 32 + 4 T K / 16 bytes at buf.
+Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, uint8_t* buf);
+inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 4 * (T * K / QB) + 4 * (T * K / 16); }
+
+// Output rows [row0, row0 + rows) of one quads group g for activation rows [t_begin, T).
+void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
+                int rows, const float* bias, float* out, int64_t N);
+
+// Row `row` of a group as float32 (w = code s + m), K features (either layout).
+void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, float* out);
+
+}  // namespace gguf

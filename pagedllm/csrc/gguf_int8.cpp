@@ -1,0 +1,246 @@
+// GGUF linears with int8 activations (gguf_linear.cpp's header: the layouts and the dispatch):
+// the weight codes as unsigned bytes against the int8 activations, 4 products a 32-bit lane.
+//
+// Codes in quads: for each 32-feature block a group's codes are chunks of 64 bytes, byte 4i + j
+// of a chunk = row i, feature 4q + j (q the chunk's quad). One vpdpbusd (AVX-512 VNNI: u8 x s8)
+// with the quad of int8 activations broadcast adds 4 products to each of 16 rows' int32 sums;
+// AVX2: the chunk's half of 8 rows, maddubs (u8 x s8 -> int16 pairs) then madd by ones. Codes are
+// unpacked on bytes, 64 a vector. 4-bit: chunk c (0..3) holds quad c in its low nibbles, quad c + 4
+// in its high ones; 8-bit: chunk q holds quad q; 5-bit high bits: one chunk, bit q for quad q;
+// Q6_K's 2-bit fields: chunk c (0..1), bits 2f..2f+1 for quad c + 2f.
+//
+// Exact int32 sums: |code| <= 255, |x| <= 127, 32 products. AVX2's int16 pairs: codes <= 63
+// (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd); Q8_0's signed codes one at a
+// time as |w| times x with w's sign (2 x 128 x 127 < 32768). AVX-512 takes Q8_0's codes + 128
+// (a xor), the 128 Σx taken off with the block's integer sum, as Q4_0's 8, Q5_0's 16 and Q6_K's
+// 32 are. Mins (Q4_1 / Q5_1's m, Q4_K / Q5_K's dmin mn) times the quantized activations' sum.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace gguf {
+
+Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, uint8_t* buf) {
+  Acts8 a{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + T * K),
+          reinterpret_cast<int32_t*>(buf + T * K + 4 * (T * K / QB)), K};
+  at::parallel_for(0, T * K / QB, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * QB;
+      float amax = 0.f;
+      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = a.q + b * QB;
+      int32_t s0 = 0, s1 = 0;
+      for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
+      for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
+      a.d[b] = d;
+      a.sum[2 * b] = s0, a.sum[2 * b + 1] = s1;
+    }
+  });
+  return a;
+}
+
+#ifdef GGUF_SIMD
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+using VI = __m512i;
+inline VI load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI and_(VI v, int8_t m) { return _mm512_and_si512(v, _mm512_set1_epi8(m)); }
+inline VI srl(VI v, int n) { return _mm512_srli_epi16(v, n); }
+inline VI sll(VI v, int n) { return _mm512_slli_epi16(v, n); }
+// Bits 0-3 of a, 4-7 of b (one vpternlogd: a bitwise select by 0x0f).
+inline VI low_high(VI a, VI b) { return _mm512_ternarylogic_epi32(_mm512_set1_epi8(15), a, b, 0xCA); }
+inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VI sub(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+// acc + the products of (unsigned codes w0, quad x0) and (w1, x1): codes <= 63.
+inline VI dot2(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) {
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, w0, _mm512_set1_epi32(x0)), w1, _mm512_set1_epi32(x1));
+}
+// acc + the products of signed codes w and quad x, plus 128 Σx (SIGNED_OFFSET).
+inline VI dot_signed(VI acc, VI w, int32_t x) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), _mm512_set1_epi32(x));
+}
+constexpr int SIGNED_OFFSET = 128;
+#else
+using VI = __m256i;
+inline VI load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline VI and_(VI v, int8_t m) { return _mm256_and_si256(v, _mm256_set1_epi8(m)); }
+inline VI srl(VI v, int n) { return _mm256_srli_epi16(v, n); }
+inline VI sll(VI v, int n) { return _mm256_slli_epi16(v, n); }
+inline VI low_high(VI a, VI b) {
+  const VI m = _mm256_set1_epi8(15);
+  return _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b));
+}
+inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VI sub(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline VI dot2(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) {
+  const VI p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                                _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+inline VI dot_signed(VI acc, VI w, int32_t x) {
+  const VI p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(x), w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+constexpr int SIGNED_OFFSET = 0;
+#endif
+
+constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
+
+// The activation quads of block b of rows t0...
+template <int M>
+inline void quads(const Acts8& a, int64_t t0, int64_t b, const int32_t** xq) {
+  for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.q + (t0 + r) * a.K + b * QB);
+}
+
+// One block of 4-bit codes (4 chunks at `c`) into M rows' sums.
+template <int M>
+inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
+  for (int r = 0; r < M; ++r) acc[r] = zero_i();
+  for (int k = 0; k < 4; ++k) {
+    const VI v = load(c + k * CHUNK), lo = and_(v, 15), hi = and_(srl(v, 4), 15);
+    for (int r = 0; r < M; ++r) acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+  }
+}
+
+// One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `h` (bit q: quad q).
+template <int M>
+inline void dot_u5(const uint8_t* c, const uint8_t* h, const int32_t* const* xq, VI* acc) {
+  for (int r = 0; r < M; ++r) acc[r] = zero_i();
+  const VI hb = load(h);
+  for (int k = 0; k < 4; ++k) {
+    const VI v = load(c + k * CHUNK);
+    const VI lo = low_high(v, and_(sll(hb, 4 - k), 0x10)), hi = low_high(srl(v, 4), and_(srl(hb, k), 0x10));
+    for (int r = 0; r < M; ++r) acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+  }
+}
+
+// One Q6_K block: quads 0-3 (features 0-15) into acc, 4-7 into acc2 (their own scales).
+template <int M>
+inline void dot_q6(const uint8_t* c, const uint8_t* h, const int32_t* const* xq, VI* acc, VI* acc2) {
+  for (int r = 0; r < M; ++r) acc[r] = zero_i(), acc2[r] = zero_i();
+  // Each high chunk's fields 0 and 2 (mask 0x33) and 1 and 3 (0xcc), then each field moved to
+  // bits 4-5 with zeros above (the bits below are the low nibble's).
+  const VI h0 = load(h), h1 = load(h + CHUNK);
+  const VI a0 = and_(h0, 0x33), b0 = and_(h0, (int8_t)0xcc), a1 = and_(h1, 0x33), b1 = and_(h1, (int8_t)0xcc);
+  const VI hq[8] = {sll(a0, 4), sll(a1, 4), sll(b0, 2), sll(b1, 2), a0, a1, srl(b0, 2), srl(b1, 2)};
+  for (int k = 0; k < 4; k += 2) {
+    const VI v0 = load(c + k * CHUNK), v1 = load(c + (k + 1) * CHUNK);
+    const VI q0 = low_high(v0, hq[k]), q1 = low_high(v1, hq[k + 1]);
+    const VI q4 = low_high(srl(v0, 4), hq[k + 4]), q5 = low_high(srl(v1, 4), hq[k + 5]);
+    for (int r = 0; r < M; ++r) {
+      acc[r] = dot2(acc[r], q0, xq[r][k], q1, xq[r][k + 1]);
+      acc2[r] = dot2(acc2[r], q4, xq[r][k + 4], q5, xq[r][k + 5]);
+    }
+  }
+}
+
+// y[r] += s dx ((sum - off Σx) + m dx Σx) for one block (Σx: the quantized activations' sum, of
+// the block or of its half `half`; m: a vector per row, or none).
+template <int M>
+inline void scale_into(VF* y, const VI* acc, VF s, int off, const VF* m, const Acts8& a, int64_t t0,
+                       int64_t b, int half) {
+  for (int r = 0; r < M; ++r) {
+    const float dx = a.d[(t0 + r) * (a.K / QB) + b];
+    const int32_t* xs = a.sum + (t0 + r) * (a.K / 16) + 2 * b;
+    const int32_t sx = half < 0 ? xs[0] + xs[1] : xs[half];
+    y[r] = fma(mul(s, set1(dx)), cvt(off ? sub(acc[r], off * sx) : acc[r]), y[r]);
+    if (m) y[r] = fma(*m, set1(dx * (float)sx), y[r]);
+  }
+}
+
+// M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M].
+template <int M>
+void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, VF* y) {
+  const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type);
+  const int rb = h * L, cb = 4 * rb;  // this half's first row: per-row fields at +rb, codes at +4 rb a chunk
+  for (int r = 0; r < M; ++r) y[r] = zero_f();
+  VI acc[M], acc2[M];
+  const int32_t* xq[M];
+  for (int64_t s = 0; s < K / sf; ++s) {
+    const uint8_t* p = g + s * sb;
+    if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
+      const bool with_m = type == Q4_1 || type == Q5_1;
+      const VF d = f16(p + 2 * rb);
+      const uint8_t* c = p + (with_m ? 64 : 32);
+      quads<M>(a, t0, s, xq);
+      if (type == Q4_0 || type == Q4_1)
+        dot_u4<M>(c + cb, xq, acc);
+      else
+        dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
+      if (with_m) {
+        const VF m = f16(p + 32 + 2 * rb);
+        scale_into<M>(y, acc, d, 0, &m, a, t0, s, -1);
+      } else {
+        scale_into<M>(y, acc, d, type == Q4_0 ? 8 : 16, nullptr, a, t0, s, -1);
+      }
+    } else if (type == Q8_0) {
+      const uint8_t* c = p + 32 + cb;
+      quads<M>(a, t0, s, xq);
+      for (int r = 0; r < M; ++r) acc[r] = zero_i();
+      for (int q = 0; q < 8; ++q) {
+        const VI w = load(c + q * CHUNK);
+        for (int r = 0; r < M; ++r) acc[r] = dot_signed(acc[r], w, xq[r][q]);
+      }
+      scale_into<M>(y, acc, f16(p + 2 * rb), SIGNED_OFFSET, nullptr, a, t0, s, -1);
+    } else if (type == Q4_K || type == Q5_K) {
+      const VF d = f16(p + 2 * rb), dmin = mul(f16(p + 32 + 2 * rb), set1(-1.f));
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = s * 8 + j;
+        quads<M>(a, t0, b, xq);
+        if (type == Q4_K)
+          dot_u4<M>(p + 320 + j * 256 + cb, xq, acc);
+        else
+          dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
+        const VF m = mul(dmin, u8f(p + 192 + j * 16 + rb));
+        scale_into<M>(y, acc, mul(d, u8f(p + 64 + j * 16 + rb)), 0, &m, a, t0, b, -1);
+      }
+    } else {  // Q6_K
+      const VF d = f16(p + 2 * rb);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = s * 8 + j;
+        quads<M>(a, t0, b, xq);
+        dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
+        scale_into<M>(y, acc, mul(d, s8f(p + 32 + (2 * j) * 16 + rb)), 32, nullptr, a, t0, b, 0);
+        scale_into<M>(y, acc2, mul(d, s8f(p + 32 + (2 * j + 1) * 16 + rb)), 32, nullptr, a, t0, b, 1);
+      }
+    }
+  }
+}
+
+template <int M>
+struct Tile {
+  static void run(int64_t t0, const uint8_t* g, int64_t type, const Acts8& a, int64_t row0, int rows,
+                  const float* bias, float* out, int64_t N) {
+    for (int h = 0; h * L < rows; ++h) {
+      VF y[M];
+      group_rows<M>(g, type, a, t0, h, y);
+      write_tile<M>(y, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
+    }
+  }
+};
+
+void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
+                int rows, const float* bias, float* out, int64_t N) {
+  over_tiles<Tile>(t_begin, T, g, type % QUADS, a, row0, rows, bias, out, N);
+}
+#else
+// No SIMD: each row dequantised, then float dot products with the int8 activations.
+void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
+                int rows, const float* bias, float* out, int64_t N) {
+  const int64_t K = a.K;
+  std::vector<float> w(K);
+  for (int i = 0; i < rows; ++i) {
+    dequantize_group_row(g, type, K, i, w.data());
+    for (int64_t t = t_begin; t < T; ++t) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.d[(t * K + k) / QB];
+      out[t * N + row0 + i] = acc + (bias ? bias[row0 + i] : 0.f);
+    }
+  }
+}
+#endif
+
+}  // namespace gguf
