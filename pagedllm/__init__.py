@@ -1,4 +1,5 @@
 """pagedllm: an LLM inference and serving engine with a paged KV cache."""
+
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -9,6 +10,7 @@ def __getattr__(name):
     # LLM pulls in torch and transformers: import it only when asked for.
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
+
         return LLM
     raise AttributeError(name)
 

@@ -2,6 +2,7 @@
 
 Only plain values here: the core reads SchedulerConfig / CacheConfig without torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,14 @@ from typing import Optional
 from pagedllm.json_config import fields_from_json
 
 
-POOLING_TYPES = ("LAST", "MEAN", "CLS")   # CLS: the first token (encoder models)
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # CLS: the first token (encoder models)
 
 
 @dataclass
 class PoolerConfig:
     """How `--runner pooling` turns a prompt's final hidden states (after the final norm) into one
     vector: its last token's or the mean over its tokens, L2-normalised or not."""
+
     pooling_type: str = "LAST"
     normalize: bool = True
 
@@ -37,11 +39,15 @@ class PoolerConfig:
         if "Pooling" in types:
             with open(os.path.join(path, types["Pooling"].get("path", ""), "config.json")) as f:
                 modes = {k for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True}
-            known = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-                     **({"pooling_mode_cls_token": "CLS"} if encoder else {})}
+            known = {
+                "pooling_mode_lasttoken": "LAST",
+                "pooling_mode_mean_tokens": "MEAN",
+                **({"pooling_mode_cls_token": "CLS"} if encoder else {}),
+            }
             if len(modes) != 1 or not modes <= set(known):
-                raise ValueError(f"{modules_path}: pooling {sorted(modes)} is not supported "
-                                 f"(one of {', '.join(known)})")
+                raise ValueError(
+                    f"{modules_path}: pooling {sorted(modes)} is not supported (one of {', '.join(known)})"
+                )
             pooling_type = known[modes.pop()]
         return cls(pooling_type=pooling_type, normalize="Normalize" in types)
 
@@ -49,15 +55,16 @@ class PoolerConfig:
 @dataclass
 class ModelConfig:
     """The model's plain values; built from a model directory by models/model_config_loader.py."""
-    model: str                      # directory of an HF-format model
+
+    model: str  # directory of an HF-format model
     hf_config: dict = field(repr=False)
     dtype: str = "float32"
     max_model_len: int = 0
     seed: int = 0
     # "generate" (sampling) or "pooling" (an embedding per prompt, no sampling: /v1/embeddings).
     runner: str = "generate"
-    pooler_config: Optional[PoolerConfig] = None   # with runner "pooling"
-    quantization: Optional[str] = None             # CPU weights: models/layers/quantization/registry.py
+    pooler_config: Optional[PoolerConfig] = None  # with runner "pooling"
+    quantization: Optional[str] = None  # CPU weights: models/layers/quantization/registry.py
     quantization_group_size: Optional[int] = None  # int4's / int8's group (-1: int8 per channel)
     # --generation-config: the sampling defaults a request's unset fields take (engine/generation_defaults.py).
     sampling_defaults: dict = field(default_factory=dict)
@@ -99,9 +106,9 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = None
     num_gpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from memory
     enable_prefix_caching: bool = True
-    swap_space: float = 4.0            # GiB of CPU blocks for swap preemption
+    swap_space: float = 4.0  # GiB of CPU blocks for swap preemption
     num_cpu_blocks: Optional[int] = None  # set explicitly (tests) or computed from swap_space
-    cache_dtype: str = "auto"          # KV cache: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2
+    cache_dtype: str = "auto"  # KV cache: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -115,15 +122,20 @@ class CacheConfig:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --kv-cache-dtype's values -> the cache element's torch dtype, by name (torch-free here;
 # attention/kv_quant.py makes the dtype). None: the model's dtype; "fp8" is e4m3, as vLLM's.
-KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                   "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "int8": "int8",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 PREEMPTION_MODES = ("recompute", "swap")
-DEVICES = ("cpu", "cuda")                      # EngineArgs also takes "auto"
+DEVICES = ("cpu", "cuda")  # EngineArgs also takes "auto"
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 RUNNERS = ("generate", "pooling")
-SCHEDULING_POLICIES = ("fcfs", "priority")   # priority: lower first, then arrival (vLLM's)
-MM_MODALITIES = ("image",)   # --limit-mm-per-prompt's keys
-DEFAULT_MM_LIMIT = 999        # images per prompt when --limit-mm-per-prompt leaves it unset (vLLM's)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # priority: lower first, then arrival (vLLM's)
+MM_MODALITIES = ("image",)  # --limit-mm-per-prompt's keys
+DEFAULT_MM_LIMIT = 999  # images per prompt when --limit-mm-per-prompt leaves it unset (vLLM's)
 
 
 @dataclass
@@ -132,8 +144,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     chunked_prefill: bool = True
-    preemption_mode: str = "recompute"   # or "swap"
-    max_loras: int = 0   # --enable-lora: at most this many distinct adapters in a step (0: no LoRA)
+    preemption_mode: str = "recompute"  # or "swap"
+    max_loras: int = 0  # --enable-lora: at most this many distinct adapters in a step (0: no LoRA)
     # Speculative decoding with a draft model: KV slots a running request gets beyond its step's
     # tokens, where the draft writes the K/V of the tokens it proposes (vLLM's num_lookahead_tokens).
     num_lookahead_tokens: int = 0
@@ -152,24 +164,26 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
 
 
 @dataclass
 class ParallelConfig:
     """How the model is split over processes (see pagedllm/distributed, pagedllm/executor)."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1               # engine replicas behind one router
-    distributed_executor_backend: Optional[str] = None   # "mp" (default when split) or "ray"
+    data_parallel_size: int = 1  # engine replicas behind one router
+    distributed_executor_backend: Optional[str] = None  # "mp" (default when split) or "ray"
 
     @property
     def world_size(self) -> int:
@@ -182,16 +196,18 @@ class ParallelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.distributed_executor_backend not in (None, *DISTRIBUTED_EXECUTOR_BACKENDS):
-            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
-                             f"got {self.distributed_executor_backend!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
+            )
 
 
 @dataclass
 class LoRAConfig:
     """--enable-lora: adapter slots on the device, their rank, adapters kept in host memory."""
+
     max_loras: int = 1
     max_lora_rank: int = 16
-    max_cpu_loras: Optional[int] = None   # None: max_loras
+    max_cpu_loras: Optional[int] = None  # None: max_loras
 
     def validate(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -201,19 +217,21 @@ class LoRAConfig:
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
-                             f"got {self.max_cpu_loras!r}")
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}"
+            )
 
 
 @dataclass
 class DeviceConfig:
     """Where the model runs and how (the knobs of the GPU path; the CPU ignores the others)."""
-    device: str = "cpu"                    # "cpu" or "cuda" (resolved from "auto" by EngineArgs)
+
+    device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto" by EngineArgs)
     # "torch" (CPU) or "triton" (paged kernels, GPU): a name in attention/backends/registry.py,
     # checked by EngineArgs, which resolves "auto".
     attention_backend: str = "torch"
-    gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use
-    enforce_eager: bool = False            # True: no CUDA graphs at all
+    gpu_memory_utilization: float = 0.9  # share of the device's memory the engine may use
+    enforce_eager: bool = False  # True: no CUDA graphs at all
     # Decode batch sizes captured as CUDA graphs; a decode batch is padded to the next one.
     cuda_graph_sizes: list = field(default_factory=list)
     # cudagraph_mode FULL: token counts captured for mixed prefill + decode steps (padded up).
@@ -274,15 +292,22 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
-    lora_config: Optional[LoRAConfig] = None   # None: LoRA off
+    lora_config: Optional[LoRAConfig] = None  # None: LoRA off
     # P/D disaggregation (distributed/kv_transfer/config.KVTransferConfig), or None.
     kv_transfer_config: Optional[object] = None
     speculative_config: Optional["SpeculativeConfig"] = None
 
     def validate(self) -> None:
         """Each config checks its own fields; the rules across features are engine/compat.py's."""
-        for part in (self.model_config, self.cache_config, self.scheduler_config, self.parallel_config,
-                     self.device_config, self.lora_config, self.speculative_config):
+        for part in (
+            self.model_config,
+            self.cache_config,
+            self.scheduler_config,
+            self.parallel_config,
+            self.device_config,
+            self.lora_config,
+            self.speculative_config,
+        ):
             if part is not None:
                 part.validate()
 
@@ -295,11 +320,12 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `--speculative-config` JSON / `speculative_config=`): a
     proposer drafts up to `num_speculative_tokens` tokens a step, the target verifies them in
     the same forward (spec_decode/, worker/rejection_sampler.py)."""
+
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 2        # n-gram: shortest suffix looked up in the tokens so far
-    prompt_lookup_max: int = 8        # n-gram: longest
-    model: Optional[str] = None       # draft_model: "self:N" (the target's first N layers) or an HF dir
+    prompt_lookup_min: int = 2  # n-gram: shortest suffix looked up in the tokens so far
+    prompt_lookup_max: int = 8  # n-gram: longest
+    model: Optional[str] = None  # draft_model: "self:N" (the target's first N layers) or an HF dir
     # Speculation length: "fixed" (always num_speculative_tokens, as vLLM) or "adaptive" (from
     # the measured acceptance and the batch size, up to num_speculative_tokens; 0 when it does not pay).
     length_policy: str = "fixed"
@@ -308,7 +334,7 @@ class SpeculativeConfig:
     def from_dict(cls, d) -> "SpeculativeConfig":
         """From the JSON object (a str is parsed); ValueError naming the bad field."""
         d = fields_from_json(d, cls, "speculative_config")
-        if "method" not in d and d.get("model") is not None:   # vLLM: a model given is a draft model
+        if "method" not in d and d.get("model") is not None:  # vLLM: a model given is a draft model
             d = {**d, "method": "draft_model"}
         if "prompt_lookup_min" not in d and isinstance(d.get("prompt_lookup_max"), int):
             d = {**d, "prompt_lookup_min": min(cls.prompt_lookup_min, d["prompt_lookup_max"])}
@@ -319,6 +345,7 @@ class SpeculativeConfig:
     def validate(self) -> None:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
         k = self.num_speculative_tokens
@@ -328,15 +355,18 @@ class SpeculativeConfig:
         if not is_int(lo) or lo < 1:
             raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1, got {lo!r}")
         if not is_int(hi) or hi < lo:
-            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
-                             f"({lo}), got {hi!r}")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min ({lo}), got {hi!r}"
+            )
         if self.length_policy not in ("fixed", "adaptive"):
-            raise ValueError(f"speculative_config.length_policy must be 'fixed' or 'adaptive', "
-                             f"got {self.length_policy!r}")
+            raise ValueError(
+                f"speculative_config.length_policy must be 'fixed' or 'adaptive', got {self.length_policy!r}"
+            )
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError("speculative_config.model is required with method 'draft_model' "
-                                 "('self:N' or an HF model directory)")
+                raise ValueError(
+                    "speculative_config.model is required with method 'draft_model' ('self:N' or an HF model directory)"
+                )
             if self.model.startswith("self:"):
                 n = self.model[5:]
                 if not n.isdigit() or int(n) < 1:

@@ -1,6 +1,7 @@
 """The step's state that every layer reads during one model forward (vLLM's forward context,
 nano-vllm's utils/context.py): set by the runner around the model call, so that the model's
 forward takes only the tokens and positions."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ from typing import Any, Iterator, Optional
 
 @dataclass
 class ForwardContext:
-    attn_metadata: Any   # the attention backend's metadata of this step (one for every layer)
+    attn_metadata: Any  # the attention backend's metadata of this step (one for every layer)
 
 
 _forward_context: Optional[ForwardContext] = None
@@ -29,9 +30,11 @@ def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
 
 def get_forward_context() -> ForwardContext:
     if _forward_context is None:
-        raise RuntimeError("no forward context: run the model inside "
-                           "pagedllm.forward_context.set_forward_context(attn_metadata) "
-                           "(the model runner does this around each step)")
+        raise RuntimeError(
+            "no forward context: run the model inside "
+            "pagedllm.forward_context.set_forward_context(attn_metadata) "
+            "(the model runner does this around each step)"
+        )
     return _forward_context
 
 

@@ -9,6 +9,7 @@ permanent generation, which no collection walks; what is made later is collected
 Only for processes that live until they exit (the engine core process, the API server, the
 proxy): a frozen object in a reference cycle is never freed, so the in-process `LLM`, which tests
 and notebooks make and drop many times, does not freeze."""
+
 from __future__ import annotations
 
 import gc
@@ -24,6 +25,7 @@ def freeze_gc_heap(what: str) -> int:
     gc.collect()
     gc.freeze()
     n = gc.get_freeze_count()
-    logger.info("%s: %d start-up objects frozen out of the GC's walks (%.0f ms)", what, n,
-                (time.perf_counter() - t0) * 1e3)
+    logger.info(
+        "%s: %d start-up objects frozen out of the GC's walks (%.0f ms)", what, n, (time.perf_counter() - t0) * 1e3
+    )
     return n

@@ -1,6 +1,7 @@
 """A config given as a JSON object on the command line (--speculative-config,
 --kv-transfer-config) or as a dict in Python: parsed and checked against the dataclass's fields,
 so that a typo is a ValueError naming the flag and the field rather than a TypeError."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -5,6 +5,7 @@ Latencies are observed in the API server process as outputs arrive from the engi
 (running / waiting requests, KV-cache usage, preemptions) comes from the core's stats,
 which it sends after every step and after every abort.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,10 +20,50 @@ disable_created_metrics()  # no *_created series: counters and histograms only
 
 logger = logging.getLogger("pagedllm.server")
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TOKEN_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -31,8 +72,13 @@ DEFAULT_METRICS_PREFIX = "pagedllm"
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
-                 prefix: str = DEFAULT_METRICS_PREFIX, max_lora: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: Optional[CollectorRegistry] = None,
+        prefix: str = DEFAULT_METRICS_PREFIX,
+        max_lora: Optional[int] = None,
+    ) -> None:
         """prefix: the series' namespace (`--metrics-prefix vllm`: the names vLLM's dashboards
         query, which these mirror; see examples/grafana/README.md)."""
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -48,16 +94,21 @@ class EngineMetrics:
         def counter(name, doc):
             return Counter(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first output token).",
-                         _LATENCY_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds",
-                         "Mean time per output token after the first, per finished sequence.", _TOKEN_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between two successive outputs of a sequence.",
-                        _TOKEN_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency of a sequence (arrival to finish).",
-                        _LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
-                               _LATENCY_BUCKETS)
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Time to first token (arrival to first output token).", _LATENCY_BUCKETS
+        )
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per finished sequence.",
+            _TOKEN_BUCKETS,
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between two successive outputs of a sequence.", _TOKEN_BUCKETS
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "End-to-end latency of a sequence (arrival to finish).", _LATENCY_BUCKETS
+        )
+        self.queue_time = hist("request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS)
         self.running = gauge("num_requests_running", "Sequences running in the engine core.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting in the engine core.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
@@ -70,29 +121,55 @@ class EngineMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (0 to 1).")
         # vLLM's names; here the encoder cache of image features (an item: one image a request needs).
-        self.mm_queries = counter("mm_cache_queries", "Multi-modal cache queries, in terms of number of queried "
-                                                      "items (images looked up in the encoder cache).")
-        self.mm_hits = counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items "
-                                                "(images that needed no encoder run).")
-        fin = Counter(f"{prefix}:request_success", "Finished sequences, by finish reason.",
-                      labels + ["finished_reason"], registry=r)
+        self.mm_queries = counter(
+            "mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items (images looked up in the encoder cache).",
+        )
+        self.mm_hits = counter(
+            "mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items (images that needed no encoder run).",
+        )
+        fin = Counter(
+            f"{prefix}:request_success",
+            "Finished sequences, by finish reason.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
         self.finished = {reason: fin.labels(model_name, reason) for reason in FINISH_REASONS}
         # Data parallelism: where the router sent the requests (one series per replica).
-        self.replica_added = Gauge(f"{prefix}:dp_replica_requests_added",
-                                   "Requests (and beam searches) added to each data-parallel replica.",
-                                   labels + ["replica"], registry=r)
-        self.rejected = Counter(f"{prefix}:request_rejected", "Requests refused (overload, engine dead).",
-                                labels + ["reason"], registry=r)
+        self.replica_added = Gauge(
+            f"{prefix}:dp_replica_requests_added",
+            "Requests (and beam searches) added to each data-parallel replica.",
+            labels + ["replica"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            f"{prefix}:request_rejected", "Requests refused (overload, engine dead).", labels + ["reason"], registry=r
+        )
         # --enable-lora: vLLM's info gauge, the time of the last update labelled with the adapters
         # running and waiting (comma-separated names) and max_lora.
-        self.lora_info = None if max_lora is None else Gauge(
-            f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.lora_info = (
+            None
+            if max_lora is None
+            else Gauge(
+                f"{prefix}:lora_requests_info",
+                "Running stats on LoRA requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=r,
+            )
+        )
         self.max_lora = max_lora
         self.spec_decoding = SpecDecodingPrometheus(prefix, model_name, r)
         self._last_preemptions = 0
-        self.core_stats: dict = {"running": 0, "waiting": 0, "kv_usage": 0.0, "used_blocks": 0,
-                                 "num_blocks": 0, "preemptions": 0, "num_added": 0}
+        self.core_stats: dict = {
+            "running": 0,
+            "waiting": 0,
+            "kv_usage": 0.0,
+            "used_blocks": 0,
+            "num_blocks": 0,
+            "preemptions": 0,
+            "num_added": 0,
+        }
         # For the log line.
         self._num_prompt = 0
         self._num_gen = 0
@@ -110,16 +187,22 @@ class EngineMetrics:
             self.preemptions.inc(d)
         self._last_preemptions = s["preemptions"]
         q, h = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        for counter, total, last in ((self.prefix_queries, q, "_last_queries"), (self.prefix_hits, h, "_last_hits"),
-                                     (self.mm_queries, s.get("mm_cache_queries", 0), "_last_mm_queries"),
-                                     (self.mm_hits, s.get("mm_cache_hits", 0), "_last_mm_hits")):
+        for counter, total, last in (
+            (self.prefix_queries, q, "_last_queries"),
+            (self.prefix_hits, h, "_last_hits"),
+            (self.mm_queries, s.get("mm_cache_queries", 0), "_last_mm_queries"),
+            (self.mm_hits, s.get("mm_cache_hits", 0), "_last_mm_hits"),
+        ):
             if total > getattr(self, last, 0):
                 counter.inc(total - getattr(self, last, 0))
             setattr(self, last, total)
         self.prefix_hit_rate.set(h / q if q else 0.0)
         if self.lora_info is not None:
-            self.lora_info.labels(str(self.max_lora), ",".join(s.get("waiting_lora_adapters") or ()),
-                                  ",".join(s.get("running_lora_adapters") or ())).set_to_current_time()
+            self.lora_info.labels(
+                str(self.max_lora),
+                ",".join(s.get("waiting_lora_adapters") or ()),
+                ",".join(s.get("running_lora_adapters") or ()),
+            ).set_to_current_time()
         if s.get("spec_decoding"):
             self.spec_decoding.update(s["spec_decoding"])
         for i, rs in enumerate(s.get("replicas") or ()):
@@ -134,8 +217,15 @@ class EngineMetrics:
         self.generation_tokens.inc(n)
         self._num_gen += n
 
-    def finish(self, reason: Optional[str], arrival: float, first: Optional[float], last: Optional[float],
-               num_tokens: int, now: float) -> None:
+    def finish(
+        self,
+        reason: Optional[str],
+        arrival: float,
+        first: Optional[float],
+        last: Optional[float],
+        num_tokens: int,
+        now: float,
+    ) -> None:
         self.finished.get(reason or "abort", self.finished["abort"]).inc()
         if reason == "abort":
             return
@@ -165,9 +255,11 @@ class StatLogger:
         s = self.metrics.core_stats
         if not (p or g or s["running"] or s["waiting"]):
             return None
-        line = (f"Running: {s['running']} reqs, Waiting: {s['waiting']} reqs, "
-                f"KV cache usage: {100 * s['kv_usage']:.1f}%, "
-                f"Prompt throughput: {p / dt:.1f} tokens/s, Generation throughput: {g / dt:.1f} tokens/s"
-                + self.metrics.spec_decoding.log_line())
+        line = (
+            f"Running: {s['running']} reqs, Waiting: {s['waiting']} reqs, "
+            f"KV cache usage: {100 * s['kv_usage']:.1f}%, "
+            f"Prompt throughput: {p / dt:.1f} tokens/s, Generation throughput: {g / dt:.1f} tokens/s"
+            + self.metrics.spec_decoding.log_line()
+        )
         logger.info(line)
         return line

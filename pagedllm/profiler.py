@@ -4,21 +4,21 @@ The engine marks the end of each phase of a step (schedule, prepare inputs, forw
 sample, ...); the time since the previous mark is charged to that phase. Off by default:
 a disabled mark is one attribute test, so the hot path pays nothing measurable.
 """
+
 from __future__ import annotations
 
 import time
 
 # Phases in step order; "forward" is the model (embedding, layers, LM head of the sampled
 # rows); everything else is engine overhead.
-PHASES = ("schedule", "prepare_inputs", "forward", "sample", "runner_update", "scheduler_update",
-          "output_processing")
+PHASES = ("schedule", "prepare_inputs", "forward", "sample", "runner_update", "scheduler_update", "output_processing")
 MODEL_PHASES = ("forward",)
 
 
 class StepProfiler:
     def __init__(self) -> None:
         self.enabled = False
-        self.steps: list[dict[str, float]] = []   # one {phase: seconds} per step
+        self.steps: list[dict[str, float]] = []  # one {phase: seconds} per step
         self._cur: dict[str, float] = {}
         self._last = 0.0
         self._tokens = 0
@@ -66,8 +66,11 @@ def summarize(steps: list[dict[str, float]]) -> dict:
     means = {p: sum(s.get(p, 0.0) for s in steps) / n for p in PHASES}
     total = sum(means.values())
     model = sum(means[p] for p in MODEL_PHASES)
-    return {"steps": n, "step_ms": 1e3 * total,
-            "phases": {p: {"ms": 1e3 * t, "pct": 100 * t / total if total else 0.0} for p, t in means.items()},
-            "overhead_pct": 100 * (total - model) / total if total else 0.0,
-            "mean_tokens": sum(s["num_tokens"] for s in steps) / n,
-            "mean_reqs": sum(s["num_reqs"] for s in steps) / n}
+    return {
+        "steps": n,
+        "step_ms": 1e3 * total,
+        "phases": {p: {"ms": 1e3 * t, "pct": 100 * t / total if total else 0.0} for p, t in means.items()},
+        "overhead_pct": 100 * (total - model) / total if total else 0.0,
+        "mean_tokens": sum(s["num_tokens"] for s in steps) / n,
+        "mean_reqs": sum(s["num_reqs"] for s in steps) / n,
+    }

@@ -1,4 +1,5 @@
 """Request: one prompt + its sampling params, as the scheduler sees it (no torch here)."""
+
 from __future__ import annotations
 
 import enum
@@ -11,8 +12,8 @@ from pagedllm.structured_output.request import StructuredOutputRequest
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    WAITING_FOR_FSM = 1   # in the waiting queue until its grammar is compiled (structured output)
-    WAITING_FOR_REMOTE_KVS = 2   # holds its blocks while a KV connector loads them; computes nothing
+    WAITING_FOR_FSM = 1  # in the waiting queue until its grammar is compiled (structured output)
+    WAITING_FOR_REMOTE_KVS = 2  # holds its blocks while a KV connector loads them; computes nothing
     RUNNING = 3
     PREEMPTED = 4
     # Everything past this line is finished.
@@ -66,15 +67,15 @@ class Request:
         # --scheduling-policy priority: lower runs earlier (ties by arrival_time), as vLLM's priority.
         self.priority = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine when None
-        self.extra_keys: tuple = ()     # keys that must never share cached blocks (e.g. a LoRA id)
-        self.lora_request = None        # pagedllm.lora.LoRARequest, or None: the base model
-        self.mm_inputs: tuple = ()      # multimodal.inputs.ImageInput of each image, in prompt order
-        self.num_cached_tokens = -1     # prompt tokens found in the prefix cache (-1: not yet looked up)
+        self.extra_keys: tuple = ()  # keys that must never share cached blocks (e.g. a LoRA id)
+        self.lora_request = None  # pagedllm.lora.LoRARequest, or None: the base model
+        self.mm_inputs: tuple = ()  # multimodal.inputs.ImageInput of each image, in prompt order
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not yet looked up)
         # Beam search: the beams of one search share a group id; they are preempted and
         # re-admitted together (a beam that has reported waits for its siblings while holding
         # its blocks, so a search split between running and waiting could wait forever).
         self.group_id: Optional[str] = None
-        self.fork_width = 1             # a search's first beam: the number of beams it becomes
+        self.fork_width = 1  # a search's first beam: the number of beams it becomes
         so = sampling_params.structured_outputs
         self.structured_output_request = StructuredOutputRequest(so) if so is not None else None
         if so is not None:
@@ -100,9 +101,10 @@ class Request:
             return
         start, ids, lps, ranks = chunk
         skip = len(self.prompt_logprobs) + 1 - start
-        if skip < 0:   # the prefix cache is skipped for these requests: no gap can arise
-            raise RuntimeError(f"prompt logprobs of {self.request_id} from token {start}, "
-                               f"after {len(self.prompt_logprobs)}")
+        if skip < 0:  # the prefix cache is skipped for these requests: no gap can arise
+            raise RuntimeError(
+                f"prompt logprobs of {self.request_id} from token {start}, after {len(self.prompt_logprobs)}"
+            )
         self.prompt_logprobs.extend(zip(ids[skip:], lps[skip:], ranks[skip:]))
 
     def take_prompt_logprobs(self) -> Optional[list]:
@@ -120,13 +122,18 @@ class Request:
 
     def make_child(self, index: int) -> "Request":
         """A sibling of a parallel-sampling request (n > 1): same prompt, own sampling stream."""
-        child = Request(child_request_id(self.request_id, index), self.prompt_token_ids,
-                        self.sampling_params.child(index), self.eos_token_id, self.arrival_time)
+        child = Request(
+            child_request_id(self.request_id, index),
+            self.prompt_token_ids,
+            self.sampling_params.child(index),
+            self.eos_token_id,
+            self.arrival_time,
+        )
         child.max_tokens = self.max_tokens
         child.extra_keys, child.lora_request = self.extra_keys, self.lora_request
         child.mm_inputs = self.mm_inputs
         child.priority = self.priority
-        if self.structured_output_request is not None:   # the same grammar, its own matcher
+        if self.structured_output_request is not None:  # the same grammar, its own matcher
             child.structured_output_request = self.structured_output_request.fork()
         return child
 
@@ -155,5 +162,7 @@ class Request:
         return _FINISH_REASON.get(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

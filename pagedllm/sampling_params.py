@@ -3,6 +3,7 @@
 Every bad value raises a ValueError naming the field, the value and what is allowed,
 so that bad input never reaches the engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ _GREEDY_EPS = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
-MAX_STOP_STRING_CHARS = 1024   # the detokenizer holds back len - 1 chars while streaming
+MAX_STOP_STRING_CHARS = 1024  # the detokenizer holds back len - 1 chars while streaming
 MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024          # entries; each costs work in every step's sampling metadata
+MAX_LOGIT_BIAS = 1024  # entries; each costs work in every step's sampling metadata
 
 
 class ParamError(ValueError):
@@ -28,11 +29,11 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
-    def __reduce__(self):   # picklable (it may cross to another process)
+    def __reduce__(self):  # picklable (it may cross to another process)
         return type(self), (self.param, str(self))
 
 
-MAX_STRUCTURED_SPEC_CHARS = 1 << 20   # a schema / regex / grammar text; compiling costs with its size
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20  # a schema / regex / grammar text; compiling costs with its size
 MAX_CHOICES = 1024
 
 
@@ -41,6 +42,7 @@ class StructuredOutputsParams:
     """Constrain the output (vLLM's names): exactly one of a JSON schema (a dict or its text),
     any JSON object (`json_object`), a regex, a list of choices, or an EBNF (GBNF) grammar.
     The schema is kept as its text: the engine compiles each distinct text once."""
+
     json: Union[None, str, dict] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
@@ -55,22 +57,35 @@ class StructuredOutputsParams:
         set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         set_ += ["json_object"] if self.json_object is True else []
         if len(set_) != 1:
-            raise ParamError("structured_outputs", "structured_outputs must set exactly one of json, regex, "
-                                                   f"choice, grammar, json_object; got {set_ or 'none'}")
+            raise ParamError(
+                "structured_outputs",
+                "structured_outputs must set exactly one of json, regex, "
+                f"choice, grammar, json_object; got {set_ or 'none'}",
+            )
         kind = set_[0]
         if kind == "choice":
-            if (not self.choice or len(self.choice) > MAX_CHOICES
-                    or any(not isinstance(c, str) or c == "" for c in self.choice)):
-                raise ParamError("structured_outputs.choice", f"structured_outputs.choice must be a list of 1 to "
-                                 f"{MAX_CHOICES} non-empty strings, got {_show(self.choice)}")
+            if (
+                not self.choice
+                or len(self.choice) > MAX_CHOICES
+                or any(not isinstance(c, str) or c == "" for c in self.choice)
+            ):
+                raise ParamError(
+                    "structured_outputs.choice",
+                    f"structured_outputs.choice must be a list of 1 to "
+                    f"{MAX_CHOICES} non-empty strings, got {_show(self.choice)}",
+                )
         elif kind != "json_object":
             v = getattr(self, kind)
             if not isinstance(v, str) or not v.strip():
-                raise ParamError(f"structured_outputs.{kind}",
-                                 f"structured_outputs.{kind} must be a non-empty string, got {_show(v)}")
+                raise ParamError(
+                    f"structured_outputs.{kind}",
+                    f"structured_outputs.{kind} must be a non-empty string, got {_show(v)}",
+                )
             if len(v) > MAX_STRUCTURED_SPEC_CHARS:
-                raise ParamError(f"structured_outputs.{kind}", f"structured_outputs.{kind} must have at most "
-                                 f"{MAX_STRUCTURED_SPEC_CHARS} characters, got {len(v)}")
+                raise ParamError(
+                    f"structured_outputs.{kind}",
+                    f"structured_outputs.{kind} must have at most {MAX_STRUCTURED_SPEC_CHARS} characters, got {len(v)}",
+                )
 
     @property
     def kind(self) -> str:
@@ -97,19 +112,19 @@ class SamplingParams:
     best_of: Optional[int] = None  # sample best_of, return the n of highest cumulative logprob
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1          # -1: off
-    min_p: float = 0.0       # 0: off
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Optional[int] = None
-    max_tokens: Optional[int] = 16   # None: up to max_model_len
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
     min_tokens: int = 0
     stop: Union[None, str, list[str]] = None
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: Optional[int] = None   # None: none; k >= 0: the sampled token's + the top k
+    logprobs: Optional[int] = None  # None: none; k >= 0: the sampled token's + the top k
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -138,6 +153,7 @@ class SamplingParams:
             if not isinstance(self.extra_args, dict):
                 raise ParamError("extra_args", f"extra_args must be a dict, got {self.extra_args!r}")
             from pagedllm.distributed.kv_transfer.config import validate_kv_transfer_params
+
             try:
                 validate_kv_transfer_params(self.extra_args.get("kv_transfer_params"))
             except ValueError as e:
@@ -166,7 +182,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not (-2 <= v <= 2):
                 bad(name, v, "in [-2, 2]")
-        if self.seed is not None and (not _is_int(self.seed) or not (-2**63 <= self.seed < 2**63)):
+        if self.seed is not None and (not _is_int(self.seed) or not (-(2**63) <= self.seed < 2**63)):
             bad("seed", self.seed, "a 64-bit integer or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
@@ -189,8 +205,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not (0 <= v <= MAX_LOGPROBS)):
                 bad(name, v, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
-                                                                  StructuredOutputsParams):
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -216,9 +231,15 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes or reports the logits: the token is their argmax."""
-        return (self.greedy and self.logprobs is None and not self.logit_bias and self.min_tokens == 0
-                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0)
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+        )
 
     @property
     def num_samples(self) -> int:
@@ -237,6 +258,7 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         import copy
+
         return copy.deepcopy(self)
 
 

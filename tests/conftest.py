@@ -1,6 +1,7 @@
 """Shared fixtures: the default model is prepared once per run and shared by every test.
 Tests that use it are marked `model` here (`make test-fast` deselects them), and Hypothesis
 runs derandomized in CI."""
+
 import os
 
 import pytest
@@ -36,13 +37,22 @@ def pytest_addoption(parser):
     # The workload fuzzers (tests/engine/test_engine_fuzz.py, tests/entrypoints/test_server_fuzz.py): a fixed seed
     # and a bounded case count in CI; scale or replay from the command line.
     group = parser.getgroup("fuzz")
-    group.addoption("--fuzz-cases", type=int, default=None,
-                    help="engine fuzzer: number of cases (default: the CI count)")
+    group.addoption(
+        "--fuzz-cases", type=int, default=None, help="engine fuzzer: number of cases (default: the CI count)"
+    )
     group.addoption("--fuzz-seed", type=int, default=0, help="fuzzers: the base seed")
-    group.addoption("--fuzz-replay", default=None, metavar="GROUP:CASE",
-                    help="engine fuzzer: replay one failing case (and the cases before it on its engine)")
-    group.addoption("--fuzz-seconds", type=float, default=None,
-                    help="server fuzzer: send requests for this long (default: the CI count of requests)")
+    group.addoption(
+        "--fuzz-replay",
+        default=None,
+        metavar="GROUP:CASE",
+        help="engine fuzzer: replay one failing case (and the cases before it on its engine)",
+    )
+    group.addoption(
+        "--fuzz-seconds",
+        type=float,
+        default=None,
+        help="server fuzzer: send requests for this long (default: the CI count of requests)",
+    )
 
 
 def pytest_configure(config):
@@ -51,13 +61,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "stops_server: stops the session's shared server (run last)")
 
 
-@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marks
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
     # A test that stops a shared server runs after every other test (which may share it).
-    items.sort(key=lambda item: item.get_closest_marker("stops_server") is not None)   # stable
+    items.sort(key=lambda item: item.get_closest_marker("stops_server") is not None)  # stable
 
 
 @pytest.fixture(params=runnable_isas())
@@ -71,12 +81,14 @@ def cpu_isa(request, monkeypatch):
 @pytest.fixture(scope="session")
 def model_dir():
     from pagedllm.models.download import ensure_default_model
+
     return str(ensure_default_model(progress=False))
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -84,6 +96,7 @@ def tokenizer(model_dir):
 def hf_model(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
@@ -92,6 +105,7 @@ def hf_model(model_dir):
 def default_server(model_dir):
     """`pagedllm serve` of the default model, shared by test_server.py and test_server_beam.py."""
     from server_utils import DEFAULT_SERVER_ARGS, DEFAULT_SERVER_ENV, RemoteServer
+
     srv = RemoteServer(DEFAULT_SERVER_ARGS, env=DEFAULT_SERVER_ENV)
     yield srv
     srv.close()
@@ -101,8 +115,9 @@ def default_server(model_dir):
 def client(request, server):
     """The official openai client on the module's `server` fixture (a module's CLIENT_TIMEOUT, in
     seconds, overrides the client's default)."""
-    return server.client(**({"timeout": request.module.CLIENT_TIMEOUT}
-                            if hasattr(request.module, "CLIENT_TIMEOUT") else {}))
+    return server.client(
+        **({"timeout": request.module.CLIENT_TIMEOUT} if hasattr(request.module, "CLIENT_TIMEOUT") else {})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +131,10 @@ def tiny_shared_server():
     """`pagedllm serve` of the tiny random model, shared by test_server_logprobs.py,
     test_server_sampling.py and test_input_bounds.py."""
     from server_utils import RESPONSES_STORE_ON, TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN, tiny_server
-    srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES),
-                      env=RESPONSES_STORE_ON)
+
+    srv = tiny_server(
+        TINY_SERVER_MAX_MODEL_LEN, "--max-request-body-bytes", str(TINY_SERVER_MAX_BODY_BYTES), env=RESPONSES_STORE_ON
+    )
     yield srv
     srv.close()
 
@@ -129,12 +146,27 @@ def structured_server(tmp_path_factory):
     parser: shared by tests/structured_output/ and tests/entrypoints/test_tools*.py."""
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).parent / "structured_output"))
     from server_utils import RESPONSES_STORE_ON, RemoteServer
     from tiny_chat_model import make_tiny_chat_model
+
     model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    srv = RemoteServer(["--model", str(model), "--max-model-len", "1024", "--max-num-seqs", "128",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
-                       env=RESPONSES_STORE_ON)
+    srv = RemoteServer(
+        [
+            "--model",
+            str(model),
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "128",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+        ],
+        env=RESPONSES_STORE_ON,
+    )
     yield srv
     srv.close()

@@ -8,6 +8,7 @@ logprobs, prompt lengths from 1 to max_model_len (max_model_len - 1 and max_mode
 shared prefixes (prefix caching), arrivals at random steps and aborts at random steps; under
 --scheduling-policy priority, a priority per request.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,14 +19,15 @@ from typing import Optional
 from pagedllm.sampling_params import SamplingParams
 
 MODEL = "random:tiny"
-MAX_MODEL_LEN_CAP = 64      # the reference engine's context covers every drawn configuration
-FIRST_WORD = 3              # ids 0-2 are <unk>, <s>, </s>
+MAX_MODEL_LEN_CAP = 64  # the reference engine's context covers every drawn configuration
+FIRST_WORD = 3  # ids 0-2 are <unk>, <s>, </s>
 VOCAB = 512
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine configuration; cases are grouped by it so that engines are built rarely."""
+
     block_size: int
     max_model_len: int
     max_num_seqs: int
@@ -46,10 +48,20 @@ class EngineSpec:
     def server_args(self) -> list[str]:
         """The same configuration as `pagedllm serve` flags (the server has no flag for the
         CPU block count: swap uses its default swap space)."""
-        args = ["--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
-                "--max-num-seqs", str(self.max_num_seqs),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--preemption-mode", self.preemption_mode, "--scheduling-policy", self.scheduling_policy]
+        args = [
+            "--max-model-len",
+            str(self.max_model_len),
+            "--block-size",
+            str(self.block_size),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--preemption-mode",
+            self.preemption_mode,
+            "--scheduling-policy",
+            self.scheduling_policy,
+        ]
         if not self.enable_chunked_prefill:
             args.append("--no-enable-chunked-prefill")
         if not self.enable_prefix_caching:
@@ -61,15 +73,15 @@ class EngineSpec:
 class RequestSpec:
     rid: str
     prompt: list[int]
-    arrival: int                     # step (engine) or tick (server) at which it is sent
-    abort_after: Optional[int]       # steps / ticks after its arrival; None: never
-    params: dict = field(default_factory=dict)   # SamplingParams fields (not for beam search)
-    beam_width: int = 0              # > 0: a beam search of this width
+    arrival: int  # step (engine) or tick (server) at which it is sent
+    abort_after: Optional[int]  # steps / ticks after its arrival; None: never
+    params: dict = field(default_factory=dict)  # SamplingParams fields (not for beam search)
+    beam_width: int = 0  # > 0: a beam search of this width
     length_penalty: float = 1.0
     max_tokens: Optional[int] = 16
-    stream: bool = False             # engine: DELTA outputs; server: stream=True
-    chat: bool = False               # server only: /v1/chat/completions
-    priority: int = 0                # under --scheduling-policy priority: lower runs earlier
+    stream: bool = False  # engine: DELTA outputs; server: stream=True
+    chat: bool = False  # server only: /v1/chat/completions
+    priority: int = 0  # under --scheduling-policy priority: lower runs earlier
 
     @property
     def is_beam(self) -> bool:
@@ -89,9 +101,11 @@ class RequestSpec:
 
     def describe(self) -> str:
         what = f"beam(w={self.beam_width}, lp={self.length_penalty})" if self.is_beam else repr(self.params)
-        return (f"{self.rid}: prompt {len(self.prompt)} tokens, max_tokens {self.max_tokens}, {what}, "
-                f"arrival {self.arrival}, abort_after {self.abort_after}, stream {self.stream}, chat {self.chat}, "
-                f"priority {self.priority}")
+        return (
+            f"{self.rid}: prompt {len(self.prompt)} tokens, max_tokens {self.max_tokens}, {what}, "
+            f"arrival {self.arrival}, abort_after {self.abort_after}, stream {self.stream}, chat {self.chat}, "
+            f"priority {self.priority}"
+        )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -101,7 +115,7 @@ def cdiv(a: int, b: int) -> int:
 def draw_engine_spec(rng: random.Random) -> EngineSpec:
     block_size = rng.choice([1, 2, 4, 4, 8, 16])
     max_model_len = rng.choice([8, 16, 24, 32, 48, 64])
-    full = cdiv(max_model_len, block_size)   # blocks of one sequence at full length
+    full = cdiv(max_model_len, block_size)  # blocks of one sequence at full length
     # From "one long request barely fits" to "a few fit": preemption is the normal case.
     num_gpu_blocks = max(2, int(full * rng.choice([0.5, 1, 1, 1, 1.5, 1.5, 2, 2, 3, 3, 4, 4])) + 1)
     chunked = rng.random() < 0.75
@@ -110,7 +124,8 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
         budgets = [b for b in budgets if b >= max_model_len] or [max_model_len]
     mode = rng.choice(["recompute", "swap"])
     spec = EngineSpec(
-        block_size=block_size, max_model_len=max_model_len,
+        block_size=block_size,
+        max_model_len=max_model_len,
         max_num_seqs=rng.choice([1, 2, 3, 4, 4, 6, 8, 8]),
         num_gpu_blocks=num_gpu_blocks,
         max_num_batched_tokens=rng.choice(budgets),
@@ -118,7 +133,8 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
         enable_prefix_caching=rng.random() < 0.6,
         preemption_mode=mode,
         # A tight swap space makes swap fall back to recompute now and then.
-        num_cpu_blocks=rng.choice([3, full + 1, 4 * full + 1]) if mode == "swap" else None)
+        num_cpu_blocks=rng.choice([3, full + 1, 4 * full + 1]) if mode == "swap" else None,
+    )
     # Drawn last, so that the fcfs configurations are those drawn before there was a choice.
     if rng.random() < 0.35:
         spec = dataclasses.replace(spec, scheduling_policy="priority")
@@ -128,7 +144,7 @@ def draw_engine_spec(rng: random.Random) -> EngineSpec:
 def _prompt_length(rng: random.Random, max_model_len: int) -> int:
     r = rng.random()
     if r < 0.08:
-        return max_model_len          # must be refused (ValueError) or served
+        return max_model_len  # must be refused (ValueError) or served
     if r < 0.16:
         return max_model_len - 1 or 1
     if r < 0.24:
@@ -143,6 +159,7 @@ def _words(rng: random.Random, n: int) -> list[int]:
 def _stop_strings(rng: random.Random) -> list[str]:
     """Strings that random output meets now and then: a digit, a word prefix ("w1" is w1,
     w10-w19, w100-w199), or a span across a word boundary ("7 w")."""
+
     def one():
         kind = rng.random()
         if kind < 0.3:
@@ -150,6 +167,7 @@ def _stop_strings(rng: random.Random) -> list[str]:
         if kind < 0.7:
             return f"w{rng.randrange(1, 60)}"
         return f"{rng.randrange(10)} w{rng.randrange(1, 10)}"
+
     return [one() for _ in range(rng.choice([1, 1, 2]))]
 
 
@@ -180,12 +198,19 @@ def _sampling(rng: random.Random, max_tokens: Optional[int]) -> dict:
     return p
 
 
-def draw_requests(rng: random.Random, spec: EngineSpec, prefix: str, max_requests: int = 8,
-                  max_arrival: int = 12, beam: bool = True, share: float = 0.4) -> list[RequestSpec]:
+def draw_requests(
+    rng: random.Random,
+    spec: EngineSpec,
+    prefix: str,
+    max_requests: int = 8,
+    max_arrival: int = 12,
+    beam: bool = True,
+    share: float = 0.4,
+) -> list[RequestSpec]:
     """A case's requests, ids `{prefix}-{i}`, in arrival order; `share` of them start with a
     part of one shared prompt."""
     mml = spec.max_model_len
-    shared = _words(rng, mml)   # prompts that share a prefix exercise the prefix cache
+    shared = _words(rng, mml)  # prompts that share a prefix exercise the prefix cache
     out = []
     for i in range(rng.randint(1, max_requests)):
         n = _prompt_length(rng, mml)
@@ -195,9 +220,14 @@ def draw_requests(rng: random.Random, spec: EngineSpec, prefix: str, max_request
         else:
             prompt = _words(rng, n)
         max_tokens = None if rng.random() < 0.1 else rng.randint(1, min(24, mml))
-        req = RequestSpec(f"{prefix}-{i}", prompt, arrival=rng.randint(0, max_arrival),
-                          abort_after=rng.randint(0, 30) if rng.random() < 0.15 else None,
-                          stream=rng.random() < 0.4, chat=rng.random() < 0.3)
+        req = RequestSpec(
+            f"{prefix}-{i}",
+            prompt,
+            arrival=rng.randint(0, max_arrival),
+            abort_after=rng.randint(0, 30) if rng.random() < 0.15 else None,
+            stream=rng.random() < 0.4,
+            chat=rng.random() < 0.3,
+        )
         if beam and rng.random() < 0.15:
             req.beam_width = rng.choice([1, 2, 2, 3, 4, 5, 8])
             req.length_penalty = rng.choice([1.0, 0.6, 1.5])
@@ -205,10 +235,10 @@ def draw_requests(rng: random.Random, spec: EngineSpec, prefix: str, max_request
         else:
             req.max_tokens = max_tokens
             req.params = _sampling(rng, max_tokens)
-            if req.chat:   # OpenAI's chat completions have no best_of
+            if req.chat:  # OpenAI's chat completions have no best_of
                 req.params.pop("best_of", None)
         out.append(req)
-    if spec.scheduling_policy == "priority":   # drawn last: the rest of the case is as under fcfs
+    if spec.scheduling_policy == "priority":  # drawn last: the rest of the case is as under fcfs
         for req in out:
             req.priority = rng.choice([-5, 0, 0, 1, 3, 10])
     out.sort(key=lambda r: r.arrival)

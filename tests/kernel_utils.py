@@ -1,4 +1,5 @@
 """Shared by the CPU kernel tests: a paged layout with shuffled physical blocks."""
+
 import numpy as np
 
 
@@ -10,7 +11,7 @@ def shuffled_block_table(seq_lens: np.ndarray, block_size: int, rng) -> tuple[np
     table = np.zeros((len(seq_lens), nb.max()), dtype=np.int32)
     c = 0
     for i, n in enumerate(nb):
-        table[i, :n] = perm[c:c + n]
+        table[i, :n] = perm[c : c + n]
         c += n
     return table, int((nb.sum() + 1) * block_size)
 
@@ -20,6 +21,7 @@ def paged_step(q_lens: np.ndarray, seq_lens: np.ndarray, block_size: int, rng):
     (block_table, number of cache slots, query_start_loc [num_reqs + 1] int32, the new tokens'
     slot_mapping [sum(q_lens)] int64 tensor)."""
     import torch
+
     table, S = shuffled_block_table(seq_lens, block_size, rng)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     pos = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens, q_lens)])
@@ -34,6 +36,7 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
     import torch
 
     from pagedllm.models.layers.rotary_embedding import RotaryEmbedding
+
     for partial in (1.0, 0.5):
         rope = cast(RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 512))
         qkv = make(7, (9 + 2 * 3) * 64)
@@ -47,7 +50,7 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
         q_new, k_new = rope(pos, q, k)
         torch.testing.assert_close(q_new.float(), q_ref.float(), **close)
         torch.testing.assert_close(k_new.float(), k_ref.float(), **close)
-        assert torch.equal(v, v_before)   # in place on q and k only
+        assert torch.equal(v, v_before)  # in place on q and k only
 
 
 def packed_linear(lin, small_ops):
@@ -55,8 +58,10 @@ def packed_linear(lin, small_ops):
     1-3 rows where small_ops is given), holding nn.Linear lin's weights, as after loading."""
     from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
     from pagedllm.models.layers.linear import ReplicatedLinear
-    layer = ReplicatedLinear(lin.in_features, lin.out_features, lin.bias is not None,
-                             CPUPackedLinearMethod(small_ops)).to(lin.weight.dtype)
+
+    layer = ReplicatedLinear(
+        lin.in_features, lin.out_features, lin.bias is not None, CPUPackedLinearMethod(small_ops)
+    ).to(lin.weight.dtype)
     layer.weight.weight_loader(layer.weight, lin.weight.detach())
     if lin.bias is not None:
         layer.bias.weight_loader(layer.bias, lin.bias.detach())
@@ -77,7 +82,8 @@ def require_built(ext):
 
     from pagedllm import envs
     from pagedllm.csrc import build
-    if envs.PAGEDLLM_NO_CPU_KERNELS:   # as the engine reads it ("0" is off)
+
+    if envs.PAGEDLLM_NO_CPU_KERNELS:  # as the engine reads it ("0" is off)
         pytest.skip("the C++ kernels are turned off here (PAGEDLLM_NO_CPU_KERNELS=1)")
     if build.cxx_compiler() is None:
         pytest.skip(f"no C++ compiler on this machine ({os.environ.get('CXX', 'c++')} is not on PATH)")
@@ -93,6 +99,7 @@ def decode_loop_off_reason():
 
     from pagedllm import envs
     from pagedllm.csrc import build
+
     if not envs.PAGEDLLM_CPU_DECODE_LOOP:
         return "the C++ decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)"
     if not envs.PAGEDLLM_CPU_PACKED_LINEAR:
@@ -111,12 +118,14 @@ def require_decode_loop(runner):
     the CPU backend, else this test's verdict: a skip for decode_loop_off_reason(), a failure
     otherwise (a regression that turns the loop off must not pass)."""
     import pytest
+
     if runner.decode_loop is not None:
         return runner.decode_loop
     reason = decode_loop_off_reason()
     if reason:
         pytest.skip(reason)
     from pagedllm.csrc import build
+
     why = "; ".join(f"{name}: {r}" for name, r in build.build_failures.items())
     pytest.fail(f"the C++ decode loop did not apply to this model: {why or 'no build failure recorded'}")
 
@@ -129,6 +138,7 @@ def run_aot_script(script: str) -> list:
     import os
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]

@@ -1,5 +1,6 @@
 """A copy of a ready model's folder (its files linked, not copied) with a generation_config.json of
 the test's own: the --generation-config tests' model."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """A real `pagedllm serve` in a subprocess on 127.0.0.1 (a free port), for the server tests."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ def _proc_stats():
                 stat = f.read()
         except OSError:
             continue
-        yield int(d), stat[stat.rindex(")") + 2:].split()
+        yield int(d), stat[stat.rindex(")") + 2 :].split()
 
 
 def session_pids(sid: int) -> list[int]:
@@ -52,21 +53,31 @@ class RemoteServer(ServerProcess):
     """`pagedllm serve ARGS` from the repository, ready when constructed; the tests' view of it
     (clients, /metrics, the engine core's pid, the whole log)."""
 
-    def __init__(self, args: list[str], api_key: Optional[str] = None, start_timeout: float = 300.0,
-                 env: Optional[dict] = None) -> None:
+    def __init__(
+        self, args: list[str], api_key: Optional[str] = None, start_timeout: float = 300.0, env: Optional[dict] = None
+    ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
-               "--log-stats-interval", "1", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-stats-interval",
+            "1",
+            *args,
+        ]
         if api_key:
             cmd += ["--api-key", api_key]
         environ = dict(os.environ)
-        for name in ("PAGEDLLM_API_KEY", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"):   # the tests' servers are open
+        for name in ("PAGEDLLM_API_KEY", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"):  # the tests' servers are open
             environ.pop(name, None)
-        environ.update(env or {})   # the server's own variables (envs.py), for a test of them
+        environ.update(env or {})  # the server's own variables (envs.py), for a test of them
         super().__init__(cmd, f"http://127.0.0.1:{self.port}", environ, cwd=REPO)
-        self.wait_ready(start_timeout)   # RuntimeError with the log's tail if it exits or hangs
+        self.wait_ready(start_timeout)  # RuntimeError with the log's tail if it exits or hangs
 
     def log_text(self) -> str:
         with open(self.log.name) as f:
@@ -77,11 +88,13 @@ class RemoteServer(ServerProcess):
 
     def client(self, **kw):
         import openai
+
         kw.setdefault("timeout", 120)
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
 
     def async_client(self, **kw):
         import openai
+
         kw.setdefault("timeout", 120)
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, **kw)
 
@@ -153,16 +166,34 @@ TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  #
 
 def tiny_server(max_model_len: int, *args: str, env: Optional[dict] = None) -> RemoteServer:
     """A server of the tiny random-weight model (quick to start), with a plain chat template."""
-    return RemoteServer(["--model", TINY, "--max-model-len", str(max_model_len), "--kv-cache-memory", "0.01",
-                         "--chat-template", TINY_CHAT_TEMPLATE, *args], env=env)
+    return RemoteServer(
+        [
+            "--model",
+            TINY,
+            "--max-model-len",
+            str(max_model_len),
+            "--kv-cache-memory",
+            "0.01",
+            "--chat-template",
+            TINY_CHAT_TEMPLATE,
+            *args,
+        ],
+        env=env,
+    )
 
 
 # The two servers the test session shares (conftest.py: `default_server`, `tiny_shared_server`)
 # among the modules that need no flag of their own: starting one (a core process, the model,
 # the C++ kernels) costs more than most of the tests run on it.
 DEFAULT_SERVER_MAX_MODEL_LEN = 1024
-DEFAULT_SERVER_ARGS = ["--max-model-len", str(DEFAULT_SERVER_MAX_MODEL_LEN), "--kv-cache-memory", "0.25",
-                       "--max-num-seqs", "64"]
+DEFAULT_SERVER_ARGS = [
+    "--max-model-len",
+    str(DEFAULT_SERVER_MAX_MODEL_LEN),
+    "--kv-cache-memory",
+    "0.25",
+    "--max-num-seqs",
+    "64",
+]
 # Each step that holds a request whose prompt has " dragon" (token 17422 of the default model's
 # tokenizer) sleeps LONG_STEP_MS (PAGEDLLM_FAULT_INJECTION's `slow`): the disconnect tests' long
 # requests then outlast any stall of the client (hundreds of steps), and end at the disconnect.
@@ -172,7 +203,7 @@ DEFAULT_SERVER_ENV = {"PAGEDLLM_FAULT_INJECTION": f"slow:{LONG_STEP_TOKEN}:{LONG
 # The Responses store is off unless asked for (as vLLM's): on for the shared tiny and tool servers.
 RESPONSES_STORE_ON = {"PAGEDLLM_ENABLE_RESPONSES_API_STORE": "1"}
 TINY_SERVER_MAX_MODEL_LEN = 64
-TINY_SERVER_MAX_BODY_BYTES = 64 << 10   # small, for test_input_bounds.py's 413s
+TINY_SERVER_MAX_BODY_BYTES = 64 << 10  # small, for test_input_bounds.py's 413s
 
 
 def assert_error(r: httpx.Response, status: int, code=None):
@@ -199,8 +230,11 @@ def wait_metrics(server, condition, what: str, timeout: float = 60.0) -> dict:
             return m
         if time.monotonic() > deadline:
             # the gauges and request counts first: a long dump gets cut where CI shows it
-            key = {k: v for k, v in m.items() if "_num_requests" in k or "kv_cache_used" in k
-                   or "request_success_total" in k}
+            key = {
+                k: v
+                for k, v in m.items()
+                if "_num_requests" in k or "kv_cache_used" in k or "request_success_total" in k
+            }
             raise AssertionError(f"{what}: not after {timeout} s: {key}; all: {m}")
         time.sleep(0.05)
 
@@ -221,7 +255,7 @@ def core_frozen(server):
     finally:
         try:
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:   # the server stopped it meanwhile
+        except ProcessLookupError:  # the server stopped it meanwhile
             pass
 
 
@@ -244,7 +278,7 @@ def disconnect_when(server, path: str, body: dict, condition, what: str) -> None
             await asyncio.to_thread(wait_metrics, server, condition, what)
             with core_frozen(server):
                 assert not call.done(), f"the request ended before the disconnect: {call.result()}"
-                call.cancel()   # closes the connection mid-request
+                call.cancel()  # closes the connection mid-request
                 try:
                     await call
                 except asyncio.CancelledError:
@@ -256,9 +290,16 @@ def disconnect_when(server, path: str, body: dict, condition, what: str) -> None
 
 def wait_idle(server, timeout=60.0) -> dict:
     """Poll /metrics until no KV block is used and nothing runs or waits -> the metrics."""
-    return wait_metrics(server, lambda m: m["pagedllm:kv_cache_used_blocks"] == 0
-                        and m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0,
-                        "blocks freed, nothing running or waiting", timeout)
+    return wait_metrics(
+        server,
+        lambda m: (
+            m["pagedllm:kv_cache_used_blocks"] == 0
+            and m["pagedllm:num_requests_running"] == 0
+            and m["pagedllm:num_requests_waiting"] == 0
+        ),
+        "blocks freed, nothing running or waiting",
+        timeout,
+    )
 
 
 def assert_exits(server, code: int, timeout: float = 30.0) -> None:

@@ -1,4 +1,5 @@
 """Every environment variable is declared once, in pagedllm/envs.py, and listed in the README."""
+
 from __future__ import annotations
 
 import re
@@ -18,8 +19,11 @@ def test_every_variable_the_package_names_is_declared_and_documented():
     readme = set(NAME.findall((ROOT / "README.md").read_text()))
     assert set(envs.VARIABLES) <= readme, set(envs.VARIABLES) - readme
     # Read only through envs: no module of the package reads one from os.environ itself.
-    readers = [str(p.relative_to(ROOT)) for p in (ROOT / "pagedllm").rglob("*.py")
-               if re.search(r"environ(\.get)?\(?\[?[\"']PAGEDLLM_", p.read_text())]
+    readers = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "pagedllm").rglob("*.py")
+        if re.search(r"environ(\.get)?\(?\[?[\"']PAGEDLLM_", p.read_text())
+    ]
     assert readers == []
 
 

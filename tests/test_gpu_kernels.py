@@ -10,6 +10,7 @@ Tolerances: bfloat16 outputs atol = rtol = 2e-2 (inputs are exact in bf16; the k
 the softmax weights and the output to bf16, ~3 significant digits), float16 3e-3, float32 1e-4.
 K/V written: exact (the same bits), or for a quantized cache the same rounding as torch's cast.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +26,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 def _attend(b: Batch, **meta):
     """The Triton backend's paged_attention on the GPU -> (out, k_cache, v_cache) on the host."""
     from pagedllm.attention.backends.triton_attn import paged_attention as tb
+
     d = b.on(DEV)
     kc, vc = d.k_cache.clone(), d.v_cache.clone()
     out = tb.paged_attention(d.q, d.k, d.v, kc, vc, d.triton_meta(**meta), b.scale)
@@ -67,20 +69,28 @@ def test_sliding_window(dtype):
     from pagedllm.attention.backends.torch_sdpa import paged_attention as torch_sdpa
     from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
     from pagedllm.attention.backends.triton_attn import paged_attention as tb
+
     bs, H, Hkv, D, W = 8, 8, 2, 64, 10
     reqs = [(0, 2 * bs + 1), (5 * bs + 3, 1), (3 * bs + 2, bs + 5), (bs + 5, 1), (2 * bs, 2)]
     b = Batch(reqs, bs, H, Hkv, D, seed=21, dtype=dtype)
     spare = sorted(set(range(1, b.num_blocks)) - set(b.block_table.reshape(-1).tolist()))[0]
     for r, (c, _) in enumerate(reqs):
-        b.block_table[r, :max((c - W + 1) // bs, 0)] = spare
-    f = b.on("cpu", torch.float32)   # the torch backend's windowed path in float32, same values
-    meta = build_attention_metadata(b.query_start_loc, b.seq_lens, b.block_table, bs, b.slot_mapping,
-                                    sliding_window=W)
+        b.block_table[r, : max((c - W + 1) // bs, 0)] = spare
+    f = b.on("cpu", torch.float32)  # the torch backend's windowed path in float32, same values
+    meta = build_attention_metadata(b.query_start_loc, b.seq_lens, b.block_table, bs, b.slot_mapping, sliding_window=W)
     ref = torch_sdpa.paged_attention(f.q, f.k, f.v, f.k_cache.clone(), f.v_cache.clone(), meta, b.scale)
     for splits in (1, 3):
         d = b.on(DEV)
-        out = tb.paged_attention(d.q, d.k, d.v, d.k_cache.clone(), d.v_cache.clone(),
-                                 d.triton_meta(num_splits=splits), b.scale, sliding_window=W)
+        out = tb.paged_attention(
+            d.q,
+            d.k,
+            d.v,
+            d.k_cache.clone(),
+            d.v_cache.clone(),
+            d.triton_meta(num_splits=splits),
+            b.scale,
+            sliding_window=W,
+        )
         torch.testing.assert_close(out.cpu().float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -101,17 +111,19 @@ def test_quantized_kv_cache(cache_dtype, dtype, num_splits):
     """--kv-cache-dtype int8 / fp8: the new tokens' K/V stored as torch rounds them, with their
     scales; attention equals the float64 loop over the dequantized cache."""
     from pagedllm.attention.backends.triton_attn import paged_attention as tb
+
     bs, H, Hkv, D = 16, 16, 4, 64
     reqs = mixed_reqs(bs) if num_splits == 1 else [(2 * bs + 5, 1), (300, 1), (bs - 1, 1)]
     b = Batch(reqs, bs, H, Hkv, D, seed=3, dtype=dtype)
     T = int(b.query_start_loc[-1])
     past = torch.isfinite(b.k_cache[:, 0, 0].float())
     (kq, ks), (vq, vs) = (_quantize_rows(c.nan_to_num(), cache_dtype) for c in (b.k_cache, b.v_cache))
-    ks[~past], vs[~past] = float("nan"), float("nan")   # slots no request owns (yet): poisoned
+    ks[~past], vs[~past] = float("nan"), float("nan")  # slots no request owns (yet): poisoned
     d = b.on(DEV)
     kq_d, vq_d, ks_d, vs_d = (t.to(DEV) for t in (kq, vq, ks, vs))
-    out = tb.paged_attention(d.q, d.k, d.v, kq_d, vq_d, d.triton_meta(num_splits=num_splits), b.scale,
-                             kv_scales=(ks_d, vs_d))
+    out = tb.paged_attention(
+        d.q, d.k, d.v, kq_d, vq_d, d.triton_meta(num_splits=num_splits), b.scale, kv_scales=(ks_d, vs_d)
+    )
     slots = b.slot_mapping[:T]
     for new, stored, scale in ((b.k[:T], kq_d, ks_d), (b.v[:T], vq_d, vs_d)):
         want, want_scale = _quantize_rows(new, cache_dtype)
@@ -129,13 +141,15 @@ def test_quantized_kv_cache(cache_dtype, dtype, num_splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("M,N,K,block", [(1, 200, 300, (128, 128)), (37, 96, 160, (64, 32)),
-                                         (256, 2048, 1024, (128, 128))])
+@pytest.mark.parametrize(
+    "M,N,K,block", [(1, 200, 300, (128, 128)), (37, 96, 160, (64, 32)), (256, 2048, 1024, (128, 128))]
+)
 def test_block_fp8_linear(dtype, M, N, K, block):
     """Fp8LinearMethod's GEMM: block-FP8 weights (DeepSeek-V3's checkpoints) times activations of
     the model's dtype, against float64 math on the dequantized weight."""
     from pagedllm.models.layers.quantization.fp8 import dequantize_block_fp8
     from pagedllm.models.layers.fp8_linear import block_fp8_linear, quantize_block_fp8
+
     g = torch.Generator().manual_seed(M + N)
     w, s = quantize_block_fp8(torch.randn(N, K, generator=g) * 0.05, block)
     x = torch.randn(M, K, generator=g).to(dtype)
@@ -155,6 +169,7 @@ def test_lora_shrink_expand(dtype, T):
     base model, against the torch path on the host in float64; base rows untouched."""
     from pagedllm.lora.punica import LoRAMapping, add_lora_torch
     from pagedllm.lora.triton_ops import add_lora_triton
+
     g = torch.Generator().manual_seed(T)
     L, R, K, N = 3, 24, 300, 70
     slots = torch.randint(-1, L, (T,), generator=g)

@@ -1,5 +1,6 @@
 """The package's import graph has no cycles, counting imports inside functions too (a lazy
 import that closes a cycle only hides it), and the core reads no torch."""
+
 from __future__ import annotations
 
 import ast
@@ -32,17 +33,18 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def find_cycle(graph: dict[str, set[str]]):
-    state: dict[str, int] = {}   # 1: on the stack, 2: done
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
 
     def visit(node, stack):
         state[node] = 1
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep, stack + [dep])):
                 return found
         state[node] = 2
         return None
+
     for node in sorted(graph):
         if node not in state and (found := visit(node, [node])):
             return found
@@ -58,8 +60,9 @@ def test_the_cycle_finder_finds_one():
 
 
 def test_core_and_config_import_no_torch():
-    code = ("import sys, pagedllm.config, pagedllm.core.scheduler, pagedllm.engine.processor; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, pagedllm.config, pagedllm.core.scheduler, pagedllm.engine.processor; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, check=True)
     assert out.stdout.strip() == "False"
 
@@ -70,10 +73,13 @@ def test_core_imports_neither_torch_nor_models():
     import pkgutil
 
     import pagedllm.core
+
     modules = [f"pagedllm.core.{m.name}" for m in pkgutil.iter_modules(pagedllm.core.__path__)]
     assert "pagedllm.core.scheduler" in modules and "pagedllm.core.kv_cache_utils" in modules
-    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-            "print(sorted(k for k in ('torch', 'pagedllm.models') if k in sys.modules))")
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(k for k in ('torch', 'pagedllm.models') if k in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -96,19 +102,29 @@ def subsystem_imports(source: str) -> list[str]:
     """The imports of a source that reach a subsystem: a subpackage of pagedllm (models, core,
     attention, ...) rather than one of its leaf modules (json_config.py, envs.py, ...)."""
     leaves = {p.stem for p in PKG.glob("*.py")}
-    return [m for m in pagedllm_imports(source)
-            if m.startswith(".") or (m != "pagedllm" and m.split(".")[1] not in leaves)]
+    return [
+        m for m in pagedllm_imports(source) if m.startswith(".") or (m != "pagedllm" and m.split(".")[1] not in leaves)
+    ]
 
 
 def test_the_subsystem_finder_sees_an_import_inside_a_function():
-    source = ("import json\nfrom pagedllm.json_config import fields_from_json\n"
-              "class C:\n    def f(self):\n        from pagedllm.models.registry import resolve_architecture\n"
-              "def g():\n    import pagedllm.attention.backends.registry\n    from . import envs\n")
-    assert sorted(pagedllm_imports(source)) == [".", "pagedllm.attention.backends.registry",
-                                                "pagedllm.json_config", "pagedllm.models.registry"]
+    source = (
+        "import json\nfrom pagedllm.json_config import fields_from_json\n"
+        "class C:\n    def f(self):\n        from pagedllm.models.registry import resolve_architecture\n"
+        "def g():\n    import pagedllm.attention.backends.registry\n    from . import envs\n"
+    )
+    assert sorted(pagedllm_imports(source)) == [
+        ".",
+        "pagedllm.attention.backends.registry",
+        "pagedllm.json_config",
+        "pagedllm.models.registry",
+    ]
     # A relative import counts as a subsystem's: config.py names what it imports in full.
-    assert sorted(subsystem_imports(source)) == [".", "pagedllm.attention.backends.registry",
-                                                 "pagedllm.models.registry"]
+    assert sorted(subsystem_imports(source)) == [
+        ".",
+        "pagedllm.attention.backends.registry",
+        "pagedllm.models.registry",
+    ]
 
 
 def test_config_imports_no_subsystem():

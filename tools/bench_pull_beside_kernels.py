@@ -8,6 +8,7 @@ csrc/bindings.cpp) the pulls crawl; with kernels that release it they run at ZMQ
 
     PYTHONPATH=. .venv/bin/python tools/bench_pull_beside_kernels.py [--pulls 40]
 """
+
 import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +30,9 @@ def main() -> None:
     if ops is None:
         raise SystemExit("the C++ kernels did not build")
     torch.set_num_threads(1)
-    layers, block, heads, dim = 2, 16, 4, 32   # random:tiny's cache shape
+    layers, block, heads, dim = 2, 16, 4, 32  # random:tiny's cache shape
 
-    def caches():   # [4096 blocks * block, heads, dim] K and V per layer
+    def caches():  # [4096 blocks * block, heads, dim] K and V per layer
         return [(torch.randn(4096 * block, heads, dim), torch.randn(4096 * block, heads, dim)) for _ in range(layers)]
 
     src, dst = caches(), caches()
@@ -59,9 +60,11 @@ def main() -> None:
     ops.linear_small(x, w, None)
     call = time.perf_counter() - t
     server.shutdown()
-    print(f"{ops.__name__}: one kernel call {call * 1e3:.1f} ms; {args.pulls} pulls in {wall:.2f} s "
-          f"({args.pulls / wall:.0f}/s), latency p50 {np.median(latency) * 1e3:.1f} ms, "
-          f"p99 {np.percentile(latency, 99) * 1e3:.1f} ms; {calls} kernel calls meanwhile")
+    print(
+        f"{ops.__name__}: one kernel call {call * 1e3:.1f} ms; {args.pulls} pulls in {wall:.2f} s "
+        f"({args.pulls / wall:.0f}/s), latency p50 {np.median(latency) * 1e3:.1f} ms, "
+        f"p99 {np.percentile(latency, 99) * 1e3:.1f} ms; {calls} kernel calls meanwhile"
+    )
 
 
 if __name__ == "__main__":

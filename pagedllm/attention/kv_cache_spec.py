@@ -1,6 +1,7 @@
 """What one layer keeps in the KV cache, declared by the layer (vLLM v1's KVCacheSpec): the
 runner sizes and allocates the cache from these, so a layer of another kind (sliding window,
 latent/MLA) declares its own spec instead of the runner assuming full attention."""
+
 from __future__ import annotations
 
 import math
@@ -35,14 +36,14 @@ class FullAttentionSpec(KVCacheSpec):
     (a flat slot axis: slot = block_id * block_size + offset). A quantized dtype (int8, fp8:
     attention/kv_quant.py) adds their scales, [num_blocks * block_size, num_kv_heads] float32
     each: (K, V, K_scale, V_scale)."""
+
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
 
     @property
     def page_size_bytes(self) -> int:
-        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                   for shape, dt in self.kv_tensors(1))
+        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in self.kv_tensors(1))
 
     def kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         return [(num_blocks * self.block_size, self.num_kv_heads, self.head_size)] * 2
@@ -59,6 +60,7 @@ class MLAAttentionSpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): per token only the compressed latent c_kv
     [kv_lora_rank] and the decoupled RoPE key k_pe [qk_rope_head_dim], shared by every head;
     one tensor [num_blocks * block_size, kv_lora_rank + qk_rope_head_dim]."""
+
     kv_lora_rank: int
     qk_rope_head_dim: int
     dtype: torch.dtype
@@ -77,6 +79,7 @@ class SlidingWindowSpec(FullAttentionSpec):
     """A sliding-window layer: each query attends to the last `sliding_window` tokens only (its
     own included). Same tensors as full attention; the KV cache manager may free a request's
     blocks that fall wholly before every future query's window (when every layer slides)."""
+
     sliding_window: int = 0
 
 
@@ -87,6 +90,7 @@ class MambaSpec(KVCacheSpec):
     tensors of this layer (say conv (conv_dim, kernel - 1) and SSM (heads, head_dim, d_state)).
     Its group holds a fixed number of blocks per request (`blocks_per_request`), taken from
     the same pool as attention blocks, so admission counts the bytes the state will hold."""
+
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
 

@@ -8,6 +8,7 @@ fold the scale into what they already compute: score = (q . k_q) * k_scale and t
 weight p * v_scale. Cache tensors of a layer: (K, V, K_scale, V_scale), K/V [S, Hkv, D] of the
 quantized dtype and the scales [S, Hkv] float32 (S = num_blocks * block_size slots).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,7 @@ from pagedllm.config import KV_CACHE_DTYPES, check_kv_cache_dtype
 # The largest magnitude each quantized type holds (fp8 e4m3: 448; e5m2: 57344).
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 SCALE_DTYPE = torch.float32
-_TINY = 1e-12   # the scale of an all-zero row: any positive value decodes it back to zeros
+_TINY = 1e-12  # the scale of an all-zero row: any positive value decodes it back to zeros
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -33,9 +34,9 @@ def is_quantized(dtype: torch.dtype) -> bool:
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, Hkv, D] -> (x_q [T, Hkv, D] of dtype, scale [T, Hkv] float32), x ~ x_q * scale."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / QMAX[dtype]).clamp_min(_TINY)          # [T, Hkv]
+    scale = (xf.abs().amax(dim=-1) / QMAX[dtype]).clamp_min(_TINY)  # [T, Hkv]
     y = xf / scale[..., None]
-    if dtype == torch.int8:   # half away from zero: Triton's writer computes the same
+    if dtype == torch.int8:  # half away from zero: Triton's writer computes the same
         y = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y)).clamp(-127, 127)
     return y.to(dtype), scale
 
@@ -45,8 +46,9 @@ def dequantize_kv(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (x_q.float() * scale[..., None]).to(dtype)
 
 
-def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, caches: tuple[torch.Tensor, ...],
-                       slot_mapping: torch.Tensor) -> None:
+def write_kv_quantized(
+    k: torch.Tensor, v: torch.Tensor, caches: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor
+) -> None:
     """reshape_and_cache into a quantized cache (K, V, K_scale, V_scale) at slot_mapping [T]."""
     k_cache, v_cache, k_scale, v_scale = caches
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
@@ -56,11 +58,11 @@ def write_kv_quantized(k: torch.Tensor, v: torch.Tensor, caches: tuple[torch.Ten
         scales.index_copy_(0, slot_mapping, s)
 
 
-def read_kv(caches: tuple[torch.Tensor, ...], slots: torch.Tensor, dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def read_kv(
+    caches: tuple[torch.Tensor, ...], slots: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V at slots (any shape) -> [*slots.shape, Hkv, D] of dtype, dequantized if need be."""
     if len(caches) == 2:
         return caches[0][slots], caches[1][slots]
     k_cache, v_cache, k_scale, v_scale = caches
-    return (dequantize_kv(k_cache[slots], k_scale[slots], dtype),
-            dequantize_kv(v_cache[slots], v_scale[slots], dtype))
+    return (dequantize_kv(k_cache[slots], k_scale[slots], dtype), dequantize_kv(v_cache[slots], v_scale[slots], dtype))

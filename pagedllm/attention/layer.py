@@ -7,6 +7,7 @@ forward context, and calls the backend it was built with (attention/selector.py)
 declares what it keeps in the cache (`get_kv_cache_spec`), from which the runner sizes and
 allocates the cache.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -21,8 +22,15 @@ from pagedllm.forward_context import get_group_metadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: Optional[AttentionBackend] = None, sliding_window: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        backend: Optional[AttentionBackend] = None,
+        sliding_window: Optional[int] = None,
+    ) -> None:
         """sliding_window: each query attends to its last `sliding_window` tokens only (None: all)."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
@@ -31,8 +39,10 @@ class Attention(nn.Module):
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
         if sliding_window is not None and not self.backend.supports_sliding_window:
-            raise ValueError(f"the {self.backend.name} attention backend does not run sliding-window "
-                             f"layers; use --attention-backend torch")
+            raise ValueError(
+                f"the {self.backend.name} attention backend does not run sliding-window "
+                f"layers; use --attention-backend torch"
+            )
         self.sliding_window = sliding_window
         # (K, V), each [num_blocks * block_size, num_kv_heads, head_dim]: views of the runner's cache
         self.kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -50,13 +60,17 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, Hkv, D] (this step's, rotated) -> out [T, H, D]; k/v are written
         into this layer's cache at the step's slot_mapping."""
         if self.kv_cache is None:
-            raise RuntimeError("this Attention layer has no KV cache: the runner binds it "
-                               "(attention.layer.bind_kv_cache) once the cache is allocated")
+            raise RuntimeError(
+                "this Attention layer has no KV cache: the runner binds it "
+                "(attention.layer.bind_kv_cache) once the cache is allocated"
+            )
         return self.backend.forward(self, q, k, v, self.kv_cache, get_group_metadata(self.kv_cache_group_id))
 
     def extra_repr(self) -> str:
-        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}, backend={self.backend.name}")
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, sliding_window={self.sliding_window}, backend={self.backend.name}"
+        )
 
 
 def attention_layers(model: nn.Module) -> dict[str, Attention]:

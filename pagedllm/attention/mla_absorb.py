@@ -1,6 +1,7 @@
 """MLA's matrix absorption (DeepSeek-V2/V3): kv_b_proj split into W_UK / W_UV, the query taken
 into the latent space through W_UK and the attention output back out through W_UV, shared by the
 torch path (backends/torch_sdpa/mla.py) and the Triton kernel's wrapper (backends/triton_attn/mla.py)."""
+
 from __future__ import annotations
 
 import torch

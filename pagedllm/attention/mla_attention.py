@@ -19,6 +19,7 @@ MLA is a backend capability (`AttentionBackend.supports_mla`, `forward_mla`): th
 backends run the torch path (backends/torch_sdpa/mla.py), the Triton backend the absorbed form
 for every token in one kernel (backends/triton_attn/mla.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,29 +36,43 @@ from pagedllm.forward_context import get_forward_context
 class MLAAttention(Attention):
     """One MLA layer's attention: owns its latent cache view ((cache,), cache [S, R + dr])."""
 
-    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int,
-                 backend: Optional[AttentionBackend] = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        backend: Optional[AttentionBackend] = None,
+    ) -> None:
         super().__init__(num_heads, qk_nope_head_dim + qk_rope_head_dim, scale, 1, backend)
         if not self.backend.supports_mla:
-            raise ValueError(f"the {self.backend.name} attention backend does not run MLA layers "
-                             "(DeepSeek): choose one whose supports_mla is set")
+            raise ValueError(
+                f"the {self.backend.name} attention backend does not run MLA layers "
+                "(DeepSeek): choose one whose supports_mla is set"
+            )
         self.kv_lora_rank, self.v_head_dim = kv_lora_rank, v_head_dim
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if is_quantized(dtype):
-            raise ValueError(f"kv_cache_dtype {dtype} is not supported for MLA's latent cache "
-                             "(DeepSeek); use kv_cache_dtype 'auto'")
+            raise ValueError(
+                f"kv_cache_dtype {dtype} is not supported for MLA's latent cache (DeepSeek); use kv_cache_dtype 'auto'"
+            )
         return MLAAttentionSpec(block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
 
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
-                k_pe: torch.Tensor, w_kv_b: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, w_kv_b: torch.Tensor
+    ) -> torch.Tensor:
         """q_nope [T, H, dn], q_pe [T, H, dr] (rotated), kv_c [T, R] (normed latent), k_pe [T, dr]
         (rotated), w_kv_b: kv_b_proj's weight [H * (dn + dv), R] -> out [T, H, dv]. This step's
         [kv_c, k_pe] rows are written into the cache at the slot mapping first."""
         if self.kv_cache is None:
-            raise RuntimeError("this MLA layer has no KV cache: the runner binds it "
-                               "(attention.layer.bind_kv_cache) once the cache is allocated")
-        return self.backend.forward_mla(self, q_nope, q_pe, kv_c, k_pe, w_kv_b, self.kv_cache,
-                                        get_forward_context().attn_metadata)
+            raise RuntimeError(
+                "this MLA layer has no KV cache: the runner binds it "
+                "(attention.layer.bind_kv_cache) once the cache is allocated"
+            )
+        return self.backend.forward_mla(
+            self, q_nope, q_pe, kv_c, k_pe, w_kv_b, self.kv_cache, get_forward_context().attn_metadata
+        )

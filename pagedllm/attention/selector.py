@@ -7,6 +7,7 @@ plain SDPA reference elsewhere. The model's `Attention` layers take the backend 
 while they are constructed (`set_current_attn_backend`), as vLLM's layers read the config that
 is current while the model is built.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,10 @@ def get_attn_backend(device, dtype: torch.dtype, name: str = "torch") -> Attenti
     if name == "torch" and by_pages:
         name = "cpu"
     elif name == "cpu" and not by_pages:
-        raise ValueError(f"the cpu attention backend needs a CPU device, a {dtype} decode kernel "
-                         "and a C++ compiler (attention/backends/cpu_attn/kernels.py)")
+        raise ValueError(
+            f"the cpu attention backend needs a CPU device, a {dtype} decode kernel "
+            "and a C++ compiler (attention/backends/cpu_attn/kernels.py)"
+        )
     return _backend(device, name)
 
 

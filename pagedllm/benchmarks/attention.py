@@ -13,6 +13,7 @@ CPU. Shapes default to Llama-3.2-1B's attention (32 query heads, 8 KV heads, hea
 replays, as the engine's decode graphs run them: Python's launch overhead (~tens of µs a call,
 which at batch 1 is most of an eager call's time) is not charged to the kernel.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,26 +24,39 @@ from pagedllm.benchmarks.common import command_line, machine_info, print_table, 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="cache dtype (default auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="cache dtype (default auto: bfloat16 on cuda, float32 on cpu)",
+    )
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context-len", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="time the kernel replayed from a captured CUDA graph (no launch overhead)")
-    p.add_argument("--num-splits", type=int, nargs="+", default=[0],
-                   help="GPU: split-K counts to time (0: the engine's choice; several: one row each)")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time the kernel replayed from a captured CUDA graph (no launch overhead)",
+    )
+    p.add_argument(
+        "--num-splits",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="GPU: split-K counts to time (0: the engine's choice; several: one row each)",
+    )
     p.add_argument("--iters", type=int, default=0, help="timed calls per shape (default: ~0.2 s worth)")
     p.add_argument("--output-json", default=None, metavar="PATH")
 
 
 def _timer(torch, device):
     """fn, n -> seconds per call (CUDA events on a GPU)."""
+
     def run(fn, n):
-        fn()   # warm-up (compilation, first-touch)
+        fn()  # warm-up (compilation, first-touch)
         if device.type == "cuda":
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,17 +70,18 @@ def _timer(torch, device):
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n
+
     return run
 
 
-GRAPH_CALLS = 20   # kernel calls captured in one graph (one replay's launch cost is shared by them)
+GRAPH_CALLS = 20  # kernel calls captured in one graph (one replay's launch cost is shared by them)
 
 
 def graphed(torch, fn):
     """fn's kernels captured GRAPH_CALLS times in one CUDA graph -> (replay, calls per replay)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):   # warm-up off the default stream, as torch's docs ask
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's docs ask
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -97,23 +112,37 @@ def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=No
     g = torch.Generator().manual_seed(seed)
     nb = -(-L // bs)
     num_blocks = 1 + B * nb
-    block_table = (torch.randperm(num_blocks - 1, generator=g)[:B * nb] + 1).view(B, nb).to(torch.int32)
+    block_table = (torch.randperm(num_blocks - 1, generator=g)[: B * nb] + 1).view(B, nb).to(torch.int32)
     k_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(device=device, dtype=dtype)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(device=device, dtype=dtype)
     q = torch.randn(B, H, D, generator=g).to(device=device, dtype=dtype)
     seq_lens = torch.full((B,), L, dtype=torch.int32)
     elem = k_cache.element_size()
     moved = 2 * B * L * Hkv * D * elem + 2 * q.numel() * elem + block_table.numel() * 4
-    scale = D ** -0.5
+    scale = D**-0.5
     if device.type == "cuda":
         from pagedllm.attention.backends.triton_attn import paged_attention as tb
+
         qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
         bt, sl = block_table.to(device), seq_lens.to(device)
         out = torch.empty_like(q)
-        fn = lambda: tb.unified_attention(q, k_cache, v_cache, qsl, sl, bt, bs, scale, out=out,  # noqa: E731
-                                          max_query_len=1, max_seq_len=L, num_splits=num_splits)
+        fn = lambda: tb.unified_attention(  # noqa: E731
+            q,
+            k_cache,
+            v_cache,
+            qsl,
+            sl,
+            bt,
+            bs,
+            scale,
+            out=out,
+            max_query_len=1,
+            max_seq_len=L,
+            num_splits=num_splits,
+        )
         return fn, moved, "triton unified_attention"
     from pagedllm.attention.backends.cpu_attn.kernels import cpu_decode_supported, decode_kernel
+
     if not cpu_decode_supported(dtype):
         raise ValueError(f"the CPU decode kernel does not take dtype {dtype}; use --dtype float32")
     kernel = decode_kernel()
@@ -126,11 +155,13 @@ def engine_num_splits(device, B: int, Hkv: int, L: int) -> int:
     if device.type != "cuda":
         return 1
     from pagedllm.attention.backends.triton_attn import paged_attention as tb
+
     return tb.choose_num_splits(B, Hkv, 1, L, tb.num_sms(device))
 
 
 def main(ns: argparse.Namespace) -> int:
     import torch
+
     for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
         if getattr(ns, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(ns, name)}")
@@ -142,11 +173,11 @@ def main(ns: argparse.Namespace) -> int:
     if any(n < 0 for n in ns.num_splits):
         raise ValueError(f"--num-splits must be >= 0 (0: the engine's choice), got {ns.num_splits}")
     from pagedllm.engine.arg_utils import resolve_device
+
     device = torch.device(resolve_device(ns.device))
     if device.type != "cuda" and (ns.cuda_graph or ns.num_splits != [0]):
         raise ValueError("--cuda-graph and --num-splits need device cuda (the Triton kernel)")
-    dtype = getattr(torch, ns.dtype if ns.dtype != "auto" else
-                    ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = getattr(torch, ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))
     timed = _timer(torch, device)
     machine = machine_info()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine["cpu"]
@@ -157,24 +188,64 @@ def main(ns: argparse.Namespace) -> int:
         for L in ns.context_len:
             for n in ns.num_splits:
                 splits = n or engine_num_splits(device, B, ns.num_kv_heads, L)
-                fn, moved, kernel = decode_case(torch, device, dtype, B, L, ns.num_heads, ns.num_kv_heads,
-                                                ns.head_dim, ns.block_size, num_splits=splits)
+                fn, moved, kernel = decode_case(
+                    torch,
+                    device,
+                    dtype,
+                    B,
+                    L,
+                    ns.num_heads,
+                    ns.num_kv_heads,
+                    ns.head_dim,
+                    ns.block_size,
+                    num_splits=splits,
+                )
                 calls = 1
                 if ns.cuda_graph:
                     fn, calls = graphed(torch, fn)
                 sec = timed(fn, _iters(timed, fn, ns.iters)) / calls
-                rows.append({"batch": B, "context": L, "splits": splits, "kv_mib": moved / 2**20,
-                             "us": sec * 1e6, "gbps": moved / sec / 1e9, "pct_of_copy": 100 * moved / sec / peak})
+                rows.append(
+                    {
+                        "batch": B,
+                        "context": L,
+                        "splits": splits,
+                        "kv_mib": moved / 2**20,
+                        "us": sec * 1e6,
+                        "gbps": moved / sec / 1e9,
+                        "pct_of_copy": 100 * moved / sec / peak,
+                    }
+                )
     print(f"command: {command_line()}")
-    print(f"device: {name}; torch {machine['torch']}, {machine['torch_threads']} threads; "
-          f"kernel: {kernel}; {str(dtype).removeprefix('torch.')}; heads {ns.num_heads}/{ns.num_kv_heads}, "
-          f"head_dim {ns.head_dim}, block_size {ns.block_size}; "
-          f"{f'CUDA graph replays ({GRAPH_CALLS} calls each)' if ns.cuda_graph else 'eager launches'}")
+    print(
+        f"device: {name}; torch {machine['torch']}, {machine['torch_threads']} threads; "
+        f"kernel: {kernel}; {str(dtype).removeprefix('torch.')}; heads {ns.num_heads}/{ns.num_kv_heads}, "
+        f"head_dim {ns.head_dim}, block_size {ns.block_size}; "
+        f"{f'CUDA graph replays ({GRAPH_CALLS} calls each)' if ns.cuda_graph else 'eager launches'}"
+    )
     print(f"copy rate (dst.copy_(src), {copy_bytes >> 20} MiB, read + write): {peak / 1e9:.1f} GB/s\n")
-    print_table(rows, [("batch", "batch", "d"), ("context", "context", "d"), ("splits", "splits", "d"), ("kv_mib", "MiB moved", ".1f"),
-                       ("us", "µs / call", ".1f"), ("gbps", "GB/s", ".1f"), ("pct_of_copy", "% of copy rate", ".1f")])
+    print_table(
+        rows,
+        [
+            ("batch", "batch", "d"),
+            ("context", "context", "d"),
+            ("splits", "splits", "d"),
+            ("kv_mib", "MiB moved", ".1f"),
+            ("us", "µs / call", ".1f"),
+            ("gbps", "GB/s", ".1f"),
+            ("pct_of_copy", "% of copy rate", ".1f"),
+        ],
+    )
     if ns.output_json:
-        write_json(ns.output_json, {"command": command_line(), "device": name, "kernel": kernel,
-                                    "dtype": str(dtype), "cuda_graph": ns.cuda_graph,
-                                    "copy_gbps": peak / 1e9, "results": rows})
+        write_json(
+            ns.output_json,
+            {
+                "command": command_line(),
+                "device": name,
+                "kernel": kernel,
+                "dtype": str(dtype),
+                "cuda_graph": ns.cuda_graph,
+                "copy_gbps": peak / 1e9,
+                "results": rows,
+            },
+        )
     return 0

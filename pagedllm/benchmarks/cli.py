@@ -1,4 +1,5 @@
 """Wires the benchmark subcommands into `pagedllm bench`."""
+
 from __future__ import annotations
 
 import importlib
@@ -10,11 +11,21 @@ BENCHMARKS = [
     ("roofline", "roofline", "the throughput workload's FLOP/s vs the measured torch.mm rate", True),
     ("latency", "latency", "batch-1 / batch-N step latency, per-phase profile, llama.cpp baseline", True),
     ("perplexity", "perplexity", "perplexity on a fixed text per dtype (float32 / bfloat16) vs transformers", False),
-    ("spec-decode", "spec_decode", "batch-1 TPOT with and without speculative decoding (n-gram, adaptive, draft)", True),
+    (
+        "spec-decode",
+        "spec_decode",
+        "batch-1 TPOT with and without speculative decoding (n-gram, adaptive, draft)",
+        True,
+    ),
     ("structured", "structured", "requests with a JSON schema vs the same requests unconstrained", True),
     ("lora", "lora", "requests over N LoRA adapters vs the same requests on the base model", True),
     ("serve", "serve", "load a running server: throughput, TTFT / TPOT / ITL / E2E percentiles", False),
-    ("gguf-kernel", "gguf_kernel", "a GGUF matrix in its blocks vs the int4/int8 layout and float32, each ISA build", False),
+    (
+        "gguf-kernel",
+        "gguf_kernel",
+        "a GGUF matrix in its blocks vs the int4/int8 layout and float32, each ISA build",
+        False,
+    ),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
     ("prefill-attention", "prefill_attention", "prefill attention over a prompt: the C++ paged kernel vs SDPA", False),
     ("priority", "priority", "urgent requests' TTFT vs the others' under a full queue, fcfs vs priority", True),

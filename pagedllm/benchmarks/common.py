@@ -1,4 +1,5 @@
 """Shared by the benchmarks: the machine, the command line, random requests, a results table, JSON."""
+
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import numpy as np
 def machine_info() -> dict:
     """What a reader needs to judge the figures: CPU model, cores usable here, torch threads."""
     import torch
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -24,15 +26,23 @@ def machine_info() -> dict:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def command_line() -> str:
     """The command as the user typed it (`python -m ...cli` shows as such, not as a file path)."""
     argv0 = sys.argv[0]
-    prog = "python -m pagedllm.entrypoints.cli" if argv0.endswith(os.path.join("entrypoints", "cli.py")) \
+    prog = (
+        "python -m pagedllm.entrypoints.cli"
+        if argv0.endswith(os.path.join("entrypoints", "cli.py"))
         else os.path.basename(argv0)
+    )
     return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
 
 
@@ -42,8 +52,7 @@ class Req:
     output_len: int
 
 
-def random_requests(tokenizer, num: int, in_range: tuple[int, int], out_range: tuple[int, int],
-                    seed: int) -> list[Req]:
+def random_requests(tokenizer, num: int, in_range: tuple[int, int], out_range: tuple[int, int], seed: int) -> list[Req]:
     """A fixed set: ids from the ordinary vocabulary (no special or added tokens, which could
     end or reshape a sequence), lengths uniform in the inclusive ranges."""
     for name, (lo, hi) in (("input", in_range), ("output", out_range)):
@@ -70,8 +79,13 @@ def add_workload_args(p) -> None:
 def workload_requests(tokenizer, ns) -> list[Req]:
     if ns.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {ns.num_prompts}")
-    return random_requests(tokenizer, ns.num_prompts, (ns.min_input_len, ns.max_input_len),
-                           (ns.min_output_len, ns.max_output_len), ns.dataset_seed)
+    return random_requests(
+        tokenizer,
+        ns.num_prompts,
+        (ns.min_input_len, ns.max_input_len),
+        (ns.min_output_len, ns.max_output_len),
+        ns.dataset_seed,
+    )
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

@@ -5,6 +5,7 @@ quant_linear) and torch's float32 matmul, at each row count, in every ISA build 
 with int8 and int16 activations (PAGEDLLM_GGUF_ACTIVATIONS: the codes in quads or pairs).
 Same process, same threads, the weights' bytes beside each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,22 @@ TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--types", nargs="+", default=["Q4_0", "Q8_0", "Q4_K", "Q6_K"], choices=TYPES)
-    p.add_argument("--shape", nargs=2, type=int, default=[8192, 2048], metavar=("N", "K"),
-                   help="output x input features (default: Llama-3.2-1B's gate/up projection)")
+    p.add_argument(
+        "--shape",
+        nargs=2,
+        type=int,
+        default=[8192, 2048],
+        metavar=("N", "K"),
+        help="output x input features (default: Llama-3.2-1B's gate/up projection)",
+    )
     p.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16, 128])
-    p.add_argument("--activations", nargs="+", default=["int8", "int16"], choices=["int8", "int16"],
-                   help="the kernels' activation codes (codes in quads / pairs); each measured in turn")
+    p.add_argument(
+        "--activations",
+        nargs="+",
+        default=["int8", "int16"],
+        choices=["int8", "int16"],
+        help="the kernels' activation codes (codes in quads / pairs); each measured in turn",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     p.add_argument("--output-json", default=None, metavar="PATH")
@@ -33,6 +45,7 @@ def _blocks(type_name: str, n: int, k: int, rng):
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
+
     qtype = GGMLQuantizationType[type_name]
     try:
         return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
@@ -40,8 +53,9 @@ def _blocks(type_name: str, n: int, k: int, rng):
         block, nbytes = GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
         at = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}[type_name]
-        data[:, :, at[0]:at[1]] = rng.uniform(1e-3, 1e-2, (n, k // block, (at[1] - at[0]) // 2)).astype(
-            np.float16).view(np.uint8)
+        data[:, :, at[0] : at[1]] = (
+            rng.uniform(1e-3, 1e-2, (n, k // block, (at[1] - at[0]) // 2)).astype(np.float16).view(np.uint8)
+        )
         return data.reshape(n, -1)
 
 
@@ -50,6 +64,7 @@ def _old_layout(type_name: str, w):
     import torch
 
     from pagedllm.models.layers.quantization.layouts import quantize_int4, quantize_int8
+
     if type_name in ("Q4_0", "Q4_1", "Q4_K"):
         return quantize_int4(w, 32)
     q, s = quantize_int8(w, 16 if type_name == "Q6_K" else 32)
@@ -73,13 +88,16 @@ def main(ns: argparse.Namespace) -> int:
 
     from pagedllm.csrc import build
     from pagedllm.models.layers.quantization.gguf_repack import pack_segments
+
     if ns.threads:
         torch.set_num_threads(ns.threads)
     n, k = ns.shape
     machine = machine_info()
     print(f"command: {command_line()}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} with "
-          f"{torch.get_num_threads()} threads; weight [{n}, {k}]")
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} with "
+        f"{torch.get_num_threads()} threads; weight [{n}, {k}]"
+    )
     rng = np.random.default_rng(0)
     rows_out = []
     for type_name in ns.types:
@@ -99,20 +117,45 @@ def main(ns: argparse.Namespace) -> int:
                 before = _ms(lambda: ops.quant_linear(x, *old, None), ns.seconds)
                 flt = _ms(lambda: x @ w.T, ns.seconds)
                 for a, new in ms.items():
-                    rows_out.append({"type": type_name, "isa": isa, "acts": a, "rows": rows, "gguf_ms": new,
-                                     "old_ms": before, "float_ms": flt, "speedup_old": before / new,
-                                     "speedup_float": flt / new, "vs_int16": ms.get("int16", new) / new,
-                                     "file_mb": data.nbytes / 1e6, "held_mb": packed[a][0].numel() / 1e6,
-                                     "old_mb": old_bytes / 1e6})
-                print(f"{type_name} {isa} rows {rows}: " + ", ".join(f"{a} {t:.3f} ms" for a, t in ms.items()),
-                      flush=True)
+                    rows_out.append(
+                        {
+                            "type": type_name,
+                            "isa": isa,
+                            "acts": a,
+                            "rows": rows,
+                            "gguf_ms": new,
+                            "old_ms": before,
+                            "float_ms": flt,
+                            "speedup_old": before / new,
+                            "speedup_float": flt / new,
+                            "vs_int16": ms.get("int16", new) / new,
+                            "file_mb": data.nbytes / 1e6,
+                            "held_mb": packed[a][0].numel() / 1e6,
+                            "old_mb": old_bytes / 1e6,
+                        }
+                    )
+                print(
+                    f"{type_name} {isa} rows {rows}: " + ", ".join(f"{a} {t:.3f} ms" for a, t in ms.items()), flush=True
+                )
     print()
-    print_table(rows_out, [("type", "type", ""), ("isa", "ISA", ""), ("acts", "activations", ""), ("rows", "rows", "d"),
-                           ("gguf_ms", "blocks ms", ".3f"), ("old_ms", "int4/int8 layout ms", ".3f"),
-                           ("float_ms", "float32 mm ms", ".3f"), ("speedup_old", "vs layout", ".2f"),
-                           ("speedup_float", "vs float32", ".2f"), ("vs_int16", "vs int16", ".2f"),
-                           ("file_mb", "file MB", ".1f"),
-                           ("held_mb", "held MB", ".1f"), ("old_mb", "layout MB", ".1f")])
+    print_table(
+        rows_out,
+        [
+            ("type", "type", ""),
+            ("isa", "ISA", ""),
+            ("acts", "activations", ""),
+            ("rows", "rows", "d"),
+            ("gguf_ms", "blocks ms", ".3f"),
+            ("old_ms", "int4/int8 layout ms", ".3f"),
+            ("float_ms", "float32 mm ms", ".3f"),
+            ("speedup_old", "vs layout", ".2f"),
+            ("speedup_float", "vs float32", ".2f"),
+            ("vs_int16", "vs int16", ".2f"),
+            ("file_mb", "file MB", ".1f"),
+            ("held_mb", "held MB", ".1f"),
+            ("old_mb", "layout MB", ".1f"),
+        ],
+    )
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "machine": machine, "results": rows_out})
     return 0

@@ -10,6 +10,7 @@ blocks of every layer's page (what the single-table layout holds: it frees nothi
 --per-request: a hybrid's bytes per request against an all-attention model's
 (kv_memory_per_request.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
+
     machine = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}")
@@ -43,9 +45,12 @@ def main(args: argparse.Namespace) -> int:
     # Without groups a block holds every layer's page; with them, one layer's of each group.
     all_layers_block_bytes = block_bytes * len(cfg.tensor_of_layer) // cfg.num_tensors
     bs = kv.block_size
-    prompt = random_requests(llm.get_tokenizer(), 1, (args.input_len,) * 2, (1, 1), args.dataset_seed)[0].prompt_token_ids
-    engine.add_request("kv", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True))
+    prompt = random_requests(llm.get_tokenizer(), 1, (args.input_len,) * 2, (1, 1), args.dataset_seed)[
+        0
+    ].prompt_token_ids
+    engine.add_request(
+        "kv", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    )
     rows, peak = [], (0, 0)
     marks = {args.input_len + n for n in range(0, args.output_len, 128)} | {args.input_len + args.output_len - 1}
     while engine.has_unfinished_requests():
@@ -58,16 +63,31 @@ def main(args: argparse.Namespace) -> int:
         without = -(request.num_computed_tokens // -bs) * all_layers_block_bytes
         peak = max(peak, (with_groups, without))
         if request.num_computed_tokens in marks:
-            rows.append({"tokens": request.num_computed_tokens, "blocks": " ".join(map(str, held)),
-                         "groups_mib": with_groups / 2**20, "one_table_mib": without / 2**20,
-                         "saving": without / with_groups})
+            rows.append(
+                {
+                    "tokens": request.num_computed_tokens,
+                    "blocks": " ".join(map(str, held)),
+                    "groups_mib": with_groups / 2**20,
+                    "one_table_mib": without / 2**20,
+                    "saving": without / with_groups,
+                }
+            )
             print(f"{request.num_computed_tokens} tokens: blocks per group {held}", flush=True)
-    print(f"{len(cfg.kv_cache_groups)} KV cache groups (windows "
-          f"{[g.sliding_window for g in cfg.kv_cache_groups]}), {cfg.num_tensors} shared tensors, "
-          f"block {bs} tokens = {block_bytes} bytes (every layer's: {all_layers_block_bytes})")
-    print_table(rows, [("tokens", "tokens", "d"), ("blocks", "blocks per group", "s"),
-                       ("groups_mib", "KV MiB, groups (freeing)", ".2f"),
-                       ("one_table_mib", "KV MiB, one table (no freeing)", ".2f"), ("saving", "saving", ".2f")])
+    print(
+        f"{len(cfg.kv_cache_groups)} KV cache groups (windows "
+        f"{[g.sliding_window for g in cfg.kv_cache_groups]}), {cfg.num_tensors} shared tensors, "
+        f"block {bs} tokens = {block_bytes} bytes (every layer's: {all_layers_block_bytes})"
+    )
+    print_table(
+        rows,
+        [
+            ("tokens", "tokens", "d"),
+            ("blocks", "blocks per group", "s"),
+            ("groups_mib", "KV MiB, groups (freeing)", ".2f"),
+            ("one_table_mib", "KV MiB, one table (no freeing)", ".2f"),
+            ("saving", "saving", ".2f"),
+        ],
+    )
     print(f"peak: {peak[0] / 2**20:.2f} MiB with groups, {peak[1] / 2**20:.2f} MiB without")
     if args.output_json:
         write_json(args.output_json, {"rows": rows, "peak_bytes_groups": peak[0], "peak_bytes_one_table": peak[1]})

@@ -9,6 +9,7 @@ batch-1 prefill of each P (TTFT, LM head and sampling included) and a batch-B ru
 count the two take turns (llama.cpp, then pagedllm), so a shared machine's load falls on both.
 Weights held: pagedllm's resident weight bytes; llama.cpp's tensor bytes (its `model_size`).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,42 @@ DECODE_1, DECODE_B, WEIGHTS = "decode_1", "decode_b", "weight_mb"
 
 
 def llama_bench_command(tool, path, threads: int, prefills, n_gen: int, repetitions: int) -> list[str]:
-    return [str(tool), "-m", str(path), "-t", str(threads), "-p", ",".join(str(p) for p in prefills),
-            "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
+    return [
+        str(tool),
+        "-m",
+        str(path),
+        "-t",
+        str(threads),
+        "-p",
+        ",".join(str(p) for p in prefills),
+        "-n",
+        str(n_gen),
+        "-r",
+        str(repetitions),
+        "-o",
+        "json",
+    ]
 
 
 def batched_bench_command(tool, path, threads: int, prompt_len: int, n_gen: int, batch: int) -> list[str]:
     """Each of `batch` sequences its own prompt (no -pps), the KV cache sized to hold them all."""
-    return [str(tool), "-m", str(path), "-t", str(threads), "-npp", str(prompt_len), "-ntg", str(n_gen),
-            "-npl", str(batch), "-c", str(batch * (prompt_len + n_gen)), "--output-format", "jsonl"]
+    return [
+        str(tool),
+        "-m",
+        str(path),
+        "-t",
+        str(threads),
+        "-npp",
+        str(prompt_len),
+        "-ntg",
+        str(n_gen),
+        "-npl",
+        str(batch),
+        "-c",
+        str(batch * (prompt_len + n_gen)),
+        "--output-format",
+        "jsonl",
+    ]
 
 
 def parse_llama_bench(stdout: str) -> dict:
@@ -75,12 +104,20 @@ def run_tool(cmd: list[str], with_stderr: bool = False) -> str:
 
 def llama_cpp_figures(path, threads: int, prefills, n_gen: int, batch: int, repetitions: int) -> dict:
     from pagedllm.benchmarks.llama_cpp_tools import find_tool
-    bench = parse_llama_bench(run_tool(llama_bench_command(find_tool("llama-bench"), path, threads, prefills,
-                                                           n_gen, repetitions)))
-    batched = parse_batched_bench(run_tool(batched_bench_command(find_tool("llama-batched-bench"), path, threads,
-                                                                 prefills[0], n_gen, batch)), batch)
-    return {DECODE_1: bench["decode"], **{f"prefill_{p}": v for p, v in bench["prefill"].items()},
-            DECODE_B: batched["decode"], WEIGHTS: bench["model_bytes"] / 1e6}
+
+    bench = parse_llama_bench(
+        run_tool(llama_bench_command(find_tool("llama-bench"), path, threads, prefills, n_gen, repetitions))
+    )
+    batched = parse_batched_bench(
+        run_tool(batched_bench_command(find_tool("llama-batched-bench"), path, threads, prefills[0], n_gen, batch)),
+        batch,
+    )
+    return {
+        DECODE_1: bench["decode"],
+        **{f"prefill_{p}": v for p, v in bench["prefill"].items()},
+        DECODE_B: batched["decode"],
+        WEIGHTS: bench["model_bytes"] / 1e6,
+    }
 
 
 def pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen: int, batch: int, seed: int) -> dict:
@@ -90,8 +127,10 @@ def pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen: int, batch: int, s
 
     def prompts(n: int, length: int) -> list[list[int]]:
         # a seed per (n, length): no prompt is another's prefix, so none is served from the prefix cache
-        return [r.prompt_token_ids for r in random_requests(tok, n, (length, length), (n_gen, n_gen),
-                                                            seed + 7919 * n + length)]
+        return [
+            r.prompt_token_ids
+            for r in random_requests(tok, n, (length, length), (n_gen, n_gen), seed + 7919 * n + length)
+        ]
 
     one = run_pagedllm(llm, prompts(1, prefills[0]), n_gen, False)
     out = {DECODE_1: one["decode_tok_s"], f"prefill_{prefills[0]}": prefills[0] / one["ttft_s"]}
@@ -102,9 +141,12 @@ def pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen: int, batch: int, s
     return out
 
 
-def compare(llm, tok, run_pagedllm, path, threads_list, prefills, n_gen: int, batch: int, repetitions: int, seed: int) -> list[dict]:
+def compare(
+    llm, tok, run_pagedllm, path, threads_list, prefills, n_gen: int, batch: int, repetitions: int, seed: int
+) -> list[dict]:
     """Per thread count: llama.cpp's figures, then pagedllm's -> one row per (threads, figure)."""
     import torch
+
     if not os.path.isfile(path):
         raise ValueError(f"--llama-cpp file {path!r} is not a file")
     rows = []
@@ -113,20 +155,40 @@ def compare(llm, tok, run_pagedllm, path, threads_list, prefills, n_gen: int, ba
         theirs = llama_cpp_figures(path, threads, prefills, n_gen, batch, repetitions)
         torch.set_num_threads(threads)
         print(f"running pagedllm with {threads} threads ...", file=sys.stderr, flush=True)
-        ours = pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen, batch, seed + 1_000_003 * len(rows))   # new prompts a turn
+        ours = pagedllm_figures(
+            llm, tok, run_pagedllm, prefills, n_gen, batch, seed + 1_000_003 * len(rows)
+        )  # new prompts a turn
         for key, what in figure_names(prefills, n_gen, batch):
-            rows.append({"threads": threads, "figure": what, "llama.cpp": theirs[key], "pagedllm": ours[key],
-                         "ratio": ours[key] / theirs[key]})
+            rows.append(
+                {
+                    "threads": threads,
+                    "figure": what,
+                    "llama.cpp": theirs[key],
+                    "pagedllm": ours[key],
+                    "ratio": ours[key] / theirs[key],
+                }
+            )
     return rows
 
 
 def figure_names(prefills, n_gen: int, batch: int) -> list[tuple[str, str]]:
-    return [(DECODE_1, f"batch-1 decode tok/s (tg{n_gen})"),
-            *((f"prefill_{p}", f"prefill {p} tok/s (pp{p})") for p in prefills),
-            (DECODE_B, f"batch-{batch} decode tok/s"), (WEIGHTS, "weights held MB")]
+    return [
+        (DECODE_1, f"batch-1 decode tok/s (tg{n_gen})"),
+        *((f"prefill_{p}", f"prefill {p} tok/s (pp{p})") for p in prefills),
+        (DECODE_B, f"batch-{batch} decode tok/s"),
+        (WEIGHTS, "weights held MB"),
+    ]
 
 
 def print_comparison(rows: list[dict], path) -> None:
     print(f"\nsame file on both sides: {path} ({os.path.getsize(path) / 1e6:.0f} MB)")
-    print_table(rows, [("threads", "threads", "d"), ("figure", "figure", ""), ("llama.cpp", "llama.cpp", ".1f"),
-                       ("pagedllm", "pagedllm", ".1f"), ("ratio", "pagedllm / llama.cpp", ".2f")])
+    print_table(
+        rows,
+        [
+            ("threads", "threads", "d"),
+            ("figure", "figure", ""),
+            ("llama.cpp", "llama.cpp", ".1f"),
+            ("pagedllm", "pagedllm", ".1f"),
+            ("ratio", "pagedllm / llama.cpp", ".2f"),
+        ],
+    )

@@ -8,6 +8,7 @@ each only the second half scored: the logits of positions n_ctx/2 .. n_ctx-2 pre
 token. Both sides read the text without its final newline (llama.cpp's `-f` drops it); the
 token ids are compared with llama.cpp's own `llama-tokenize`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -26,7 +27,9 @@ def chunks(n: int, ctx: int) -> list[tuple[int, int, int]]:
     """(begin, end, first scored target) per whole chunk of a text of n tokens, as
     perplexity.py's windows() gives them: the model sees ids[begin:end] and predicts ids[first:end]."""
     if ctx < 4 or n < 2 * ctx:
-        raise ValueError(f"llama-perplexity needs n_ctx >= 4 and at least 2 * n_ctx tokens; got n_ctx {ctx}, {n} tokens")
+        raise ValueError(
+            f"llama-perplexity needs n_ctx >= 4 and at least 2 * n_ctx tokens; got n_ctx {ctx}, {n} tokens"
+        )
     return [(c * ctx, (c + 1) * ctx, c * ctx + ctx // 2 + 1) for c in range(n // ctx)]
 
 
@@ -44,8 +47,12 @@ def parse_perplexity(output: str) -> dict:
     final, plan = FINAL.search(output), CHUNKS.search(output)
     if final is None or plan is None:
         raise ValueError(f"llama-perplexity printed no final estimate: {output[-500:]!r}")
-    return {"perplexity": float(final.group(1)), "error": float(final.group(2)),
-            "chunks": int(plan.group(1)), "n_ctx": int(plan.group(2))}
+    return {
+        "perplexity": float(final.group(1)),
+        "error": float(final.group(2)),
+        "chunks": int(plan.group(1)),
+        "n_ctx": int(plan.group(2)),
+    }
 
 
 def parse_token_ids(stdout: str) -> list[int]:
@@ -59,6 +66,7 @@ def parse_token_ids(stdout: str) -> list[int]:
 def _bos(path) -> int | None:
     """The BOS id llama.cpp puts first in each chunk, None when the file does not ask for one."""
     from gguf import GGUFReader
+
     fields = GGUFReader(str(path)).fields
     add = fields.get("tokenizer.ggml.add_bos_token")
     return int(fields["tokenizer.ggml.bos_token_id"].contents()) if add is not None and add.contents() else None
@@ -71,6 +79,7 @@ def run(path, text_path: str, ctx: int, threads: int) -> dict:
     from pagedllm.benchmarks.scoring import load_pagedllm, pagedllm_window_logits, perplexity
     from pagedllm.models.download import resolve_model
     from transformers import AutoTokenizer
+
     with open(text_path, encoding="utf-8") as f:
         text = f.read().removesuffix("\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,8 +87,9 @@ def run(path, text_path: str, ctx: int, threads: int) -> dict:
         with open(text_file, "w", encoding="utf-8") as f:
             f.write(text)
         theirs_ids = parse_token_ids(run_tool(tokenize_command(find_tool("llama-tokenize"), path, text_file)))
-        theirs = parse_perplexity(run_tool(perplexity_command(find_tool("llama-perplexity"), path, text_file, ctx,
-                                                              threads), with_stderr=True))
+        theirs = parse_perplexity(
+            run_tool(perplexity_command(find_tool("llama-perplexity"), path, text_file, ctx, threads), with_stderr=True)
+        )
     model_dir = str(resolve_model(str(path)))
     ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
     spans = chunks(len(ids), ctx)
@@ -89,12 +99,18 @@ def run(path, text_path: str, ctx: int, threads: int) -> dict:
 
     def window(w, first):
         return pagedllm_window_logits(config, model, w if bos is None else [bos] + w[1:], first)
+
     ours = perplexity(window, ids, spans)
     scored = theirs["chunks"] * (ctx - 1 - ctx // 2)
-    rows = [{"system": "llama.cpp (llama-perplexity)", "tokens": scored, "perplexity": theirs["perplexity"],
-             "error": theirs["error"]},
-            {"system": "pagedllm gguf", "tokens": ours["tokens"], "perplexity": ours["perplexity"],
-             "error": float("nan")}]
+    rows = [
+        {
+            "system": "llama.cpp (llama-perplexity)",
+            "tokens": scored,
+            "perplexity": theirs["perplexity"],
+            "error": theirs["error"],
+        },
+        {"system": "pagedllm gguf", "tokens": ours["tokens"], "perplexity": ours["perplexity"], "error": float("nan")},
+    ]
     for r in rows:
         r["ratio"] = r["perplexity"] / theirs["perplexity"]
         r["nll"] = math.log(r["perplexity"])

@@ -8,6 +8,7 @@ with cmake (Release, -DGGML_NATIVE=ON: the machine's own ISA, as a user's build 
 the binaries land in its build/bin/. A later call builds only the tools that are missing.
 About 15 minutes on 2 cores, most of it libllama and ggml, shared by every tool.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,16 @@ from pathlib import Path
 
 from pagedllm.envs import pagedllm_home
 
-LLAMA_CPP_PYTHON = "0.3.36"   # its sdist's vendor/llama.cpp: the llama.cpp compared against
+LLAMA_CPP_PYTHON = "0.3.36"  # its sdist's vendor/llama.cpp: the llama.cpp compared against
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity", "llama-tokenize")
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+)
 
 
 def source_dir() -> Path:
@@ -46,8 +53,10 @@ def find_tool(name: str) -> Path:
     """The built tool's path; RuntimeError saying how to build it when it is not there."""
     path = tool_path(name)
     if not os.access(path, os.X_OK):
-        raise RuntimeError(f"llama.cpp's {name} is not built (looked for {path}); build llama.cpp's tools "
-                           "once with `make llama-cpp` (python -m pagedllm.benchmarks.llama_cpp_tools, ~15 min)")
+        raise RuntimeError(
+            f"llama.cpp's {name} is not built (looked for {path}); build llama.cpp's tools "
+            "once with `make llama-cpp` (python -m pagedllm.benchmarks.llama_cpp_tools, ~15 min)"
+        )
     return path
 
 
@@ -55,15 +64,28 @@ def _unpack_sdist(dest: Path) -> None:
     """pip downloads the llama-cpp-python sdist (no wheel: the source is what is wanted);
     its vendor/llama.cpp/ becomes dest."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                tmp,
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+            ],
+            check=True,
+        )
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             members = []
             for m in tar.getmembers():
                 if m.name.startswith(prefix):
-                    m.name = m.name[len(prefix):]
+                    m.name = m.name[len(prefix) :]
                     members.append(m)
             staging = dest.with_name(dest.name + ".unpacking")
             shutil.rmtree(staging, ignore_errors=True)
@@ -83,8 +105,10 @@ def build(names=TOOLS, jobs: int | None = None) -> dict[str, Path]:
             _unpack_sdist(src)
         if not (src / "build" / "CMakeCache.txt").is_file():
             subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), *CMAKE_FLAGS], check=True)
-        subprocess.run(["cmake", "--build", str(src / "build"), "--target", *todo,
-                        "-j", str(jobs or os.cpu_count() or 1)], check=True)
+        subprocess.run(
+            ["cmake", "--build", str(src / "build"), "--target", *todo, "-j", str(jobs or os.cpu_count() or 1)],
+            check=True,
+        )
     return {n: find_tool(n) for n in names}
 
 

@@ -1,6 +1,7 @@
 """`--plot FILE` of `pagedllm bench serve` and `bench latency`: one PNG with TTFT and TPOT
 percentiles (P50 / P90 / P99, ms) and output tokens/s against the load (concurrency or batch
 size), one point per run. matplotlib with the Agg backend (no display needed)."""
+
 from __future__ import annotations
 
 PERCENTILES = (50, 90, 99)
@@ -9,6 +10,7 @@ PERCENTILES = (50, 90, 99)
 def plot_load(rows: list[dict], x_key: str, x_label: str, throughput_key: str, path: str, title: str) -> None:
     """rows: one per load level, with `x_key`, p{50,90,99}_{ttft,tpot}_ms and `throughput_key`."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,5 +1,6 @@
 """`pagedllm bench prefix-caching`: a shared-prefix workload (one long system prompt, many short
 questions) with automatic prefix caching on and off, in one run: throughput, mean TTFT, hit rate."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def _run(engine_args, prompts, output_len: int, caching: bool) -> dict:
     from pagedllm import LLM, SamplingParams
+
     args = dict(vars(engine_args))
     args["enable_prefix_caching"] = caching
     llm = LLM(**args)
@@ -35,11 +37,16 @@ def _run(engine_args, prompts, output_len: int, caching: bool) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
     stats = llm.llm_engine.core.scheduler.kv_cache_manager.stats
-    row = {"system": f"prefix caching {'on' if caching else 'off'}", "requests": len(prompts),
-           "elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed,
-           "total_tok_s": (in_tokens + out_tokens) / elapsed, "mean_ttft_s": statistics.mean(ttft),
-           "hit_rate": stats.hit_rate if caching else 0.0,
-           "cached_tokens": sum(o.num_cached_tokens for o in outs)}
+    row = {
+        "system": f"prefix caching {'on' if caching else 'off'}",
+        "requests": len(prompts),
+        "elapsed_s": elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (in_tokens + out_tokens) / elapsed,
+        "mean_ttft_s": statistics.mean(ttft),
+        "hit_rate": stats.hit_rate if caching else 0.0,
+        "cached_tokens": sum(o.num_cached_tokens for o in outs),
+    }
     del llm
     gc.collect()
     return row, [o.outputs[0].token_ids for o in outs]
@@ -49,14 +56,16 @@ def _vocab_size(engine_args) -> int:
     import json
 
     from pagedllm.models.download import resolve_model
+
     path = resolve_model(engine_args.model, getattr(engine_args, "quantization", None))
     return json.loads((path / "config.json").read_text())["vocab_size"]
 
 
 def main(ns) -> int:
     from pagedllm.entrypoints.cli import engine_args_from
+
     engine_args = engine_args_from(ns)
-    hi = min(40000, _vocab_size(engine_args))   # ids the model has (a small test model too)
+    hi = min(40000, _vocab_size(engine_args))  # ids the model has (a small test model too)
     rng = np.random.default_rng(ns.dataset_seed)
     system = rng.integers(100, hi, ns.system_len).tolist()
     prompts = [system + rng.integers(100, hi, ns.question_len).tolist() for _ in range(ns.num_prompts)]
@@ -67,16 +76,31 @@ def main(ns) -> int:
     m = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
-    print(f"workload: {ns.num_prompts} requests = one {ns.system_len}-token system prompt + "
-          f"{ns.question_len}-token question each, {ns.output_len} output tokens, greedy\n")
-    print_table([off, on], [("system", "system", ""), ("requests", "requests", "d"), ("elapsed_s", "elapsed s", ".2f"),
-                            ("output_tok_s", "output tok/s", ".1f"), ("total_tok_s", "total tok/s", ".1f"),
-                            ("mean_ttft_s", "mean TTFT s", ".3f"), ("hit_rate", "hit rate", ".3f"),
-                            ("cached_tokens", "cached tokens", "d")])
-    print(f"\nthroughput ratio (on / off): {on['output_tok_s'] / off['output_tok_s']:.2f}x; "
-          f"mean TTFT ratio (off / on): {off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x; "
-          f"outputs identical: {got == ref}")
+    print(
+        f"workload: {ns.num_prompts} requests = one {ns.system_len}-token system prompt + "
+        f"{ns.question_len}-token question each, {ns.output_len} output tokens, greedy\n"
+    )
+    print_table(
+        [off, on],
+        [
+            ("system", "system", ""),
+            ("requests", "requests", "d"),
+            ("elapsed_s", "elapsed s", ".2f"),
+            ("output_tok_s", "output tok/s", ".1f"),
+            ("total_tok_s", "total tok/s", ".1f"),
+            ("mean_ttft_s", "mean TTFT s", ".3f"),
+            ("hit_rate", "hit rate", ".3f"),
+            ("cached_tokens", "cached tokens", "d"),
+        ],
+    )
+    print(
+        f"\nthroughput ratio (on / off): {on['output_tok_s'] / off['output_tok_s']:.2f}x; "
+        f"mean TTFT ratio (off / on): {off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x; "
+        f"outputs identical: {got == ref}"
+    )
     if ns.output_json:
-        write_json(ns.output_json, {"command": command_line(), "machine": m, "rows": [off, on],
-                                    "outputs_identical": got == ref})
+        write_json(
+            ns.output_json,
+            {"command": command_line(), "machine": m, "rows": [off, on], "outputs_identical": got == ref},
+        )
     return 0

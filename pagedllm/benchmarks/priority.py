@@ -7,6 +7,7 @@ the priority policy they carry priority -1 (the others 0) and start first, preem
 requests when they need the room. The same requests on two engines, the policies in turn
 (--repeat rounds, interleaved); medians of each class's TTFT, and the ratio others / urgent.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ def ttfts(engine, prompts: list[list[int]], urgent: set[int], priority: bool, pa
     order = [i for i in range(len(prompts)) if i not in urgent] + sorted(urgent)
     start = time.perf_counter()
     for i in order:
-        engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params,
-                           priority=-1 if priority and i in urgent else 0)
+        engine.add_request(
+            f"r{i}", {"prompt_token_ids": prompts[i]}, params, priority=-1 if priority and i in urgent else 0
+        )
     first: dict[str, float] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -48,6 +50,7 @@ def main(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.sampling_params import SamplingParams
+
     machine = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}")
@@ -56,12 +59,13 @@ def main(args: argparse.Namespace) -> int:
         args.scheduling_policy = policy
         engines[policy] = LLMEngine.from_engine_args(engine_args_from(args))
     tokenizer = engines["fcfs"].tokenizer
-    reqs = random_requests(tokenizer, args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2,
-                           args.dataset_seed)
+    reqs = random_requests(
+        tokenizer, args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2, args.dataset_seed
+    )
     prompts = [r.prompt_token_ids for r in reqs]
     urgent = set(range(args.urgent_every - 1, args.num_prompts, args.urgent_every))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    ttfts(engines["fcfs"], prompts[:2], set(), False, params)   # warm-up: kernels built, caches touched
+    ttfts(engines["fcfs"], prompts[:2], set(), False, params)  # warm-up: kernels built, caches touched
     runs: dict[str, dict[str, list[float]]] = {p: {"urgent": [], "others": []} for p in engines}
     for _ in range(args.repeat):
         for policy, engine in engines.items():
@@ -72,10 +76,19 @@ def main(args: argparse.Namespace) -> int:
     for policy in engines:
         u, o = statistics.median(runs[policy]["urgent"]), statistics.median(runs[policy]["others"])
         rows.append({"policy": policy, "urgent": u, "others": o, "ratio": o / u})
-    print(f"{args.num_prompts} requests ({len(urgent)} urgent, queued last), {args.input_len} + "
-          f"{args.output_len} tokens, max_num_seqs {args.max_num_seqs}, {args.repeat} rounds")
-    print_table(rows, [("policy", "policy", "s"), ("urgent", "urgent TTFT s (median)", ".3f"),
-                       ("others", "others TTFT s (median)", ".3f"), ("ratio", "others / urgent", ".2f")])
+    print(
+        f"{args.num_prompts} requests ({len(urgent)} urgent, queued last), {args.input_len} + "
+        f"{args.output_len} tokens, max_num_seqs {args.max_num_seqs}, {args.repeat} rounds"
+    )
+    print_table(
+        rows,
+        [
+            ("policy", "policy", "s"),
+            ("urgent", "urgent TTFT s (median)", ".3f"),
+            ("others", "others TTFT s (median)", ".3f"),
+            ("ratio", "others / urgent", ".2f"),
+        ],
+    )
     if args.output_json:
         write_json(args.output_json, {"rows": rows, "runs": runs})
     return 0

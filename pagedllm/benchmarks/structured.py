@@ -1,5 +1,6 @@
 """`pagedllm bench structured`: the same chat requests with a JSON schema (structured output) and
 unconstrained, in one run: output tokens per second of each (the goal: at most 10 % slower)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,15 +10,32 @@ import time
 
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, write_json
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "email": {"type": "string"}, "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-    "address": {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-                "required": ["city", "country"]},
-    "employed": {"type": "boolean"}},
-    "required": ["name", "age", "email", "skills", "address", "employed"]}
-PEOPLE = ["a chef from Lyon", "a pilot from Oslo", "a teacher from Lima", "a nurse from Pune", "a poet from Cork",
-          "a miner from Perth", "a judge from Accra", "a baker from Riga"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string"},
+        "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["city", "country"],
+        },
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "skills", "address", "employed"],
+}
+PEOPLE = [
+    "a chef from Lyon",
+    "a pilot from Oslo",
+    "a teacher from Lima",
+    "a nurse from Pune",
+    "a poet from Cork",
+    "a miner from Perth",
+    "a judge from Accra",
+    "a baker from Riga",
+]
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -29,9 +47,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def _run(llm, prompts, output_len: int, constrained: bool) -> dict:
     from pagedllm import SamplingParams
     from pagedllm.sampling_params import StructuredOutputsParams
+
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
     params = SamplingParams(temperature=0, max_tokens=output_len, structured_outputs=so)
-    llm.generate(prompts[:1], params, use_tqdm=False)   # warm-up (and the grammar compiled once)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up (and the grammar compiled once)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -42,19 +61,35 @@ def _run(llm, prompts, output_len: int, constrained: bool) -> dict:
             valid += isinstance(json.loads(o.outputs[0].text), dict)
         except ValueError:
             pass
-    return {"system": "JSON schema" if constrained else "unconstrained", "requests": len(prompts),
-            "elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
-            "valid_json": valid}
+    return {
+        "system": "JSON schema" if constrained else "unconstrained",
+        "requests": len(prompts),
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        "valid_json": valid,
+    }
 
 
 def main(ns) -> int:
     from pagedllm import LLM
     from pagedllm.entrypoints.cli import engine_args_from
+
     llm = LLM(**vars(engine_args_from(ns)))
-    prompts = [{"prompt_token_ids": llm.apply_chat_template(
-        [{"role": "user", "content": f"Describe {PEOPLE[i % len(PEOPLE)]} (person {i}) as a JSON object with "
-                                     "name, age, email, skills, address (city, country) and employed."}])}
-        for i in range(ns.num_prompts)]
+    prompts = [
+        {
+            "prompt_token_ids": llm.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": f"Describe {PEOPLE[i % len(PEOPLE)]} (person {i}) as a JSON object with "
+                        "name, age, email, skills, address (city, country) and employed.",
+                    }
+                ]
+            )
+        }
+        for i in range(ns.num_prompts)
+    ]
     free = _run(llm, prompts, ns.output_len, constrained=False)
     json_row = _run(llm, prompts, ns.output_len, constrained=True)
     llm.shutdown()
@@ -63,9 +98,17 @@ def main(ns) -> int:
     print(f"command: {command_line()}")
     print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads")
     print(f"workload: {ns.num_prompts} chat requests, greedy, max_tokens {ns.output_len}\n")
-    print_table([free, json_row], [("system", "system", ""), ("requests", "requests", "d"),
-                                   ("elapsed_s", "elapsed s", ".2f"), ("output_tokens", "output tokens", "d"),
-                                   ("output_tok_s", "output tok/s", ".1f"), ("valid_json", "valid JSON", "d")])
+    print_table(
+        [free, json_row],
+        [
+            ("system", "system", ""),
+            ("requests", "requests", "d"),
+            ("elapsed_s", "elapsed s", ".2f"),
+            ("output_tokens", "output tokens", "d"),
+            ("output_tok_s", "output tok/s", ".1f"),
+            ("valid_json", "valid JSON", "d"),
+        ],
+    )
     slower = 1 - json_row["output_tok_s"] / free["output_tok_s"]
     print(f"\nJSON schema vs unconstrained: {100 * slower:+.1f} % slower (goal <= 10 %)")
     if ns.output_json:

@@ -5,6 +5,7 @@ O(1) (a prefix-cache hit takes a free-but-cached block back). Blocks are taken f
 head; freed blocks go to the tail, so the least recently freed block is evicted first.
 Block 0 is the null block: never allocated, it pads block tables.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -123,7 +124,7 @@ class BlockPool:
         """Take a reference on blocks found in the prefix cache (out of the free queue if free)."""
         for block in blocks:
             if block is self.null_block:
-                continue   # a sliding-window request's freed block (forked): never counted
+                continue  # a sliding-window request's freed block (forked): never counted
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1

@@ -1,13 +1,13 @@
 """The scheduler's side of images (vLLM v1's encoder budget; torch-free): how many prompt tokens a
 step may schedule so that the images it starts fit the encoder budget, and which images a
 block of tokens covers (their hashes key the block in the prefix cache)."""
+
 from __future__ import annotations
 
 from typing import Sequence
 
 
-def trim_to_encoder_budget(images: Sequence, start: int, n: int, budget: int,
-                           whole: bool = False) -> tuple[int, int]:
+def trim_to_encoder_budget(images: Sequence, start: int, n: int, budget: int, whole: bool = False) -> tuple[int, int]:
     """images (multimodal.inputs.ImageInput: offset, length), tokens [start, start + n) to
     schedule, encoder budget left (in image tokens) -> (tokens to schedule, budget used). An image
     that starts in the window is encoded this step; the window stops before the first image that

@@ -20,6 +20,7 @@ block boundaries of prompts, and a hit needs the attention blocks and a snapshot
 boundary (the longest such). So that snapshots exist where later prompts will diverge, the
 scheduler ends a prefill chunk where the prompt parts from cached ones (`prefill_chunk_end`).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
@@ -29,22 +30,25 @@ from typing import Optional, Sequence
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.encoder_cache_manager import block_image_keys
 from pagedllm.core.kv_cache_utils import KVCacheConfig, cdiv
-from pagedllm.core.single_type_kv_cache_manager import (FullAttentionManager, SingleTypeKVCacheManager,
-                                                         SlidingWindowManager)
+from pagedllm.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 from pagedllm.core.state_kv_cache_manager import StateManager
 from pagedllm.request import Request
 
 
-def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...],
-                      extra_keys: tuple = ()) -> int:
+def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
     """A block's identity: the whole prefix before it (through the parent's hash), its tokens,
     and extra keys (such as a LoRA id) that must never share. Python's hash of a tuple of
     ints and None is the same in every process (no string hashing is involved)."""
     return hash((parent_hash, token_ids, extra_keys))
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int,
-                        extra_keys: tuple = (), images: Sequence = ()) -> list[int]:
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, extra_keys: tuple = (), images: Sequence = ()
+) -> list[int]:
     """Append the hashes of token_ids' full blocks that `hashes` lacks, each chained from its
     parent's -> hashes. The KV cache manager (lazily, per request) and the data-parallel
     router (whole prompts) both hash this way, so a router's guess matches a replica's cache.
@@ -55,13 +59,20 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
     for i in range(len(hashes), n):
         parent = hashes[-1] if hashes else None
         keys = extra_keys + image_keys[i] if image_keys else extra_keys
-        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), keys))
+        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), keys))
     return hashes
 
 
-def check_fits_kv_cache(num_prompt_tokens: int, max_tokens: int, width: int, block_size: int,
-                        num_blocks: int, max_model_len: int, kv_cache_config: Optional[KVCacheConfig] = None,
-                        max_chunk: Optional[int] = None) -> None:
+def check_fits_kv_cache(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    width: int,
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    kv_cache_config: Optional[KVCacheConfig] = None,
+    max_chunk: Optional[int] = None,
+) -> None:
     """ValueError unless `width` sequences of the request at full length fit the cache at once
     (block 0 is the null block). A beam search needs this: its beams wait for each other.
     kv_cache_config with several groups (and max_chunk, the scheduler's token budget): a
@@ -73,15 +84,18 @@ def check_fits_kv_cache(num_prompt_tokens: int, max_tokens: int, width: int, blo
         need = width * cdiv(num_tokens, block_size)
     if need > num_blocks - 1:
         what = f"{width} beams of " if width > 1 else ""
-        raise ValueError(f"{what}prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
-                         f"{need} KV-cache blocks, more than the cache holds ({num_blocks - 1}); lower max_tokens"
-                         + (" or beam_width" if width > 1 else "") + " or give the KV cache more memory")
+        raise ValueError(
+            f"{what}prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
+            f"{need} KV-cache blocks, more than the cache holds ({num_blocks - 1}); lower max_tokens"
+            + (" or beam_width" if width > 1 else "")
+            + " or give the KV cache more memory"
+        )
 
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0   # prompt tokens looked up
-    hits: int = 0      # of which found in the cache
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
 
     @property
     def hit_rate(self) -> float:
@@ -98,9 +112,15 @@ class KVCacheBlocks(list):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 num_cpu_blocks: int = 0, sliding_window: Optional[int] = None,
-                 kv_cache_config: Optional[KVCacheConfig] = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        num_cpu_blocks: int = 0,
+        sliding_window: Optional[int] = None,
+        kv_cache_config: Optional[KVCacheConfig] = None,
+    ) -> None:
         """sliding_window: every layer attends to the last `sliding_window` tokens only
         None: keep every block. kv_cache_config
         (core/kv_cache_utils.py): the model's KV cache groups, each with its own block table;
@@ -123,10 +143,13 @@ class KVCacheManager:
         # scheduler each step.
         self.pending_copies: list[tuple[int, int]] = []
         self.managers: list[SingleTypeKVCacheManager] = [
-            StateManager(self.block_pool, block_size, n, g, self.pending_copies) if n is not None else
-            FullAttentionManager(self.block_pool, block_size, g, self.pending_copies) if w is None else
-            SlidingWindowManager(self.block_pool, block_size, w, g, self.pending_copies)
-            for g, (w, n) in enumerate(zip(windows, state))]
+            StateManager(self.block_pool, block_size, n, g, self.pending_copies)
+            if n is not None
+            else FullAttentionManager(self.block_pool, block_size, g, self.pending_copies)
+            if w is None
+            else SlidingWindowManager(self.block_pool, block_size, w, g, self.pending_copies)
+            for g, (w, n) in enumerate(zip(windows, state))
+        ]
         self.num_groups = len(self.managers)
         # Group 0's blocks of each request (with one group: all of them).
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = self.managers[0].req_to_blocks
@@ -137,15 +160,15 @@ class KVCacheManager:
         # without attention, among recent prompts) at admission, where the prompt parts from
         # earlier ones (a snapshot boundary).
         self.req_to_attn_hit: dict[str, int] = {}
-        self.seen_prompt_blocks: OrderedDict[int, None] = OrderedDict()   # (recurrent layers only)
+        self.seen_prompt_blocks: OrderedDict[int, None] = OrderedDict()  # (recurrent layers only)
         # Swap space: CPU block ids (0 unused, like the null block), and the copies owed.
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, 0, -1))
         # A swapped request's CPU blocks (every group's, in group order) and, per group, which
         # entries of its block table held one (False: a sliding window's null block).
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
         self.req_to_swap_layout: dict[str, tuple[tuple[bool, ...], ...]] = {}
-        self.pending_swap_out: list[tuple[int, int]] = []   # (device block, cpu block)
-        self.pending_swap_in: list[tuple[int, int]] = []    # (cpu block, device block)
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
 
     @property
     def usage(self) -> float:
@@ -157,8 +180,13 @@ class KVCacheManager:
     # ------------------------------------------------------------ prefix cache
     def _block_hashes(self, request: Request) -> list[int]:
         """Hashes of the request's full blocks (extended lazily as tokens arrive)."""
-        return extend_block_hashes(self.req_to_block_hashes[request.request_id], request.all_token_ids,
-                                   self.block_size, request.extra_keys, request.mm_inputs)
+        return extend_block_hashes(
+            self.req_to_block_hashes[request.request_id],
+            request.all_token_ids,
+            self.block_size,
+            request.extra_keys,
+            request.mm_inputs,
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks at the start of the request, and the number of
@@ -174,13 +202,15 @@ class KVCacheManager:
             self._remember_prompt(request, hashes)
             blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks)
             return blocks, len(blocks) * self.block_size
-        if self.num_groups == 1:   # the plain longest cached prefix, as before groups
+        if self.num_groups == 1:  # the plain longest cached prefix, as before groups
             blocks = SingleTypeKVCacheManager.find_longest_cache_hit(self.managers[0], hashes, max_blocks)
             return blocks, len(blocks) * self.block_size
         if self.has_state:
             self.req_to_attn_hit[request.request_id] = min(
-                len(m.find_longest_cache_hit(hashes, max_blocks)) for m in self.managers
-                if not isinstance(m, StateManager))
+                len(m.find_longest_cache_hit(hashes, max_blocks))
+                for m in self.managers
+                if not isinstance(m, StateManager)
+            )
         # Shorten the hit until every group hits that far (a sliding group's hit at n blocks
         # need not hold at fewer: look again at the new length).
         while True:
@@ -214,9 +244,13 @@ class KVCacheManager:
         return (new_computed_blocks or [],) * self.num_groups
 
     # ------------------------------------------------------------ allocation
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
-                       save_snapshots: bool = True) -> Optional[list[KVCacheBlock]]:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        save_snapshots: bool = True,
+    ) -> Optional[list[KVCacheBlock]]:
         """Make room for `num_new_tokens` after the request's computed ones (and after
         `new_computed_blocks`, prefix-cache hits not yet counted in num_computed_tokens).
 
@@ -233,7 +267,7 @@ class KVCacheManager:
         counts = [m.count(req_id, num_computed, num_new_tokens, h) for m, h in zip(self.managers, hits)]
         if sum(c[2] for c in counts) > self.block_pool.get_num_free_blocks():
             return None
-        for m, h in zip(self.managers, hits):   # all hits first, then any new block
+        for m, h in zip(self.managers, hits):  # all hits first, then any new block
             m.take_hits(req_id, h)
         new = [m.allocate(req_id, num_computed, c) for m, c in zip(self.managers, counts)]
         if self.enable_caching:
@@ -281,14 +315,16 @@ class KVCacheManager:
         """Free blocks that allocate_slots(request, num_new_tokens) would take."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        return sum(m.count(request.request_id, request.num_computed_tokens, num_new_tokens, [])[2]
-                   for m in self.managers)
+        return sum(
+            m.count(request.request_id, request.num_computed_tokens, num_new_tokens, [])[2] for m in self.managers
+        )
 
     def num_fork_blocks(self, request: Request) -> int:
         """Free blocks a fork of the request takes: its recurrent states, which are copied
         (attention blocks are shared)."""
-        return sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers
-                   if isinstance(m, StateManager))
+        return sum(
+            len(m.req_to_blocks.get(request.request_id, ())) for m in self.managers if isinstance(m, StateManager)
+        )
 
     def can_fork(self, request: Request, num_children: int = 1) -> bool:
         return num_children * self.num_fork_blocks(request) <= self.num_free_blocks()
@@ -361,7 +397,7 @@ class KVCacheManager:
         src_of: dict[int, int] = {}
         for src, dst in self.pending_copies:
             src_of[dst] = src_of.get(src, src)
-        self.pending_copies.clear()   # the same list object: the group managers append to it
+        self.pending_copies.clear()  # the same list object: the group managers append to it
         return [(src, dst) for dst, src in src_of.items() if src != dst]
 
     def free(self, request: Request) -> None:

@@ -16,6 +16,7 @@ KVCacheSpec (attention/kv_cache_spec.py) and makes the layout here (`kv_cache_co
 the executor hands it to the engine core, which gives it to the KV cache manager and, with the
 block count, to the frontend's admission check. Torch-free (the frontend and the core read it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -29,8 +30,9 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers (indices into the model's cache-holding layers) that share one block table."""
+
     layer_ids: tuple[int, ...]
-    sliding_window: Optional[int]   # None: full attention
+    sliding_window: Optional[int]  # None: full attention
     # A recurrent-state group (attention/kv_cache_spec.MambaSpec): every request holds this
     # many blocks, whatever its length; None: an attention group.
     state_blocks: Optional[int] = None
@@ -50,7 +52,7 @@ class KVCacheGroupSpec:
 @dataclass(frozen=True)
 class KVCacheConfig:
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
-    num_tensors: int                  # cache tensors (K, V) the runner allocates
+    num_tensors: int  # cache tensors (K, V) the runner allocates
     tensor_of_layer: tuple[int, ...]  # which of them each attention layer reads and writes
 
     @property
@@ -78,18 +80,21 @@ def make_kv_cache_config(layer_windows: Sequence[Optional[int]]) -> KVCacheConfi
     """Groups from each layer's sliding window (None: full attention). One kind of layer: one
     group of every layer, one tensor per layer (the layout before groups existed)."""
     n = len(layer_windows)
-    kinds = list(dict.fromkeys(layer_windows))   # in order of first appearance
+    kinds = list(dict.fromkeys(layer_windows))  # in order of first appearance
     if len(kinds) <= 1:
-        return KVCacheConfig((KVCacheGroupSpec(tuple(range(n)), kinds[0] if kinds else None),),
-                             num_tensors=n, tensor_of_layer=tuple(range(n)))
-    kinds.sort(key=lambda w: (w is not None, w or 0))   # full attention first, then by window
+        return KVCacheConfig(
+            (KVCacheGroupSpec(tuple(range(n)), kinds[0] if kinds else None),),
+            num_tensors=n,
+            tensor_of_layer=tuple(range(n)),
+        )
+    kinds.sort(key=lambda w: (w is not None, w or 0))  # full attention first, then by window
     by_kind = {w: [i for i, lw in enumerate(layer_windows) if lw == w] for w in kinds}
     group_size = min(len(ids) for ids in by_kind.values())
     groups, tensor_of_layer = [], [0] * n
     for w in kinds:
         ids = by_kind[w]
         for start in range(0, len(ids), group_size):
-            chunk = tuple(ids[start:start + group_size])
+            chunk = tuple(ids[start : start + group_size])
             groups.append(KVCacheGroupSpec(chunk, w))
             for slot, layer in enumerate(chunk):
                 tensor_of_layer[layer] = slot

@@ -7,6 +7,7 @@ token. A producer's finished request keeps its blocks (`sending`) until the work
 fetched or timed out. No block a load writes into is findable in the prefix cache before the
 load is done, and none is freed while a load may still write into it (an abort waits for it).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -30,10 +31,10 @@ def _no_caching(kv: KVCacheManager):
 class RemoteKV:
     def __init__(self, connector, kv: KVCacheManager) -> None:
         self.connector, self.kv = connector, kv
-        self.loading: set[str] = set()              # loads in flight
-        self.loaded: set[str] = set()               # done, not admitted yet
-        self.sending: dict[str, Request] = {}       # finished producer requests holding blocks
-        self.aborted_loading: dict[str, Request] = {}   # ended while a load may still write
+        self.loading: set[str] = set()  # loads in flight
+        self.loaded: set[str] = set()  # done, not admitted yet
+        self.sending: dict[str, Request] = {}  # finished producer requests holding blocks
+        self.aborted_loading: dict[str, Request] = {}  # ended while a load may still write
         self.bytes_sent = 0
         self.bytes_recved = 0
 
@@ -87,7 +88,7 @@ class RemoteKV:
 
     def on_finished(self, request: Request) -> tuple[bool, Optional[dict]]:
         """(the blocks are held: do not free them, the kv_transfer_params for the output)."""
-        self.loaded.discard(request.request_id)   # aborted after its load, before admission
+        self.loaded.discard(request.request_id)  # aborted after its load, before admission
         if request.request_id in self.loading:
             self.aborted_loading[request.request_id] = request
             return True, None

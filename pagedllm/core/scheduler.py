@@ -11,6 +11,7 @@ same rule preempts the newest of the lowest-priority requests; and a waiting req
 cannot start for want of blocks or sequence slots preempts running requests of lower
 priority than its own, by that rule, before the step is planned (vLLM's priority policy).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -21,12 +22,17 @@ from pagedllm.core.encoder_cache_manager import trim_to_encoder_budget
 from pagedllm.core.kv_cache_manager import KVCacheManager, check_fits_kv_cache
 from pagedllm.core.remote_kv import RemoteKV
 from pagedllm.core.scheduler_output import (
-    CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput)
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from pagedllm.request import FinishReason, Request, RequestStatus
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.spec_decode.scheduling import trim_spec_tokens
 
-if TYPE_CHECKING:   # the engine's config module reads config.json (pagedllm.models)
+if TYPE_CHECKING:  # the engine's config module reads config.json (pagedllm.models)
     from pagedllm.config import SchedulerConfig
 
 
@@ -34,15 +40,16 @@ if TYPE_CHECKING:   # the engine's config module reads config.json (pagedllm.mod
 class _Step:
     """What one `Scheduler.schedule()` has decided so far: the budget left, the tokens and new
     blocks of each scheduled request, which are new to the runner, which preempted."""
+
     budget: int
-    encoder_budget: int = 0   # image tokens the step may still encode
+    encoder_budget: int = 0  # image tokens the step may still encode
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     new_block_ids_by_group: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    spec: dict[str, list[int]] = field(default_factory=dict)   # draft tokens scheduled per request
+    spec: dict[str, list[int]] = field(default_factory=dict)  # draft tokens scheduled per request
 
 
 class Scheduler:
@@ -78,14 +85,20 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         width = request.get_max_num_running_seqs()
         if width > self.config.max_num_seqs:
-            raise ValueError(f"n / best_of / beam width ({width}) must be <= "
-                             f"max_num_seqs ({self.config.max_num_seqs})")
-        if request.fork_width > 1:   # a search whose beams cannot all fit would wait forever
+            raise ValueError(f"n / best_of / beam width ({width}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+        if request.fork_width > 1:  # a search whose beams cannot all fit would wait forever
             kv, max_len = self.kv_cache_manager, self.config.max_model_len
             max_tokens = max_len - request.num_tokens if request.max_tokens is None else request.max_tokens
-            check_fits_kv_cache(request.num_prompt_tokens, max_tokens, request.fork_width, kv.block_size,
-                                kv.block_pool.num_blocks, max_len, kv.kv_cache_config,
-                                self.config.max_num_batched_tokens)
+            check_fits_kv_cache(
+                request.num_prompt_tokens,
+                max_tokens,
+                request.fork_width,
+                kv.block_size,
+                kv.block_pool.num_blocks,
+                max_len,
+                kv.kv_cache_config,
+                self.config.max_num_batched_tokens,
+            )
         if request.sampling_params.num_samples > 1 and request.num_prompt_tokens == 1:
             # Nothing to share before the last prompt token: the siblings start on their own.
             for i in range(request.sampling_params.num_samples):
@@ -103,7 +116,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request in self.waiting:   # not when it was skipped out of the queue
+            elif request in self.waiting:  # not when it was skipped out of the queue
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
@@ -142,7 +155,7 @@ class Scheduler:
             self._preempt_for_waiting(step)
         num_preempted = len(step.preempted)
         self._schedule_running(step)
-        if len(step.preempted) == num_preempted:   # no admission while we are short of blocks
+        if len(step.preempted) == num_preempted:  # no admission while we are short of blocks
             self._schedule_waiting(step)
         return self._make_output(step)
 
@@ -157,7 +170,7 @@ class Scheduler:
         preempts the lowest-priority running units while they rank below it, until it fits.
         The block count ignores prefix hits (they only lower it)."""
         if not self.waiting or self.waiting[0].status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            return   # a grammar still compiling, a remote KV load: the head could not start anyway
+            return  # a grammar still compiling, a remote KV load: the head could not start anyway
         kv, head = self.kv_cache_manager, self.waiting[0]
         unit = _unit_at(self.waiting, 0)
         width = sum(r.get_max_num_running_seqs() for r in unit)
@@ -166,16 +179,19 @@ class Scheduler:
         while self.running and self.running[-1].priority_key() > head.priority_key():
             num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
             loras = {r.lora_int_id for r in self.running} - {0}
-            if (num_seqs + width <= self.config.max_num_seqs and blocks <= kv.num_free_blocks()
-                    and lora_fits(head.lora_int_id, loras, self.config.max_loras)):
+            if (
+                num_seqs + width <= self.config.max_num_seqs
+                and blocks <= kv.num_free_blocks()
+                and lora_fits(head.lora_int_id, loras, self.config.max_loras)
+            ):
                 break
             victims = _unit_at(self.running, len(self.running) - 1)
-            del self.running[-len(victims):]
+            del self.running[-len(victims) :]
             for victim in reversed(victims):
                 self._preempt(victim)
             step.preempted.extend(victims)
             preempted = True
-        if preempted:   # the victims were pushed to the front: back behind the head, by rank
+        if preempted:  # the victims were pushed to the front: back behind the head, by rank
             self.waiting = deque(sorted(self.waiting, key=Request.priority_key))
 
     def _schedule_running(self, step: _Step) -> None:
@@ -189,8 +205,8 @@ class Scheduler:
             # taken from the end, so a victim is never one scheduled earlier in this step.
             while (allocated := self._allocate_unit(plan)) is None:
                 victims = _unit_at(self.running, len(self.running) - 1)
-                del self.running[-len(victims):]
-                for victim in reversed(victims):   # pushed to the front in their order
+                del self.running[-len(victims) :]
+                for victim in reversed(victims):  # pushed to the front in their order
                     self._preempt(victim)
                 step.preempted.extend(victims)
                 if victims[0] is unit[0]:
@@ -207,7 +223,7 @@ class Scheduler:
                 step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
                 step.new_block_ids_by_group[request.request_id] = self.kv_cache_manager.new_block_ids_by_group(blocks)
                 step.budget -= n
-                if request.spec_token_ids:   # trimmed to the budget: all of them are scheduled
+                if request.spec_token_ids:  # trimmed to the budget: all of them are scheduled
                     step.spec[request.request_id], request.spec_token_ids = request.spec_token_ids, []
             i += len(unit)
 
@@ -241,7 +257,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         max_seqs = self.config.max_num_seqs
         num_seqs = sum(r.get_max_num_running_seqs() for r in self.running)
-        loras = {r.lora_int_id for r in self.running} - {0}   # adapters that hold a slot
+        loras = {r.lora_int_id for r in self.running} - {0}  # adapters that hold a slot
         while self.waiting and step.budget > 0:
             head = self.waiting[0]
             if self._grammar_pending(head):
@@ -254,12 +270,12 @@ class Scheduler:
                 if loading is None:
                     if self._release_remote_holders(head):
                         continue
-                    return   # no blocks for its load
+                    return  # no blocks for its load
                 if loading:
                     skipped.append(self.waiting.popleft())
                     continue
             if not lora_fits(head.lora_int_id, loras, self.config.max_loras):
-                skipped.append(self.waiting.popleft())   # waits for a slot, keeps its place
+                skipped.append(self.waiting.popleft())  # waits for a slot, keeps its place
                 continue
             unit = _unit_at(self.waiting, 0)
             # A request counts as every sequence it will fork into (n siblings, beams).
@@ -268,13 +284,16 @@ class Scheduler:
                 return
             # A search's beams come back together: room for all of them at their full
             # prompt first (prefix hits only lower that), so no beam is left behind.
-            if len(unit) > 1 and sum(kv.num_blocks_to_allocate(r, self._num_tokens_to_compute(r))
-                                     for r in unit) > kv.num_free_blocks():
+            if (
+                len(unit) > 1
+                and sum(kv.num_blocks_to_allocate(r, self._num_tokens_to_compute(r)) for r in unit)
+                > kv.num_free_blocks()
+            ):
                 return
             if self._admit(unit[0], step) is None:
                 if self._release_remote_holders(head):
                     continue
-                return   # nothing changed
+                return  # nothing changed
             if head.lora_int_id:
                 loras.add(head.lora_int_id)
             for request in unit[1:]:
@@ -296,16 +315,29 @@ class Scheduler:
         kv = self.kv_cache_manager
         out = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData(r.request_id, list(r.all_token_ids), r.num_prompt_tokens,
-                               r.sampling_params, kv.get_block_ids(r.request_id), r.num_computed_tokens,
-                               r.lora_request, block_ids_by_group=kv.get_block_ids_by_group(r.request_id),
-                               mm_inputs=r.mm_inputs)
-                for r in step.new_reqs],
+                NewRequestData(
+                    r.request_id,
+                    list(r.all_token_ids),
+                    r.num_prompt_tokens,
+                    r.sampling_params,
+                    kv.get_block_ids(r.request_id),
+                    r.num_computed_tokens,
+                    r.lora_request,
+                    block_ids_by_group=kv.get_block_ids_by_group(r.request_id),
+                    mm_inputs=r.mm_inputs,
+                )
+                for r in step.new_reqs
+            ],
             scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, step.new_block_ids[r.request_id], r.num_computed_tokens,
-                                  self.pending_tokens.pop(r.request_id, []),
-                                  step.new_block_ids_by_group[r.request_id])
-                for r in step.cached_reqs],
+                CachedRequestData(
+                    r.request_id,
+                    step.new_block_ids[r.request_id],
+                    r.num_computed_tokens,
+                    self.pending_tokens.pop(r.request_id, []),
+                    step.new_block_ids_by_group[r.request_id],
+                )
+                for r in step.cached_reqs
+            ],
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             preempted_req_ids={r.request_id for r in step.preempted},
@@ -330,15 +362,16 @@ class Scheduler:
         """n, or fewer so that the images the tokens start fit the step's encoder budget."""
         if not request.mm_inputs or n <= 0:
             return n
-        n, used = trim_to_encoder_budget(request.mm_inputs, request.num_computed_tokens, n, step.encoder_budget,
-                                         self.config.disable_chunked_mm_input)
+        n, used = trim_to_encoder_budget(
+            request.mm_inputs, request.num_computed_tokens, n, step.encoder_budget, self.config.disable_chunked_mm_input
+        )
         step.encoder_budget -= used
         return n
 
     def _plan_tokens(self, unit: list[Request], budget: int, step: _Step) -> list[tuple[Request, int]]:
         """The tokens each running request of a unit computes this step, within the budget
         (without chunked prefill, a request whose remaining prompt does not fit waits)."""
-        if len(unit) == 1:   # the common case
+        if len(unit) == 1:  # the common case
             need = self._num_tokens_to_compute(unit[0])
             n = self._trim_to_encoder(unit[0], self._chunk(unit[0], min(need, budget)), step)
             return [(unit[0], n)] if n > 0 and (n == need or self.config.chunked_prefill) else []
@@ -347,7 +380,7 @@ class Scheduler:
             need = self._num_tokens_to_compute(request)
             n = self._chunk(request, min(need, budget))
             if n <= 0 or (n < need and not self.config.chunked_prefill):
-                continue   # nothing to compute (a beam waiting for its siblings), or no room
+                continue  # nothing to compute (a beam waiting for its siblings), or no room
             plan.append((request, n))
             budget -= n
         return plan
@@ -361,7 +394,7 @@ class Scheduler:
         for request, n in plan:
             blocks = kv.allocate_slots(request, self._with_lookahead(request, n))
             if blocks is None:
-                if len(plan) > 1:   # counted above: allocate_slots takes no more than that
+                if len(plan) > 1:  # counted above: allocate_slots takes no more than that
                     raise RuntimeError(f"KV cache: no room for beam {request.request_id} after the check")
                 return None
             allocated.append(blocks)
@@ -383,15 +416,19 @@ class Scheduler:
                 return None
             n = 0
         n = self._chunk(request, min(n, step.budget), num_hit_tokens)
-        if request.mm_inputs and n:   # the tokens after the prefix hits
+        if request.mm_inputs and n:  # the tokens after the prefix hits
             request.num_computed_tokens += num_hit_tokens
             n = self._trim_to_encoder(request, n, step)
             request.num_computed_tokens -= num_hit_tokens
-            if n == 0 or (n < self._num_tokens_to_compute(request) - num_hit_tokens
-                          and not self.config.chunked_prefill):
-                return None   # the whole prompt runs in one step or waits; so does a whole image
-        blocks = (kv.swap_in(request, n) if swapped
-                  else kv.allocate_slots(request, self._with_lookahead(request, n, num_hit_tokens), hits))
+            if n == 0 or (
+                n < self._num_tokens_to_compute(request) - num_hit_tokens and not self.config.chunked_prefill
+            ):
+                return None  # the whole prompt runs in one step or waits; so does a whole image
+        blocks = (
+            kv.swap_in(request, n)
+            if swapped
+            else kv.allocate_slots(request, self._with_lookahead(request, n, num_hit_tokens), hits)
+        )
         if blocks is None:
             return None
         if request.num_cached_tokens < 0:
@@ -440,8 +477,11 @@ class Scheduler:
 
     def _fork_ready_parents(self) -> None:
         """Parents whose shared prefix is computed become their siblings, in their place."""
-        for parent in [r for r in self.running if r.sampling_params.num_samples > 1
-                       and r.num_computed_tokens == r.num_prompt_tokens - 1]:
+        for parent in [
+            r
+            for r in self.running
+            if r.sampling_params.num_samples > 1 and r.num_computed_tokens == r.num_prompt_tokens - 1
+        ]:
             at = self.running.index(parent)
             children = [parent.make_child(i) for i in range(parent.sampling_params.num_samples)]
             # A recurrent state is copied, not shared: siblings without room for theirs start
@@ -462,7 +502,7 @@ class Scheduler:
             shared = parent.take_prompt_logprobs()
             for child in children:
                 child.prompt_logprobs = shared
-            self.running[at:at + 1] = children
+            self.running[at : at + 1] = children
             self._free_request(parent)
             self.unsent.update(c.request_id for c in children)
 
@@ -479,8 +519,9 @@ class Scheduler:
         parent = self.requests[parent_id]
         if child_id in self.requests:
             raise ValueError(f"request_id {child_id!r} is already in use")
-        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
-                        parent.arrival_time)
+        child = Request(
+            child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id, parent.arrival_time
+        )
         child.max_tokens, child.extra_keys = parent.max_tokens, parent.extra_keys
         child.mm_inputs = parent.mm_inputs
         child.group_id, child.priority = parent.group_id, parent.priority
@@ -519,10 +560,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = [EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value, r.stop_reason)
-                                           for r in self.grammar_failed]
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = [
+            EngineCoreOutput(r.request_id, [], FinishReason.ABORT.value, r.stop_reason) for r in self.grammar_failed
+        ]
         self.grammar_failed = []
         if runner_output.encoder_stats is not None:
             self.mm_cache_queries += runner_output.encoder_stats[0]
@@ -548,28 +591,31 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(req_id, [], new_logprobs=logprobs[row]))
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:   # the rejected drafts' slots are computed again (overwritten) later
+            if drafts:  # the rejected drafts' slots are computed again (overwritten) later
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_ids)
                 self.spec_decoding_stats.observe(len(drafts), len(new_ids) - 1)
             new_ids, finished = self._append_checked(request, new_ids)
             so = request.structured_output_request
-            if so is not None and not so.grammar.accept_tokens(new_ids):   # never when the mask applied
+            if so is not None and not so.grammar.accept_tokens(new_ids):  # never when the mask applied
                 request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, "grammar refused a token"
                 finished = True
-            elif not finished and so is not None and so.grammar.is_terminated():   # e.g. with ignore_eos
+            elif not finished and so is not None and so.grammar.is_terminated():  # e.g. with ignore_eos
                 request.status, finished = RequestStatus.FINISHED_STOPPED, True
             spec = runner_output.spec_token_ids
             if spec is not None and not finished:
                 request.spec_token_ids = self._bounded_drafts(request, spec[row])
-            outputs.append(EngineCoreOutput(
-                req_id=req_id, new_token_ids=new_ids,
-                finish_reason=request.get_finished_reason().value if finished else None,
-                stop_reason=request.stop_reason,
-                new_logprobs=logprobs[row][:len(new_ids)] if logprobs is not None and logprobs[row] else None,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.take_prompt_logprobs(),
-            ))
-            if finished:   # async scheduling: it may have been preempted since the step began
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_ids,
+                    finish_reason=request.get_finished_reason().value if finished else None,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=logprobs[row][: len(new_ids)] if logprobs is not None and logprobs[row] else None,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=request.take_prompt_logprobs(),
+                )
+            )
+            if finished:  # async scheduling: it may have been preempted since the step began
                 (self.running if request in self.running else self.waiting).remove(request)
                 outputs[-1].kv_transfer_params = self._free_request(request)
         return outputs
@@ -587,8 +633,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_STOPPED
         self.running.remove(request)
         self._free_request(request)
-        return EngineCoreOutput(request.request_id, [], finish_reason="stop", pooled=vector,
-                                num_cached_tokens=max(request.num_cached_tokens, 0))
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason="stop",
+            pooled=vector,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def _append_checked(self, request: Request, new_ids: list[int]) -> tuple[list[int], bool]:
         """Append the step's tokens one by one (several with speculation) until one ends the
@@ -596,16 +647,16 @@ class Scheduler:
         for i, token in enumerate(new_ids):
             request.append_output_token_ids([token])
             if self._check_stop(request):
-                return new_ids[:i + 1], True
+                return new_ids[: i + 1], True
         return new_ids, False
 
     def _bounded_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts that can still be used: the step adds at most len(drafts) + 1 tokens, within
         max_tokens and max_model_len."""
-        room = self.config.max_model_len - request.num_tokens - 1   # the bonus token's slot too
+        room = self.config.max_model_len - request.num_tokens - 1  # the bonus token's slot too
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
-        return list(drafts[:max(room, 0)])
+        return list(drafts[: max(room, 0)])
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -618,8 +669,9 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if (request.num_tokens >= self.config.max_model_len
-                or (request.max_tokens is not None and request.num_output_tokens >= request.max_tokens)):
+        if request.num_tokens >= self.config.max_model_len or (
+            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+        ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -652,6 +704,7 @@ class Scheduler:
 
         def mine(r: Request) -> bool:
             return r is request if group is None else r.group_id == group
+
         self.running = [r for r in running if mine(r)]
         self.waiting = deque(r for r in waiting if mine(r))
         try:
@@ -659,6 +712,7 @@ class Scheduler:
         finally:
             self.running = [r for r in running if not mine(r)] + self.running
             self.waiting = self.waiting + deque(r for r in waiting if not mine(r))
+
 
 def lora_fits(lora_int_id: int, loras: set[int], max_loras: int) -> bool:
     """Whether a request of adapter lora_int_id (0: none) can run beside the adapters of

@@ -6,6 +6,7 @@ place of) the blocks that lie wholly before the window of every query the reques
 and finds prefix-cache hits that need only the blocks inside the window. KVCacheManager
 (core/kv_cache_manager.py) drives one of these per group.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -18,8 +19,13 @@ from pagedllm.core.kv_cache_utils import cdiv
 class SingleTypeKVCacheManager:
     sliding_window: Optional[int] = None
 
-    def __init__(self, block_pool: BlockPool, block_size: int, group_id: int = 0,
-                 pending_copies: Optional[list[tuple[int, int]]] = None) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        group_id: int = 0,
+        pending_copies: Optional[list[tuple[int, int]]] = None,
+    ) -> None:
         """pending_copies: where copy-on-write records its (src, dst) block copies (shared by
         the groups: the runner copies a block id's page in every cache tensor)."""
         self.block_pool = block_pool
@@ -54,8 +60,9 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free blocks no query from num_computed_tokens on can see (full attention: none)."""
 
-    def count(self, request_id: str, num_computed: int, num_new_tokens: int,
-              new_computed_blocks: list[KVCacheBlock]) -> tuple[int, bool, int]:
+    def count(
+        self, request_id: str, num_computed: int, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]
+    ) -> tuple[int, bool, int]:
         """(new blocks, whether the first write copies a shared last block, free blocks taken:
         the new ones, the copy, and cached hits taken out of the free queue). num_computed
         counts the hits in new_computed_blocks."""
@@ -79,7 +86,7 @@ class SingleTypeKVCacheManager:
         the blocks new to the request's table (a copy-on-write target first)."""
         num_new_blocks, cow, _ = counted
         blocks = self.req_to_blocks[request_id]
-        self.remove_skipped_blocks(request_id, num_computed)   # hits before the window
+        self.remove_skipped_blocks(request_id, num_computed)  # hits before the window
         dst = None
         if cow:
             src = blocks[-1]
@@ -111,8 +118,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    def __init__(self, block_pool: BlockPool, block_size: int, sliding_window: int, group_id: int = 0,
-                 pending_copies: Optional[list[tuple[int, int]]] = None) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        sliding_window: int,
+        group_id: int = 0,
+        pending_copies: Optional[list[tuple[int, int]]] = None,
+    ) -> None:
         super().__init__(block_pool, block_size, group_id, pending_copies)
         self.sliding_window = sliding_window
 
@@ -124,9 +137,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not blocks or num_skipped_blocks <= 0:
             return
         null, freed = self.block_pool.null_block, []
-        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):   # tail first
+        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):  # tail first
             if blocks[i] is null:
-                break   # the blocks before it were freed earlier
+                break  # the blocks before it were freed earlier
             freed.append(blocks[i])
             blocks[i] = null
         self.block_pool.free_blocks(freed)
@@ -139,7 +152,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         null = self.block_pool.null_block
         hit = [null] * max_num_blocks
         if need == 0:
-            return hit   # a window of 1 sees no past token
+            return hit  # a window of 1 sees no past token
         run = 0
         for i in range(max_num_blocks - 1, -1, -1):
             block = self.block_pool.get_cached_block(self.cache_key(block_hashes[i]))
@@ -149,5 +162,5 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             hit[i] = block
             run += 1
             if run >= need:
-                return hit[:i + run]
-        return hit[:run]   # a run reaching block 0 (or none)
+                return hit[: i + run]
+        return hit[:run]  # a run reaching block 0 (or none)

@@ -13,6 +13,7 @@ that boundary's block hash and freed at once (ref count 0: they wait in the free
 evicted least recently used first, like any cached block). A later request whose prefix ends at
 that boundary copies the snapshot into its own state blocks and computes from there.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -22,8 +23,14 @@ from pagedllm.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 
 class StateManager(SingleTypeKVCacheManager):
-    def __init__(self, block_pool: BlockPool, block_size: int, state_blocks: int, group_id: int = 0,
-                 pending_copies: Optional[list[tuple[int, int]]] = None) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        state_blocks: int,
+        group_id: int = 0,
+        pending_copies: Optional[list[tuple[int, int]]] = None,
+    ) -> None:
         if state_blocks <= 0:
             raise ValueError(f"state_blocks must be > 0, got {state_blocks}")
         super().__init__(block_pool, block_size, group_id, pending_copies)
@@ -71,10 +78,11 @@ class StateManager(SingleTypeKVCacheManager):
 
     # ------------------------------------------------------------ allocation
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: Sequence[int], num_full: int) -> None:
-        pass   # a request's own state changes every step: it names no token prefix (save_snapshot does)
+        pass  # a request's own state changes every step: it names no token prefix (save_snapshot does)
 
-    def count(self, request_id: str, num_computed: int, num_new_tokens: int,
-              new_computed_blocks: list[KVCacheBlock]) -> tuple[int, bool, int]:
+    def count(
+        self, request_id: str, num_computed: int, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]
+    ) -> tuple[int, bool, int]:
         """The state's blocks once the request has any token, none after; a snapshot hit is
         taken out of the free queue while it is copied."""
         held = len(self.req_to_blocks.get(request_id, ()))

@@ -14,6 +14,7 @@ enable them, so an AVX-512 machine builds (and its tests run) the AVX2 path too.
 process uses is the best the CPU runs (`runnable_isas`, from /proc/cpuinfo's flags), or
 $PAGEDLLM_CPU_ISA; a non-x86 machine has one variant, "native" (-march=native).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -31,26 +32,47 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "decode_loop.cpp", "quant_ops.cpp",
-           "gguf_linear.cpp", "gguf_int8.cpp", "bindings.cpp")
+SOURCES = (
+    "attention.cpp",
+    "prefill_attention.cpp",
+    "fused_ops.cpp",
+    "decode_loop.cpp",
+    "quant_ops.cpp",
+    "gguf_linear.cpp",
+    "gguf_int8.cpp",
+    "bindings.cpp",
+)
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")
 CFLAGS = BASE_CFLAGS + ("-march=native",)
 
 
 class Variant(NamedTuple):
-    flags: tuple      # the compiler's ISA flags
+    flags: tuple  # the compiler's ISA flags
     cpu_flags: tuple  # /proc/cpuinfo flags the code compiled so needs
 
 
 # Best first. x86-64-v3: AVX2, FMA, F16C, BMI1/2 (Haswell, Zen 1); x86-64-v4: AVX-512 F/BW/CD/
 # DQ/VL, and VNNI (vpdpwssd) and BF16 (vdpbf16ps) on top (Cooper Lake, Sapphire Rapids, Zen 4).
 VARIANTS = {
-    "avx512": Variant(("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
-                      ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq",
-                       "avx512vl", "avx512_vnni", "avx512_bf16")),
+    "avx512": Variant(
+        ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+        (
+            "avx2",
+            "fma",
+            "f16c",
+            "bmi2",
+            "avx512f",
+            "avx512bw",
+            "avx512cd",
+            "avx512dq",
+            "avx512vl",
+            "avx512_vnni",
+            "avx512_bf16",
+        ),
+    ),
     "avx2": Variant(("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi1", "bmi2")),
 }
-NATIVE = "native"   # a CPU that runs none of VARIANTS (not x86): one build for the machine at hand
+NATIVE = "native"  # a CPU that runs none of VARIANTS (not x86): one build for the machine at hand
 
 # Why each extension that was tried is not built (name -> reason): the tests fail with it
 # where a compiler exists, instead of passing on the torch fallback.
@@ -91,6 +113,7 @@ def build_extension(prefix: str, src_dir: Path, sources, cflags=CFLAGS):
         return None
     try:
         from torch.utils import cpp_extension
+
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         # torch marks a build in progress with a `lock` file in the build directory, which a
         # build killed midway (Ctrl-C on the first start) leaves behind: every later start
@@ -105,8 +128,12 @@ def build_extension(prefix: str, src_dir: Path, sources, cflags=CFLAGS):
             for p in _files(src_dir):
                 _copy_if_changed(p, build_dir / p.name)
             return cpp_extension.load(
-                name=name, sources=[str(build_dir / s) for s in sources], extra_cflags=list(cflags),
-                build_directory=str(build_dir), verbose=False)
+                name=name,
+                sources=[str(build_dir / s) for s in sources],
+                extra_cflags=list(cflags),
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as e:
         build_failures[name] = f"{type(e).__name__}: {e}"
         logger.warning("C++ kernels %s not built (%s); using the slower torch path", name, e)
@@ -142,8 +169,10 @@ def selected_isa() -> str:
     if forced is None:
         return isas[0]
     if forced not in isas:
-        raise ValueError(f"PAGEDLLM_CPU_ISA={forced!r}: this CPU runs {', '.join(isas)} "
-                         f"(the variants: {', '.join(list(VARIANTS) + [NATIVE])})")
+        raise ValueError(
+            f"PAGEDLLM_CPU_ISA={forced!r}: this CPU runs {', '.join(isas)} "
+            f"(the variants: {', '.join(list(VARIANTS) + [NATIVE])})"
+        )
     return forced
 
 
@@ -170,4 +199,6 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     for isa in runnable_isas():
         ext = isa_extension(isa)
-        print(f"C++ kernels ({isa}): {ext.__name__ if ext is not None else 'not built: ' + '; '.join(build_failures.values())}")
+        print(
+            f"C++ kernels ({isa}): {ext.__name__ if ext is not None else 'not built: ' + '; '.join(build_failures.values())}"
+        )

@@ -2,6 +2,7 @@
 loopback, 2 processes, 1 thread each), for the shapes tensor parallelism sends per layer
 (an all-reduce of [tokens, hidden] float32) and the logits gather; with the model's 30
 layers x 2 all-reduces + 1 (embedding) per step this gives the communication floor per step."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 def _run(rank: int, port: int, hidden: int, vocab: int, tokens: list[int], reps: int, out) -> None:
     torch.set_num_threads(1)
     from pagedllm.distributed.parallel_state import make_backend
+
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     pg = make_backend(store, "bench", rank, 2, "127.0.0.1", datetime.timedelta(seconds=60))
     rows = []
@@ -55,18 +57,18 @@ def main(argv=None) -> int:
     s = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     port = s.port
     del s
-    procs = [ctx.Process(target=_run, args=(r, port, ns.hidden, ns.vocab, ns.tokens, ns.reps, q))
-             for r in range(2)]
+    procs = [ctx.Process(target=_run, args=(r, port, ns.hidden, ns.vocab, ns.tokens, ns.reps, q)) for r in range(2)]
     for pr in procs:
         pr.start()
     rows = q.get(timeout=600)
     for pr in procs:
         pr.join(60)
     n_ar = 2 * ns.layers + 1
-    print(f"Gloo, 2 processes on 127.0.0.1, float32, hidden {ns.hidden}; per step: {n_ar} all-reduces "
-          f"of [tokens, hidden] + 1 gather of [sampled rows, vocab/2]")
-    print(f"{'tokens':>7} {'all-reduce':>11} {'MB/s':>7} {'x' + str(n_ar) + ' per step':>15} "
-          f"{'gather (rows)':>16}")
+    print(
+        f"Gloo, 2 processes on 127.0.0.1, float32, hidden {ns.hidden}; per step: {n_ar} all-reduces "
+        f"of [tokens, hidden] + 1 gather of [sampled rows, vocab/2]"
+    )
+    print(f"{'tokens':>7} {'all-reduce':>11} {'MB/s':>7} {'x' + str(n_ar) + ' per step':>15} {'gather (rows)':>16}")
     for t, ar, ga, r in rows:
         mbps = t * ns.hidden * 4 / ar / 1e6
         print(f"{t:>7} {ar * 1e6:>9.0f}µs {mbps:>7.0f} {ar * n_ar * 1e3:>12.2f} ms {ga * 1e3:>10.2f} ms ({r})")

@@ -9,6 +9,7 @@ makes them fail at once ("Connection closed by peer"), so a dead worker never ha
 Each collective is timed (CommStats): `pagedllm bench throughput` reports communication time
 per step from it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,8 +23,8 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.distributed.sharding import ModelShard, plan_model_shard
 
-TAG_FORWARD = 0   # hidden states from stage s to stage s + 1
-TAG_RETURN = 1    # final hidden states of the sampled rows, last stage -> stage 0
+TAG_FORWARD = 0  # hidden states from stage s to stage s + 1
+TAG_RETURN = 1  # final hidden states of the sampled rows, last stage -> stage 0
 
 
 def dist_timeout() -> datetime.timedelta:
@@ -35,7 +36,7 @@ class CommStats:
     seconds: float = 0.0
     calls: int = 0
     bytes: int = 0
-    steps: int = 0      # model steps run (counted by the executor)
+    steps: int = 0  # model steps run (counted by the executor)
 
     def add(self, t0: float, nbytes: int) -> None:
         self.seconds += time.perf_counter() - t0
@@ -47,17 +48,18 @@ class CommStats:
 
     def summary(self) -> str:
         per = max(self.steps, 1)
-        return (f"{self.steps} steps, {self.calls} collectives ({self.calls / per:.0f} per step), "
-                f"{self.bytes / 2**20:.1f} MiB, {self.seconds:.2f} s in collectives "
-                f"({1000 * self.seconds / per:.2f} ms per step)")
+        return (
+            f"{self.steps} steps, {self.calls} collectives ({self.calls / per:.0f} per step), "
+            f"{self.bytes / 2**20:.1f} MiB, {self.seconds:.2f} s in collectives "
+            f"({1000 * self.seconds / per:.2f} ms per step)"
+        )
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_backend(store: dist.Store, prefix: str, rank: int, size: int, host: str,
-                 timeout: datetime.timedelta):
+def make_backend(store: dist.Store, prefix: str, rank: int, size: int, host: str, timeout: datetime.timedelta):
     """A Gloo backend bound to `host` (the node's address: 127.0.0.1 on one machine)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
@@ -69,7 +71,7 @@ class GroupComm:
     """A process group over `ranks` (global ranks, in order), seen from one member."""
 
     def __init__(self, backend, ranks: list[int], rank: int, stats: CommStats) -> None:
-        self.backend = backend          # None when the group has one member
+        self.backend = backend  # None when the group has one member
         self.ranks = ranks
         self.rank_in_group = ranks.index(rank)
         self.size = len(ranks)
@@ -135,8 +137,16 @@ class ParallelContext:
     """One rank's view: its shard of the model, its TP group, and the world group that
     carries the pipeline's point-to-point hand-offs."""
 
-    def __init__(self, rank: int, tp_size: int, pp_size: int, shard: ModelShard,
-                 world: GroupComm, tp: GroupComm, stats: CommStats) -> None:
+    def __init__(
+        self,
+        rank: int,
+        tp_size: int,
+        pp_size: int,
+        shard: ModelShard,
+        world: GroupComm,
+        tp: GroupComm,
+        stats: CommStats,
+    ) -> None:
         self.rank = rank
         self.tp_size = tp_size
         self.pp_size = pp_size
@@ -166,7 +176,7 @@ class ParallelContext:
         if prev is not None:
             self.world.wait(prev[0])
         t = t.contiguous()
-        self._sends[(dst, tag)] = (self.world.isend(t, dst, tag), t)   # keep t alive until sent
+        self._sends[(dst, tag)] = (self.world.isend(t, dst, tag), t)  # keep t alive until sent
 
     def send_next(self, hidden: torch.Tensor) -> None:
         self._isend(hidden, self.rank + self.tp_size, TAG_FORWARD)
@@ -186,9 +196,16 @@ class ParallelContext:
         self.world.close()
 
 
-def init_parallel_context(hf_config: dict, tp_size: int, pp_size: int, rank: int,
-                          master_addr: str, master_port: int, host: str = "127.0.0.1",
-                          store: Optional[dist.Store] = None) -> ParallelContext:
+def init_parallel_context(
+    hf_config: dict,
+    tp_size: int,
+    pp_size: int,
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    host: str = "127.0.0.1",
+    store: Optional[dist.Store] = None,
+) -> ParallelContext:
     """Join the groups of rank `rank`. The driver passes the store it hosts; the others connect
     to master_addr:master_port. Blocks until every rank has joined (or the timeout)."""
     world_size = tp_size * pp_size
@@ -198,10 +215,12 @@ def init_parallel_context(hf_config: dict, tp_size: int, pp_size: int, rank: int
     stats = CommStats()
     shard = plan_model_shard(hf_config, tp_size, pp_size, rank)
     pp_rank = rank // tp_size
-    world = GroupComm(make_backend(store, "world", rank, world_size, host, timeout),
-                      list(range(world_size)), rank, stats)
+    world = GroupComm(
+        make_backend(store, "world", rank, world_size, host, timeout), list(range(world_size)), rank, stats
+    )
     tp_ranks = list(range(pp_rank * tp_size, (pp_rank + 1) * tp_size))
-    tp_backend = (make_backend(store, f"tp{pp_rank}", rank - pp_rank * tp_size, tp_size, host, timeout)
-                  if tp_size > 1 else None)
+    tp_backend = (
+        make_backend(store, f"tp{pp_rank}", rank - pp_rank * tp_size, tp_size, host, timeout) if tp_size > 1 else None
+    )
     tp = GroupComm(tp_backend, tp_ranks, rank, stats)
     return ParallelContext(rank, tp_size, pp_size, shard, world, tp, stats)

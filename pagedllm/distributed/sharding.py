@@ -20,6 +20,7 @@ LM head live on stage 0 (the driver samples, and tied embeddings need the weight
 the final norm lives on the last stage, which hands the hidden states of the rows that sample
 back to stage 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ def split_range(n: int, parts: int, index: int) -> range:
 @dataclass(frozen=True)
 class TPShard:
     """One tensor-parallel rank's share of every layer (global indices)."""
+
     tp_rank: int
     tp_size: int
     q_heads: range
@@ -47,6 +49,7 @@ class TPShard:
 @dataclass(frozen=True)
 class ModelShard:
     """One rank's part of the model: its TP share and its pipeline stage's layers."""
+
     tp: TPShard
     pp_rank: int
     pp_size: int
@@ -70,11 +73,11 @@ class ModelShard:
         return len(self.layers)
 
 
-def plan_tp_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-                  tp_size: int, tp_rank: int) -> TPShard:
+def plan_tp_shard(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, tp_size: int, tp_rank: int
+) -> TPShard:
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of "
-                         f"num_key_value_heads ({num_kv_heads})")
+        raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
     group = num_heads // num_kv_heads
@@ -89,12 +92,19 @@ def plan_tp_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, voc
             raise ValueError(
                 f"tensor_parallel_size {tp_size} is too large for this model: {len(sharers)} ranks "
                 f"would share a KV head whose query group has only {group} heads "
-                f"({num_heads} query heads, {num_kv_heads} KV heads)")
+                f"({num_heads} query heads, {num_kv_heads} KV heads)"
+            )
         part = split_range(group, len(sharers), sharers.index(tp_rank))
         kv = range(head, head + 1)
         q = range(head * group + part.start, head * group + part.stop)
-    return TPShard(tp_rank, tp_size, q, kv, split_range(intermediate_size, tp_size, tp_rank),
-                   split_range(vocab_size, tp_size, tp_rank))
+    return TPShard(
+        tp_rank,
+        tp_size,
+        q,
+        kv,
+        split_range(intermediate_size, tp_size, tp_rank),
+        split_range(vocab_size, tp_size, tp_rank),
+    )
 
 
 def plan_model_shard(hf_config: dict, tp_size: int, pp_size: int, rank: int) -> ModelShard:
@@ -105,8 +115,9 @@ def plan_model_shard(hf_config: dict, tp_size: int, pp_size: int, rank: int) -> 
     num_layers = hf_config["num_hidden_layers"]
     validate_parallel_sizes(hf_config, tp_size, pp_size)
     pp_rank, tp_rank = divmod(rank, tp_size)
-    tp = plan_tp_shard(num_heads, num_kv_heads, hf_config["intermediate_size"],
-                       hf_config["vocab_size"], tp_size, tp_rank)
+    tp = plan_tp_shard(
+        num_heads, num_kv_heads, hf_config["intermediate_size"], hf_config["vocab_size"], tp_size, tp_rank
+    )
     return ModelShard(tp, pp_rank, pp_size, split_range(num_layers, pp_size, pp_rank), head_dim)
 
 
@@ -117,16 +128,13 @@ def validate_parallel_sizes(hf_config: dict, tp_size: int, pp_size: int) -> None
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     num_layers = hf_config["num_hidden_layers"]
     if pp_size > num_layers:
-        raise ValueError(f"pipeline_parallel_size {pp_size} is larger than the model's "
-                         f"{num_layers} layers")
+        raise ValueError(f"pipeline_parallel_size {pp_size} is larger than the model's {num_layers} layers")
     num_heads = hf_config["num_attention_heads"]
     if tp_size > num_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} is larger than the model's "
-                         f"{num_heads} query heads")
+        raise ValueError(f"tensor_parallel_size {tp_size} is larger than the model's {num_heads} query heads")
     for name in ("intermediate_size", "vocab_size"):
         if tp_size > hf_config[name]:
             raise ValueError(f"tensor_parallel_size {tp_size} is larger than {name} {hf_config[name]}")
     num_kv_heads = hf_config.get("num_key_value_heads", num_heads)
     for r in range(tp_size):  # raises for a rank whose query share would be empty
-        plan_tp_shard(num_heads, num_kv_heads, hf_config["intermediate_size"],
-                      hf_config["vocab_size"], tp_size, r)
+        plan_tp_shard(num_heads, num_kv_heads, hf_config["intermediate_size"], hf_config["vocab_size"], tp_size, r)

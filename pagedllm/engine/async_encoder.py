@@ -11,6 +11,7 @@ max_num_batched_tokens padded tokens. Prompts that arrive while a batch runs for
 The attributes the server reads from an engine (config.model_config, tokenizer, processor,
 max_model_len, metrics, check_health, stop_accepting, ...) are given the same names as
 AsyncLLM's."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,13 +33,14 @@ EMBED, CLASSIFY = "embed", "classify"
 @dataclass
 class EncoderModelConfig:
     """The fields of ModelConfig the server reads, for an encoder model."""
+
     model: str
     hf_config: dict = field(repr=False)
     max_model_len: int
     hidden_size: int
     vocab_size: int
     pooler_config: PoolerConfig
-    num_labels: int                 # 0 for an embedding model
+    num_labels: int  # 0 for an embedding model
     runner: str = "pooling"
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -84,8 +86,11 @@ class EncoderProcessor:
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         if num_chars > self.max_prompt_chars:
-            raise ParamError(param, f"{param} has {num_chars} characters, more than max_model_len "
-                                    f"({self.max_model_len}) tokens can hold ({self.max_prompt_chars})")
+            raise ParamError(
+                param,
+                f"{param} has {num_chars} characters, more than max_model_len "
+                f"({self.max_model_len}) tokens can hold ({self.max_prompt_chars})",
+            )
 
     def check_messages_chars(self, conversation) -> None:
         raise ParamError("messages", "an encoder model has no chat template")
@@ -120,9 +125,17 @@ class _Item:
 
 
 class AsyncEncoderEngine:
-    def __init__(self, model_dir: str, model_name: Optional[str] = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 8192, max_model_len: Optional[int] = None, dtype: str = "float32",
-                 max_waiting_requests: Optional[int] = None, metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        model_name: Optional[str] = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: Optional[int] = None,
+        dtype: str = "float32",
+        max_waiting_requests: Optional[int] = None,
+        metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+    ) -> None:
         """max_num_seqs: most prompts in one batch; max_num_batched_tokens: most padded tokens in one
         forward (a batch longer than that is cut into several forwards, shortest prompts first);
         max_model_len: most tokens of a prompt (default and most: the sentence-transformers
@@ -132,15 +145,23 @@ class AsyncEncoderEngine:
         import torch
 
         from pagedllm.models.encoder_runner import EncoderRunner
+
         self.runner = EncoderRunner(model_dir, getattr(torch, dtype))
         hf = self.runner.hf_config
         if max_model_len is not None and not 1 <= max_model_len <= self.runner.max_length:
-            raise ValueError(f"max_model_len must be in [1, {self.runner.max_length}] for this encoder (its "
-                             f"max_seq_length / max_position_embeddings), got {max_model_len}")
-        mc = EncoderModelConfig(model=model_dir, hf_config=hf, max_model_len=max_model_len or self.runner.max_length,
-                                hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"],
-                                pooler_config=self.runner.pooler_config,
-                                num_labels=self.runner.model.classifier.out_features if self.runner.is_classifier else 0)
+            raise ValueError(
+                f"max_model_len must be in [1, {self.runner.max_length}] for this encoder (its "
+                f"max_seq_length / max_position_embeddings), got {max_model_len}"
+            )
+        mc = EncoderModelConfig(
+            model=model_dir,
+            hf_config=hf,
+            max_model_len=max_model_len or self.runner.max_length,
+            hidden_size=hf["hidden_size"],
+            vocab_size=hf["vocab_size"],
+            pooler_config=self.runner.pooler_config,
+            num_labels=self.runner.model.classifier.out_features if self.runner.is_classifier else 0,
+        )
         self.config = EncoderEngineConfig(mc)
         self.model_name = model_name or model_dir
         self.tokenizer = self.runner.tokenizer
@@ -149,12 +170,12 @@ class AsyncEncoderEngine:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_waiting_requests = max_waiting_requests
         self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix)
-        self.num_blocks = 0   # no KV cache
-        self.queues: dict = {}   # AsyncLLM's requests in flight: none here (see _waiting)
+        self.num_blocks = 0  # no KV cache
+        self.queues: dict = {}  # AsyncLLM's requests in flight: none here (see _waiting)
         self.errored: Optional[BaseException] = None
         self.restart_engine_on_failure = False
         self.on_engine_dead: Optional[Callable[[], None]] = None
-        self.num_forwards = self.num_rows = 0   # forwards and prompts run so far (batching shows in them)
+        self.num_forwards = self.num_rows = 0  # forwards and prompts run so far (batching shows in them)
         self._waiting: Optional[asyncio.Queue] = None
         self._task: Optional[asyncio.Task] = None
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -200,14 +221,15 @@ class AsyncEncoderEngine:
             self.metrics.rejected.labels(self.model_name, "overloaded").inc()
             raise EngineOverloadedError(
                 f"The server is overloaded: more than {self.max_waiting_requests} prompts are waiting "
-                "(--max-waiting-requests). Please retry later.")
+                "(--max-waiting-requests). Please retry later."
+            )
         loop = asyncio.get_running_loop()
         for it in items:
             it.future = loop.create_future()
             self._waiting.put_nowait(it)
         try:
             return list(await asyncio.gather(*(it.future for it in items)))
-        finally:   # a cancelled request (the client left): its prompts still waiting are skipped
+        finally:  # a cancelled request (the client left): its prompts still waiting are skipped
             for it in items:
                 it.future.cancel()
 
@@ -223,7 +245,7 @@ class AsyncEncoderEngine:
                 for chunk in self._chunks([it for it in batch if it.kind == kind]):
                     try:
                         rows = await loop.run_in_executor(self._executor, self._forward, kind, chunk)
-                    except Exception as e:   # the request's fault or the model's: those prompts fail
+                    except Exception as e:  # the request's fault or the model's: those prompts fail
                         logger.error("encoder forward failed: %s: %s", type(e).__name__, e)
                         rows = [e] * len(chunk)
                     for it, row in zip(chunk, rows):
@@ -245,9 +267,9 @@ class AsyncEncoderEngine:
         self.num_rows += len(chunk)
         ids = [it.ids for it in chunk]
         if kind == EMBED:
-            out = self.runner.embed_ids(ids)                                              # [B, H]
+            out = self.runner.embed_ids(ids)  # [B, H]
         else:
-            out = self.runner.classify_ids(ids, [it.type_ids for it in chunk])            # [B, num_labels]
+            out = self.runner.classify_ids(ids, [it.type_ids for it in chunk])  # [B, num_labels]
         return out.tolist()
 
 
@@ -258,12 +280,17 @@ def make_async_engine(engine_args, model_name: str, **kwargs):
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.models.download import resolve_model
     from pagedllm.models.encoder_runner import is_encoder_dir
+
     model_dir = resolve_model(engine_args.model, engine_args.quantization)
     if not is_encoder_dir(model_dir):
         return AsyncLLM(engine_args, model_name=model_name, **kwargs)
-    return AsyncEncoderEngine(str(model_dir), model_name, max_num_seqs=engine_args.max_num_seqs,
-                              max_num_batched_tokens=engine_args.max_num_batched_tokens,
-                              max_model_len=engine_args.max_model_len,
-                              dtype="float32" if engine_args.dtype == "auto" else engine_args.dtype,
-                              max_waiting_requests=kwargs.get("max_waiting_requests"),
-                              metrics_prefix=kwargs.get("metrics_prefix", DEFAULT_METRICS_PREFIX))
+    return AsyncEncoderEngine(
+        str(model_dir),
+        model_name,
+        max_num_seqs=engine_args.max_num_seqs,
+        max_num_batched_tokens=engine_args.max_num_batched_tokens,
+        max_model_len=engine_args.max_model_len,
+        dtype="float32" if engine_args.dtype == "auto" else engine_args.dtype,
+        max_waiting_requests=kwargs.get("max_waiting_requests"),
+        metrics_prefix=kwargs.get("metrics_prefix", DEFAULT_METRICS_PREFIX),
+    )

@@ -14,6 +14,7 @@ others go on). When the core process dies every request in flight gets EngineDea
 then either `on_engine_dead` is called (the server exits non-zero, for a supervisor to restart
 it) or, with restart_engine_on_failure, a new core is started and serves the next requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,10 +42,16 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFaile
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs, model_name: Optional[str] = None,
-                 max_waiting_requests: Optional[int] = None, log_level: str = "INFO",
-                 log_stats_interval: float = 5.0, restart_engine_on_failure: bool = False,
-                 metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        model_name: Optional[str] = None,
+        max_waiting_requests: Optional[int] = None,
+        log_level: str = "INFO",
+        log_stats_interval: float = 5.0,
+        restart_engine_on_failure: bool = False,
+        metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+    ) -> None:
         self.config = engine_args.create_engine_config()
         model_dir = self.config.model_config.model
         self.model_name = model_name or model_dir
@@ -54,22 +61,23 @@ class AsyncLLM:
         self.max_num_seqs = self.config.scheduler_config.max_num_seqs
         self.max_model_len = self.config.model_config.max_model_len
         lc = self.config.lora_config
-        self.metrics = EngineMetrics(self.model_name, prefix=metrics_prefix,
-                                     max_lora=lc.max_loras if lc is not None else None)
+        self.metrics = EngineMetrics(
+            self.model_name, prefix=metrics_prefix, max_lora=lc.max_loras if lc is not None else None
+        )
         self.stat_logger = StatLogger(self.metrics, log_stats_interval)
         self._log_level = log_level
         self.client: Optional[EngineCoreClient] = None
         self.processor: Optional[Processor] = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
-        self.beam_searches: dict[str, float] = {}   # searches running in the core: id -> arrival time
+        self.beam_searches: dict[str, float] = {}  # searches running in the core: id -> arrival time
         self.num_blocks = 0
         self.core_pid: Optional[int] = None
         self.errored: Optional[BaseException] = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.restart_engine_on_failure = restart_engine_on_failure
-        self.on_engine_dead: Optional[Callable[[], None]] = None   # the core died, no restart
+        self.on_engine_dead: Optional[Callable[[], None]] = None  # the core died, no restart
         self.num_restarts = 0
         self._restart_task: Optional[asyncio.Task] = None
 
@@ -89,14 +97,17 @@ class AsyncLLM:
             raise
         self.num_blocks = ready.num_blocks
         self.core_pid = ready.pid
-        self.processor = Processor(self.config, self.tokenizer, self.eos, self.extra_eos, self.num_blocks,
-                                   ready.kv_cache_config)
+        self.processor = Processor(
+            self.config, self.tokenizer, self.eos, self.extra_eos, self.num_blocks, ready.kv_cache_config
+        )
         self.metrics.kv_num_blocks.set(self.num_blocks)
         loop = asyncio.get_running_loop()
         for fd in self.client.sentinels():
             loop.add_reader(fd, self._on_core_exit)
-        self._tasks = [loop.create_task(self._output_loop(), name="pagedllm-output-loop"),
-                       loop.create_task(self._log_loop(), name="pagedllm-stat-logger")]
+        self._tasks = [
+            loop.create_task(self._output_loop(), name="pagedllm-output-loop"),
+            loop.create_task(self._log_loop(), name="pagedllm-stat-logger"),
+        ]
 
     # ------------------------------------------------------------ state
     def check_health(self) -> None:
@@ -117,16 +128,31 @@ class AsyncLLM:
         return max(est, 0)
 
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                    kind: OutputKind = OutputKind.DELTA,
-                    arrival_time: Optional[float] = None, lora_request=None,
-                    priority: int = 0) -> "RequestStream":
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        kind: OutputKind = OutputKind.DELTA,
+        arrival_time: Optional[float] = None,
+        lora_request=None,
+        priority: int = 0,
+    ) -> "RequestStream":
         """Validate, tokenise and send one request to the core; returns its output stream
         (DELTA: only what is new each time; FINAL_ONLY: once, at the end). Raises ValueError
         (bad input), EngineOverloadedError or EngineDeadError before anything is queued."""
         self._check_admission(request_id, getattr(params, "num_samples", params.n))
-        requests = make_requests(self.processor, self.output_processor, request_id, prompt, params,
-                                 kind, arrival_time, lora_request, priority)
+        requests = make_requests(
+            self.processor,
+            self.output_processor,
+            request_id,
+            prompt,
+            params,
+            kind,
+            arrival_time,
+            lora_request,
+            priority,
+        )
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         stream = RequestStream(self, request_id, q)
@@ -140,33 +166,47 @@ class AsyncLLM:
 
     def _check_admission(self, request_id: str, num_seqs: int) -> None:
         self.check_health()
-        if (self.max_waiting_requests is not None
-                and self.num_waiting_estimate(num_seqs) > self.max_waiting_requests):
+        if self.max_waiting_requests is not None and self.num_waiting_estimate(num_seqs) > self.max_waiting_requests:
             self.metrics.rejected.labels(self.model_name, "overloaded").inc()
             raise EngineOverloadedError(
                 f"The server is overloaded: more than {self.max_waiting_requests} requests are waiting "
-                "(--max-waiting-requests). Please retry later.")
+                "(--max-waiting-requests). Please retry later."
+            )
         if request_id in self.queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
-    def add_beam_search(self, prompt: PromptType, width: int, max_tokens: int, length_penalty: float = 1.0,
-                        ignore_eos: bool = False, request_id: Optional[str] = None,
-                        priority: int = 0) -> "BeamSearchHandle":
+    def add_beam_search(
+        self,
+        prompt: PromptType,
+        width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+    ) -> "BeamSearchHandle":
         """Validate, tokenise and start a beam search in the core; returns the handle whose
         result() is the ranked sequences. Raises ValueError (bad input), EngineOverloadedError
         or EngineDeadError before anything is sent."""
         check_beam_args(width, max_tokens, length_penalty)
         request_id = request_id or f"beam-{uuid.uuid4().hex}"
         self._check_admission(request_id, width)
-        _, request = self.processor.process(request_id, prompt, beam_params(width, max_tokens),
-                                            beam_width=width, priority=priority)
+        _, request = self.processor.process(
+            request_id, prompt, beam_params(width, max_tokens), beam_width=width, priority=priority
+        )
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         self.beam_searches[request_id] = request.arrival_time
         handle = BeamSearchHandle(self, request_id, q)
         try:
-            self.client.add_beam_search(m.BeamSearchStart(m.EngineCoreRequest.from_request(request), width,
-                                                          float(length_penalty), None if ignore_eos else self.eos))
+            self.client.add_beam_search(
+                m.BeamSearchStart(
+                    m.EngineCoreRequest.from_request(request),
+                    width,
+                    float(length_penalty),
+                    None if ignore_eos else self.eos,
+                )
+            )
         except BaseException:
             del self.beam_searches[request_id]
             handle.close()
@@ -174,15 +214,27 @@ class AsyncLLM:
         self.metrics.add_prompt_tokens(request.num_prompt_tokens)
         return handle
 
-    async def beam_search(self, prompt: PromptType, width: int, max_tokens: int, length_penalty: float = 1.0,
-                          ignore_eos: bool = False, request_id: Optional[str] = None) -> BeamSearchOutput:
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+        request_id: Optional[str] = None,
+    ) -> BeamSearchOutput:
         """The search's sequences, best first, with their text; cancelling it aborts the search."""
         handle = self.add_beam_search(prompt, width, max_tokens, length_penalty, ignore_eos, request_id)
         return await handle.result()
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       kind: OutputKind = OutputKind.DELTA,
-                       arrival_time: Optional[float] = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        kind: OutputKind = OutputKind.DELTA,
+        arrival_time: Optional[float] = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """add_request + iterate; closing the generator early aborts the request."""
         stream = self.add_request(prompt, params, request_id, kind, arrival_time)
         try:
@@ -207,8 +259,11 @@ class AsyncLLM:
             self._send_abort([request_id])
             return
         now = time.time()
-        states = [st for st in self.output_processor.states.values()
-                  if st.request_id == request_id or (st.parent is not None and st.parent.request_id == request_id)]
+        states = [
+            st
+            for st in self.output_processor.states.values()
+            if st.request_id == request_id or (st.parent is not None and st.parent.request_id == request_id)
+        ]
         child_ids = self.output_processor.abort_requests([request_id])
         for st in states:
             self.metrics.finish("abort", st.stats.arrival_time, None, None, 0, now)
@@ -245,7 +300,7 @@ class AsyncLLM:
                 self._process(await self.client.get_output())
         except asyncio.CancelledError:
             raise
-        except EngineDeadError as e:   # the core said it is dying
+        except EngineDeadError as e:  # the core said it is dying
             self._fail(e)
         except BaseException as e:  # a bug here must not leave requests hanging
             logger.exception("the output loop failed")
@@ -290,8 +345,14 @@ class AsyncLLM:
                 pass
         for st in seen:
             if st.finish_reason is not None:
-                metrics.finish(st.finish_reason, st.stats.arrival_time, st.stats.first_token_time,
-                               st.stats.last_token_time, len(st.output_token_ids), now)
+                metrics.finish(
+                    st.finish_reason,
+                    st.stats.arrival_time,
+                    st.stats.first_token_time,
+                    st.stats.last_token_time,
+                    len(st.output_token_ids),
+                    now,
+                )
         for ro in request_outputs:
             q = self.queues.get(ro.request_id)
             if q is not None:
@@ -307,7 +368,7 @@ class AsyncLLM:
         else:
             request_id = self.output_processor.user_request_id(core_id)
             if request_id is None:
-                return   # aborted meanwhile
+                return  # aborted meanwhile
             self.abort(request_id)
         err.req_ids = [request_id]
         q = self.queues.get(request_id)
@@ -317,7 +378,7 @@ class AsyncLLM:
     def _beam_result(self, out: BeamSearchOutput, error: Optional[str]) -> None:
         arrival = self.beam_searches.pop(out.request_id, None)
         if arrival is None:
-            return   # aborted meanwhile
+            return  # aborted meanwhile
         q = self.queues.get(out.request_id)
         if error is not None:
             self.metrics.finish("abort", arrival, None, None, 0, time.time())
@@ -416,7 +477,7 @@ class _Handle:
         return True
 
     def __del__(self) -> None:
-        try:   # safety net
+        try:  # safety net
             self.close()
         except Exception:
             pass
@@ -473,4 +534,3 @@ class RequestStream(_Handle):
             self.finished = True
             self.close()
         return item
-

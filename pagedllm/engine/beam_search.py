@@ -13,6 +13,7 @@ The driver is step-driven: whoever steps the core hands it the step's outputs. T
 `beam_search()` below and the server's engine-core process (core_proc.py) both use it, so
 searches and normal requests run interleaved in the same steps.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,25 +25,25 @@ from pagedllm.sampling_params import SamplingParams
 
 _ABORTED = RequestStatus.FINISHED_ABORTED
 _NEG = -1.0e9
-MAX_BEAM_WIDTH = 10   # 2k logprobs per beam, and the sampler reports at most 20
+MAX_BEAM_WIDTH = 10  # 2k logprobs per beam, and the sampler reports at most 20
 
 
 @dataclass
 class BeamSequence:
-    tokens: list[int]          # generated tokens (EOS included when the beam ended on it)
+    tokens: list[int]  # generated tokens (EOS included when the beam ended on it)
     cum_logprob: float
-    score: float               # cum_logprob / len ** length_penalty
+    score: float  # cum_logprob / len ** length_penalty
     text: str = ""
-    finish_reason: str = "length"   # "stop": ended on EOS
-    logprobs: list[float] = field(default_factory=list)   # each token's (raw logits), sum = cum_logprob
+    finish_reason: str = "length"  # "stop": ended on EOS
+    logprobs: list[float] = field(default_factory=list)  # each token's (raw logits), sum = cum_logprob
 
 
 @dataclass
 class BeamSearchOutput:
     prompt_token_ids: list[int]
-    sequences: list[BeamSequence]   # best first
+    sequences: list[BeamSequence]  # best first
     request_id: str = ""
-    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Search:
     request_id: str
     prompt: list[int]
     width: int
-    max_len: int                     # prompt + max_tokens (transformers' max_length)
+    max_len: int  # prompt + max_tokens (transformers' max_length)
     length_penalty: float
     eos: Optional[int]
     running: list[_Beam]
@@ -77,16 +78,21 @@ def check_beam_args(beam_width, max_tokens, length_penalty) -> None:
         raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {beam_width!r}")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if (not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool)
-            or length_penalty != length_penalty or abs(length_penalty) == float("inf")):
+    if (
+        not isinstance(length_penalty, (int, float))
+        or isinstance(length_penalty, bool)
+        or length_penalty != length_penalty
+        or abs(length_penalty) == float("inf")
+    ):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
 
 
 def beam_params(beam_width: int, max_tokens: int) -> SamplingParams:
     """The params of a search's first beam: it reports its top 2k next tokens (logprobs of the
     raw logits) and the driver, not the core, decides when it stops."""
-    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * beam_width,
-                          external_tokens=True, ignore_eos=True)
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, logprobs=2 * beam_width, external_tokens=True, ignore_eos=True
+    )
 
 
 def detokenize(tokenizer, out: BeamSearchOutput) -> BeamSearchOutput:
@@ -102,12 +108,11 @@ class BeamSearchDriver:
     def __init__(self, core) -> None:
         self.core = core
         self.sched = core.scheduler
-        self.searches: dict[str, _Search] = {}   # by the search's (the client's) request id
-        self.by_req: dict[str, _Search] = {}     # by live beam id
+        self.searches: dict[str, _Search] = {}  # by the search's (the client's) request id
+        self.by_req: dict[str, _Search] = {}  # by live beam id
         self._ids = itertools.count()
 
-    def add(self, request: Request, width: int, length_penalty: float = 1.0,
-            eos: Optional[int] = None) -> None:
+    def add(self, request: Request, width: int, length_penalty: float = 1.0, eos: Optional[int] = None) -> None:
         """Start a search for a validated request (beam_params); its id names the search and
         its beams are `{id}#{n}`. eos None: run to max_tokens."""
         search_id = request.request_id
@@ -116,11 +121,19 @@ class BeamSearchDriver:
         if request.sampling_params.logprobs != 2 * width or not request.sampling_params.external_tokens:
             raise ValueError("a beam search request needs beam_params(width, ...)")
         prompt = request.prompt_token_ids
-        s = _Search(search_id, prompt, width, len(prompt) + request.max_tokens, float(length_penalty),
-                    eos, [], cur_len=len(prompt))
-        request.request_id = self._beam_id(search_id)   # not yet known to the scheduler
-        request.group_id, request.fork_width = search_id, width   # admitted as all its beams
-        self.core.add_request(request)   # ValueError (e.g. a duplicate id) leaves nothing behind
+        s = _Search(
+            search_id,
+            prompt,
+            width,
+            len(prompt) + request.max_tokens,
+            float(length_penalty),
+            eos,
+            [],
+            cur_len=len(prompt),
+        )
+        request.request_id = self._beam_id(search_id)  # not yet known to the scheduler
+        request.group_id, request.fork_width = search_id, width  # admitted as all its beams
+        self.core.add_request(request)  # ValueError (e.g. a duplicate id) leaves nothing behind
         s.running = [_Beam(request.request_id, [], 0.0)]
         self.searches[search_id] = s
         self.by_req[request.request_id] = s
@@ -147,8 +160,14 @@ class BeamSearchDriver:
                 self._advance(s)
             if s.done:
                 del self.searches[s.request_id]
-                ended.append(BeamSearchOutput(s.prompt, sorted(s.finished, key=lambda h: h.score, reverse=True),
-                                              s.request_id, s.num_cached_tokens))
+                ended.append(
+                    BeamSearchOutput(
+                        s.prompt,
+                        sorted(s.finished, key=lambda h: h.score, reverse=True),
+                        s.request_id,
+                        s.num_cached_tokens,
+                    )
+                )
         return ended
 
     def abort(self, search_id: str) -> bool:
@@ -174,10 +193,11 @@ class BeamSearchDriver:
     def _advance(self, s: _Search) -> None:
         k, length_penalty = s.width, s.length_penalty
         # Candidates over all beams, best first (ties: beam order, then token rank).
-        cands = [(beam.score + lp, bi, tid, lp) for bi, beam in enumerate(s.running)
-                 for tid, lp in s.reports[beam.req_id]]
+        cands = [
+            (beam.score + lp, bi, tid, lp) for bi, beam in enumerate(s.running) for tid, lp in s.reports[beam.req_id]
+        ]
         cands.sort(key=lambda c: -c[0])
-        cands = cands[:2 * k]
+        cands = cands[: 2 * k]
         s.reports.clear()
         at_limit = s.cur_len + 1 >= s.max_len
         hits = [at_limit or tid == s.eos for _, _, tid, _ in cands]
@@ -186,12 +206,17 @@ class BeamSearchDriver:
         if s.improvable:
             for (score, bi, tid, lp), hit in zip(cands[:k], hits[:k]):
                 if hit:
-                    s.finished.append(BeamSequence(s.running[bi].tokens + [tid], score,
-                                                   score / gen_len ** length_penalty,
-                                                   finish_reason="stop" if tid == s.eos else "length",
-                                                   logprobs=s.running[bi].logprobs + [lp]))
+                    s.finished.append(
+                        BeamSequence(
+                            s.running[bi].tokens + [tid],
+                            score,
+                            score / gen_len**length_penalty,
+                            finish_reason="stop" if tid == s.eos else "length",
+                            logprobs=s.running[bi].logprobs + [lp],
+                        )
+                    )
             s.finished = sorted(s.finished, key=lambda h: h.score, reverse=True)[:k]
-        if s.cur_len == len(s.prompt):   # the first beam has looked its prompt up by now
+        if s.cur_len == len(s.prompt):  # the first beam has looked its prompt up by now
             first = self.sched.get_request(s.running[0].req_id)
             s.num_cached_tokens = max(first.num_cached_tokens, 0) if first is not None else 0
         # The next running beams: the k best, ending ones pushed to the back.
@@ -202,8 +227,9 @@ class BeamSearchDriver:
             parent = s.running[bi]
             child_id = self._beam_id(s.request_id)
             self.sched.fork_request(parent.req_id, child_id, tid)
-            new_running.append(_Beam(child_id, parent.tokens + [tid], score + (_NEG if hits[i] else 0.0),
-                                     parent.logprobs + [lp]))
+            new_running.append(
+                _Beam(child_id, parent.tokens + [tid], score + (_NEG if hits[i] else 0.0), parent.logprobs + [lp])
+            )
             self.by_req[child_id] = s
         self._drop(s, s.running)
         s.running = new_running
@@ -219,15 +245,18 @@ class BeamSearchDriver:
 
 
 # ---------------------------------------------------------------- offline
-def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
-                ignore_eos: bool = False) -> list[BeamSearchOutput]:
+def beam_search(
+    engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0, ignore_eos: bool = False
+) -> list[BeamSearchOutput]:
     """Beam search per prompt on an LLMEngine, stepping its core until every search ends."""
     check_beam_args(beam_width, max_tokens, length_penalty)
     eos = None if ignore_eos else engine.processor.eos_token_id
     params = beam_params(beam_width, max_tokens)
     # Validate every prompt before any runs.
-    requests = [engine.processor.process(f"beam-{i}", prompt, params, beam_width=beam_width)[1]
-                for i, prompt in enumerate(prompts)]
+    requests = [
+        engine.processor.process(f"beam-{i}", prompt, params, beam_width=beam_width)[1]
+        for i, prompt in enumerate(prompts)
+    ]
     ids = [r.request_id for r in requests]
     driver = BeamSearchDriver(engine.core)
     results: dict[str, BeamSearchOutput] = {}

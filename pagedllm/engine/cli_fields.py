@@ -13,6 +13,7 @@ into the field's, e.g. GiB -> bytes), cli=False (no flag: set from Python only),
 flag's name when it is not the field's, e.g. "--log-level"; a name without dashes is a
 positional), nargs and metavar (argparse's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,33 @@ from typing import Any, Callable, Optional, Sequence, Union
 _NO_DEFAULT = object()
 
 
-def arg(default: Any, help: Optional[str] = None, *, choices: Union[Sequence, Callable, None] = None,
-        aliases: Sequence[str] = (), type: Optional[Callable] = None, cli_default: Any = _NO_DEFAULT,
-        from_cli: Optional[Callable] = None, cli: bool = True, flag: Optional[str] = None,
-        nargs: Optional[str] = None, metavar: Optional[str] = None) -> Any:
+def arg(
+    default: Any,
+    help: Optional[str] = None,
+    *,
+    choices: Union[Sequence, Callable, None] = None,
+    aliases: Sequence[str] = (),
+    type: Optional[Callable] = None,
+    cli_default: Any = _NO_DEFAULT,
+    from_cli: Optional[Callable] = None,
+    cli: bool = True,
+    flag: Optional[str] = None,
+    nargs: Optional[str] = None,
+    metavar: Optional[str] = None,
+) -> Any:
     """A dataclass field with its flag's description in the metadata."""
-    meta = {"help": help, "choices": choices, "aliases": tuple(aliases), "type": type,
-            "cli_default": cli_default, "from_cli": from_cli, "cli": cli, "flag": flag,
-            "nargs": nargs, "metavar": metavar}
+    meta = {
+        "help": help,
+        "choices": choices,
+        "aliases": tuple(aliases),
+        "type": type,
+        "cli_default": cli_default,
+        "from_cli": from_cli,
+        "cli": cli,
+        "flag": flag,
+        "nargs": nargs,
+        "metavar": metavar,
+    }
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -61,7 +81,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, only: Optiona
         if not meta.get("cli") or (only is not None and f.name not in only):
             continue
         default = f.default if meta["cli_default"] is _NO_DEFAULT else meta["cli_default"]
-        from_env = callable(default)   # read now; never shown in --help (an API key)
+        from_env = callable(default)  # read now; never shown in --help (an API key)
         default = default() if from_env else default
         name = meta["flag"] or _flag(f.name)
         # A positional's name is its dest; argparse refuses a second one.
@@ -70,15 +90,23 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, only: Optiona
         if kind is bool and meta["type"] is None:
             on = not f.default
             flags = [name if on else "--no-" + f.name.replace("_", "-"), *meta["aliases"]]
-            parser.add_argument(*flags, **where, action="store_true" if on else "store_false",
-                                default=default, help=meta["help"])
+            parser.add_argument(
+                *flags, **where, action="store_true" if on else "store_false", default=default, help=meta["help"]
+            )
             continue
         choices = meta["choices"]
         choices = choices() if callable(choices) else choices
-        parser.add_argument(name, *meta["aliases"], **where, default=default, nargs=meta["nargs"],
-                            metavar=meta["metavar"], type=meta["type"] or (kind if kind not in (str, None) else None),
-                            choices=list(choices) if choices is not None else None,
-                            help=_help(meta, None if from_env else default))
+        parser.add_argument(
+            name,
+            *meta["aliases"],
+            **where,
+            default=default,
+            nargs=meta["nargs"],
+            metavar=meta["metavar"],
+            type=meta["type"] or (kind if kind not in (str, None) else None),
+            choices=list(choices) if choices is not None else None,
+            help=_help(meta, None if from_env else default),
+        )
 
 
 def positive_int(value: str) -> int:

@@ -1,5 +1,6 @@
 """make_core_client: the EngineCoreClient for a config (its own module, so that neither
 client imports the other, nor AsyncLLM the data-parallel one's internals)."""
+
 from __future__ import annotations
 
 from pagedllm.engine.core_client import CoreClient, EngineCoreClient

@@ -7,6 +7,7 @@ error). Sends never block: a core that is gone turns into EngineDeadError. The m
 engine/messages.py's Structs; utility replies are resolved here, so get_output() returns
 only the core's outputs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -95,10 +96,13 @@ class CoreClient(EngineCoreClient):
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(self.output_addr)
         from pagedllm.engine.core_proc import run_engine_core
+
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=run_engine_core, name="pagedllm-engine-core",
-                                args=(config, sorted(eos_ids), self.input_addr, self.output_addr,
-                                      os.getpid(), log_level))
+        self._proc = mp.Process(
+            target=run_engine_core,
+            name="pagedllm-engine-core",
+            args=(config, sorted(eos_ids), self.input_addr, self.output_addr, os.getpid(), log_level),
+        )
         self._proc.start()
         self._util_ids = itertools.count()
         self._util_futures: dict[int, asyncio.Future] = {}
@@ -120,8 +124,7 @@ class CoreClient(EngineCoreClient):
                     raise RuntimeError(f"the engine core failed to start: {msg.exc_type}: {msg.message}")
                 continue
             if not self._proc.is_alive():
-                raise RuntimeError(f"the engine core process exited during start-up "
-                                   f"(exit code {self._proc.exitcode})")
+                raise RuntimeError(f"the engine core process exited during start-up (exit code {self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine core was not ready after {timeout:.0f} s")
 

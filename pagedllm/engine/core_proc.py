@@ -13,6 +13,7 @@ engine/messages.py's Structs; a frame that is none ends the process with an erro
 (the server's requests then fail, they do not hang). The process ends on a shutdown message, on SIGTERM, or when its
 parent dies (PR_SET_PDEATHSIG, and a parent check while idle), so it is never left behind.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,6 +44,7 @@ def _die_with_parent() -> None:
         return
     try:
         import ctypes
+
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # pragma: no cover - best effort
@@ -53,8 +55,9 @@ class _Stop(Exception):
     pass
 
 
-def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_pid: int,
-                    log_level: str = "INFO") -> None:
+def run_engine_core(
+    config, eos_ids, input_addr: str, output_addr: str, parent_pid: int, log_level: str = "INFO"
+) -> None:
     """Entry point of the core process (multiprocessing, spawn)."""
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -64,6 +67,7 @@ def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_p
 
     def on_term(signum, frame):
         raise _Stop()
+
     signal.signal(signal.SIGTERM, on_term)
 
     ctx = zmq.Context()
@@ -77,6 +81,7 @@ def run_engine_core(config, eos_ids, input_addr: str, output_addr: str, parent_p
     try:
         try:
             from pagedllm.engine.core import EngineCore
+
             core = EngineCore(config, eos_ids=set(eos_ids))
         except _Stop:
             raise
@@ -123,23 +128,34 @@ class EngineCoreProc:
         # Requests not yet scheduled once: their queue time is reported when they are.
         self.unscheduled: dict[str, Request] = {}
         self.stop = False
-        self.handlers = {m.AddRequests: self.add_requests, m.BeamSearchStart: self.add_beam_search,
-                         m.AbortRequests: self.abort, m.UtilityRequest: self.call_utility,
-                         m.Shutdown: self.shutdown}
+        self.handlers = {
+            m.AddRequests: self.add_requests,
+            m.BeamSearchStart: self.add_beam_search,
+            m.AbortRequests: self.abort,
+            m.UtilityRequest: self.call_utility,
+            m.Shutdown: self.shutdown,
+        }
 
     # ------------------------------------------------------------ stats
     def stats(self) -> m.SchedulerStats:
         s = self.scheduler
         pool = s.kv_cache_manager.block_pool
         return m.SchedulerStats(
-            running=len(s.running), waiting=len(s.waiting), kv_usage=pool.get_usage(),
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_usage=pool.get_usage(),
             used_blocks=(pool.num_blocks - 1) - pool.get_num_free_blocks(),
-            num_blocks=pool.num_blocks, preemptions=s.num_preemptions, num_added=self.num_added,
+            num_blocks=pool.num_blocks,
+            preemptions=s.num_preemptions,
+            num_added=self.num_added,
             prefix_cache_queries=s.kv_cache_manager.stats.queries,
             prefix_cache_hits=s.kv_cache_manager.stats.hits,
-            mm_cache_queries=s.mm_cache_queries, mm_cache_hits=s.mm_cache_hits,
-            running_lora_adapters=count_adapters(s.running), waiting_lora_adapters=count_adapters(s.waiting),
-            spec_decoding=s.spec_decoding_stats.as_dict() if s.spec_decoding_stats.num_drafts else None)
+            mm_cache_queries=s.mm_cache_queries,
+            mm_cache_hits=s.mm_cache_hits,
+            running_lora_adapters=count_adapters(s.running),
+            waiting_lora_adapters=count_adapters(s.waiting),
+            spec_decoding=s.spec_decoding_stats.as_dict() if s.spec_decoding_stats.num_drafts else None,
+        )
 
     def _send(self, msg: m.CoreOutput) -> None:
         self.out_sock.send(m.encode_output(msg))
@@ -172,10 +188,9 @@ class EngineCoreProc:
         except ValueError as e:  # e.g. a duplicate id: answer it, keep the engine running
             logger.warning("beam search %s rejected by the core: %s", search_id, e)
             refused = BeamSearchOutput(req.prompt_token_ids, [], search_id)
-            self._send(m.EngineCoreOutputs(scheduler_stats=self.stats(),
-                                           beam_results=[m.BeamResult(refused, str(e))]))
+            self._send(m.EngineCoreOutputs(scheduler_stats=self.stats(), beam_results=[m.BeamResult(refused, str(e))]))
             return
-        self.unscheduled[req.request_id] = req   # the first beam: its queue time is the search's
+        self.unscheduled[req.request_id] = req  # the first beam: its queue time is the search's
 
     def abort(self, msg: m.AbortRequests) -> None:
         ids = msg.request_ids
@@ -238,8 +253,9 @@ class EngineCoreProc:
                 # The beams' outputs feed their searches; only ended searches go out.
                 others = [o for o in outputs if not self.beams.owns(o.req_id)]
                 ended = self.beams.on_outputs(outputs) if len(others) < len(outputs) else []
-                self._send(m.EngineCoreOutputs(others, self.stats(), self._queue_events(t0),
-                                               [m.BeamResult(b) for b in ended]))
+                self._send(
+                    m.EngineCoreOutputs(others, self.stats(), self._queue_events(t0), [m.BeamResult(b) for b in ended])
+                )
             elif handled:
                 self._send(m.EngineCoreOutputs(scheduler_stats=self.stats()))
 
@@ -254,8 +270,13 @@ class EngineCoreProc:
                 self.beams.abort(rid)
             if rid not in failed:
                 failed.append(rid)
-        self._send(m.EngineCoreOutputs(scheduler_stats=self.stats(), queue_times=self._queue_events(t0),
-                                       failed=[m.FailedRequest(rid, str(e), e.client_error) for rid in failed]))
+        self._send(
+            m.EngineCoreOutputs(
+                scheduler_stats=self.stats(),
+                queue_times=self._queue_events(t0),
+                failed=[m.FailedRequest(rid, str(e), e.client_error) for rid in failed],
+            )
+        )
 
     def _queue_events(self, t0: float) -> list[tuple[str, float]]:
         events = []

@@ -15,6 +15,7 @@ A character split over several byte-level tokens decodes to U+FFFD until its las
 arrives; both decoders emit nothing until then, so the replacement character never reaches a
 stream (the bytes are only flushed at the end if they never complete).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,7 +39,7 @@ class _WindowDecoder:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self._skip_ids = skip_ids
-        ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT_TOKENS + 2):])
+        ctx = self._to_tokens(prompt_token_ids[-(_PROMPT_CONTEXT_TOKENS + 2) :])
         # A prompt ending inside a multi-byte character would make the context's text end in
         # U+FFFD and spoil the subtraction below; start without context then.
         if ctx and tokenizer.convert_tokens_to_string(ctx).endswith(_REPLACEMENT):
@@ -62,21 +63,21 @@ class _WindowDecoder:
             return ""
         self.tokens.append(token)
         to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
-        new_text = to_string(self.tokens[self.prefix_offset:])
+        prefix_text = to_string(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = to_string(self.tokens[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             # Unfinished multi-byte character (or a token that adds no text yet): wait.
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """The text of tokens held back for a character that never completed."""
         if self.read_offset == len(self.tokens):
             return ""
         to_string = self.tokenizer.convert_tokens_to_string
-        prefix_text = to_string(self.tokens[self.prefix_offset:self.read_offset])
-        text = to_string(self.tokens[self.prefix_offset:])[len(prefix_text):]
+        prefix_text = to_string(self.tokens[self.prefix_offset : self.read_offset])
+        text = to_string(self.tokens[self.prefix_offset :])[len(prefix_text) :]
         self.prefix_offset = self.read_offset = len(self.tokens)
         return text
 
@@ -87,6 +88,7 @@ class _StreamDecoder:
 
     def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         from tokenizers.decoders import DecodeStream
+
         self.backend = backend
         self.skip = skip_special_tokens
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -101,21 +103,22 @@ class _StreamDecoder:
                 break
         for tid in ctx:
             self._step(tid)
-        self.ids: list[int] = list(ctx)   # every id fed to the stream
-        self.emitted = len(ctx)           # ids[:emitted] are text already
+        self.ids: list[int] = list(ctx)  # every id fed to the stream
+        self.emitted = len(ctx)  # ids[:emitted] are text already
 
     def _step(self, token_id: int) -> Optional[str]:
         try:
             return self.stream.step(self.backend, token_id)
-        except Exception as e:   # the stream's state no longer decodes (vLLM resets it the same way)
+        except Exception as e:  # the stream's state no longer decodes (vLLM resets it the same way)
             if "Invalid prefix encountered" not in str(e):
                 raise
             from tokenizers.decoders import DecodeStream
+
             self.stream = DecodeStream(skip_special_tokens=self.skip)
             return self.stream.step(self.backend, token_id)
 
     def next(self, token_id: int) -> str:
-        if not 0 <= token_id < self.vocab_size:   # past the vocabulary (padded logits): no text
+        if not 0 <= token_id < self.vocab_size:  # past the vocabulary (padded logits): no text
             return ""
         text = self._step(token_id)
         self.ids.append(token_id)
@@ -127,19 +130,19 @@ class _StreamDecoder:
     @property
     def pending(self) -> list[int]:
         """Ids the stream has not turned into text yet (a character still incomplete)."""
-        return self.ids[self.emitted:]
+        return self.ids[self.emitted :]
 
     @property
     def context(self) -> list[int]:
         """The last ids already turned into text, the context a flush decodes pending after."""
-        return self.ids[max(self.emitted - _PROMPT_CONTEXT_TOKENS, 0):self.emitted]
+        return self.ids[max(self.emitted - _PROMPT_CONTEXT_TOKENS, 0) : self.emitted]
 
     def flush(self) -> str:
         if self.emitted == len(self.ids):
             return ""
         decode, context = self.backend.decode, self.context
         prefix = decode(context, skip_special_tokens=self.skip)
-        text = decode(context + self.pending, skip_special_tokens=self.skip)[len(prefix):]
+        text = decode(context + self.pending, skip_special_tokens=self.skip)[len(prefix) :]
         self.emitted = len(self.ids)
         return text
 
@@ -200,7 +203,7 @@ class IncrementalDetokenizer:
             new_token_ids = new_token_ids[:-1]
 
         stop_check_offset = len(self.output_text)
-        text_ends = []   # len(output_text) after each new token
+        text_ends = []  # len(output_text) after each new token
         for i, tid in enumerate(new_token_ids):
             self.output_text += self.decoder.next(int(tid))
             text_ends.append(len(self.output_text))

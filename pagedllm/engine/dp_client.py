@@ -15,6 +15,7 @@ DPCoreClient is an EngineCoreClient, so AsyncLLM does not know it is talking to 
   takes the server's engine down, as one core's death does: the server exits, or with
   --restart-engine-on-failure starts all K replicas afresh).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,13 +32,29 @@ from pagedllm.request import child_request_id
 
 logger = logging.getLogger("pagedllm.engine.dp_client")
 
-_SUMMED = ("running", "waiting", "used_blocks", "num_blocks", "preemptions", "num_added",
-           "prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
+_SUMMED = (
+    "running",
+    "waiting",
+    "used_blocks",
+    "num_blocks",
+    "preemptions",
+    "num_added",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "mm_cache_queries",
+    "mm_cache_hits",
+)
 
 
 class DPCoreClient(EngineCoreClient):
-    def __init__(self, config, eos_ids, log_level: str = "INFO",
-                 clients: Optional[list[EngineCoreClient]] = None, max_load: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config,
+        eos_ids,
+        log_level: str = "INFO",
+        clients: Optional[list[EngineCoreClient]] = None,
+        max_load: Optional[int] = None,
+    ) -> None:
         """clients: ready-made per-replica clients (tests); else K CoreClients are started.
         max_load: requests in flight per replica before it takes no more (default: the
         replica's max_num_seqs plus as many waiting)."""
@@ -71,12 +88,14 @@ class DPCoreClient(EngineCoreClient):
     async def wait_ready(self, timeout: float = 900.0) -> m.EngineCoreReady:
         readies = await asyncio.gather(*(c.wait_ready(timeout) for c in self.clients))
         blocks = [r.num_blocks for r in readies]
-        self.router = PrefixCacheAwareRouter(len(self.clients), self.block_size, blocks,
-                                             max_load=self.max_load)
-        logger.info("data parallel: %d replicas (pids %s), %s KV blocks each",
-                    len(self.clients), [r.pid for r in readies], blocks)
-        return m.EngineCoreReady(num_blocks=min(blocks), pid=readies[0].pid,
-                                 kv_cache_config=readies[0].kv_cache_config)
+        self.router = PrefixCacheAwareRouter(len(self.clients), self.block_size, blocks, max_load=self.max_load)
+        logger.info(
+            "data parallel: %d replicas (pids %s), %s KV blocks each",
+            len(self.clients),
+            [r.pid for r in readies],
+            blocks,
+        )
+        return m.EngineCoreReady(num_blocks=min(blocks), pid=readies[0].pid, kv_cache_config=readies[0].kv_cache_config)
 
     # ------------------------------------------------------------ requests
     def _route(self, req: m.EngineCoreRequest) -> int:
@@ -103,7 +122,7 @@ class DPCoreClient(EngineCoreClient):
                     self._samples[req.request_id] = (samples, set(samples))
                     self._parent_of.update(dict.fromkeys(samples, req.request_id))
         except EngineOverloadedError:
-            for req_id in routed:   # nothing of the batch stays routed
+            for req_id in routed:  # nothing of the batch stays routed
                 self._finish(req_id)
             raise
         for idx, reqs in by_replica.items():
@@ -149,8 +168,7 @@ class DPCoreClient(EngineCoreClient):
     async def get_output(self) -> m.EngineCoreOutputs:
         if self._queue is None:
             self._queue = asyncio.Queue()
-            self._pumps = [asyncio.get_running_loop().create_task(self._pump(i, c))
-                           for i, c in enumerate(self.clients)]
+            self._pumps = [asyncio.get_running_loop().create_task(self._pump(i, c)) for i, c in enumerate(self.clients)]
         idx, outs = await self._queue.get()
         if isinstance(outs, BaseException):
             raise outs
@@ -172,7 +190,7 @@ class DPCoreClient(EngineCoreClient):
                 outs = await client.get_output()
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:   # a replica's failure is the engine's
+            except BaseException as e:  # a replica's failure is the engine's
                 await self._queue.put((idx, e))
                 return
             await self._queue.put((idx, outs))
@@ -181,8 +199,9 @@ class DPCoreClient(EngineCoreClient):
         known = [s for s in self.stats if s is not None]
         total = {k: sum(getattr(s, k) for s in known) for k in _SUMMED}
         usage = total["used_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
-        return m.SchedulerStats(**total, kv_usage=usage, replicas=list(self.stats),
-                                router_loads=self.router.loads() if self.router else [])
+        return m.SchedulerStats(
+            **total, kv_usage=usage, replicas=list(self.stats), router_loads=self.router.loads() if self.router else []
+        )
 
     async def call_utility(self, method: str, *args, timeout: float = 10.0):
         results = await asyncio.gather(*(c.call_utility(method, *args, timeout=timeout) for c in self.clients))

@@ -19,6 +19,7 @@ hit against the queue):
 
 Plain Python, no torch: tested with a fake engine (tests/test_parallel_router.py).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -41,7 +42,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: t
 class ReplicaState:
     index: int
     capacity_blocks: int
-    cached: "OrderedDict[int, None]" = field(default_factory=OrderedDict)   # LRU: oldest first
+    cached: "OrderedDict[int, None]" = field(default_factory=OrderedDict)  # LRU: oldest first
     in_flight: set = field(default_factory=set)
     num_routed: int = 0
 
@@ -68,17 +69,23 @@ class ReplicaState:
 @dataclass
 class RouteDecision:
     replica: int
-    hit_blocks: int          # cached prefix of the request on that replica, in blocks
-    reason: str              # "prefix" (longest hit), "balance" (hit overruled by load), "least-loaded"
+    hit_blocks: int  # cached prefix of the request on that replica, in blocks
+    reason: str  # "prefix" (longest hit), "balance" (hit overruled by load), "least-loaded"
 
 
 class PrefixCacheAwareRouter:
-    def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int | Sequence[int],
-                 max_load: Optional[int] = None, balance_abs: int = 4, balance_ratio: float = 0.5) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        capacity_blocks: int | Sequence[int],
+        max_load: Optional[int] = None,
+        balance_abs: int = 4,
+        balance_ratio: float = 0.5,
+    ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        caps = ([capacity_blocks] * num_replicas if isinstance(capacity_blocks, int)
-                else list(capacity_blocks))
+        caps = [capacity_blocks] * num_replicas if isinstance(capacity_blocks, int) else list(capacity_blocks)
         if len(caps) != num_replicas:
             raise ValueError(f"{len(caps)} capacities for {num_replicas} replicas")
         self.block_size = block_size
@@ -87,7 +94,7 @@ class PrefixCacheAwareRouter:
         self.balance_abs = balance_abs
         self.balance_ratio = balance_ratio
         self.owner: dict[str, int] = {}
-        self._rr = 0   # round-robin start among ties
+        self._rr = 0  # round-robin start among ties
 
     # ------------------------------------------------------------ decisions
     def choose(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> tuple[RouteDecision, list[int]]:
@@ -97,11 +104,12 @@ class PrefixCacheAwareRouter:
         if not open_:
             raise RouterOverloadedError(
                 f"all {len(self.replicas)} replicas are at their limit of {self.max_load} requests "
-                "in flight; please retry later")
+                "in flight; please retry later"
+            )
         hits = {r.index: r.prefix_hit(hashes) for r in open_}
         min_load = min(r.load for r in open_)
         n = len(self.replicas)
-        rr = {r.index: (r.index - self._rr) % n for r in open_}   # rotating tie-break
+        rr = {r.index: (r.index - self._rr) % n for r in open_}  # rotating tie-break
         best = max(open_, key=lambda r: (hits[r.index], -r.load, -rr[r.index]))
         least = min(open_, key=lambda r: (r.load, -hits[r.index], rr[r.index]))
         if hits[best.index] > 0:

@@ -1,4 +1,5 @@
 """The engine's errors, in a module that imports nothing of the engine (so no import cycles)."""
+
 from __future__ import annotations
 
 
@@ -23,5 +24,8 @@ class RequestFailedError(RuntimeError):
     @classmethod
     def caused_by(cls, req_ids: list[str], cause: BaseException) -> "RequestFailedError":
         names = ", ".join(repr(r) for r in req_ids)
-        return cls(req_ids, f"the engine failed running request {names}: {type(cause).__name__}: {cause}",
-                   client_error=isinstance(cause, ValueError))
+        return cls(
+            req_ids,
+            f"the engine failed running request {names}: {type(cause).__name__}: {cause}",
+            client_error=isinstance(cause, ValueError),
+        )

@@ -6,6 +6,7 @@ of a request that does not set them: offline, when generate() is given no Sampli
 server, field by field. Resolved once, when the engine's configuration is made, so a bad file
 fails at start-up, not in a request.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,12 @@ def load_sampling_defaults(source: str, model_dir: str) -> dict:
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         if source == "auto":
-            return {}   # the model ships none: no defaults
+            return {}  # the model ships none: no defaults
         raise ValueError(f"generation_config: {path} does not exist; give {CHOICES}")
     config = read_json_object(path, f"generation_config: {path}")
     defaults = {k: config[k] for k in FIELDS if config.get(k) is not None}
     try:
-        SamplingParams(**defaults)   # the same checks as a request's own values
+        SamplingParams(**defaults)  # the same checks as a request's own values
     except ValueError as e:
         raise ValueError(f"generation_config: {path}: {e}") from None
     return defaults

@@ -1,4 +1,5 @@
 """LLMEngine: the synchronous engine (processor -> EngineCore -> output processor) in one process."""
+
 from __future__ import annotations
 
 import json
@@ -38,15 +39,24 @@ def eos_token_ids(model_dir: str, tokenizer) -> tuple[Optional[int], set[int]]:
     return eos, extra
 
 
-def make_requests(processor: Processor, output_processor: OutputProcessor, request_id: str,
-                  prompt: PromptType, params: SamplingParams, kind: OutputKind,
-                  arrival_time: Optional[float] = None, lora_request=None, priority: int = 0) -> list[Request]:
+def make_requests(
+    processor: Processor,
+    output_processor: OutputProcessor,
+    request_id: str,
+    prompt: PromptType,
+    params: SamplingParams,
+    kind: OutputKind,
+    arrival_time: Optional[float] = None,
+    lora_request=None,
+    priority: int = 0,
+) -> list[Request]:
     """Validate and tokenise one request, register it with the output processor, and return
     the core request(s) to add. A request with n > 1 (or best_of) goes to the core as one
     parent: the core computes its prompt once and forks the siblings over the shared blocks;
     the output processor gathers the siblings under request_id. Shared by LLMEngine and AsyncLLM."""
-    text, request = processor.process(request_id, prompt, params, arrival_time, lora_request=lora_request,
-                                      priority=priority)
+    text, request = processor.process(
+        request_id, prompt, params, arrival_time, lora_request=lora_request, priority=priority
+    )
     output_processor.add_request(request, text, kind)
     return [request]
 
@@ -54,27 +64,44 @@ def make_requests(processor: Processor, output_processor: OutputProcessor, reque
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel_config.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 runs replicas behind the API server's router "
-                             "(`pagedllm serve --data-parallel-size N`); the offline engine is one replica")
+            raise ValueError(
+                "data_parallel_size > 1 runs replicas behind the API server's router "
+                "(`pagedllm serve --data-parallel-size N`); the offline engine is one replica"
+            )
         self.config = config
         model_dir = config.model_config.model
         self.tokenizer = load_tokenizer(model_dir)
         eos, extra = eos_token_ids(model_dir, self.tokenizer)
         self.core = EngineCore(config, eos_ids=({eos} if eos is not None else set()) | extra)
-        self.processor = Processor(config, self.tokenizer, eos, extra, self.core.num_blocks,
-                                   self.core.kv_cache_config)
+        self.processor = Processor(config, self.tokenizer, eos, extra, self.core.num_blocks, self.core.kv_cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_engine_config())
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: Optional[float] = None,
-                    lora_request=None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        kind: OutputKind = OutputKind.CUMULATIVE,
+        arrival_time: Optional[float] = None,
+        lora_request=None,
+        priority: int = 0,
+    ) -> None:
         """Validates first (ValueError), so that a bad request never enters the engine."""
-        for request in make_requests(self.processor, self.output_processor, request_id, prompt,
-                                     params, kind, arrival_time, lora_request, priority):
+        for request in make_requests(
+            self.processor,
+            self.output_processor,
+            request_id,
+            prompt,
+            params,
+            kind,
+            arrival_time,
+            lora_request,
+            priority,
+        ):
             self.core.add_request(request)
 
     def abort_request(self, request_ids) -> None:

@@ -26,6 +26,7 @@ path never does). A beam search's beams never leave the core: one BeamResult for
 id comes back when it ends, or at once with an error when the core refuses it. `failed`: the
 requests a failed step ended (engine/step_failures.py); a beam search's by the search's id.
 """
+
 from __future__ import annotations
 
 import enum
@@ -49,6 +50,7 @@ class ProtocolError(RuntimeError):
 
 class EngineCoreRequestType(enum.Enum):
     """The first frame of a server -> core message."""
+
     ADD = b"\x00"
     BEAM = b"\x01"
     ABORT = b"\x02"
@@ -59,6 +61,7 @@ class EngineCoreRequestType(enum.Enum):
 # ---------------------------------------------------------------- server -> core
 class ImageInputWire(msgspec.Struct, array_like=True):
     """multimodal.inputs.ImageInput with its pixels as float32 bytes."""
+
     offset: int
     length: int
     hash: int
@@ -80,6 +83,7 @@ class ImageInputWire(msgspec.Struct, array_like=True):
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A Request as the Processor made it (nothing computed yet)."""
+
     request_id: str
     prompt_token_ids: list[int]
     # Decoding re-runs SamplingParams.__post_init__, which resets all_stop_token_ids to the
@@ -94,19 +98,34 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     mm_inputs: list[ImageInputWire] = []
     priority: int = 0
 
-    def __post_init__(self) -> None:   # also run by the decoder
+    def __post_init__(self) -> None:  # also run by the decoder
         self.sampling_params.all_stop_token_ids = set(self.all_stop_token_ids)
-        self.extra_keys = _tuples(self.extra_keys)   # msgpack made lists of the nested tuples
+        self.extra_keys = _tuples(self.extra_keys)  # msgpack made lists of the nested tuples
 
     @classmethod
     def from_request(cls, r: Request) -> "EngineCoreRequest":
-        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id,
-                   r.arrival_time, r.max_tokens, sorted(r.sampling_params.all_stop_token_ids),
-                   r.extra_keys, r.lora_request, [ImageInputWire.of(m) for m in r.mm_inputs], r.priority)
+        return cls(
+            r.request_id,
+            r.prompt_token_ids,
+            r.sampling_params,
+            r.eos_token_id,
+            r.arrival_time,
+            r.max_tokens,
+            sorted(r.sampling_params.all_stop_token_ids),
+            r.extra_keys,
+            r.lora_request,
+            [ImageInputWire.of(m) for m in r.mm_inputs],
+            r.priority,
+        )
 
     def to_request(self) -> Request:
-        r = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
-                    eos_token_id=self.eos_token_id, arrival_time=self.arrival_time)
+        r = Request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=self.arrival_time,
+        )
         r.max_tokens = self.max_tokens
         r.extra_keys, r.lora_request = self.extra_keys, self.lora_request
         r.mm_inputs = tuple(m.to_input() for m in self.mm_inputs)
@@ -120,10 +139,11 @@ class AddRequests(msgspec.Struct, array_like=True):
 
 class BeamSearchStart(msgspec.Struct, array_like=True):
     """Start a beam search in the core (engine/beam_search.py); request: its first beam."""
+
     request: EngineCoreRequest
     width: int
     length_penalty: float
-    eos_token_id: Optional[int]   # None: ignore EOS
+    eos_token_id: Optional[int]  # None: ignore EOS
 
 
 class AbortRequests(msgspec.Struct, array_like=True):
@@ -154,6 +174,7 @@ CoreRequest = Union[AddRequests, BeamSearchStart, AbortRequests, UtilityRequest,
 # ---------------------------------------------------------------- core -> server
 class SchedulerStats(msgspec.Struct):
     """The scheduler's state after the step (or the idle message) that sent it."""
+
     running: int
     waiting: int
     kv_usage: float
@@ -163,7 +184,7 @@ class SchedulerStats(msgspec.Struct):
     num_added: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    mm_cache_queries: int = 0   # images looked up in the encoder cache, and found there (vLLM's names)
+    mm_cache_queries: int = 0  # images looked up in the encoder cache, and found there (vLLM's names)
     mm_cache_hits: int = 0
     # --enable-lora: adapter name -> its requests running / waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
@@ -187,25 +208,25 @@ class SchedulerStats(msgspec.Struct):
 
 class BeamResult(msgspec.Struct, array_like=True, omit_defaults=True):
     output: BeamSearchOutput
-    error: Optional[str] = None   # the core refused the search
+    error: Optional[str] = None  # the core refused the search
 
 
 class FailedRequest(msgspec.Struct, array_like=True):
     request_id: str
     message: str
-    client_error: bool            # a ValueError: the request's own fault (HTTP 400, else 500)
+    client_error: bool  # a ValueError: the request's own fault (HTTP 400, else 500)
 
 
 class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     pid: int
-    kv_cache_config: KVCacheConfig   # the layout the core's KV cache manager keeps
+    kv_cache_config: KVCacheConfig  # the layout the core's KV cache manager keeps
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: Optional[SchedulerStats] = None
-    queue_times: list[tuple[str, float]] = []   # (request id, seconds waiting) of the newly scheduled
+    queue_times: list[tuple[str, float]] = []  # (request id, seconds waiting) of the newly scheduled
     beam_results: list[BeamResult] = []
     failed: list[FailedRequest] = []
 
@@ -244,7 +265,7 @@ def decode_request(frames: list[bytes]) -> CoreRequest:
         raise ProtocolError(f"unknown engine core request type {frames[0]!r}") from None
     try:
         return decoder.decode(frames[1])
-    except msgspec.DecodeError as e:   # ValidationError too
+    except msgspec.DecodeError as e:  # ValidationError too
         raise ProtocolError(f"a garbled {decoder.type.__name__} message: {e}") from e
 
 

@@ -2,6 +2,7 @@
 finish reasons), outside the model's loop. A stop string ends a request here; the caller
 then aborts it in the core. Requests with n > 1 are fanned out into n child requests
 whose outputs are gathered under the parent's id."""
+
 from __future__ import annotations
 
 import enum
@@ -11,16 +12,22 @@ from typing import Optional
 
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, PromptLogprobs,
-                              RequestOutput)
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+)
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
 class OutputKind(enum.Enum):
-    CUMULATIVE = 0   # everything so far, every step
-    DELTA = 1        # only what is new, every step (streaming)
-    FINAL_ONLY = 2   # once, when finished (LLM.generate)
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new, every step (streaming)
+    FINAL_ONLY = 2  # once, when finished (LLM.generate)
 
 
 @dataclass
@@ -41,7 +48,7 @@ def logprob_dicts(entries, tokenizer) -> list[dict[int, Logprob]]:
         pos: dict[int, Logprob] = {}
         for j, (tid, lp) in enumerate(zip(ids, lps)):
             text = next(texts)
-            if tid not in pos:   # the chosen token may be among the top k too
+            if tid not in pos:  # the chosen token may be among the top k too
                 pos[tid] = Logprob(lp, rank if j == 0 else j, text)
         out.append(pos)
     return out
@@ -58,12 +65,12 @@ class ParentRequest:
         self.user_wants_logprobs = params.logprobs is not None
         self.outputs: list[Optional[CompletionOutput]] = [None] * self.num_samples
         self.num_finished = 0
-        self.prompt_logprobs: Optional[PromptLogprobs] = None   # once, for all the siblings
+        self.prompt_logprobs: Optional[PromptLogprobs] = None  # once, for all the siblings
 
     def final_outputs(self) -> list[CompletionOutput]:
         outs = list(self.outputs)
         if self.num_samples > self.n:
-            outs = sorted(outs, key=lambda c: c.cumulative_logprob, reverse=True)[:self.n]
+            outs = sorted(outs, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
             for i, c in enumerate(outs):
                 c.index = i
                 if not self.user_wants_logprobs:
@@ -72,8 +79,15 @@ class ParentRequest:
 
 
 class RequestState:
-    def __init__(self, request: Request, prompt: Optional[str], tokenizer, kind: OutputKind,
-                 parent: Optional[ParentRequest], index: int) -> None:
+    def __init__(
+        self,
+        request: Request,
+        prompt: Optional[str],
+        tokenizer,
+        kind: OutputKind,
+        parent: Optional[ParentRequest],
+        index: int,
+    ) -> None:
         self.request_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
@@ -92,7 +106,7 @@ class RequestState:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.prompt_logprobs: Optional[PromptLogprobs] = None
-        self.prompt_logprobs_sent = False   # DELTA: only the first output carries them
+        self.prompt_logprobs_sent = False  # DELTA: only the first output carries them
 
     def add_logprobs(self, entries) -> None:
         self.logprobs.extend(logprob_dicts(entries, self.tokenizer))
@@ -118,13 +132,14 @@ class RequestState:
     def make_completion(self, finished: bool) -> CompletionOutput:
         delta = self.kind == OutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta)
-        ids = self.output_token_ids[self.num_sent_tokens:] if delta else list(self.output_token_ids)
+        ids = self.output_token_ids[self.num_sent_tokens :] if delta else list(self.output_token_ids)
         lps = None
         if self.logprobs is not None:
-            lps = self.logprobs[self.num_sent_tokens:] if delta else list(self.logprobs)
+            lps = self.logprobs[self.num_sent_tokens :] if delta else list(self.logprobs)
         self.num_sent_tokens = len(self.output_token_ids)
-        return CompletionOutput(self.index, text, ids, self.cumulative_logprob, lps,
-                                self.finish_reason, self.stop_reason)
+        return CompletionOutput(
+            self.index, text, ids, self.cumulative_logprob, lps, self.finish_reason, self.stop_reason
+        )
 
 
 class OutputProcessor:
@@ -187,15 +202,18 @@ class OutputProcessor:
                 stats.first_token_time = now
                 st.num_cached_tokens = out.num_cached_tokens
             stats.last_token_time = now
-            if out.pooled is not None:   # a pooling request: its vector, and it is done
+            if out.pooled is not None:  # a pooling request: its vector, and it is done
                 del self.states[out.req_id]
                 st.finish_reason = "stop"
-                request_outputs.append(PoolingRequestOutput(st.request_id, PoolingOutput(out.pooled),
-                                                            st.prompt_token_ids, True, st.num_cached_tokens))
+                request_outputs.append(
+                    PoolingRequestOutput(
+                        st.request_id, PoolingOutput(out.pooled), st.prompt_token_ids, True, st.num_cached_tokens
+                    )
+                )
                 continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             stop_str = st.detokenizer.update(out.new_token_ids, finish_reason == "stop")
-            keep = len(out.new_token_ids) - st.detokenizer.tokens_after_stop   # a stop string's token ends it
+            keep = len(out.new_token_ids) - st.detokenizer.tokens_after_stop  # a stop string's token ends it
             st.output_token_ids.extend(out.new_token_ids[:keep])
             if st.logprobs is not None and out.new_logprobs:
                 st.add_logprobs(out.new_logprobs[:keep])
@@ -223,9 +241,16 @@ class OutputProcessor:
         completion = st.make_completion(finished)
         parent = st.parent
         if parent is None:
-            return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
-                                 finished, st.num_cached_tokens, metrics=vars(st.stats),
-                                 prompt_logprobs=st.take_prompt_logprobs())
+            return RequestOutput(
+                st.request_id,
+                st.prompt,
+                st.prompt_token_ids,
+                [completion],
+                finished,
+                st.num_cached_tokens,
+                metrics=vars(st.stats),
+                prompt_logprobs=st.take_prompt_logprobs(),
+            )
         parent.outputs[st.index] = completion
         if finished:
             parent.num_finished += 1
@@ -240,6 +265,13 @@ class OutputProcessor:
             outputs = [completion]
         else:
             outputs = [o for o in parent.outputs if o is not None]
-        return RequestOutput(parent.request_id, st.prompt, st.prompt_token_ids, outputs,
-                             all_done, st.num_cached_tokens, metrics=vars(st.stats),
-                             prompt_logprobs=st.take_prompt_logprobs())
+        return RequestOutput(
+            parent.request_id,
+            st.prompt,
+            st.prompt_token_ids,
+            outputs,
+            all_done,
+            st.num_cached_tokens,
+            metrics=vars(st.stats),
+            prompt_logprobs=st.take_prompt_logprobs(),
+        )

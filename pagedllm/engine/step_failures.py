@@ -18,6 +18,7 @@ Failures that leave nothing to roll back to (a split model's executor, which ref
 steps; a broken CUDA context) are raised as they are: the engine core dies, and the server
 exits or restarts it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,11 @@ MAX_FAILED_STEPS = 3
 
 
 def _unrecoverable(e: Exception) -> bool:
-    if isinstance(e, ExecutorError):   # a split model's executor: it has shut its workers down
+    if isinstance(e, ExecutorError):  # a split model's executor: it has shut its workers down
         return True
     import torch
-    accelerator_error = getattr(torch, "AcceleratorError", None)   # the CUDA context is broken
+
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # the CUDA context is broken
     return accelerator_error is not None and isinstance(e, accelerator_error)
 
 
@@ -49,7 +51,7 @@ class StepFailures:
         self.scheduler = scheduler
         self.executor = executor
         self.suspects: deque[str] = deque()
-        self.failed_steps: dict[str, int] = {}   # request id -> failed steps it was in
+        self.failed_steps: dict[str, int] = {}  # request id -> failed steps it was in
         self.probing: Optional[str] = None
 
     def schedule(self) -> SchedulerOutput:
@@ -63,7 +65,7 @@ class StepFailures:
             so = sched.schedule_alone(request)
             if so.total_num_scheduled_tokens > 0:
                 self.probing = request.request_id
-            else:   # it cannot run alone now (no free block): it runs with the others again
+            else:  # it cannot run alone now (no free block): it runs with the others again
                 self.suspects.popleft()
             return so
         return sched.schedule()
@@ -80,10 +82,11 @@ class StepFailures:
             raise e
         sched = self.scheduler
         step = list(so.num_scheduled_tokens)
-        logger.error("a step of %d request(s) failed (%s: %s): rolling back", len(step), type(e).__name__, e,
-                     exc_info=e)
+        logger.error(
+            "a step of %d request(s) failed (%s: %s): rolling back", len(step), type(e).__name__, e, exc_info=e
+        )
         self.executor.reset()
-        sched.finished_req_ids |= so.finished_req_ids   # the runner may not have seen them
+        sched.finished_req_ids |= so.finished_req_ids  # the runner may not have seen them
         sched.recompute_all(swapped_out=so.preempted_req_ids)
         self.probing = None
         self.failed_steps = {r: n for r, n in self.failed_steps.items() if r in sched.requests}

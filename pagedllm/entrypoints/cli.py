@@ -1,4 +1,5 @@
 """The `pagedllm` command: download, generate, chat, serve, bench."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,12 @@ from pagedllm.engine.cli_fields import add_dataclass_args, dataclass_from_args
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's flags, generated from EngineArgs' fields (engine/cli_fields.py)."""
     add_dataclass_args(p, EngineArgs)
-    p.add_argument("--task", default=None, choices=["generate", "embed"],
-                   help="the older name of --runner: embed is --runner pooling")
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=["generate", "embed"],
+        help="the older name of --runner: embed is --runner pooling",
+    )
 
 
 def _runner(ns: argparse.Namespace) -> str:
@@ -42,19 +47,29 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_params_from(ns: argparse.Namespace):
     from pagedllm.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                          top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
-                          seed=ns.sampling_seed, stop=ns.stop)
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+    )
 
 
 def cmd_download(ns) -> int:
     from pagedllm.models.download import ensure_ready_model
+
     print(ensure_ready_model(ns.name, progress=True))
     return 0
 
 
 def _make_llm(ns):
     from pagedllm.entrypoints.llm import LLM
+
     args = engine_args_from(ns)
     return LLM(**vars(args))
 
@@ -95,6 +110,7 @@ def cmd_chat(ns) -> int:
 def cmd_serve(ns) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
@@ -106,6 +122,7 @@ def cmd_run_batch(ns) -> int:
     import asyncio
 
     from pagedllm.entrypoints.run_batch import run_batch
+
     return asyncio.run(run_batch(ns, engine_args_from(ns)))
 
 
@@ -115,8 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("download", help="prepare a ready model (default SmolLM2-135M-Instruct) in $PAGEDLLM_HOME")
-    p.add_argument("name", nargs="?", default="SmolLM2-135M-Instruct",
-                   choices=["SmolLM2-135M-Instruct", "gemma3-270m"], help="which ready model")
+    p.add_argument(
+        "name",
+        nargs="?",
+        default="SmolLM2-135M-Instruct",
+        choices=["SmolLM2-135M-Instruct", "gemma3-270m"],
+        help="which ready model",
+    )
     p.set_defaults(func=cmd_download)
 
     p = sub.add_parser("generate", help="generate from prompts (arguments, or one per line on stdin)")
@@ -134,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (engine core in its own process)")
     from pagedllm.entrypoints.openai.cli_args import RUN_BATCH_FIELDS, FrontendArgs, add_serve_args
+
     add_serve_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -147,12 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run_batch)
 
     from pagedllm.entrypoints.disagg_proxy.cli import add_proxy_parser
+
     add_proxy_parser(sub)
 
     from pagedllm.benchmarks.cli import add_bench_parser
+
     add_bench_parser(sub, add_engine_args)
 
     from pagedllm.models.gguf.cli import add_make_gguf_parser
+
     add_make_gguf_parser(sub)
     return parser
 

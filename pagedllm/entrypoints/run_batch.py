@@ -9,6 +9,7 @@ an encoder model (BERT and kin) runs as `pagedllm serve` runs it; each output li
 error, e.g. a 400, is the body of its response, as OpenAI's). A line that is not such a request
 gets `{"id", "custom_id", "response": null, "error": {"code", "message"}}` and the rest still run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,17 @@ from typing import Optional
 
 from tqdm import tqdm
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank",
-        "/v2/rerank")
-MAX_IN_FLIGHT = 256   # requests sent to the app at a time (below its --max-waiting-requests)
+URLS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/score",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+)
+MAX_IN_FLIGHT = 256  # requests sent to the app at a time (below its --max-waiting-requests)
 
 
 class BadLine(ValueError):
@@ -54,18 +63,32 @@ def parse_line(line: str) -> tuple[str, str, dict]:
 
 
 def error_record(custom_id: Optional[str], message: str) -> dict:
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": "invalid_request", "message": message}}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": "invalid_request", "message": message},
+    }
 
 
 async def post(app, path: str, body: dict) -> tuple[int, dict]:
     """POST `body` as JSON to the ASGI `app` -> (status, the JSON answer): the server's routing,
     validation and error handling, without a socket."""
     data = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-             "client": ("127.0.0.1", 0), "server": ("batch", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        "client": ("127.0.0.1", 0),
+        "server": ("batch", 80),
+    }
     sent = False
     status, chunks = 500, []
 
@@ -74,7 +97,7 @@ async def post(app, path: str, body: dict) -> tuple[int, dict]:
         if not sent:
             sent = True
             return {"type": "http.request", "body": data, "more_body": False}
-        await asyncio.Event().wait()   # the client never goes away
+        await asyncio.Event().wait()  # the client never goes away
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
@@ -83,6 +106,7 @@ async def post(app, path: str, body: dict) -> tuple[int, dict]:
             status = message["status"]
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
+
     await app(scope, receive, send)
     return status, json.loads(b"".join(chunks))
 
@@ -101,12 +125,18 @@ async def run_lines(app, lines: list[str], show_progress: bool = True) -> list[d
         else:
             async with gate:
                 status, answer = await post(app, url, body)
-            records[i] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-                          "response": {"status_code": status,
-                                       "request_id": answer.get("id") or f"req_{uuid.uuid4().hex}",
-                                       "body": answer},
-                          "error": None}
+            records[i] = {
+                "id": f"batch_req_{uuid.uuid4().hex}",
+                "custom_id": custom_id,
+                "response": {
+                    "status_code": status,
+                    "request_id": answer.get("id") or f"req_{uuid.uuid4().hex}",
+                    "body": answer,
+                },
+                "error": None,
+            }
         bar.update(1)
+
     await asyncio.gather(*(one(i, line) for i, line in enumerate(lines)))
     bar.close()
     return records
@@ -116,6 +146,7 @@ async def run_batch(ns, engine_args) -> int:
     from pagedllm.engine.async_encoder import make_async_engine
     from pagedllm.entrypoints.openai.api_server import _load_chat_template, build_app
     from pagedllm.models.download import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+
     with open(ns.input_file) as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
     model = engine_args.model
@@ -123,9 +154,14 @@ async def run_batch(ns, engine_args) -> int:
     engine = make_async_engine(engine_args, names[0], log_level="WARNING")
     try:
         await engine.start()
-        app = build_app(engine, names, chat_template=_load_chat_template(ns.chat_template),
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                        reasoning_parser=ns.reasoning_parser)
+        app = build_app(
+            engine,
+            names,
+            chat_template=_load_chat_template(ns.chat_template),
+            enable_auto_tool_choice=ns.enable_auto_tool_choice,
+            tool_call_parser=ns.tool_call_parser,
+            reasoning_parser=ns.reasoning_parser,
+        )
         records = await run_lines(app, lines, show_progress=not ns.disable_progress_bar)
     finally:
         await engine.shutdown()

@@ -2,6 +2,7 @@
 its engine-core processes too), waited for until /health answers, stopped with SIGTERM, then
 SIGKILL. Used by the proxy's Ray launcher, by the benchmarks that start servers to load them, and
 by the tests' RemoteServer."""
+
 from __future__ import annotations
 
 import os
@@ -23,27 +24,43 @@ def _die_with_parent() -> None:
     """In the server's process before exec: SIGKILL when its parent dies (Linux)."""
     if sys.platform.startswith("linux"):
         import ctypes
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class ServerProcess:
-    def __init__(self, cmd: list, url: str, env: dict | None = None, name: str = "server",
-                 die_with_parent: bool = False, cwd: str | None = None) -> None:
+    def __init__(
+        self,
+        cmd: list,
+        url: str,
+        env: dict | None = None,
+        name: str = "server",
+        die_with_parent: bool = False,
+        cwd: str | None = None,
+    ) -> None:
         self.url, self.name = url, name
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagedllm-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
-                                     start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None,
-                                     env=dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1"))
+        self.proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+            env=dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1"),
+        )
 
     def wait_ready(self, timeout: float) -> None:
         """Returns once the server answers /health; RuntimeError with its log if it exits or is
         not ready within `timeout` seconds (it is stopped then)."""
         import httpx
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} at {self.url}: the server exited ({self.proc.returncode}):\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} at {self.url}: the server exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -72,7 +89,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 continue
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # whatever of the session is left
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the session is left
         except (ProcessLookupError, PermissionError):
             pass
         try:

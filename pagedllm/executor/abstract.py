@@ -10,6 +10,7 @@ back. Whether steps can overlap is something the executor declares
     mp   (multiproc_executor.py)        rank 0 here, the other ranks in local processes
     ray  (ray_distributed_executor.py)  rank 0 here, the other ranks as Ray actors
 """
+
 from __future__ import annotations
 
 import importlib

@@ -14,6 +14,7 @@ check before the step catch it); the executor then raises ExecutorError naming t
 pid and how it ended, kills the remaining workers and refuses any further step. Nothing waits
 without a timeout.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,13 +61,14 @@ class DistributedExecutor(Executor):
 
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] = ()) -> None:
         from pagedllm.distributed.parallel_state import dist_timeout
+
         super().__init__(config, eos_token_ids)
         pc = config.parallel_config
         self.world_size = pc.world_size
         self.tp_size, self.pp_size = pc.tensor_parallel_size, pc.pipeline_parallel_size
         self.failed: Optional[ExecutorError] = None
         self.is_shutdown = False
-        self._in_flight = 0        # steps submitted and not finished
+        self._in_flight = 0  # steps submitted and not finished
         self.max_in_flight = 0
         # Every rank can be busy at once (TP ranks always; pipeline stages with steps in
         # flight), so the cores are divided among them: more threads than cores makes
@@ -79,25 +81,31 @@ class DistributedExecutor(Executor):
         env_threads = envs.PAGEDLLM_WORKER_THREADS
         self.num_threads = env_threads or max(1, self._saved_threads // self.world_size)
         self.host = self._driver_host()
-        self.store = dist.TCPStore(self.host, 0, self.world_size, is_master=True,
-                                   timeout=dist_timeout(), wait_for_workers=False)
+        self.store = dist.TCPStore(
+            self.host, 0, self.world_size, is_master=True, timeout=dist_timeout(), wait_for_workers=False
+        )
         self.master_port = self.store.port
-        self.driver_worker = Worker(config, self.eos_token_ids, rank=0, master_addr=self.host,
-                                    master_port=self.master_port, host=self.host)
+        self.driver_worker = Worker(
+            config, self.eos_token_ids, rank=0, master_addr=self.host, master_port=self.master_port, host=self.host
+        )
         self.stats = None
-        self._stats_box: list = []   # for a backend's finalizer (which must not hold self)
+        self._stats_box: list = []  # for a backend's finalizer (which must not hold self)
         try:
             self._start_workers()
             self._send_all("init_device", ())
-            torch.set_num_threads(self.num_threads)   # here: OpenMP's setting is per thread
-            self._while_workers_live(lambda: self.driver_worker.init_device(store=self.store),
-                                     envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "joining the process groups")
+            torch.set_num_threads(self.num_threads)  # here: OpenMP's setting is per thread
+            self._while_workers_live(
+                lambda: self.driver_worker.init_device(store=self.store),
+                envs.PAGEDLLM_WORKER_START_TIMEOUT_S,
+                "joining the process groups",
+            )
             self._collect_all(envs.PAGEDLLM_WORKER_START_TIMEOUT_S, "joining the process groups")
             self.stats = self.driver_worker.parallel.stats
             self._stats_box.append(self.stats)
             # Every rank gets the same number of blocks: the memory budget binds the largest shard.
-            loaded = self.collective_rpc("load_model", timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S,
-                                         what="loading the model")
+            loaded = self.collective_rpc(
+                "load_model", timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S, what="loading the model"
+            )
             self._kv_bytes_per_block = max(nbytes for nbytes, _ in loaded)
             self._kv_cache_config = merge_stage_configs([layout for _, layout in loaded])
         except BaseException as e:
@@ -105,9 +113,15 @@ class DistributedExecutor(Executor):
             if isinstance(e, ExecutorError):
                 raise
             raise ExecutorError(f"the {self.backend_name} executor failed to start: {e}") from e
-        logger.info("%s executor: %d ranks (tensor %d x pipeline %d), %d threads each, worker pids %s",
-                    self.backend_name, self.world_size, pc.tensor_parallel_size,
-                    pc.pipeline_parallel_size, self.num_threads, self.worker_pids())
+        logger.info(
+            "%s executor: %d ranks (tensor %d x pipeline %d), %d threads each, worker pids %s",
+            self.backend_name,
+            self.world_size,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+            self.num_threads,
+            self.worker_pids(),
+        )
 
     # ------------------------------------------------------------ to be provided by a backend
     def _driver_host(self) -> str:
@@ -209,8 +223,11 @@ class DistributedExecutor(Executor):
         if isinstance(e, ExecutorError):
             return self._fail(e)
         dead = self._dead_worker(wait=5.0)
-        msg = (f"{dead}; the engine cannot continue" if dead else
-               f"a step of the split model failed on the driver: {type(e).__name__}: {e}")
+        msg = (
+            f"{dead}; the engine cannot continue"
+            if dead
+            else f"a step of the split model failed on the driver: {type(e).__name__}: {e}"
+        )
         err = self._fail(ExecutorError(msg))
         err.__cause__ = e
         return err
@@ -247,6 +264,7 @@ class DistributedExecutor(Executor):
                 box["result"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e
+
         t = threading.Thread(target=run, daemon=True, name="pagedllm-executor-init")
         t.start()
         deadline = time.monotonic() + timeout
@@ -271,6 +289,6 @@ class DistributedExecutor(Executor):
         try:
             self._stop_workers()
         finally:
-            self.driver_worker.shutdown()   # leaves the process groups
+            self.driver_worker.shutdown()  # leaves the process groups
             self.store = None
             self._restore_threads()

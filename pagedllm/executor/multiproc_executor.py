@@ -4,6 +4,7 @@ so the engine works from a notebook, `python -c` or a script on stdin, without a
 guard. Workers end with the driver: a graceful shutdown message, else SIGTERM, else SIGKILL;
 and on their own when the driver's end of the socket closes (the driver died) or the parent
 process is gone."""
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,11 @@ def start_worker(**kwargs) -> tuple[WorkerProcess, Connection]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     with theirs:
-        proc = WorkerProcess([sys.executable, "-m", "pagedllm.executor.worker_main", str(theirs.fileno())],
-                             pass_fds=(theirs.fileno(),), env=env)
+        proc = WorkerProcess(
+            [sys.executable, "-m", "pagedllm.executor.worker_main", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
     conn = Connection(ours.detach())
     conn.send(kwargs)
     return proc, conn
@@ -91,9 +95,16 @@ class MultiprocExecutor(DistributedExecutor):
         self._finalizer = weakref.finalize(self, _reap, self.procs, self._stats_box)
         level = logging.getLogger().getEffectiveLevel()
         for rank in range(1, self.world_size):
-            p, conn = start_worker(config=self.config, eos_token_ids=self.eos_token_ids, rank=rank,
-                                   master_addr=self.host, master_port=self.master_port,
-                                   host=self.host, num_threads=self.num_threads, log_level=level)
+            p, conn = start_worker(
+                config=self.config,
+                eos_token_ids=self.eos_token_ids,
+                rank=rank,
+                master_addr=self.host,
+                master_port=self.master_port,
+                host=self.host,
+                num_threads=self.num_threads,
+                log_level=level,
+            )
             self.procs.append(p)
             self.conns.append(conn)
 
@@ -108,8 +119,9 @@ class MultiprocExecutor(DistributedExecutor):
                 conn.send((method, args))
             except (BrokenPipeError, ConnectionResetError, OSError) as e:
                 dead = self._dead_worker(wait=2.0)
-                raise ExecutorError(f"{dead or f'worker rank {rank} is unreachable ({e})'}; "
-                                    "the engine cannot continue") from e
+                raise ExecutorError(
+                    f"{dead or f'worker rank {rank} is unreachable ({e})'}; the engine cannot continue"
+                ) from e
 
     def _collect_all(self, timeout: float, what: str) -> list:
         deadline = time.monotonic() + timeout
@@ -123,18 +135,17 @@ class MultiprocExecutor(DistributedExecutor):
                     try:
                         kind, value = conn.recv()
                     except EOFError:
-                        raise ExecutorError(f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)} "
-                                            f"while {what}") from None
+                        raise ExecutorError(
+                            f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)} while {what}"
+                        ) from None
                     if kind == "error":
                         raise ExecutorError(value)
                     results.append(value)
                     break
                 if not p.is_alive():
-                    raise ExecutorError(f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)} "
-                                        f"while {what}")
+                    raise ExecutorError(f"worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)} while {what}")
                 if time.monotonic() > deadline:
-                    raise ExecutorError(f"worker rank {rank} did not answer within {timeout:.0f} s "
-                                        f"while {what}")
+                    raise ExecutorError(f"worker rank {rank} did not answer within {timeout:.0f} s while {what}")
         return results
 
     def _dead_worker(self, wait: float = 0.0) -> Optional[str]:

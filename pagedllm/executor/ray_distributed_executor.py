@@ -7,6 +7,7 @@ engine's lifetime. Control messages are actor calls; tensors move through torch.
 (Gloo here, NCCL on GPUs), whose groups bind to each actor's node address. A dead actor makes
 the driver's next collective fail; the executor reports Ray's ActorDiedError with the rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,24 +44,28 @@ class RayDistributedExecutor(DistributedExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from pagedllm.worker.worker import Worker
+
         self.workers: list = []
-        self._pending: list = []        # the last non-step call (start-up, KV cache)
-        self._outstanding: list = []    # (rank, ref) of step calls not yet reaped
+        self._pending: list = []  # the last non-step call (start-up, KV cache)
+        self._outstanding: list = []  # (rank, ref) of step calls not yet reaped
         self._pids: list[int] = []
         bundles = [{"CPU": 1} for _ in range(self.world_size)]
         self.pg = placement_group(bundles, strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S)
         if not ready:
-            raise ExecutorError(f"Ray could not place {self.world_size} bundles of 1 CPU within "
-                                f"{envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
+            raise ExecutorError(
+                f"Ray could not place {self.world_size} bundles of 1 CPU within "
+                f"{envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})"
+            )
         actor_cls = ray.remote(num_cpus=1)(Worker)
         for rank in range(1, self.world_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                        placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
             # host=None: the actor binds its Gloo device to its own node's address.
-            self.workers.append(actor_cls.options(scheduling_strategy=strategy, max_concurrency=1,
-                                                  name=None).remote(
-                self.config, self.eos_token_ids, rank, self.host, self.master_port, None, self.num_threads))
+            self.workers.append(
+                actor_cls.options(scheduling_strategy=strategy, max_concurrency=1, name=None).remote(
+                    self.config, self.eos_token_ids, rank, self.host, self.master_port, None, self.num_threads
+                )
+            )
         self._pids = ray.get([w.get_pid.remote() for w in self.workers], timeout=envs.PAGEDLLM_WORKER_START_TIMEOUT_S)
 
     def worker_pids(self) -> list[int]:
@@ -69,9 +74,12 @@ class RayDistributedExecutor(DistributedExecutor):
     def _send_all(self, method: str, args: tuple, ranks=None) -> None:
         if method == "execute_model_worker" and len(self.workers) > 1:
             ray = _ray()
-            args = (ray.put(args[0]), args[1])   # one copy of the SchedulerOutput for all actors
-        refs = [(rank, getattr(w, method).remote(*args))
-                for rank, w in enumerate(self.workers, start=1) if ranks is None or rank in ranks]
+            args = (ray.put(args[0]), args[1])  # one copy of the SchedulerOutput for all actors
+        refs = [
+            (rank, getattr(w, method).remote(*args))
+            for rank, w in enumerate(self.workers, start=1)
+            if ranks is None or rank in ranks
+        ]
         if method in STEP_CALLS:
             self._outstanding.extend(refs)
         else:
@@ -94,7 +102,9 @@ class RayDistributedExecutor(DistributedExecutor):
             return
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S if wait else 0)
         if wait and len(ready) < len(refs):
-            raise ExecutorError(f"a Ray worker did not finish its step within {envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S:.0f} s")
+            raise ExecutorError(
+                f"a Ray worker did not finish its step within {envs.PAGEDLLM_WORKER_CALL_TIMEOUT_S:.0f} s"
+            )
         done = set(ready)
         try:
             ray.get(ready)
@@ -122,7 +132,7 @@ class RayDistributedExecutor(DistributedExecutor):
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayError as e:
                     pid = self._pids[rank - 1] if rank - 1 < len(self._pids) else "?"
-                    kind = ("died" if isinstance(e, ray.exceptions.RayActorError) else "failed")
+                    kind = "died" if isinstance(e, ray.exceptions.RayActorError) else "failed"
                     return f"worker rank {rank} (Ray actor, pid {pid}) {kind}: {type(e).__name__}: {e}"
             if time.monotonic() >= deadline:
                 return None
@@ -140,6 +150,7 @@ class RayDistributedExecutor(DistributedExecutor):
         pg = getattr(self, "pg", None)
         if pg is not None:
             from ray.util.placement_group import remove_placement_group
+
             try:
                 remove_placement_group(pg)
             except Exception:

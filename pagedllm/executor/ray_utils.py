@@ -1,5 +1,6 @@
 """Joining Ray: the cluster at RAY_ADDRESS when set (`ray start --head`, or a multi-node
 cluster), else an already initialised Ray, else a private local one on 127.0.0.1."""
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,11 @@ def init_ray(num_cpus: int) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     # A private local cluster on the loopback interface, for this process only.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=128 << 20, log_to_driver=True)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 << 20,
+        log_to_driver=True,
+    )
     return True

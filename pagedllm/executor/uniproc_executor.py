@@ -7,6 +7,7 @@ the step's kernels are launched (the runner's AsyncModelRunnerOutput); on the CP
 on one worker thread (torch releases the GIL in its kernels), so the host's scheduling and
 output processing overlap it there too. Steps run in submission order either way.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,8 +32,12 @@ class UniProcExecutor(Executor):
         self._thread: Optional[ThreadPoolExecutor] = None
         if self.async_scheduling and config.device_config.device == "cpu":
             # OpenMP's thread count is per thread: the step thread takes this one's.
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-step", initializer=torch.set_num_threads,
-                                              initargs=(torch.get_num_threads(),))
+            self._thread = ThreadPoolExecutor(
+                1,
+                thread_name_prefix="pagedllm-step",
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
 
     def kv_bytes_per_block(self) -> int:
         return self.driver_worker.kv_bytes_per_block()
@@ -60,7 +65,7 @@ class UniProcExecutor(Executor):
 
     def finish(self, handle: Any) -> ModelRunnerOutput:
         out = handle.result() if isinstance(handle, Future) else handle
-        return out.get_output() if hasattr(out, "get_output") else out   # async: AsyncModelRunnerOutput
+        return out.get_output() if hasattr(out, "get_output") else out  # async: AsyncModelRunnerOutput
 
     def reset(self) -> None:
         self.driver_worker.reset()

@@ -5,6 +5,7 @@ re-runs the script that made the engine, which fails for `python -c` or a script
 stdin and re-runs unguarded top-level code). FD is the worker's end of a socket pair with the
 driver; the first message on it is run_worker_process's arguments.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,10 +27,11 @@ def run_worker_process(conn, log_level: int, **worker_kwargs) -> None:
     ("ok", result). A failure is sent as ("error", text) and ends the process; the driver's next
     collective fails at once, and it reports the text. The process also ends when the driver
     is gone (its end of the socket closes, or the parent process changes)."""
-    from pagedllm.worker.worker import Worker   # after the fd is ours: torch is slow to import
+    from pagedllm.worker.worker import Worker  # after the fd is ours: torch is slow to import
+
     rank = worker_kwargs["rank"]
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the driver's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     parent = os.getppid()
     worker = Worker(**worker_kwargs)
     try:
@@ -45,7 +47,7 @@ def run_worker_process(conn, log_level: int, **worker_kwargs) -> None:
             if method not in STEP_CALLS:
                 conn.send(("ok", result))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return   # the driver is gone or ended us
+        return  # the driver is gone or ended us
     except BaseException:
         text = f"worker rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}"
         logger.error("%s", text)
@@ -57,7 +59,7 @@ def run_worker_process(conn, log_level: int, **worker_kwargs) -> None:
     finally:
         worker.shutdown()
     try:
-        conn.send(("ok", None))   # the shutdown is done
+        conn.send(("ok", None))  # the shutdown is done
     except Exception:
         pass
 

@@ -15,6 +15,7 @@ tests call `compile_launch` directly. Run with TRITON_INTERPRET unset (under the
 kernels are not compilable objects). The launcher internals used here are Triton 3.9's (the
 version pyproject pins).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 def gpu_target(arch: int):
     """Triton's target for an NVIDIA GPU of compute capability sm_<arch> (80, 90, ...)."""
     from triton.backends.compiler import GPUTarget
+
     return GPUTarget("cuda", arch, 32)
 
 
@@ -39,6 +41,7 @@ def specialise(launch: KernelLaunch, target):
     ``target`` from the launch's arguments."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
+
     fn = launch.kernel
     if not hasattr(fn, "params"):
         raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET is set): unset it")
@@ -52,12 +55,14 @@ def specialise(launch: KernelLaunch, target):
 def resource_usage(cubin: bytes) -> tuple[int, int]:
     """(registers, local bytes) per thread of a cubin's one kernel, from cuobjdump."""
     import triton
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", text)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
@@ -69,12 +74,10 @@ def compile_launch(launch: KernelLaunch, arch: int) -> dict:
     architecture), registers and local bytes per thread."""
     import triton
     from triton.compiler import ASTSource
+
     target = gpu_target(arch)
     options, signature, constexprs, attrs = specialise(launch, target)
-    ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                        options=options.__dict__)
+    ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
     regs, local = resource_usage(ck.asm["cubin"])
     shared = int(ck.metadata.shared)
     return dict(shared=shared, fits=shared <= MAX_SHARED[arch], registers=regs, local=local)
-
-

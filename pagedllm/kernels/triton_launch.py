@@ -2,6 +2,7 @@
 shares (attention, LoRA, fused MoE, FP8 linear). A launcher returns `KernelLaunch`es instead of
 launching: `launch()` makes one on its arguments' device, and triton_aot.py compiles the same
 description for a GPU that is not here (tools/aot_*.py, the AOT tests)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,11 +12,12 @@ from typing import Optional
 @dataclass
 class KernelLaunch:
     """One kernel launch: ``launch()`` makes it on the arguments' device."""
-    kernel: object                 # a @triton.jit function
+
+    kernel: object  # a @triton.jit function
     grid: tuple
-    args: tuple                    # positional: tensors, ints, floats
+    args: tuple  # positional: tensors, ints, floats
     constexprs: dict
-    options: dict                  # num_warps, num_stages, ...
+    options: dict  # num_warps, num_stages, ...
 
     def launch(self) -> None:
         self.kernel[self.grid](*self.args, **self.constexprs, **self.options)

@@ -6,6 +6,7 @@ a layer's base method plus the batch's adapter deltas), punica.py (the step's to
 mapping and the torch shrink / expand), triton_ops.py (the same on the GPU),
 worker_manager.py (the slots, the host cache, LRU).
 """
+
 from pagedllm.lora.request import LoRARequest
 
 __all__ = ["LoRARequest"]

@@ -1,5 +1,6 @@
 """LoRAModel: an adapter's weights, read from its safetensors, keyed by the model's fused
 layers: B is scaled once here (y += x A^T (s B)^T, the same product as PEFT's s * B(A(x)))."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

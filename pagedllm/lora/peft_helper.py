@@ -2,6 +2,7 @@
 tensor is read: adapter_config.json + adapter_model.safetensors (never a pickle), targets among
 q/k/v/o and gate/up/down of the decoder layers, a rank within --max-lora-rank. Every refusal is
 a ValueError naming the file, module or option."""
+
 from __future__ import annotations
 
 import math
@@ -16,22 +17,29 @@ from pagedllm.json_config import read_json_object
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
 # PEFT's projection name -> (our fused layer under layers.{i}, the shard index inside it).
-TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
-           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-           "down_proj": ("mlp.down_proj", 0)}
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
 
 # PEFT's key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 # Options that change what the adapter computes and that we do not implement: (key, why).
-_REFUSED = (("use_dora", "DoRA (use_dora) is not supported"),
-            ("modules_to_save", "modules_to_save (fully trained modules) is not supported"),
-            ("fan_in_fan_out", "fan_in_fan_out is not supported (Llama's projections are nn.Linear)"),
-            ("rank_pattern", "per-module ranks (rank_pattern) are not supported"),
-            ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
-            ("layers_to_transform", "layers_to_transform is not supported"),
-            ("lora_bias", "LoRA biases (lora_bias) are not supported"))
+_REFUSED = (
+    ("use_dora", "DoRA (use_dora) is not supported"),
+    ("modules_to_save", "modules_to_save (fully trained modules) is not supported"),
+    ("fan_in_fan_out", "fan_in_fan_out is not supported (Llama's projections are nn.Linear)"),
+    ("rank_pattern", "per-module ranks (rank_pattern) are not supported"),
+    ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
+    ("layers_to_transform", "layers_to_transform is not supported"),
+    ("lora_bias", "LoRA biases (lora_bias) are not supported"),
+)
 
 
 def projection_shapes(hf: dict) -> dict[str, tuple[int, int]]:
@@ -40,17 +48,25 @@ def projection_shapes(hf: dict) -> dict[str, tuple[int, int]]:
     D = hf.get("head_dim") or H // hf["num_attention_heads"]
     q, kv = hf["num_attention_heads"] * D, hf.get("num_key_value_heads", hf["num_attention_heads"]) * D
     inter = hf.get("intermediate_size")
-    return {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
-            "gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}
+    return {
+        "q_proj": (q, H),
+        "k_proj": (kv, H),
+        "v_proj": (kv, H),
+        "o_proj": (H, q),
+        "gate_proj": (inter, H),
+        "up_proj": (inter, H),
+        "down_proj": (H, inter),
+    }
 
 
 @dataclass
 class PEFTHelper:
     """What an adapter directory holds, checked: its rank, scaling, and per (layer, projection)
     the safetensors keys of A and B."""
+
     path: str
     r: int
-    scaling: float                               # lora_alpha / r, or / sqrt(r) with rsLoRA
+    scaling: float  # lora_alpha / r, or / sqrt(r) with rsLoRA
     keys: dict[tuple[int, str], tuple[str, str]]  # (layer, PEFT projection) -> (A key, B key)
 
     @classmethod
@@ -96,26 +112,31 @@ def _check_tensors(path: str, hf: dict, r: int) -> dict[tuple[int, str], tuple[s
     found: dict[tuple[int, str], dict[str, str]] = {}
     try:
         f = safe_open(os.path.join(path, WEIGHTS_NAME), framework="pt")
-    except Exception as e:   # safetensors raises its own error types for a bad header
+    except Exception as e:  # safetensors raises its own error types for a bad header
         raise ValueError(f"adapter {path}: {WEIGHTS_NAME} is not a readable safetensors file: {e}") from None
     with f:
         for key in f.keys():
             m = _KEY.match(key)
             if m is None:
-                raise ValueError(f"adapter {path}: tensor {key!r} is not a LoRA A/B of a decoder layer's "
-                                 f"projection (supported modules: {sorted(TARGETS)})")
+                raise ValueError(
+                    f"adapter {path}: tensor {key!r} is not a LoRA A/B of a decoder layer's "
+                    f"projection (supported modules: {sorted(TARGETS)})"
+                )
             layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
             if proj not in TARGETS:
-                raise ValueError(f"adapter {path}: target module {proj!r} is not supported "
-                                 f"(supported: {sorted(TARGETS)})")
+                raise ValueError(
+                    f"adapter {path}: target module {proj!r} is not supported (supported: {sorted(TARGETS)})"
+                )
             if layer >= num_layers:
                 raise ValueError(f"adapter {path}: {key!r} names layer {layer}; the model has {num_layers}")
             out, inp = shapes[proj]
             want = (r, inp) if ab == "A" else (out, r)
             got = tuple(f.get_slice(key).get_shape())
             if got != want:
-                raise ValueError(f"adapter {path}: {key!r} has shape {list(got)}, the model needs {list(want)} "
-                                 "(an adapter of another base model?)")
+                raise ValueError(
+                    f"adapter {path}: {key!r} has shape {list(got)}, the model needs {list(want)} "
+                    "(an adapter of another base model?)"
+                )
             found.setdefault((layer, proj), {})[ab] = key
     for (layer, proj), ab in found.items():
         if set(ab) != {"A", "B"}:
@@ -130,17 +151,22 @@ def check_lora_request(lora, config, known: dict) -> None:
     valid for the model (read once per id: `known` maps checked ids to their request), one id
     for one adapter."""
     from pagedllm.lora.request import LoRARequest
+
     if not isinstance(lora, LoRARequest):
         raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
     lc = config.lora_config
     if lc is None:
-        raise ValueError(f"lora_request {lora.lora_name!r} given, but LoRA is off: "
-                         "start the engine with enable_lora=True (--enable-lora)")
+        raise ValueError(
+            f"lora_request {lora.lora_name!r} given, but LoRA is off: "
+            "start the engine with enable_lora=True (--enable-lora)"
+        )
     seen = known.get(lora.lora_int_id)
     if seen is not None:
         if seen.lora_path != lora.lora_path:
-            raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter {seen.lora_path!r}; "
-                             f"give {lora.lora_path!r} an id of its own")
+            raise ValueError(
+                f"lora_int_id {lora.lora_int_id} is already adapter {seen.lora_path!r}; "
+                f"give {lora.lora_path!r} an id of its own"
+            )
         return
     PEFTHelper.from_local_dir(lora.lora_path, config.model_config.hf_config, lc.max_lora_rank)
     known[lora.lora_int_id] = lora

@@ -19,6 +19,7 @@ i's columns i*L*R..., slot s's R of them at s*R within), B^T [L * R, out] (shard
 columns read only its own L * R rows): no block-diagonal zeros in the expand (S times fewer
 products than one matmul over B), and both GEMMs over contiguous row-major operands.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -44,11 +45,11 @@ class LoRAMapping:
             return
         self.token_slots = torch.from_numpy(token_slots.astype(np.int32)).to(device, non_blocking=True)
         self._np_slots, self._device = token_slots, device
-        self.dense = not self.use_triton and len(token_slots) <= DENSE_MAX_TOKENS   # else the kernels / segments
+        self.dense = not self.use_triton and len(token_slots) <= DENSE_MAX_TOKENS  # else the kernels / segments
 
     def clear(self) -> None:
         self.active, self.dense = False, False
-        self.token_slots: Optional[torch.Tensor] = None          # [T] int32, -1: base
+        self.token_slots: Optional[torch.Tensor] = None  # [T] int32, -1: base
         self._np_slots, self._device = None, None
         self._segments: Optional[list[tuple[int, Union[slice, torch.Tensor]]]] = None
         self._masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
@@ -78,42 +79,56 @@ class LoRAMapping:
         return self._masks[key]
 
 
-def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   mapping: LoRAMapping) -> None:
+def add_lora_torch(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+) -> None:
     """y [T, out] += each token's (x A[slot]^T) B[slot]^T, in place, per active slot over its
     rows. lora_a [L, SR, in], lora_b [out, L * SR] (the slot layout)."""
     SR = lora_a.shape[1]
     for slot, rows in mapping.segments:
-        a, b = lora_a[slot], lora_b[:, slot * SR:(slot + 1) * SR]
+        a, b = lora_a[slot], lora_b[:, slot * SR : (slot + 1) * SR]
         if isinstance(rows, slice):
             y[rows] += (x[rows] @ a.t()) @ b.t()
         else:
             y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
 
 
-def add_lora_dense(y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
-                   shard_cols: Sequence[tuple[int, int]], rank: int, mapping: LoRAMapping) -> None:
+def add_lora_dense(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_t: torch.Tensor,
+    b_t: torch.Tensor,
+    shard_cols: Sequence[tuple[int, int]],
+    rank: int,
+    mapping: LoRAMapping,
+) -> None:
     """y [T, out] += each token's delta, in place, every slot at once (the masked form). a_t
     [in, S * L * R], b_t [L * R, out] (the compute layout); shard_cols[i]: (first out column,
     count) of shard i."""
     S = len(shard_cols)
     LR = a_t.shape[1] // S
-    h = torch.mm(x, a_t).mul_(mapping.mask(LR // rank, rank, x.dtype, S))       # [T, S * L * R]
+    h = torch.mm(x, a_t).mul_(mapping.mask(LR // rank, rank, x.dtype, S))  # [T, S * L * R]
     if S == 1:
         y.addmm_(h, b_t)
         return
     for i, (at, n) in enumerate(shard_cols):
-        y[:, at:at + n].addmm_(h[:, i * LR:(i + 1) * LR], b_t[:, at:at + n])
+        y[:, at : at + n].addmm_(h[:, i * LR : (i + 1) * LR], b_t[:, at : at + n])
 
 
-def write_compute_slot(a_t: torch.Tensor, b_t: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       slot: int, shard_cols: Sequence[tuple[int, int]]) -> None:
+def write_compute_slot(
+    a_t: torch.Tensor,
+    b_t: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot: int,
+    shard_cols: Sequence[tuple[int, int]],
+) -> None:
     """Copy slot `slot` of the slot layout (lora_a [L, S * R, in], lora_b [out, L * S * R]) into
     the compute layout (a_t [in, S * L * R], b_t [L * R, out])."""
     L, SR, n_in = lora_a.shape
     S = len(shard_cols)
     R = SR // S
     a_t.view(n_in, S, L, R)[:, :, slot].copy_(lora_a[slot].view(S, R, n_in).permute(2, 0, 1))
-    slot_b = lora_b[:, slot * SR:(slot + 1) * SR]                                 # [out, S * R]
+    slot_b = lora_b[:, slot * SR : (slot + 1) * SR]  # [out, S * R]
     for i, (at, n) in enumerate(shard_cols):
-        b_t[slot * R:(slot + 1) * R, at:at + n].copy_(slot_b[at:at + n, i * R:(i + 1) * R].t())
+        b_t[slot * R : (slot + 1) * R, at : at + n].copy_(slot_b[at : at + n, i * R : (i + 1) * R].t())

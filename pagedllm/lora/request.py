@@ -1,4 +1,5 @@
 """LoRARequest: which adapter a request runs with (vLLM's lora/request.py names)."""
+
 from __future__ import annotations
 
 import msgspec
@@ -17,6 +18,7 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     """lora_name: the name users pick it by (the server's `model`); lora_int_id: a unique id
     >= 1 (the prefix cache keys blocks by it, the worker its slot); lora_path: a PEFT adapter
     directory (adapter_config.json + adapter_model.safetensors)."""
+
     lora_name: str
     lora_int_id: int
     lora_path: str = ""

@@ -7,6 +7,7 @@ slot or the least recently used one not in this step, copied in from the host ca
 from its directory first). Then it sets the step's token -> slot mapping that the wrapped
 layers read.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,8 +28,9 @@ LORA_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 
 class LoRAModelManager:
-    def __init__(self, model: nn.Module, hf: dict, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, hf: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int, device: torch.device
+    ) -> None:
         self.hf, self.max_loras, self.max_rank, self.max_cpu_loras = hf, max_loras, max_lora_rank, max_cpu_loras
         self.mapping = LoRAMapping(use_triton=device.type == "cuda")
         dtype = next(model.parameters()).dtype
@@ -38,14 +40,14 @@ class LoRAModelManager:
                 try:
                     layer = decoder.get_submodule(name)
                 except AttributeError:
-                    continue   # e.g. an MoE layer's experts: no adapter can target them
+                    continue  # e.g. an MoE layer's experts: no adapter can target them
                 if not isinstance(layer, LinearBase):
                     continue
                 layer.linear_method = LoRALinearMethod(layer.linear_method, self.mapping)
                 layer.linear_method.create_lora_weights(layer, max_loras, max_lora_rank, dtype, device)
                 self.layers[f"layers.{i}.{name}"] = layer
-        model.lora_mapping = self.mapping   # the C++ decode loop steps aside when it is active
-        self.slots: OrderedDict[int, int] = OrderedDict()   # lora_int_id -> slot, least recent first
+        model.lora_mapping = self.mapping  # the C++ decode loop steps aside when it is active
+        self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
         self.host: OrderedDict[int, LoRAModel] = OrderedDict()
 
     def _host_model(self, lora: LoRARequest) -> LoRAModel:
@@ -108,5 +110,6 @@ def make_lora_manager(model: nn.Module, config, device: torch.device) -> Optiona
     lc = config.lora_config
     if lc is None:
         return None
-    return LoRAModelManager(model, config.model_config.hf_config, lc.max_loras, lc.max_lora_rank,
-                            lc.max_cpu_loras, device)
+    return LoRAModelManager(
+        model, config.model_config.hf_config, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, device
+    )

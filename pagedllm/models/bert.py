@@ -6,14 +6,21 @@ An encoder request is prefill-only: every token attends to every token of its ow
 nothing is decoded afterwards, so there is nothing to cache and no paging to do. A batch is
 padded to its longest prompt; the padding is masked out of the keys (attention_mask) and out of
 the pooling (models/encoder_pooling.py)."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "XLMRobertaModel",
-                 "XLMRobertaForSequenceClassification", "RobertaModel", "RobertaForSequenceClassification")
+ARCHITECTURES = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+    "RobertaModel",
+    "RobertaForSequenceClassification",
+)
 
 
 class BertEmbeddings(nn.Module):
@@ -29,11 +36,11 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         if self.pad_offset is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)        # [T]
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # [T]
         else:
             real = (input_ids != self.pad_offset).long()
-            positions = torch.cumsum(real, 1) * real + self.pad_offset                 # [B, T]
-        if self.token_type_embeddings.num_embeddings == 1:   # RoBERTa: one segment type for pairs too
+            positions = torch.cumsum(real, 1) * real + self.pad_offset  # [B, T]
+        if self.token_type_embeddings.num_embeddings == 1:  # RoBERTa: one segment type for pairs too
             token_type_ids = torch.zeros_like(token_type_ids)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)  # [B, T, H]
         return self.LayerNorm(x + self.position_embeddings(positions))
@@ -54,9 +61,11 @@ class BertLayer(nn.Module):
         b, t, h = x.shape
 
         def heads(lin: nn.Linear) -> torch.Tensor:
-            return lin(x).view(b, t, self.num_heads, h // self.num_heads).transpose(1, 2)   # [B, nh, T, d]
-        a = F.scaled_dot_product_attention(heads(self.query), heads(self.key), heads(self.value),
-                                           attn_mask=key_mask, is_causal=False)
+            return lin(x).view(b, t, self.num_heads, h // self.num_heads).transpose(1, 2)  # [B, nh, T, d]
+
+        a = F.scaled_dot_product_attention(
+            heads(self.query), heads(self.key), heads(self.value), attn_mask=key_mask, is_causal=False
+        )
         x = self.attn_norm(x + self.attn_out(a.transpose(1, 2).reshape(b, t, h)))
         # BERT's "gelu" is the exact (erf) GELU.
         return self.out_norm(x + self.output(F.gelu(self.intermediate(x))))
@@ -68,8 +77,10 @@ class BertModel(nn.Module):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         if cfg.get("hidden_act", "gelu") != "gelu" or cfg.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"BERT with hidden_act {cfg.get('hidden_act')!r} / position_embedding_type "
-                             f"{cfg.get('position_embedding_type')!r} is not supported (gelu, absolute)")
+            raise ValueError(
+                f"BERT with hidden_act {cfg.get('hidden_act')!r} / position_embedding_type "
+                f"{cfg.get('position_embedding_type')!r} is not supported (gelu, absolute)"
+            )
         self.embeddings = BertEmbeddings(cfg)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.is_classifier = any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or [])
@@ -83,7 +94,7 @@ class BertModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor):
         """input_ids, token_type_ids, attention_mask: [B, T] (mask 1 for tokens, 0 for padding)."""
         x = self.embeddings(input_ids, token_type_ids)
-        key_mask = attention_mask.bool()[:, None, None, :]                               # [B, 1, 1, T]
+        key_mask = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
@@ -94,10 +105,18 @@ class BertModel(nn.Module):
 
 
 # HF checkpoint names -> this module's (the "bert." prefix is dropped first).
-_RENAMES = (("encoder.layer.", "layers."), (".attention.self.", "."), (".attention.output.dense.", ".attn_out."),
-            (".attention.output.LayerNorm.", ".attn_norm."), (".intermediate.dense.", ".intermediate."),
-            (".output.dense.", ".output."), (".output.LayerNorm.", ".out_norm."), ("pooler.dense.", "pooler."),
-            ("classifier.dense.", "pooler."), ("classifier.out_proj.", "classifier."))
+_RENAMES = (
+    ("encoder.layer.", "layers."),
+    (".attention.self.", "."),
+    (".attention.output.dense.", ".attn_out."),
+    (".attention.output.LayerNorm.", ".attn_norm."),
+    (".intermediate.dense.", ".intermediate."),
+    (".output.dense.", ".output."),
+    (".output.LayerNorm.", ".out_norm."),
+    ("pooler.dense.", "pooler."),
+    ("classifier.dense.", "pooler."),
+    ("classifier.out_proj.", "classifier."),
+)
 
 
 def hf_to_local(name: str) -> str:
@@ -111,10 +130,12 @@ def hf_to_local(name: str) -> str:
 def load_bert(path: str, cfg: dict, dtype: torch.dtype = torch.float32) -> BertModel:
     """The model from an HF directory's model.safetensors (every weight must be there)."""
     from safetensors.torch import load_file
+
     model = BertModel(cfg)
-    state = {hf_to_local(k): v for k, v in load_file(f"{path}/model.safetensors").items()
-             if not k.endswith("position_ids")}
-    if not model.is_classifier:   # an embedding model's checkpoint may carry an unused pooler
+    state = {
+        hf_to_local(k): v for k, v in load_file(f"{path}/model.safetensors").items() if not k.endswith("position_ids")
+    }
+    if not model.is_classifier:  # an embedding model's checkpoint may carry an unused pooler
         state = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()

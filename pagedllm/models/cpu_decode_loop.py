@@ -16,6 +16,7 @@ verification's k + 1 tokens of a request included: the cpu backend's metadata ma
 a decode query over its own prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -45,21 +46,28 @@ def base_method(linear):
 class DecodeLoop:
     """The model's weights, flattened once at load time, and the call."""
 
-    max_rows = CPUPackedLinearMethod.SMALL_ROWS   # the eager path's linears use linear_small up to here
+    max_rows = CPUPackedLinearMethod.SMALL_ROWS  # the eager path's linears use linear_small up to here
 
     def __init__(self, model, ext) -> None:
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
 
-        def lin(m):   # a float linear: weight, bias; a quantized one: qweight, bias, scales, mins
+        def lin(m):  # a float linear: weight, bias; a quantized one: qweight, bias, scales, mins
             b = m.bias if m.bias is not None else empty
             if isinstance(base_method(m), QuantizedLinearMethod):
                 return [m.qweight, b, m.scales, m.mins]
             return [m.weight, b]
+
         self.weights = []
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            self.weights += [layer.input_layernorm.weight, *lin(a.qkv_proj), *lin(a.o_proj),
-                             layer.post_attention_layernorm.weight, *lin(m.gate_up_proj), *lin(m.down_proj)]
+            self.weights += [
+                layer.input_layernorm.weight,
+                *lin(a.qkv_proj),
+                *lin(a.o_proj),
+                layer.post_attention_layernorm.weight,
+                *lin(m.gate_up_proj),
+                *lin(m.down_proj),
+            ]
         a = model.layers[0].self_attn
         self.dims = (a.num_heads, a.num_kv_heads, a.head_dim)
         self.scale = a.scale
@@ -67,9 +75,9 @@ class DecodeLoop:
         self.final_norm = model.norm.weight
         self.rope = model.rope
         self.embed_tokens = model.embed_tokens
-        self.attns = list(attention_layers(model).values())   # their caches are bound later
+        self.attns = list(attention_layers(model).values())  # their caches are bound later
         self.ext = ext
-        self.lora_mapping = getattr(model, "lora_mapping", None)   # set by --enable-lora
+        self.lora_mapping = getattr(model, "lora_mapping", None)  # set by --enable-lora
 
     def applies(self, meta, num_tokens: int) -> bool:
         """A step the loop computes exactly as the eager layers: all decode (a verification's
@@ -79,8 +87,12 @@ class DecodeLoop:
         loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""
         if self.lora_mapping is not None and self.lora_mapping.active:
             return False
-        return (meta.all_decode and meta.decode_block_table is not None and num_tokens <= self.max_rows
-                and len(self.attns[0].kv_cache) == 2)
+        return (
+            meta.all_decode
+            and meta.decode_block_table is not None
+            and num_tokens <= self.max_rows
+            and len(self.attns[0].kv_cache) == 2
+        )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [M] -> final hidden states [M, hidden], as the model's forward."""
@@ -88,10 +100,23 @@ class DecodeLoop:
         ks = [a.kv_cache[0] for a in self.attns]
         vs = [a.kv_cache[1] for a in self.attns]
         x = self.embed_tokens(input_ids)
-        return self.ext.decode_layers(x, positions, self.weights, ks, vs, meta.slot_mapping,
-                                      meta.decode_block_table, meta.decode_seq_lens,
-                                      self.rope.cos, self.rope.sin, self.final_norm,
-                                      *self.dims, meta.block_size, self.eps, self.scale)
+        return self.ext.decode_layers(
+            x,
+            positions,
+            self.weights,
+            ks,
+            vs,
+            meta.slot_mapping,
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            self.rope.cos,
+            self.rope.sin,
+            self.final_norm,
+            *self.dims,
+            meta.block_size,
+            self.eps,
+            self.scale,
+        )
 
 
 def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
@@ -99,20 +124,24 @@ def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
     (decided once, at load time)."""
     from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
     from pagedllm.models.llama import LlamaForCausalLM
-    if (not envs.PAGEDLLM_CPU_DECODE_LOOP or type(model) is not LlamaForCausalLM
-            or not isinstance(attn_backend, CPUAttentionBackend)):   # it calls that backend's kernel
+
+    if (
+        not envs.PAGEDLLM_CPU_DECODE_LOOP
+        or type(model) is not LlamaForCausalLM
+        or not isinstance(attn_backend, CPUAttentionBackend)
+    ):  # it calls that backend's kernel
         return None
-    if model.shard.tp.tp_size > 1 or model.shard.pp_size > 1:   # the loop has no collectives
+    if model.shard.tp.tp_size > 1 or model.shard.pp_size > 1:  # the loop has no collectives
         return None
     if any(layer.self_attn.attn.sliding_window is not None for layer in model.stage_layers):
-        return None   # the loop attends to every token (Mistral's sliding window: the backend)
+        return None  # the loop attends to every token (Mistral's sliding window: the backend)
     layer = model.layers[0]
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if model.rope.ops is None or layer.mlp.act_fn.ops is None or model.norm.ops is None:
         return None
     methods = [base_method(m) for m in linears]
     quantized = [isinstance(lm, QuantizedLinearMethod) and lm.ops is not None for lm in methods]
-    if all(quantized):   # quant_linear takes float32 activations (the only dtype quantization runs in)
+    if all(quantized):  # quant_linear takes float32 activations (the only dtype quantization runs in)
         if model.norm.weight.dtype != torch.float32:
             return None
     elif not all(isinstance(lm, CPUPackedLinearMethod) and lm.small_ops is not None for lm in methods):

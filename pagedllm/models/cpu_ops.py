@@ -10,6 +10,7 @@ the order of a sum); `linear_small` accumulates in float32 and rounds once. The 
 csrc/fused_ops.cpp (built by csrc/build.py). Other dtypes, or a machine where the extension
 cannot be built, keep the layers' torch code (models/layers/).
 """
+
 from __future__ import annotations
 
 import torch

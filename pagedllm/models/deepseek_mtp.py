@@ -18,6 +18,7 @@ Each module keeps its own embed_tokens and head copies (the checkpoint's), and i
 layer has its own MLA attention, hence its own latent KV cache: `attention_layers(mtp)` /
 `get_kv_cache_spec` give it like the main model's, and the proposer binds and pages it.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -26,8 +27,13 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.sharding import plan_model_shard
-from pagedllm.models.deepseek_v3 import (DeepseekV3DecoderLayer, check_mla_config,
-                                         deepseek_weight_name_mapping, deinterleave_rope, layer_index)
+from pagedllm.models.deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    check_mla_config,
+    deepseek_weight_name_mapping,
+    deinterleave_rope,
+    layer_index,
+)
 from pagedllm.models.layers.layernorm import RMSNorm
 from pagedllm.models.layers.linear import ReplicatedLinear
 from pagedllm.models.layers.rotary_embedding import RotaryEmbedding
@@ -55,11 +61,12 @@ class DeepSeekMultiTokenPredictorLayer(DeepseekV3DecoderLayer):
         self.eh_proj = ReplicatedLinear(2 * hidden, hidden, bias=False)
         self.shared_head = SharedHead(hf, tp.vocab, comm)
 
-    def predict(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
-                rope) -> torch.Tensor:
+    def predict(
+        self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor, rope
+    ) -> torch.Tensor:
         """h [T, H], t_{i+1} [T], positions [T] -> this module's output hidden states [T, H]."""
         e = self.enorm(self.embed_tokens(next_token_ids))
-        x = self.eh_proj(torch.cat((e, self.hnorm(hidden)), dim=-1))           # [T, 2H] -> [T, H]
+        x = self.eh_proj(torch.cat((e, self.hnorm(hidden)), dim=-1))  # [T, 2H] -> [T, H]
         out, residual = super().forward(x, positions, rope)
         return out + residual
 
@@ -67,6 +74,7 @@ class DeepSeekMultiTokenPredictorLayer(DeepseekV3DecoderLayer):
 class DeepSeekMTP(nn.Module):
     """The checkpoint's MTP modules (the proposer's model). forward -> hidden states (the next
     module's input); compute_logits -> logits, as the main model's pair."""
+
     tie_word_embeddings = False
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
@@ -80,15 +88,20 @@ class DeepSeekMTP(nn.Module):
         comm = parallel.tp if parallel is not None else None
         self.first = hf["num_hidden_layers"]
         self.num_modules = num
-        self.layers = nn.ModuleDict({str(self.first + k): DeepSeekMultiTokenPredictorLayer(
-            hf, shard.tp, comm, self.first + k) for k in range(num)})
+        self.layers = nn.ModuleDict(
+            {
+                str(self.first + k): DeepSeekMultiTokenPredictorLayer(hf, shard.tp, comm, self.first + k)
+                for k in range(num)
+            }
+        )
         self.rope = RotaryEmbedding(hf, hf["qk_rope_head_dim"], max_positions)
 
     def _module(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
         return self.layers[str(self.first + spec_step_idx % self.num_modules)]
 
-    def forward(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
-                positions: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor, spec_step_idx: int = 0
+    ) -> torch.Tensor:
         """hidden_states [T, H]: the main model's last decoder layer output (before its final
         norm) at positions [T]; next_token_ids [T]: the token after each -> [T, H], whose
         logits (compute_logits) predict the token after next. Inside a forward context whose
@@ -107,5 +120,6 @@ class DeepSeekMTP(nn.Module):
         """Only the MTP layers' tensors (model.layers.{n + k}.*) of the whole checkpoint, loaded
         by the Llama family's loop (same names, mapping and weight loaders)."""
         mine = range(self.first, self.first + self.num_modules)
-        return LlamaForCausalLM.load_weights(self, deinterleave_rope(
-            self.hf, ((name, t) for name, t in weights if layer_index(name) in mine)))
+        return LlamaForCausalLM.load_weights(
+            self, deinterleave_rope(self.hf, ((name, t) for name, t in weights if layer_index(name) in mine))
+        )

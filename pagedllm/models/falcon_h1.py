@@ -10,6 +10,7 @@ gate and down multipliers into gate_proj and down_proj, and the mixer's per-sect
 (z, x, B, C, dt of in_proj's output: transformers' mup_vector) into in_proj's rows. The mixer's
 intermediate size is `mamba_d_ssm` where set; its gated RMSNorm is optional
 (`mamba_rms_norm`) and normalises before or after the gate (`mamba_norm_before_gate`)."""
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -26,23 +27,42 @@ from pagedllm.models.mamba2 import refuse_parallel
 
 def mixer_config(hf: dict) -> dict:
     """The Mamba2 mixer's config names from Falcon-H1's."""
-    order = (GATE_ONLY if not hf.get("mamba_rms_norm", False) else
-             NORM_THEN_GATE if hf.get("mamba_norm_before_gate", True) else GATE_THEN_NORM)
-    return {"hidden_size": hf["hidden_size"], "num_heads": hf["mamba_n_heads"], "head_dim": hf["mamba_d_head"],
-            "expand": hf.get("mamba_expand", 2), "d_ssm": hf.get("mamba_d_ssm"),
-            "n_groups": hf.get("mamba_n_groups", 1), "state_size": hf.get("mamba_d_state", 256),
-            "conv_kernel": hf.get("mamba_d_conv", 4), "chunk_size": hf.get("mamba_chunk_size", 256),
-            "layer_norm_epsilon": hf.get("rms_norm_eps", 1e-5),
-            "time_step_limit": hf.get("time_step_limit") or (0.0, float("inf")),
-            "hidden_act": hf.get("hidden_act", "silu"), "use_bias": hf.get("mamba_proj_bias", False),
-            "out_bias": hf.get("projectors_bias", False), "use_conv_bias": hf.get("mamba_conv_bias", True),
-            "norm_order": order}
+    order = (
+        GATE_ONLY
+        if not hf.get("mamba_rms_norm", False)
+        else NORM_THEN_GATE
+        if hf.get("mamba_norm_before_gate", True)
+        else GATE_THEN_NORM
+    )
+    return {
+        "hidden_size": hf["hidden_size"],
+        "num_heads": hf["mamba_n_heads"],
+        "head_dim": hf["mamba_d_head"],
+        "expand": hf.get("mamba_expand", 2),
+        "d_ssm": hf.get("mamba_d_ssm"),
+        "n_groups": hf.get("mamba_n_groups", 1),
+        "state_size": hf.get("mamba_d_state", 256),
+        "conv_kernel": hf.get("mamba_d_conv", 4),
+        "chunk_size": hf.get("mamba_chunk_size", 256),
+        "layer_norm_epsilon": hf.get("rms_norm_eps", 1e-5),
+        "time_step_limit": hf.get("time_step_limit") or (0.0, float("inf")),
+        "hidden_act": hf.get("hidden_act", "silu"),
+        "use_bias": hf.get("mamba_proj_bias", False),
+        "out_bias": hf.get("projectors_bias", False),
+        "use_conv_bias": hf.get("mamba_conv_bias", True),
+        "norm_order": order,
+    }
 
 
 def mup_vector(hf: dict, mixer: Mamba2Mixer) -> torch.Tensor:
     """The scale of each of in_proj's output rows: z [I], x [I], B [G N], C [G N], dt [H]."""
-    sizes = [mixer.intermediate, mixer.intermediate, mixer.n_groups * mixer.d_state,
-             mixer.n_groups * mixer.d_state, mixer.num_heads]
+    sizes = [
+        mixer.intermediate,
+        mixer.intermediate,
+        mixer.n_groups * mixer.d_state,
+        mixer.n_groups * mixer.d_state,
+        mixer.num_heads,
+    ]
     mults = hf.get("ssm_multipliers") or [1.0] * 5
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, mults)])
 
@@ -62,8 +82,10 @@ class FalconH1DecoderLayer(nn.Module):
 
     def forward(self, x, positions, rope, residual=None):
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        both = self.mamba(x * self.ssm_in) * self.ssm_out + self.self_attn(x * self.attn_in, positions, rope) \
-            * self.attn_out
+        both = (
+            self.mamba(x * self.ssm_in) * self.ssm_out
+            + self.self_attn(x * self.attn_in, positions, rope) * self.attn_out
+        )
         x, residual = self.pre_ff_layernorm(both, residual)
         return self.feed_forward(x), residual
 
@@ -84,10 +106,12 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         return self.lm_head(hidden) * self.lm_head_multiplier
 
     def weight_name_mapping(self):
-        return [(".mamba.conv1d_weight", ".mamba.conv1d.weight", None),
-                (".mamba.conv1d_bias", ".mamba.conv1d.bias", None),
-                (".mamba.norm_weight", ".mamba.norm.weight", None),
-                ("norm.weight", "final_layernorm.weight", None)] + super().weight_name_mapping()
+        return [
+            (".mamba.conv1d_weight", ".mamba.conv1d.weight", None),
+            (".mamba.conv1d_bias", ".mamba.conv1d.bias", None),
+            (".mamba.norm_weight", ".mamba.norm.weight", None),
+            ("norm.weight", "final_layernorm.weight", None),
+        ] + super().weight_name_mapping()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self.fold_multipliers(weights))
@@ -96,11 +120,14 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         """The multipliers inside a projection, folded into its weights (and biases)."""
         hf = self.hf
         gate_m, down_m = hf.get("mlp_multipliers") or (1.0, 1.0)
-        scales = {".self_attn.k_proj.": hf.get("key_multiplier", 1.0), ".feed_forward.gate_proj.": gate_m,
-                  ".feed_forward.down_proj.": down_m}
+        scales = {
+            ".self_attn.k_proj.": hf.get("key_multiplier", 1.0),
+            ".feed_forward.gate_proj.": gate_m,
+            ".feed_forward.down_proj.": down_m,
+        }
         mup = mup_vector(hf, next(m for m in self.modules() if isinstance(m, Mamba2Mixer)))
         for name, w in weights:
-            if ".mamba.in_proj." in name:   # rows of the weight [rows, hidden], or the bias [rows]
+            if ".mamba.in_proj." in name:  # rows of the weight [rows, hidden], or the bias [rows]
                 w = w * mup.to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
             else:
                 w = w * next((s for part, s in scales.items() if part in name), 1.0)

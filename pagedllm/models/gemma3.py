@@ -11,6 +11,7 @@ pipeline parallel plan, weight names and loading) with Gemma's differences:
 - the embedding is scaled by sqrt(hidden_size), attention by query_pre_attn_scalar ** -0.5;
 - final logit soft-capping where the config has it.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,7 +26,7 @@ from pagedllm.models.layers.layernorm import GemmaRMSNorm
 from pagedllm.models.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
-GLOBAL_DEFAULT_THETA, LOCAL_DEFAULT_THETA = 1_000_000.0, 10_000.0   # transformers' Gemma3TextConfig
+GLOBAL_DEFAULT_THETA, LOCAL_DEFAULT_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig
 
 
 def gemma3_rope_config(hf: dict, layer_type: str) -> dict:
@@ -50,16 +51,17 @@ class Gemma3Attention(LlamaAttention):
     def forward(self, x, positions, rope):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))         # [T, H, D]
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))      # [T, Hkv, D]
+        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, H, D]
+        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         q, k = rope(positions, q, k)
         o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim))
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm, layer_type: str,
-                 sliding_window: Optional[int]) -> None:
+    def __init__(
+        self, hf: dict, tp: TPShard, head_dim: int, comm, layer_type: str, sliding_window: Optional[int]
+    ) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         self.layer_type = layer_type
@@ -68,7 +70,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = LlamaMLP(hidden, tp.intermediate, False, comm)
-        self.mlp.act_fn = GeluAndMul("tanh")   # hidden_activation gelu_pytorch_tanh
+        self.mlp.act_fn = GeluAndMul("tanh")  # hidden_activation gelu_pytorch_tanh
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, x, positions, rope: nn.ModuleDict, residual=None):
@@ -85,27 +87,32 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         if hf.get("attn_logit_softcapping") is not None:
-            raise ValueError("attn_logit_softcapping (Gemma 2) is not supported: the attention "
-                             "backends compute softmax(q k^T) without a cap")
+            raise ValueError(
+                "attn_logit_softcapping (Gemma 2) is not supported: the attention "
+                "backends compute softmax(q k^T) without a cap"
+            )
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-        hf = {"tie_word_embeddings": True, "query_pre_attn_scalar": 256, **hf}   # the config's defaults
+        hf = {"tie_word_embeddings": True, "query_pre_attn_scalar": 256, **hf}  # the config's defaults
         self.layer_types = layer_types_of(hf)
         super().__init__(hf, max_positions, parallel)
         self.embed_scale = hf["hidden_size"] ** 0.5
         self.final_logit_softcapping = hf.get("final_logit_softcapping")
 
     def make_layer(self, hf, index, tp, head_dim, comm):
-        return Gemma3DecoderLayer(hf, tp, head_dim, comm, self.layer_types[index],
-                                  layer_sliding_windows(hf)[index])
+        return Gemma3DecoderLayer(hf, tp, head_dim, comm, self.layer_types[index], layer_sliding_windows(hf)[index])
 
     def make_norm(self, hidden, eps):
         return GemmaRMSNorm(hidden, eps)
 
     def make_rope(self, hf, head_dim, max_positions):
-        return nn.ModuleDict({t: RotaryEmbedding(gemma3_rope_config(hf, t), head_dim, max_positions)
-                              for t in sorted(set(self.layer_types))})
+        return nn.ModuleDict(
+            {
+                t: RotaryEmbedding(gemma3_rope_config(hf, t), head_dim, max_positions)
+                for t in sorted(set(self.layer_types))
+            }
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -9,6 +9,7 @@ ways (transformers' block mask: full layers OR(causal, same image), sliding laye
 OR(causal, same image))). The runner gives the attention metadata each prefilled image's token
 span (worker/bidirectional.py), so the scheduler keeps an image's tokens in one step
 (SchedulerConfig.disable_chunked_mm_input, as vLLM forces for such models)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,38 +29,42 @@ class Gemma3MultiModalProjector(nn.Module):
     def __init__(self, vc: dict, text_hidden: int, tokens_per_image: int) -> None:
         super().__init__()
         self.patches_per_side = vc["image_size"] // vc["patch_size"]
-        tokens_per_side = int(tokens_per_image ** 0.5)
-        if tokens_per_side ** 2 != tokens_per_image or self.patches_per_side % tokens_per_side:
-            raise ValueError(f"mm_tokens_per_image {tokens_per_image} must be a square whose side divides "
-                             f"the {self.patches_per_side} patches per side")
+        tokens_per_side = int(tokens_per_image**0.5)
+        if tokens_per_side**2 != tokens_per_image or self.patches_per_side % tokens_per_side:
+            raise ValueError(
+                f"mm_tokens_per_image {tokens_per_image} must be a square whose side divides "
+                f"the {self.patches_per_side} patches per side"
+            )
         self.kernel = self.patches_per_side // tokens_per_side
-        self.mm_input_projection_weight = nn.Parameter(torch.zeros(vc["hidden_size"], text_hidden),
-                                                       requires_grad=False)
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(vc["hidden_size"], text_hidden), requires_grad=False)
         self.mm_soft_emb_norm = GemmaRMSNorm(vc["hidden_size"], vc.get("layer_norm_eps", 1e-6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, patches, vision hidden] -> [B, tokens per image, text hidden]."""
         B, _, D = x.shape
         side = self.patches_per_side
-        grid = x.transpose(1, 2).reshape(B, D, side, side)                       # [B, D, side, side]
-        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)   # [B, tokens, D]
+        grid = x.transpose(1, 2).reshape(B, D, side, side)  # [B, D, side, side]
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)  # [B, tokens, D]
         return (self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight).type_as(x)
 
 
 class Gemma3ForConditionalGeneration(VisionLanguageModel):
-    bidirectional_images = True   # an image's tokens see each other at prefill (worker/bidirectional.py)
+    bidirectional_images = True  # an image's tokens see each other at prefill (worker/bidirectional.py)
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         """hf: the text model's config with the whole config under "multimodal_config"
         (models/hf_config.py flatten_multimodal_config)."""
         super().__init__()
         if parallel is not None and parallel.world_size > 1:
-            raise ValueError("Gemma 3 with images runs on one rank: tensor_parallel_size and "
-                             "pipeline_parallel_size must be 1")
+            raise ValueError(
+                "Gemma 3 with images runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1"
+            )
         backend = get_current_attn_backend()
         if not getattr(backend, "supports_bidirectional_spans", False):
-            raise ValueError(f"the {backend.name} attention backend cannot let an image's tokens attend to "
-                             "each other (Gemma 3's image attention): use --attention-backend torch")
+            raise ValueError(
+                f"the {backend.name} attention backend cannot let an image's tokens attend to "
+                "each other (Gemma 3's image attention): use --attention-backend torch"
+            )
         mm = hf["multimodal_config"]
         vc = mm["vision_config"]
         self.image_token_id = mm.get("image_token_index", mm.get("image_token_id"))

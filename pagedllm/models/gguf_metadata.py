@@ -1,5 +1,6 @@
 """What a GGUF file's metadata says beyond its tensors (read by the ready-model builder in
 download.py and by the GGUF-as-is loader in layers/quantization/gguf.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path

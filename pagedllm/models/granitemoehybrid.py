@@ -8,6 +8,7 @@ SwiGLU MLP (`shared_mlp`, its gate and up fused in one `input_linear`) plus, whe
 MoEBlock); each branch's output is scaled by `residual_multiplier` before its residual add, the
 embedding by `embedding_multiplier`, the logits divided by `logits_scaling`; attention scales by
 `attention_multiplier` and rotates only with `position_embedding_type` "rope". One rank only."""
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -26,13 +27,21 @@ from pagedllm.models.mixtral import MoEBlock
 
 def mamba_config(hf: dict) -> dict:
     """The Mamba2 mixer's config names from Granite's."""
-    return {"hidden_size": hf["hidden_size"], "num_heads": hf["mamba_n_heads"], "head_dim": hf["mamba_d_head"],
-            "expand": hf.get("mamba_expand", 2), "n_groups": hf.get("mamba_n_groups", 1),
-            "state_size": hf.get("mamba_d_state", 256), "conv_kernel": hf.get("mamba_d_conv", 4),
-            "chunk_size": hf.get("mamba_chunk_size", 256), "layer_norm_epsilon": hf.get("rms_norm_eps", 1e-6),
-            "time_step_limit": hf.get("time_step_limit") or (0.0, float("inf")),
-            "hidden_act": hf.get("hidden_act", "silu"), "use_bias": hf.get("mamba_proj_bias", False),
-            "use_conv_bias": hf.get("mamba_conv_bias", True)}
+    return {
+        "hidden_size": hf["hidden_size"],
+        "num_heads": hf["mamba_n_heads"],
+        "head_dim": hf["mamba_d_head"],
+        "expand": hf.get("mamba_expand", 2),
+        "n_groups": hf.get("mamba_n_groups", 1),
+        "state_size": hf.get("mamba_d_state", 256),
+        "conv_kernel": hf.get("mamba_d_conv", 4),
+        "chunk_size": hf.get("mamba_chunk_size", 256),
+        "layer_norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "time_step_limit": hf.get("time_step_limit") or (0.0, float("inf")),
+        "hidden_act": hf.get("hidden_act", "silu"),
+        "use_bias": hf.get("mamba_proj_bias", False),
+        "use_conv_bias": hf.get("mamba_conv_bias", True),
+    }
 
 
 class NoRope(nn.Module):
@@ -54,8 +63,11 @@ class GraniteMoeHybridDecoderLayer(LlamaDecoderLayer):
         else:
             self.mamba = Mamba2Mixer(mamba_config(hf))
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.block_sparse_moe = (MoEBlock(hf, tp, comm, hf["intermediate_size"], renormalize=True)
-                                 if hf.get("num_local_experts", 0) > 0 else None)
+        self.block_sparse_moe = (
+            MoEBlock(hf, tp, comm, hf["intermediate_size"], renormalize=True)
+            if hf.get("num_local_experts", 0) > 0
+            else None
+        )
         self.shared_mlp = LlamaMLP(hidden, range(hf["shared_intermediate_size"]), False, comm)
         self.residual_multiplier = hf.get("residual_multiplier", 1.0)
 
@@ -80,8 +92,9 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         self.logits_scaling = hf.get("logits_scaling", 1.0)
 
     def make_rope(self, hf, head_dim, max_positions):
-        return super().make_rope(hf, head_dim, max_positions) if hf.get("position_embedding_type") == "rope" \
-            else NoRope()
+        return (
+            super().make_rope(hf, head_dim, max_positions) if hf.get("position_embedding_type") == "rope" else NoRope()
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
@@ -92,10 +105,15 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
     def weight_name_mapping(self):
         n = self.hf.get("num_local_experts", 0)
         experts = FusedMoE.make_expert_params_mapping(n) if n > 0 else []
-        return ([(f".block_sparse_moe{ours}", f".block_sparse_moe{ckpt}", sid) for ours, ckpt, sid in experts]
-                + [(".mamba.conv1d_weight", ".mamba.conv1d.weight", None),
-                   (".mamba.conv1d_bias", ".mamba.conv1d.bias", None),
-                   (".mamba.norm_weight", ".mamba.norm.weight", None)] + super().weight_name_mapping())
+        return (
+            [(f".block_sparse_moe{ours}", f".block_sparse_moe{ckpt}", sid) for ours, ckpt, sid in experts]
+            + [
+                (".mamba.conv1d_weight", ".mamba.conv1d.weight", None),
+                (".mamba.conv1d_bias", ".mamba.conv1d.bias", None),
+                (".mamba.norm_weight", ".mamba.norm.weight", None),
+            ]
+            + super().weight_name_mapping()
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(split_fused(weights))

@@ -1,5 +1,6 @@
 """Shapes read from a config.json (a dict), by the rules transformers applies; torch-free, so
 that the config, the sharding plan, the models and the benchmarks all read them one way."""
+
 from __future__ import annotations
 
 
@@ -39,7 +40,6 @@ def mixes_attention_windows(hf_config: dict) -> bool:
     return len(set(layer_sliding_windows(hf_config))) > 1
 
 
-
 # Layer types of recurrent layers in configs' `layer_types` (LFM2's "conv", Granite / Qwen3-Next's
 # "mamba" / "linear_attention"), and model types whose every layer is recurrent (Falcon-H1's:
 # attention and Mamba2 side by side).
@@ -50,14 +50,19 @@ RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "falcon_h1")
 def has_recurrent_layers(hf_config: dict) -> bool:
     """Whether some layers keep a recurrent state (their KV cache has state groups), which
     config validation reads to refuse what needs a KV cache of attention layers only."""
-    return (hf_config.get("model_type") in RECURRENT_MODEL_TYPES
-            or any(t in RECURRENT_LAYER_TYPES for t in hf_config.get("layer_types") or ()))
+    return hf_config.get("model_type") in RECURRENT_MODEL_TYPES or any(
+        t in RECURRENT_LAYER_TYPES for t in hf_config.get("layer_types") or ()
+    )
+
 
 # Vision-language architectures whose text model is one of ours: the engine reads the text
 # model's shapes (KV cache, vocabulary) at the top level, the whole config under "multimodal_config".
-MULTIMODAL_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                            "Qwen2_5_VLForConditionalGeneration",
-                            "Gemma3ForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = (
+    "Idefics3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+)
 # Those whose image tokens attend to each other both ways (Gemma 3): an image is prefilled in one step.
 BIDIRECTIONAL_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 

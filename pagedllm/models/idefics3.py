@@ -3,6 +3,7 @@ a pixel-shuffle connector into the text model's width, and a Llama text model ov
 cache (models/llama.py, unchanged). The runner embeds the step's tokens, writes the cached image
 features over the image placeholder rows (worker/encoder_cache.py) and hands the result to the
 text model as its input hidden states."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,7 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     """[B, side*side, D] -> [B, side*side/scale^2, D*scale^2]: each scale x scale group of patches
     becomes one token (transformers' Idefics3Connector.pixel_shuffle, the same memory order)."""
     B, seq, D = x.shape
-    side = int(seq ** 0.5)
+    side = int(seq**0.5)
     x = x.view(B, side, side // scale, D * scale).permute(0, 2, 1, 3)
     x = x.reshape(B, side // scale, side // scale, D * scale * scale).permute(0, 2, 1, 3)
     return x.reshape(B, seq // (scale * scale), D * scale * scale)
@@ -37,8 +38,9 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
         self.vision_model = SiglipVisionTransformer(vc)
         self.connector = nn.Module()
         self.connector.modality_projection = nn.Module()
-        self.connector.modality_projection.proj = nn.Linear(vc["hidden_size"] * self.scale ** 2,
-                                                            hf["hidden_size"], bias=False)
+        self.connector.modality_projection.proj = nn.Linear(
+            vc["hidden_size"] * self.scale**2, hf["hidden_size"], bias=False
+        )
         self.language_model = LlamaForCausalLM(hf, max_positions, None)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

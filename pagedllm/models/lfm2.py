@@ -7,6 +7,7 @@ The Llama skeleton (models/llama.py) with LFM2's differences: a conv layer's ope
 short conv instead of attention; attention norms q and k per head (qk_norm) and calls its output
 projection out_proj; the SwiGLU MLP (w1, w3, w2) has its width adjusted from the config
 (`block_auto_adjust_ff_dim`); the final norm is named embedding_norm. One rank only."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -58,16 +59,30 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         refuse_parallel(parallel, "LFM2")
-        types = hf.get("layer_types") or ["full_attention" if i in (hf.get("full_attn_idxs") or ())
-                                          else "conv" for i in range(hf["num_hidden_layers"])]
-        hf = {"tie_word_embeddings": True, **hf, "layer_types": types, "rms_norm_eps": hf.get("norm_eps", 1e-5),
-              "intermediate_size": lfm2_intermediate_size(hf)}
+        types = hf.get("layer_types") or [
+            "full_attention" if i in (hf.get("full_attn_idxs") or ()) else "conv"
+            for i in range(hf["num_hidden_layers"])
+        ]
+        hf = {
+            "tie_word_embeddings": True,
+            **hf,
+            "layer_types": types,
+            "rms_norm_eps": hf.get("norm_eps", 1e-5),
+            "intermediate_size": lfm2_intermediate_size(hf),
+        }
         super().__init__(hf, max_positions, parallel)
 
     def weight_name_mapping(self):
-        return [(".self_attn.o_proj", ".self_attn.out_proj", None), (".self_attn.q_norm", ".self_attn.q_layernorm", None),
-                (".self_attn.k_norm", ".self_attn.k_layernorm", None), (".conv.conv_weight", ".conv.conv.weight", None),
-                (".conv.conv_bias", ".conv.conv.bias", None), (".input_layernorm", ".operator_norm", None),
-                (".post_attention_layernorm", ".ffn_norm", None), (".mlp.gate_up_proj", ".feed_forward.w1", 0),
-                (".mlp.gate_up_proj", ".feed_forward.w3", 1), (".mlp.down_proj", ".feed_forward.w2", None),
-                ("norm.", "embedding_norm.", None)] + super().weight_name_mapping()
+        return [
+            (".self_attn.o_proj", ".self_attn.out_proj", None),
+            (".self_attn.q_norm", ".self_attn.q_layernorm", None),
+            (".self_attn.k_norm", ".self_attn.k_layernorm", None),
+            (".conv.conv_weight", ".conv.conv.weight", None),
+            (".conv.conv_bias", ".conv.conv.bias", None),
+            (".input_layernorm", ".operator_norm", None),
+            (".post_attention_layernorm", ".ffn_norm", None),
+            (".mlp.gate_up_proj", ".feed_forward.w1", 0),
+            (".mlp.gate_up_proj", ".feed_forward.w3", 1),
+            (".mlp.down_proj", ".feed_forward.w2", None),
+            ("norm.", "embedding_norm.", None),
+        ] + super().weight_name_mapping()

@@ -14,6 +14,7 @@ Qwen 3, Mixtral, Qwen3-MoE, DeepSeek-V3 and Gemma 3 are subclasses: the hooks ar
 builds one per index), `make_norm`, `make_rope`, `embed` and `weight_name_mapping`. Each layer
 reads its own sliding window from the config (`layer_sliding_windows`).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -37,8 +38,9 @@ class LlamaAttention(nn.Module):
     """qk_norm: RMSNorm over each head's q and k before RoPE (Qwen 3); sliding_window: the layer
     attends to the last W tokens only (Mistral, Gemma 3's local layers)."""
 
-    def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, qk_norm: bool = False,
-                 sliding_window=None) -> None:
+    def __init__(
+        self, hf: dict, tp: TPShard, head_dim: int, comm=None, qk_norm: bool = False, sliding_window=None
+    ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         bias = hf.get("attention_bias", False) or hf.get("model_type") == "qwen2"
@@ -47,9 +49,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, tp.q_heads, tp.kv_heads, bias)
         q_features = range(tp.q_heads.start * head_dim, tp.q_heads.stop * head_dim)
         self.o_proj = RowParallelLinear(q_features, hidden, hf.get("attention_bias", False), comm)
-        self.scale = head_dim ** -0.5
-        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads,
-                              sliding_window=sliding_window)
+        self.scale = head_dim**-0.5
+        self.attn = Attention(self.num_heads, head_dim, self.scale, self.num_kv_heads, sliding_window=sliding_window)
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
@@ -60,7 +61,7 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:   # per head: rows of head_dim
+        if self.q_norm is not None:  # per head: rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
@@ -78,19 +79,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, comm)
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))     # [T, 2I] -> [T, I] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
     """A subclass (Qwen 3, the MoE models) sets qk_norm and builds its own MLP (make_mlp)."""
+
     qk_norm = False
 
     def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, layer_idx: int = 0) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.self_attn = LlamaAttention(hf, tp, head_dim, comm, self.qk_norm,
-                                        layer_sliding_windows(hf)[layer_idx])
+        self.self_attn = LlamaAttention(hf, tp, head_dim, comm, self.qk_norm, layer_sliding_windows(hf)[layer_idx])
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.mlp = self.make_mlp(hf, tp, comm, layer_idx)
 
@@ -112,12 +113,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Fused parameter -> the checkpoint matrices stacked into it, in order.
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                              "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     # (our name, checkpoint name, shard id): how load_weights routes a stacked matrix.
-    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
-                              (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
-                              (".gate_up_proj", ".up_proj", 1)]
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
     decoder_layer = LlamaDecoderLayer
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
@@ -132,14 +136,20 @@ class LlamaForCausalLM(nn.Module):
         # The embedding and the LM head live on stage 0 (the driver samples there); the final
         # norm on the last stage.
         self.embed_tokens = VocabParallelEmbedding(tp.vocab, hidden, comm) if first else PPMissingLayer()
-        self.layers = nn.ModuleList(self.make_layer(hf, i, tp, head_dim, comm) if i in shard.layers
-                                    else PPMissingLayer() for i in range(hf["num_hidden_layers"]))
-        self.stage_layers = tuple(self.layers[i] for i in shard.layers)   # plain tuple: not registered twice
+        self.layers = nn.ModuleList(
+            self.make_layer(hf, i, tp, head_dim, comm) if i in shard.layers else PPMissingLayer()
+            for i in range(hf["num_hidden_layers"])
+        )
+        self.stage_layers = tuple(self.layers[i] for i in shard.layers)  # plain tuple: not registered twice
         self.norm = self.make_norm(hidden, hf.get("rms_norm_eps", 1e-6)) if last else PPMissingLayer()
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = (ParallelLMHead(tp.vocab, hidden, hf["vocab_size"], comm,
-                                       tied=self.embed_tokens if self.tie_word_embeddings else None)
-                        if first else PPMissingLayer())
+        self.lm_head = (
+            ParallelLMHead(
+                tp.vocab, hidden, hf["vocab_size"], comm, tied=self.embed_tokens if self.tie_word_embeddings else None
+            )
+            if first
+            else PPMissingLayer()
+        )
         self.rope = self.make_rope(hf, head_dim, max_positions)
 
     # What a variant of the family builds differently (models/gemma3.py overrides these).
@@ -156,8 +166,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (final-normed on the last stage),
         inside the runner's forward context. Stage 0 embeds input_ids; a later stage starts from
         hidden_in (the previous stage's output)."""
@@ -165,9 +176,9 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.stage_layers:
             x, residual = layer(x, positions, self.rope, residual)
-        if residual is None:   # a stage without layers
+        if residual is None:  # a stage without layers
             return self.norm(x)
-        if isinstance(self.norm, PPMissingLayer):   # the stream itself goes to the next stage
+        if isinstance(self.norm, PPMissingLayer):  # the stream itself goes to the next stage
             return x + residual
         return self.norm(x, residual)[0]
 
@@ -194,16 +205,16 @@ class LlamaForCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             name = ckpt_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
-                continue   # the RoPE tables are computed from the config
+                continue  # the RoPE tables are computed from the config
             if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue   # the LM head is the embedding
+                continue  # the LM head is the embedding
             shard_id, need = None, 1
             for fused, part, sid in mapping:
                 if part in name:
                     name, shard_id, need = name.replace(part, fused), sid, shards_needed[fused]
                     break
             if name.startswith(elsewhere):
-                continue   # held by another pipeline stage
+                continue  # held by another pipeline stage
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected weight {ckpt_name!r}")

@@ -3,6 +3,7 @@ model-agnostic. The model is built on its device in its dtype (torch's defaults 
 built, so that each layer picks its LinearMethod and fused ops then); its `load_weights` maps
 the checkpoint's names onto its parameters, whose weight loaders cut this rank's slices; then
 each linear method prepares its weights (e.g. packs them for oneDNN)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,9 @@ def load_weights(model: torch.nn.Module, weights, source: str) -> None:
             method.process_weights_after_loading(module)
 
 
-def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
-               attention_backend: str = "torch", model_cls=None) -> torch.nn.Module:
+def load_model(
+    config: ModelConfig, parallel=None, device: str = "cpu", attention_backend: str = "torch", model_cls=None
+) -> torch.nn.Module:
     """parallel (pagedllm.distributed.parallel_state.ParallelContext): load only this rank's
     shard (tensor / pipeline parallelism); None: the whole model. device: where the weights
     live ("cpu" or "cuda"); attention_backend: "torch" or "triton", resolved once by
@@ -73,12 +75,16 @@ def load_model(config: ModelConfig, parallel=None, device: str = "cpu",
     dtype = _dtype(config)
     backend = get_attn_backend(device, dtype, attention_backend)
     quant = get_quant_config(config.quantization, config.quantization_group_size, config.model, config.hf_config)
-    with (torch.device(device), _default_dtype(dtype), set_current_attn_backend(backend),
-          set_current_quant_config(quant)):
+    with (
+        torch.device(device),
+        _default_dtype(dtype),
+        set_current_attn_backend(backend),
+        set_current_quant_config(quant),
+    ):
         model = cls(config.hf_config, config.max_model_len, parallel)
     weights = quant.iter_weights(config.model) if hasattr(quant, "iter_weights") else iter_weights(config.model)
     stored = checkpoint_quant_config(config.hf_config, config.model)
-    if stored is not None:   # e.g. DeepSeek-style FP8 blocks: upcast as they stream past
+    if stored is not None:  # e.g. DeepSeek-style FP8 blocks: upcast as they stream past
         weights = stored.process_weights(weights, model, device, dtype)
     load_weights(model, weights, config.model)
     model = model.eval().requires_grad_(False)

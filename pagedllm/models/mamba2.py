@@ -4,6 +4,7 @@ conv and SSM states of every layer, whatever its length (worker/state_cache.py).
 
 Layers are pre-norm residual blocks (RMSNorm, mixer, add), the residual add done by the next
 norm as in models/llama.py; a final RMSNorm (norm_f) and the LM head. One rank only."""
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -19,8 +20,10 @@ from pagedllm.models.layers.weight_utils import default_weight_loader
 
 def refuse_parallel(parallel, arch: str) -> None:
     if parallel is not None:
-        raise ValueError(f"{arch} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1 "
-                         "(its recurrent layers are not split)")
+        raise ValueError(
+            f"{arch} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1 "
+            "(its recurrent layers are not split)"
+        )
 
 
 class Mamba2Block(nn.Module):
@@ -36,8 +39,12 @@ class Mamba2Block(nn.Module):
 
 class Mamba2ForCausalLM(nn.Module):
     # checkpoint name part -> ours (the mixer's conv and norm are plain parameters here)
-    renames = ((".mixer.conv1d.weight", ".mixer.conv1d_weight"), (".mixer.conv1d.bias", ".mixer.conv1d_bias"),
-               (".mixer.norm.weight", ".mixer.norm_weight"), ("embedding.", "embeddings."))
+    renames = (
+        (".mixer.conv1d.weight", ".mixer.conv1d_weight"),
+        (".mixer.conv1d.bias", ".mixer.conv1d_bias"),
+        (".mixer.norm.weight", ".mixer.norm_weight"),
+        ("embedding.", "embeddings."),
+    )
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         super().__init__()
@@ -47,11 +54,13 @@ class Mamba2ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Mamba2Block(hf) for _ in range(hf["num_hidden_layers"]))
         self.norm_f = RMSNorm(hidden, hf.get("layer_norm_epsilon", 1e-5))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(range(vocab), hidden, vocab,
-                                      tied=self.embeddings if self.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(
+            range(vocab), hidden, vocab, tied=self.embeddings if self.tie_word_embeddings else None
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_in: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, hidden] (positions are not used: the
         state carries the order)."""
         x, residual = self.embeddings(input_ids) if hidden_in is None else hidden_in, None

@@ -5,6 +5,7 @@ place of the MLP; softmax top-k routing, always renormalised.
 `MoEBlock` (router + FusedMoE) is also Qwen3-MoE's block (qwen3_moe.py). The checkpoint's
 `block_sparse_moe.` is our `mlp.`, so the decoder layer is Llama's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,11 +34,17 @@ class MoEBlock(nn.Module):
         num_experts, hidden = num_experts_of(hf), hf["hidden_size"]
         # The router stays in float under weight quantization (as vLLM's; GGUF files keep it F32).
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False, linear_method=UnquantizedLinearMethod())
-        self.experts = FusedMoE(num_experts, hf["num_experts_per_tok"], hidden,
-                                expert_intermediate_range(intermediate_size, tp), comm, renormalize)
+        self.experts = FusedMoE(
+            num_experts,
+            hf["num_experts_per_tok"],
+            hidden,
+            expert_intermediate_range(intermediate_size, tp),
+            comm,
+            renormalize,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))     # router logits [T, E]
+        return self.experts(x, self.gate(x))  # router logits [T, E]
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
@@ -50,5 +57,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def weight_name_mapping(self):
         experts = FusedMoE.make_expert_params_mapping(num_experts_of(self.hf), "w1", "w2", "w3")
-        return ([(f".mlp{ours}", f".block_sparse_moe{ckpt}", sid) for ours, ckpt, sid in experts]
-                + [(".mlp.gate.", ".block_sparse_moe.gate.", None)] + super().weight_name_mapping())
+        return (
+            [(f".mlp{ours}", f".block_sparse_moe{ckpt}", sid) for ours, ckpt, sid in experts]
+            + [(".mlp.gate.", ".block_sparse_moe.gate.", None)]
+            + super().weight_name_mapping()
+        )

@@ -3,6 +3,7 @@ its text model, the architecture checked against the registry, the quantization 
 implies (a GGUF directory is served as "gguf"). The engine's EngineArgs builds the ModelConfig
 here (vLLM's ModelConfig is built from the HF config the same way), so that config.py holds
 plain values and imports no subsystem. Torch-free."""
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,16 @@ from pagedllm.models.layers.quantization.registry import validate_quantization
 from pagedllm.models.registry import resolve_architecture
 
 
-def model_config_from_dir(path: str, dtype: str = "float32", max_model_len: Optional[int] = None,
-                          seed: int = 0) -> ModelConfig:
+def model_config_from_dir(
+    path: str, dtype: str = "float32", max_model_len: Optional[int] = None, seed: int = 0
+) -> ModelConfig:
     """The ModelConfig of an HF-format model directory; max_model_len None: the model's
     max_position_embeddings (2048 where config.json has none)."""
     if not os.path.isdir(path):
         raise ValueError(f"model path '{path}' does not exist or is not a directory")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ValueError(f"model directory '{path}' has no config.json; "
-                         "an HF-format model directory is required")
+        raise ValueError(f"model directory '{path}' has no config.json; an HF-format model directory is required")
     with open(cfg_path) as f:
         hf = flatten_multimodal_config(json.load(f))
     resolve_architecture(hf, where=f" in '{cfg_path}'")
@@ -35,8 +36,10 @@ def model_config_from_dir(path: str, dtype: str = "float32", max_model_len: Opti
     if max_model_len is None:
         max_model_len = derived
     elif not isinstance(max_model_len, int) or not (1 <= max_model_len <= derived):
-        raise ValueError(f"max_model_len must be an integer in [1, {derived}] "
-                         f"(the model's max_position_embeddings), got {max_model_len!r}")
+        raise ValueError(
+            f"max_model_len must be an integer in [1, {derived}] "
+            f"(the model's max_position_embeddings), got {max_model_len!r}"
+        )
     return ModelConfig(model=path, hf_config=hf, dtype=dtype, max_model_len=max_model_len, seed=seed)
 
 

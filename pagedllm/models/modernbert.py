@@ -3,6 +3,7 @@ pre-norm layers with a fused Wqkv, RoPE (a global and a local theta), GeGLU MLPs
 LayerNorms, and every `global_attn_every_n_layers`-th layer global while the others see only
 tokens within local_attention / 2 of their own (both ways). Whole prompts, non-causal SDPA, no KV
 cache, as models/bert.py."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def _theta(cfg: dict, layer_type: str) -> float:
 
 def _layer_types(cfg: dict) -> list[str]:
     every = cfg.get("global_attn_every_n_layers", 3)
-    return cfg.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
-                                      for i in range(cfg["num_hidden_layers"])]
+    return cfg.get("layer_types") or [
+        "sliding_attention" if i % every else "full_attention" for i in range(cfg["num_hidden_layers"])
+    ]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,11 +56,11 @@ class ModernBertLayer(nn.Module):
         """x [B, T, H]; mask [B, 1, T, T] bool (True: may attend)."""
         b, t, h = x.shape
         qkv = self.attn.Wqkv(self.attn_norm(x)).view(b, t, 3, self.num_heads, h // self.num_heads)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))                    # [B, nh, T, d]
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [B, nh, T, d]
         a = F.scaled_dot_product_attention(_rope(q, cos, sin), _rope(k, cos, sin), v, attn_mask=mask)
         x = x + self.attn.Wo(a.transpose(1, 2).reshape(b, t, h))
         inp, gate = self.mlp.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.mlp.Wo(F.gelu(inp) * gate)   # "gelu": the exact (erf) GELU
+        return x + self.mlp.Wo(F.gelu(inp) * gate)  # "gelu": the exact (erf) GELU
 
 
 class ModernBertModel(nn.Module):
@@ -75,11 +77,12 @@ class ModernBertModel(nn.Module):
         self.final_norm = _norm(cfg)
         self.half_window = cfg.get("local_attention", 128) // 2
         d = cfg["hidden_size"] // cfg["num_attention_heads"]
-        self.inv_freq = {lt: 1.0 / _theta(cfg, lt) ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-                         for lt in set(types)}
+        self.inv_freq = {
+            lt: 1.0 / _theta(cfg, lt) ** (torch.arange(0, d, 2, dtype=torch.float32) / d) for lt in set(types)
+        }
         self.is_classifier = any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or [])
         self.classifier_pooling = cfg.get("classifier_pooling", "cls")
-        if self.is_classifier:   # ModernBertPredictionHead (dense, GELU, norm), then the classifier
+        if self.is_classifier:  # ModernBertPredictionHead (dense, GELU, norm), then the classifier
             self.head = nn.Module()
             self.head.dense = nn.Linear(cfg["hidden_size"], cfg["hidden_size"], bias=cfg.get("classifier_bias", False))
             self.head.norm = _norm(cfg)
@@ -88,15 +91,15 @@ class ModernBertModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor):
         """input_ids, attention_mask [B, T] (token_type_ids unused: ModernBERT has none)."""
         t = input_ids.shape[1]
-        x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))                # [B, T, H]
+        x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))  # [B, T, H]
         pos = torch.arange(t, device=x.device)
-        keys = attention_mask.bool()[:, None, None, :]                                      # [B, 1, 1, T]
-        band = (pos[:, None] - pos[None, :]).abs() <= self.half_window                     # [T, T]
+        keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
+        band = (pos[:, None] - pos[None, :]).abs() <= self.half_window  # [T, T]
         masks = {"full_attention": keys, "sliding_attention": keys & band}
         rope = {}
         for lt, inv in self.inv_freq.items():
             freqs = torch.outer(pos.float(), inv.to(x.device))
-            emb = torch.cat((freqs, freqs), dim=-1)                                         # [T, d]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
             rope[lt] = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
         for layer in self.layers:
             x = layer(x, masks[layer.layer_type], *rope[layer.layer_type])
@@ -114,6 +117,7 @@ class ModernBertModel(nn.Module):
 
 def load_modernbert(path: str, cfg: dict, dtype: torch.dtype = torch.float32) -> ModernBertModel:
     from safetensors.torch import load_file
+
     model = ModernBertModel(cfg)
     state = {k.removeprefix("model."): v for k, v in load_file(f"{path}/model.safetensors").items()}
     if not model.is_classifier:

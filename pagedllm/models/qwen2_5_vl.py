@@ -4,6 +4,7 @@ use RMSNorm and a gated SiLU MLP and attend within windows of window_size pixels
 merged groups of each window made contiguous), except the blocks at fullatt_block_indexes, which
 attend over each whole image. Video (second_per_grid_ts) is not taken: for an image the temporal
 positions are Qwen2-VL's."""
+
 from __future__ import annotations
 
 import torch
@@ -27,9 +28,9 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> 
         idx = torch.full((t, nh * window, nw * window), -1, dtype=torch.int64)
         idx[:, :gh, :gw] = torch.arange(t * gh * gw).view(t, gh, gw) + base
         idx = idx.view(t, nh, window, nw, window).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, window * window)
-        counts = (idx >= 0).sum(1)                                           # [windows]
+        counts = (idx >= 0).sum(1)  # [windows]
         order.append(idx[idx >= 0])
-        lengths += (counts[counts > 0] * merge ** 2).tolist()
+        lengths += (counts[counts > 0] * merge**2).tolist()
         base += t * gh * gw
     return torch.cat(order), lengths
 
@@ -57,14 +58,15 @@ class Qwen2_5_VLVisionTransformer(Qwen2VLVisionTransformer):
         self.full_attention = set(vc.get("fullatt_block_indexes", (7, 15, 23, 31)))
         window = vc.get("window_size", 112) // self.merge // vc.get("patch_size", 14)
         if window < 1:
-            raise ValueError(f"vision_config.window_size {vc.get('window_size')} must be at least "
-                             f"patch_size * spatial_merge_size")
+            raise ValueError(
+                f"vision_config.window_size {vc.get('window_size')} must be at least patch_size * spatial_merge_size"
+            )
         self.window = window
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         x, cos, sin = self.embed(patches, grids)
         order, windows = window_order(grids, self.merge, self.window)
-        unit = self.merge ** 2
+        unit = self.merge**2
         # The patches (and their rotary angles) in window order, a merged group's patches together.
         patch_order = (order.to(x.device).unsqueeze(1) * unit + torch.arange(unit, device=x.device)).flatten()
         x, cos, sin = x[patch_order], cos[patch_order], sin[patch_order]

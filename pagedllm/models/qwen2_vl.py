@@ -6,6 +6,7 @@ positions (temporal, height, width); the head's frequencies are cut into three s
 merged grid, offset by the text before; the text after continues one past the image's largest
 position, so a prompt's positions end below its length and decoding goes on at
 len + `rope_delta`."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,14 +25,14 @@ def mrope_positions(num_tokens: int, images, merge: int) -> tuple[np.ndarray, in
     in prompt order, its t*h*w/merge^2 placeholder tokens from offset. A loop over the images;
     each run of text or image vectorised."""
     pos = np.empty((3, num_tokens), dtype=np.int64)
-    at, nxt = 0, 0   # next prompt index, next position
+    at, nxt = 0, 0  # next prompt index, next position
     for offset, (t, h, w) in images:
         pos[:, at:offset] = np.arange(nxt, nxt + offset - at)
         nxt += offset - at
         gh, gw = h // merge, w // merge
         n = t * gh * gw
         tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        pos[:, offset:offset + n] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + nxt
+        pos[:, offset : offset + n] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + nxt
         at, nxt = offset + n, nxt + max(gh, gw)
     pos[:, at:] = np.arange(nxt, nxt + num_tokens - at)
     nxt += num_tokens - at
@@ -51,7 +52,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         super().__init__({**hf, "rope_parameters": rope, "rope_scaling": None}, head_dim, max_positions)
         if not sections or sum(sections) != self.rot_dim // 2:
-            raise ValueError(f"rope_parameters.mrope_section {sections} must add up to head_dim/2 = {self.rot_dim // 2}")
+            raise ValueError(
+                f"rope_parameters.mrope_section {sections} must add up to head_dim/2 = {self.rot_dim // 2}"
+            )
         axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
         self.register_buffer("axis", torch.cat((axis, axis)).to(torch.get_default_device()), persistent=False)
 
@@ -61,7 +64,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         # [3, T, rot] tables at each axis' positions -> [T, rot], column j from axis[j].
         cos = self.cos[positions].gather(0, self.axis.view(1, 1, -1).expand(1, positions.shape[1], -1))[0]
         sin = self.sin[positions].gather(0, self.axis.view(1, 1, -1).expand(1, positions.shape[1], -1))[0]
-        cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)   # [T, 1, rot]
+        cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # [T, 1, rot]
         return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
 
 
@@ -71,16 +74,17 @@ class Qwen2VLTextModel(LlamaForCausalLM):
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
-    uses_mrope = True   # the runner gives positions [3, T] (mrope_positions at prefill)
-    vision_class = Qwen2VLVisionTransformer   # Qwen2.5-VL's: models/qwen2_5_vl.py
+    uses_mrope = True  # the runner gives positions [3, T] (mrope_positions at prefill)
+    vision_class = Qwen2VLVisionTransformer  # Qwen2.5-VL's: models/qwen2_5_vl.py
 
     def __init__(self, hf: dict, max_positions: int, parallel=None) -> None:
         """hf: the text model's config with the whole config under "multimodal_config"
         (models/hf_config.py flatten_multimodal_config)."""
         super().__init__()
         if parallel is not None and parallel.world_size > 1:
-            raise ValueError(f"{type(self).__name__} runs on one rank: tensor_parallel_size and "
-                             f"pipeline_parallel_size must be 1")
+            raise ValueError(
+                f"{type(self).__name__} runs on one rank: tensor_parallel_size and pipeline_parallel_size must be 1"
+            )
         mm = hf["multimodal_config"]
         self.image_token_id = mm["image_token_id"]
         self.merge = mm["vision_config"].get("spatial_merge_size", 2)
@@ -94,7 +98,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         device = self.visual.patch_embed.proj.weight.device
         patches = torch.cat([torch.from_numpy(p).reshape(-1, p.shape[-1]) for p in pixel_values]).to(device)
         feats = self.visual(patches, grids)
-        return list(feats.split([t * h * w // self.merge ** 2 for t, h, w in grids]))
+        return list(feats.split([t * h * w // self.merge**2 for t, h, w in grids]))
 
     def image_positions(self, num_tokens: int, images) -> tuple[np.ndarray, int]:
         """A prompt's M-RoPE positions [3, num_tokens] and rope delta; images: its ImageInputs."""

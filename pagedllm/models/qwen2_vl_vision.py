@@ -2,6 +2,7 @@
 (the checkpoint's Conv3d with stride = kernel, flattened), blocks of bidirectional attention
 within each image with a 2-D rotary embedding (row and column of each patch), and a patch merger
 that concatenates each merge x merge group of neighbouring patches into one text-width token."""
+
 from __future__ import annotations
 
 import torch
@@ -45,12 +46,14 @@ class VisionAttention(nn.Module):
         """x [N, dim] (the patches of every image); cos/sin [N, 1, head_dim] float32; lengths:
         each image's patch count (attention stays within an image)."""
         N = x.shape[0]
-        q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)   # [N, H, D] each
+        q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
         # The rotation in float32, as transformers does, whatever the model's dtype.
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-               for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        out = [
+            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+            for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+        ]
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(N, -1))
 
 
@@ -91,7 +94,7 @@ class PatchMerger(nn.Module):
 
     def __init__(self, dim: int, out_dim: int, merge: int, norm) -> None:
         super().__init__()
-        merged = dim * merge ** 2
+        merged = dim * merge**2
         self.ln_q = norm(dim, 1e-6)
         self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, out_dim))
 
@@ -118,8 +121,11 @@ class Qwen2VLVisionTransformer(nn.Module):
         head_dim = dim // heads
         theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         # head_dim/4 frequencies each for the row and the column.
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32)
-                                                         / (head_dim // 2)), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)),
+            persistent=False,
+        )
         self.blocks = nn.ModuleList(VisionBlock(dim, heads, make_mlp(), norm) for _ in range(vc.get("depth", 32)))
         self.merger = PatchMerger(dim, out_dim, self.merge, norm)
 
@@ -127,10 +133,10 @@ class Qwen2VLVisionTransformer(nn.Module):
         """patches [N, C*2*P*P] -> (x [N, dim], cos, sin [N, 1, head_dim] float32 of each
         patch's row and column)."""
         w = self.patch_embed.proj.weight
-        x = F.linear(patches.to(w.dtype), w.flatten(1))                     # [N, dim]
-        pos = torch.cat([vision_patch_positions(*g, self.merge) for g in grids]).to(x.device)   # [N, 2]
-        freqs = (pos.unsqueeze(-1).float() * self.inv_freq.to(x.device)).flatten(1)   # [N, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                 # [N, 1, head_dim]
+        x = F.linear(patches.to(w.dtype), w.flatten(1))  # [N, dim]
+        pos = torch.cat([vision_patch_positions(*g, self.merge) for g in grids]).to(x.device)  # [N, 2]
+        freqs = (pos.unsqueeze(-1).float() * self.inv_freq.to(x.device)).flatten(1)  # [N, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [N, 1, head_dim]
         return x, emb.cos(), emb.sin()
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:

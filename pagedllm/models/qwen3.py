@@ -2,6 +2,7 @@
 before RoPE, no q/k/v bias (unless the config sets `attention_bias`), head_dim from the
 config. Everything else (parallelism, weight loading, the paged KV cache) is LlamaForCausalLM's.
 """
+
 from __future__ import annotations
 
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM

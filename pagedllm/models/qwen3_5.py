@@ -4,6 +4,7 @@ zero-centred RMSNorms, partial rotary) with a dense MLP in every layer and the G
 projections as separate matrices (models/layers/mamba/gated_deltanet.FlatGatedDeltaNet). Its
 multimodal RoPE sections coincide with plain RoPE for text (the three position axes are equal).
 One rank only."""
+
 from __future__ import annotations
 
 from pagedllm.models.layers.mamba.gated_deltanet import FlatGatedDeltaNet
@@ -18,5 +19,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     decoder_layer = Qwen3_5DecoderLayer
 
     def weight_name_mapping(self):
-        return [(".linear_attn.in_proj.", f".linear_attn.in_proj_{part}.", i)
-                for i, part in enumerate(("qkv", "z", "b", "a"))] + super().weight_name_mapping()
+        return [
+            (".linear_attn.in_proj.", f".linear_attn.in_proj_{part}.", i)
+            for i, part in enumerate(("qkv", "z", "b", "a"))
+        ] + super().weight_name_mapping()

@@ -4,6 +4,7 @@ layers that have one: layer i is sparse unless listed in `mlp_only_layers`, and 
 (i + 1) is a multiple of `decoder_sparse_step`; the others keep a dense MLP of
 `intermediate_size`. Softmax top-k routing, renormalised when `norm_topk_prob`.
 """
+
 from __future__ import annotations
 
 from pagedllm.models.layers.fused_moe import FusedMoE

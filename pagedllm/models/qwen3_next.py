@@ -9,6 +9,7 @@ the first `partial_rotary_factor` of each head, and gates its output: q_proj giv
 query and a gate, the output is attn * sigmoid(gate) before o_proj; the MLP of a sparse layer is
 the routed experts (softmax top-k, renormalised when `norm_topk_prob`) plus a shared expert
 scaled by sigmoid(shared_expert_gate(x)). One rank only."""
+
 from __future__ import annotations
 
 import torch
@@ -34,15 +35,16 @@ class Qwen3NextAttention(LlamaAttention):
     def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None) -> None:
         super().__init__(hf, tp, head_dim, comm)
         q_and_gate = range(2 * tp.q_heads.start, 2 * tp.q_heads.stop)
-        self.qkv_proj = QKVParallelLinear(hf["hidden_size"], head_dim, q_and_gate, tp.kv_heads,
-                                          hf.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            hf["hidden_size"], head_dim, q_and_gate, tp.kv_heads, hf.get("attention_bias", False)
+        )
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm, self.k_norm = GemmaRMSNorm(head_dim, eps), GemmaRMSNorm(head_dim, eps)
 
     def forward(self, x, positions, rope):
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)               # [T, H, D] each
+        q, gate = qg.view(T, H, 2 * D).chunk(2, dim=-1)  # [T, H, D] each
         q = self.q_norm(q).contiguous()
         k = self.k_norm(k.view(T, self.num_kv_heads, D)).contiguous()
         q, k = rope(positions, q, k)
@@ -64,7 +66,7 @@ class Qwen3NextSparseMoe(MoEBlock):
 
 
 class Qwen3NextDecoderLayer(LlamaDecoderLayer):
-    deltanet = GatedDeltaNet   # the linear-attention layers' class (Qwen3.5: FlatGatedDeltaNet)
+    deltanet = GatedDeltaNet  # the linear-attention layers' class (Qwen3.5: FlatGatedDeltaNet)
 
     def __init__(self, hf: dict, tp: TPShard, head_dim: int, comm=None, layer_idx: int = 0) -> None:
         nn.Module.__init__(self)
@@ -76,8 +78,11 @@ class Qwen3NextDecoderLayer(LlamaDecoderLayer):
         else:
             self.linear_attn = self.deltanet(hf)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = (Qwen3NextSparseMoe(hf, tp, comm) if is_sparse_layer(hf, layer_idx)
-                    else LlamaMLP(hidden, tp.intermediate, False, comm))
+        self.mlp = (
+            Qwen3NextSparseMoe(hf, tp, comm)
+            if is_sparse_layer(hf, layer_idx)
+            else LlamaMLP(hidden, tp.intermediate, False, comm)
+        )
 
     def forward(self, x, positions, rope, residual=None):
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
@@ -93,8 +98,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         refuse_parallel(parallel, "Qwen3-Next")
         types = list(hf.get("layer_types") or [])
         if len(types) != hf["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
-            raise ValueError(f"layer_types must list one of {LAYER_TYPES} for each of the "
-                             f"{hf['num_hidden_layers']} layers, got {types!r}")
+            raise ValueError(
+                f"layer_types must list one of {LAYER_TYPES} for each of the "
+                f"{hf['num_hidden_layers']} layers, got {types!r}"
+            )
         rope = hf.get("rope_parameters") or {}
         hf = {**hf, "partial_rotary_factor": hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))}
         super().__init__(hf, max_positions, parallel)
@@ -105,6 +112,11 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     def weight_name_mapping(self):
         sparse = any(is_sparse_layer(self.hf, i) for i in range(self.hf["num_hidden_layers"]))
         experts = FusedMoE.make_expert_params_mapping(num_experts_of(self.hf)) if sparse else []
-        return ([(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts]
-                + [(".linear_attn.conv1d_weight", ".linear_attn.conv1d.weight", None),
-                   (".linear_attn.norm_weight", ".linear_attn.norm.weight", None)] + super().weight_name_mapping())
+        return (
+            [(f".mlp{ours}", f".mlp{ckpt}", sid) for ours, ckpt, sid in experts]
+            + [
+                (".linear_attn.conv1d_weight", ".linear_attn.conv1d.weight", None),
+                (".linear_attn.norm_weight", ".linear_attn.norm.weight", None),
+            ]
+            + super().weight_name_mapping()
+        )

@@ -3,6 +3,7 @@
 The classes are imported when first asked for, so that reading a model directory
 (model_config_loader.py) imports no torch. A new architecture is one line here and its module under pagedllm/models/.
 """
+
 from __future__ import annotations
 
 import importlib

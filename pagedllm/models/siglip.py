@@ -2,6 +2,7 @@
 a patch convolution, learned position embeddings, pre-norm encoder layers with bidirectional
 attention among one image's patches, and a final LayerNorm. Images run whole (no paged cache):
 each is one short sequence, encoded once and kept in the runner's encoder cache."""
+
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,11 @@ class SiglipAttention(nn.Module):
         self.v_proj, self.out_proj = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, P, H = x.shape   # images, patches, hidden
+        B, P, H = x.shape  # images, patches, hidden
 
-        def heads(t):   # [B, P, H] -> [B, heads, P, head_dim]
+        def heads(t):  # [B, P, H] -> [B, heads, P, head_dim]
             return t.view(B, P, self.num_heads, self.head_dim).transpose(1, 2)
+
         o = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
         return self.out_proj(o.transpose(1, 2).reshape(B, P, H))
 
@@ -58,11 +60,12 @@ class SiglipVisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if pixel_values.shape[-2:] != (self.image_size, self.image_size):
-            raise ValueError(f"pixel_values must be {self.image_size}x{self.image_size} tiles, "
-                             f"got {tuple(pixel_values.shape[-2:])}")
+            raise ValueError(
+                f"pixel_values must be {self.image_size}x{self.image_size} tiles, got {tuple(pixel_values.shape[-2:])}"
+            )
         e = self.embeddings
-        x = e.patch_embedding(pixel_values).flatten(2).transpose(1, 2)   # [B, patches, hidden]
-        x = x + e.position_embedding.weight    # a whole tile: patch i has position i
+        x = e.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [B, patches, hidden]
+        x = x + e.position_embedding.weight  # a whole tile: patch i has position i
         for layer in self.encoder.layers:
             x = layer(x)
         return self.post_layernorm(x)

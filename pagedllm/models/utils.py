@@ -1,4 +1,5 @@
 """Helpers for a model split into pipeline stages."""
+
 from __future__ import annotations
 
 from torch import nn

@@ -1,5 +1,6 @@
 """What the vision-language models share: a text model (`language_model`) that embeds, runs
 and computes logits, a vision part beside it, and checkpoint tensors routed to one or the other."""
+
 from __future__ import annotations
 
 from typing import Iterable, Optional

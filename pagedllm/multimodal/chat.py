@@ -2,6 +2,7 @@
 becomes the model's image placeholder in the message's text, where the part stands, and its
 image one of the prompt's images, in order. A message's parts are joined with "\n" (as vLLM
 joins them for a template that takes string contents, and as the server joins text parts)."""
+
 from __future__ import annotations
 
 from pagedllm.multimodal.media import load_image_url
@@ -14,9 +15,13 @@ IMAGE_PARTS = {"image_pil": "image_pil", "image": "image", "image_url": "image_u
 
 def image_part_locations(conversation) -> list[str]:
     """'messages[i].content[j]' of each image part, in order."""
-    return [f"messages[{i}].content[{j}]"
-            for i, m in enumerate(conversation) if isinstance(m, dict) and isinstance(m.get("content"), list)
-            for j, p in enumerate(m["content"]) if isinstance(p, dict) and p.get("type") in IMAGE_PARTS]
+    return [
+        f"messages[{i}].content[{j}]"
+        for i, m in enumerate(conversation)
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+        for j, p in enumerate(m["content"])
+        if isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+    ]
 
 
 def has_image_parts(conversation) -> bool:
@@ -45,8 +50,9 @@ def template_takes_parts(render) -> bool:
     return _PROBE in text and "'type'" not in text and '"type"' not in text
 
 
-def split_image_parts(conversation: list, placeholder: str, allowed_local_media_path: str = "",
-                      as_parts: bool = False) -> tuple[list, list]:
+def split_image_parts(
+    conversation: list, placeholder: str, allowed_local_media_path: str = "", as_parts: bool = False
+) -> tuple[list, list]:
     """-> (the messages, the images in order); placeholder: what an image part becomes in a
     string content (chat_placeholder); image_url parts are loaded here (blocking: the
     server calls this in a thread). The messages have string contents, or with as_parts (a
@@ -69,16 +75,18 @@ def split_image_parts(conversation: list, placeholder: str, allowed_local_media_
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 images.append(load_image_url(url, where + ".image_url.url", allowed_local_media_path))
-                text.append(None)   # the image's place
+                text.append(None)  # the image's place
             elif kind in IMAGE_PARTS:
                 images.append(part.get(IMAGE_PARTS[kind]))
                 text.append(None)
             else:
-                raise ParamError(where, f"{where}: type {kind!r} is not supported; allowed: text, "
-                                        f"{', '.join(IMAGE_PARTS)}")
-        if as_parts:   # the template places the image tags itself
-            messages.append({**m, "content": [{"type": "image"} if t is None else {"type": "text", "text": t}
-                                              for t in text]})
+                raise ParamError(
+                    where, f"{where}: type {kind!r} is not supported; allowed: text, {', '.join(IMAGE_PARTS)}"
+                )
+        if as_parts:  # the template places the image tags itself
+            messages.append(
+                {**m, "content": [{"type": "image"} if t is None else {"type": "text", "text": t} for t in text]}
+            )
         else:
             messages.append({**m, "content": "\n".join(placeholder if t is None else t for t in text)})
     return messages, images

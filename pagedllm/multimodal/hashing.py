@@ -1,4 +1,5 @@
 """Content hashes of images: the same pixels give the same key in every process and run."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,6 +1,7 @@
 """--limit-mm-per-prompt (vLLM's flag and JSON form, '{"image": N}'): the most items of each
 modality one prompt may carry; a prompt over it is refused before its images are loaded. And
 --allowed-local-media-path, checked at start."""
+
 from __future__ import annotations
 
 import os
@@ -28,12 +29,15 @@ def check_item_count(limits: dict[str, int], modality: str, count: int, param: s
     """ParamError(param) when a prompt has more `modality` items than the limit allows."""
     limit = limits.get(modality, DEFAULT_MM_LIMIT)
     if count > limit:
-        raise ParamError(param, f"{param}: at most {limit} {modality}(s) may be provided in one prompt, got "
-                                f"{count} (--limit-mm-per-prompt '{{\"{modality}\": N}}' sets the limit)")
+        raise ParamError(
+            param,
+            f"{param}: at most {limit} {modality}(s) may be provided in one prompt, got "
+            f"{count} (--limit-mm-per-prompt '{{\"{modality}\": N}}' sets the limit)",
+        )
 
 
 def check_allowed_local_media_path(path) -> str:
-    """"" (no file:// URLs) or an existing directory; ValueError otherwise."""
+    """ "" (no file:// URLs) or an existing directory; ValueError otherwise."""
     if not path:
         return ""
     if not isinstance(path, str) or not os.path.isdir(path):

@@ -2,6 +2,7 @@
 `file://` path under --allowed-local-media-path, or an http(s) URL fetched with a time limit
 (PAGEDLLM_IMAGE_FETCH_TIMEOUT) and a size limit (PAGEDLLM_MAX_IMAGE_BYTES). Every failure is a
 ParamError naming the part (`where`), raised before the image reaches the processor."""
+
 from __future__ import annotations
 
 import base64
@@ -32,8 +33,9 @@ def load_image_url(url, where: str, allowed_local_media_path: str = ""):
     elif scheme in ("http", "https"):
         data = _fetch(url, where)
     else:
-        raise ParamError(where, f"{where}: URL scheme {scheme or url[:20]!r} is not supported; allowed: "
-                                f"{', '.join(URL_SCHEMES)}")
+        raise ParamError(
+            where, f"{where}: URL scheme {scheme or url[:20]!r} is not supported; allowed: {', '.join(URL_SCHEMES)}"
+        )
     return decode_image(data, where)
 
 
@@ -44,8 +46,7 @@ def _data_url_bytes(url: str, where: str) -> bytes:
         raise ParamError(where, f"{where}: a data URL needs a ',' before its data (data:image/png;base64,...)")
     media, _, encoding = head[5:].rpartition(";")
     if encoding != "base64" or not media.startswith("image/"):
-        raise ParamError(where, f"{where}: a data URL must be data:image/<type>;base64,<data>, got "
-                                f"{head[:60]!r}")
+        raise ParamError(where, f"{where}: a data URL must be data:image/<type>;base64,<data>, got {head[:60]!r}")
     limit = envs.PAGEDLLM_MAX_IMAGE_BYTES
     if len(payload) * 3 // 4 > limit:
         raise ParamError(where, f"{where}: the image is larger than {limit} bytes (PAGEDLLM_MAX_IMAGE_BYTES)")
@@ -68,8 +69,11 @@ def _local_file_bytes(url: str, where: str, allowed: str) -> bytes:
     try:
         size = os.path.getsize(path)
         if size > envs.PAGEDLLM_MAX_IMAGE_BYTES:
-            raise ParamError(where, f"{where}: the file has {size} bytes, more than PAGEDLLM_MAX_IMAGE_BYTES "
-                                    f"({envs.PAGEDLLM_MAX_IMAGE_BYTES})")
+            raise ParamError(
+                where,
+                f"{where}: the file has {size} bytes, more than PAGEDLLM_MAX_IMAGE_BYTES "
+                f"({envs.PAGEDLLM_MAX_IMAGE_BYTES})",
+            )
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
@@ -80,12 +84,13 @@ def _fetch(url: str, where: str) -> bytes:
     """The body, read up to the size limit, within the time limit (each socket operation)."""
     limit, timeout = envs.PAGEDLLM_MAX_IMAGE_BYTES, envs.PAGEDLLM_IMAGE_FETCH_TIMEOUT
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "pagedllm"}),
-                                    timeout=timeout) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers={"User-Agent": "pagedllm"}), timeout=timeout
+        ) as r:
             data = r.read(limit + 1)
     except urllib.error.HTTPError as e:
         raise ParamError(where, f"{where}: fetching the image failed: HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:   # refused, unknown host, timeout
+    except (urllib.error.URLError, OSError, ValueError) as e:  # refused, unknown host, timeout
         reason = getattr(e, "reason", None) or e
         raise ParamError(where, f"{where}: fetching the image failed: {reason}") from None
     if len(data) > limit:
@@ -96,6 +101,7 @@ def _fetch(url: str, where: str) -> bytes:
 def decode_image(data: bytes, where: str):
     """Encoded bytes -> an RGB PIL image; ParamError for what PIL cannot read or what is too big."""
     from PIL import Image
+
     try:
         image = Image.open(io.BytesIO(data))
         w, h = image.size
@@ -105,5 +111,5 @@ def decode_image(data: bytes, where: str):
         return image.convert("RGB")
     except ParamError:
         raise
-    except Exception as e:   # PIL raises several kinds (UnidentifiedImageError, OSError, SyntaxError, ...)
+    except Exception as e:  # PIL raises several kinds (UnidentifiedImageError, OSError, SyntaxError, ...)
         raise ParamError(where, f"{where}: the data is not an image PIL can decode ({type(e).__name__})") from None

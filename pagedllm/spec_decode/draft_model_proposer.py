@@ -13,6 +13,7 @@ blocks are full and before it).
 The draft proposes its argmax (a deterministic proposal: the rejection sampler takes q one-hot,
 which keeps sampled requests exact; a sampled draft with its q would be accepted more often).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,10 @@ from pagedllm.spec_decode.paged_draft import draft_lengths, span_metadata
 class DraftModelProposer:
     def __init__(self, model, num_layers: int, attn_backend, block_size: int, max_model_len: int) -> None:
         if not hasattr(model, "stage_layers") or len(model.stage_layers) <= num_layers:
-            raise ValueError(f"speculative_config.model 'self:{num_layers}' needs a Llama-family target "
-                             f"with more than {num_layers} layers")
+            raise ValueError(
+                f"speculative_config.model 'self:{num_layers}' needs a Llama-family target "
+                f"with more than {num_layers} layers"
+            )
         self.model, self.num_layers = model, num_layers
         self.attn_backend, self.block_size, self.max_model_len = attn_backend, block_size, max_model_len
 
@@ -34,7 +37,7 @@ class DraftModelProposer:
         """The target's forward cut after layer N -> final-normed hidden states [T, hidden]."""
         m = self.model
         x, residual = m.embed(input_ids), None
-        for layer in m.stage_layers[:self.num_layers]:
+        for layer in m.stage_layers[: self.num_layers]:
             x, residual = layer(x, positions, m.rope, residual)
         return m.norm(x, residual)[0]
 
@@ -47,18 +50,19 @@ class DraftModelProposer:
         live = np.flatnonzero(ks_np > 0)
         if not len(live):
             return drafts
-        num_tokens = batch.num_tokens[rows_np].astype(np.int64)                        # [R]
+        num_tokens = batch.num_tokens[rows_np].astype(np.int64)  # [R]
         ids = batch.token_ids_np[rows_np[live], num_tokens[live] - 1].astype(np.int64)  # [L]
         pos = num_tokens[live] - 1
         device = next(self.model.parameters()).device
         for j in range(int(ks_np.max())):
             keep = ks_np[live] > j
             live, ids, pos = live[keep], ids[keep], pos[keep]
-            meta, _ = span_metadata(self.attn_backend, batch, rows_np[live], pos, np.ones(len(live), dtype=np.int64),
-                                    self.block_size)
+            meta, _ = span_metadata(
+                self.attn_backend, batch, rows_np[live], pos, np.ones(len(live), dtype=np.int64), self.block_size
+            )
             with set_forward_context(meta):
                 hidden = self._forward(torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device))
-            ids = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()        # [n]
+            ids = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()  # [n]
             for i, t in zip(live.tolist(), ids.tolist()):
                 drafts[i].append(t)
             pos = pos + 1

@@ -8,19 +8,27 @@ measured on this machine by the runner (spec_decode/step_cost.py; a prior until 
 margin. A policy at 0 still proposes one draft every `probe_every` steps so that a workload
 that starts to repeat is noticed.
 """
+
 from __future__ import annotations
 
 from pagedllm.spec_decode.step_cost import StepCost
 
 
 class SpecLengthPolicy:
-    def __init__(self, num_speculative_tokens: int, adaptive: bool, draft_token_cost: float = 0.12,
-                 margin: float = 1.1, ema: float = 0.1, probe_every: int = 16) -> None:
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        adaptive: bool,
+        draft_token_cost: float = 0.12,
+        margin: float = 1.1,
+        ema: float = 0.1,
+        probe_every: int = 16,
+    ) -> None:
         self.k_max = num_speculative_tokens
         self.adaptive = adaptive
         self.cost = StepCost(prior=draft_token_cost)
         self.margin, self.ema, self.probe_every = margin, ema, probe_every
-        self.acceptance = 0.5      # prior before any draft was verified
+        self.acceptance = 0.5  # prior before any draft was verified
         self.steps_at_zero = 0
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:

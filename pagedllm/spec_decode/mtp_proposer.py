@@ -15,6 +15,7 @@ A prefix-cache hit reuses the module's entries of the cached blocks; the last en
 block was computed with the token that followed it in the request that wrote it, which may not
 be this request's: only its drafts (never its output) can differ.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,11 +30,11 @@ class MTPProposer(PagedDraftProposer):
 
     def __init__(self, mtp, target, attn_backend, block_size: int, max_model_len: int) -> None:
         super().__init__(mtp, attn_backend, block_size, max_model_len)
-        self.stream = None   # [T, H]: the target's last forward, before its final norm
+        self.stream = None  # [T, H]: the target's last forward, before its final norm
         target.norm.register_forward_hook(self._keep_stream)
 
     def _keep_stream(self, module, args, output) -> None:
-        if isinstance(output, tuple):   # norm(x, residual) -> (normed, x + residual)
+        if isinstance(output, tuple):  # norm(x, residual) -> (normed, x + residual)
             self.stream = output[1]
 
     def _catch_up_hidden(self, target_index: np.ndarray) -> torch.Tensor:

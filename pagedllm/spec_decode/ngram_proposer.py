@@ -11,6 +11,7 @@ repeated line is told apart by what came before it), the most recent occurrence 
 copy where the text repeats itself, and a draft of 2 (n - 1) tokens (1 for a 1-gram) speculates
 far only where the match says the output is copying.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,11 +29,11 @@ class NgramProposer:
         """tokens [T] -> (n, e): the longest suffix length n <= max_n that also ends at an earlier
         position e < T - 1 (the most recent such e); (0, -1) when none."""
         T = len(tokens)
-        ends = np.flatnonzero(tokens[:T - 1] == tokens[T - 1])       # earlier ends of the 1-gram
+        ends = np.flatnonzero(tokens[: T - 1] == tokens[T - 1])  # earlier ends of the 1-gram
         n = 1 if len(ends) else 0
         while len(ends) and n < min(self.max_n, T - 1):
             longer = ends[ends >= n]
-            longer = longer[tokens[longer - n] == tokens[T - 1 - n]]   # the match extends one back
+            longer = longer[tokens[longer - n] == tokens[T - 1 - n]]  # the match extends one back
             if not len(longer):
                 break
             ends, n = longer, n + 1
@@ -44,10 +45,11 @@ class NgramProposer:
         n, e = self.longest_match(tokens)
         if n < self.min_n:
             return []
-        return tokens[e + 1:e + 1 + draft_length(n, k)].tolist()
+        return tokens[e + 1 : e + 1 + draft_length(n, k)].tolist()
 
     def propose(self, batch, rows: list[int], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] drafts for the persistent batch's row rows[i] (one request at a time, each
         a vectorised search over its tokens)."""
-        return [self.propose_one(batch.token_ids_np[r, :batch.num_tokens[r]], k) if k > 0 else []
-                for r, k in zip(rows, ks)]
+        return [
+            self.propose_one(batch.token_ids_np[r, : batch.num_tokens[r]], k) if k > 0 else [] for r, k in zip(rows, ks)
+        ]

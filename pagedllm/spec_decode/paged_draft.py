@@ -16,6 +16,7 @@ Each step has two parts (as vLLM's EAGLE / draft proposers):
 Drafts are the draft distribution's argmax (q one-hot for the rejection sampler, as the
 "self:N" draft). A subclass says what its model takes (`_step`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -36,13 +37,19 @@ def span_metadata(attn_backend, batch, rows: np.ndarray, starts: np.ndarray, len
     """Attention metadata for lens[i] tokens from position starts[i] of persistent row rows[i]
     (a chunk over the row's cached past, through its block table) -> (metadata, positions [T])."""
     bs = block_size
-    pos = np.repeat(starts, lens) + span_offsets(lens)                                          # [T]
-    slot = batch.block_table_np[np.repeat(rows, lens), pos // bs].astype(np.int64) * bs + pos % bs   # [T]
-    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)                               # [R + 1]
-    seq_lens = (starts + lens).astype(np.int32)                                                 # [R]
-    meta = attn_backend.build_metadata(torch.from_numpy(qsl), torch.from_numpy(seq_lens),
-                                       torch.from_numpy(batch.block_table_np[rows]), torch.from_numpy(slot),
-                                       bs, int(lens.max()), int(seq_lens.max()))
+    pos = np.repeat(starts, lens) + span_offsets(lens)  # [T]
+    slot = batch.block_table_np[np.repeat(rows, lens), pos // bs].astype(np.int64) * bs + pos % bs  # [T]
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # [R + 1]
+    seq_lens = (starts + lens).astype(np.int32)  # [R]
+    meta = attn_backend.build_metadata(
+        torch.from_numpy(qsl),
+        torch.from_numpy(seq_lens),
+        torch.from_numpy(batch.block_table_np[rows]),
+        torch.from_numpy(slot),
+        bs,
+        int(lens.max()),
+        int(seq_lens.max()),
+    )
     return meta, pos.astype(np.int64)
 
 
@@ -56,14 +63,14 @@ def draft_lengths(batch, rows: np.ndarray, ks, lag: int, block_size: int, max_mo
 
 
 class PagedDraftProposer:
-    lag = 1                      # draft j's input sits at position num_tokens - lag + j
+    lag = 1  # draft j's input sits at position num_tokens - lag + j
     needs_target_hidden = False  # True: catch_up reads the target's hidden states of the step
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.device = next(model.parameters()).device
-        self.last: dict[int, torch.Tensor] = {}   # sampling row -> its last caught-up output [H]
+        self.last: dict[int, torch.Tensor] = {}  # sampling row -> its last caught-up output [H]
 
     # ------------------------------------------------------------ its cache
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list:
@@ -91,34 +98,35 @@ class PagedDraftProposer:
     def _run(self, batch, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, prev, ids: np.ndarray):
         meta, pos = span_metadata(self.attn_backend, batch, rows, starts, lens, self.block_size)
         with set_forward_context(meta):
-            return self._step(prev, torch.from_numpy(ids.astype(np.int64)).to(self.device),
-                              torch.from_numpy(pos).to(self.device))
+            return self._step(
+                prev, torch.from_numpy(ids.astype(np.int64)).to(self.device), torch.from_numpy(pos).to(self.device)
+            )
 
     def catch_up(self, batch, inputs, sample_rows: list[int]) -> None:
         """The draft over each scheduled row's positions made final this step (module docstring)."""
         self.last = {}
         R = len(inputs.req_ids)
         rows = np.arange(R)
-        starts = inputs.num_computed_tokens.numpy().astype(np.int64)                     # [R] before the step
-        ends = batch.num_computed_tokens_cpu[:R].astype(np.int64)                        # after the rollback
+        starts = inputs.num_computed_tokens.numpy().astype(np.int64)  # [R] before the step
+        ends = batch.num_computed_tokens_cpu[:R].astype(np.int64)  # after the rollback
         sampled = np.zeros(R, dtype=bool)
         sampled[sample_rows] = True
         ends = np.where(sampled, batch.num_tokens[:R] - self.lag + 1, ends)
         capacity = batch.num_blocks_per_row[:R].astype(np.int64) * self.block_size
-        lens = np.minimum(ends, capacity) - starts                                       # [R]
+        lens = np.minimum(ends, capacity) - starts  # [R]
         live = np.flatnonzero(lens > 0)
         if not len(live):
             return
         rows, starts, lens = rows[live], starts[live], lens[live]
         qsl = inputs.query_start_loc.numpy()
-        offsets = span_offsets(lens)                                                     # [T]
+        offsets = span_offsets(lens)  # [T]
         pos = np.repeat(starts, lens) + offsets
-        ids = batch.token_ids_np[np.repeat(rows, lens), pos + self.lag - 1]               # [T]
+        ids = batch.token_ids_np[np.repeat(rows, lens), pos + self.lag - 1]  # [T]
         prev = self._catch_up_hidden(np.repeat(qsl[rows], lens) + offsets)
-        out = self._run(batch, rows, starts, lens, prev, ids)                            # [T, H]
+        out = self._run(batch, rows, starts, lens, prev, ids)  # [T, H]
         last = np.cumsum(lens) - 1
         for r, i, end in zip(rows.tolist(), last.tolist(), (starts + lens).tolist()):
-            if sampled[r] and end == batch.num_tokens[r] - self.lag + 1:   # caught up to its last token
+            if sampled[r] and end == batch.num_tokens[r] - self.lag + 1:  # caught up to its last token
                 self.last[r] = out[i]
 
     def propose(self, batch, rows: list[int], ks: list[int]) -> list[list[int]]:
@@ -129,8 +137,8 @@ class PagedDraftProposer:
         live = np.array([i for i in np.flatnonzero(ks_np > 0).tolist() if rows[i] in self.last], dtype=np.int64)
         if not len(live):
             return drafts
-        hidden = torch.stack([self.last[rows[i]] for i in live.tolist()])                  # [L, H]
-        ids = self._logits(hidden).argmax(dim=-1).cpu().numpy()                           # [L]
+        hidden = torch.stack([self.last[rows[i]] for i in live.tolist()])  # [L, H]
+        ids = self._logits(hidden).argmax(dim=-1).cpu().numpy()  # [L]
         for j in range(1, int(ks_np[live].max()) + 1):
             for i, t in zip(live.tolist(), ids.tolist()):
                 drafts[i].append(t)

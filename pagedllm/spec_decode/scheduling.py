@@ -1,4 +1,5 @@
 """The scheduler's part of speculation: drafts are tokens like any other, within the budget."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -12,7 +13,7 @@ def trim_spec_tokens(unit: list, budget: int, num_tokens_to_compute: Callable) -
         if not request.spec_token_ids:
             budget -= num_tokens_to_compute(request)
             continue
-        need = num_tokens_to_compute(request) - len(request.spec_token_ids)   # without the drafts
+        need = num_tokens_to_compute(request) - len(request.spec_token_ids)  # without the drafts
         keep = max(min(len(request.spec_token_ids), budget - need), 0)
         del request.spec_token_ids[keep:]
         budget -= need + keep

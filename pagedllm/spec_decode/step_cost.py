@@ -11,14 +11,15 @@ number of tokens n, and the proposer's time per drafted token; `relative(B, k)` 
 token costs `prior` of a plain step) stands in; the prior is optimistic so that an unmeasured
 length is tried, measured, and dropped if it does not pay.
 """
+
 from __future__ import annotations
 
 
 class StepCost:
     def __init__(self, prior: float = 0.12, ema: float = 0.2) -> None:
         self.prior, self.ema = prior, ema
-        self.seconds: dict[int, float] = {}   # EMA of a step's time, by its number of tokens
-        self.propose_per_token = 0.0          # EMA of the proposer's time per drafted token
+        self.seconds: dict[int, float] = {}  # EMA of a step's time, by its number of tokens
+        self.propose_per_token = 0.0  # EMA of the proposer's time per drafted token
 
     def _avg(self, old, new: float) -> float:
         return new if old is None else old + self.ema * (new - old)

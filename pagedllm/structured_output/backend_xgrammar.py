@@ -1,6 +1,7 @@
 """xgrammar as the grammar engine: validation of a spec (frontend, no tokenizer), compilation
 against the model's vocabulary (engine core, on the manager's threads), and the per-request
 matcher that fills a token bitmask and advances with each accepted token."""
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def validate_structured_outputs(params: StructuredOutputsParams, param: str = "s
     kind = params.kind
     try:
         to_grammar(kind, params.spec)
-    except Exception as e:   # xgrammar raises RuntimeError / ValueError with its message
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
         name = param if param != "structured_outputs" else f"structured_outputs.{kind}"
         raise ParamError(name, f"invalid {kind} for {name}: {compiler_message(e)}") from None
 
@@ -93,9 +94,10 @@ class XgrammarBackend:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)   # the manager runs several at once
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
+        )
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)  # the manager runs several at once
 
     def compile(self, kind: str, spec: str) -> CompiledGrammar:
         c = self.compiler
@@ -108,4 +110,4 @@ class XgrammarBackend:
         return CompiledGrammar(c.compile_grammar(to_grammar(kind, spec)))
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        return xgr.allocate_token_bitmask(num_rows, self.vocab_size)   # [rows, ceil(V / 32)] int32
+        return xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # [rows, ceil(V / 32)] int32

@@ -16,6 +16,7 @@ device until the host needs them.
   tokens (`complete_output_ids`: one device -> host copy, only then); min_tokens needs only
   their count, which is known.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -33,13 +34,14 @@ class AsyncOutputs:
     def __init__(self, runner, max_num_reqs: int) -> None:
         self.runner = runner
         self.device = runner.device
-        self.prev_tokens: Optional[torch.Tensor] = None   # [rows sampled last step] int64, on the device
-        self.prev_index: dict[str, int] = {}               # req id -> its row in prev_tokens
-        self.filled: dict[str, int] = {}                   # this step: req id -> prev_tokens row it took
-        self.fetched: deque = deque()                      # (state, token) from get_output, to apply
+        self.prev_tokens: Optional[torch.Tensor] = None  # [rows sampled last step] int64, on the device
+        self.prev_index: dict[str, int] = {}  # req id -> its row in prev_tokens
+        self.filled: dict[str, int] = {}  # this step: req id -> prev_tokens row it took
+        self.fetched: deque = deque()  # (state, token) from get_output, to apply
         # One placeholder per request at most: the token of the step just before.
-        self.staging = PinnedStaging({"dst": ((max_num_reqs,), torch.int64), "src": ((max_num_reqs,), torch.int64)},
-                                     self.device)
+        self.staging = PinnedStaging(
+            {"dst": ((max_num_reqs,), torch.int64), "src": ((max_num_reqs,), torch.int64)}, self.device
+        )
 
     def reset(self) -> None:
         self.prev_tokens, self.prev_index, self.filled = None, {}, {}
@@ -52,11 +54,11 @@ class AsyncOutputs:
         while self.fetched:
             state, token = self.fetched.popleft()
             if runner.requests.get(state.req_id) is not state:
-                continue   # finished or preempted since it sampled: its state is gone
+                continue  # finished or preempted since it sampled: its state is gone
             row = batch.req_id_to_index.get(state.req_id)
             if row is not None:
                 batch.append_token(row, token)
-            else:   # out of the batch this step: its state keeps the token for its return
+            else:  # out of the batch this step: its state keeps the token for its return
                 state.token_ids.append(token)
 
     def fill_placeholders(self, input_ids: torch.Tensor, inputs) -> None:
@@ -65,14 +67,14 @@ class AsyncOutputs:
         self.filled = {}
         batch = self.runner.input_batch
         positions = inputs.positions.numpy()
-        known = batch.num_tokens[inputs.request_indices]         # [num_tokens]
-        dst = np.flatnonzero(positions >= known)                # [m] token indices
+        known = batch.num_tokens[inputs.request_indices]  # [num_tokens]
+        dst = np.flatnonzero(positions >= known)  # [m] token indices
         if not len(dst):
             return
         if np.any(positions[dst] > known[dst]):
             raise RuntimeError("async scheduling: a row is more than one token ahead of the host")
         src = []
-        for r in inputs.request_indices[dst].tolist():          # one per request
+        for r in inputs.request_indices[dst].tolist():  # one per request
             req_id = inputs.req_ids[r]
             i = self.prev_index.get(req_id)
             if i is None:
@@ -81,7 +83,7 @@ class AsyncOutputs:
             src.append(i)
         src = np.asarray(src, dtype=np.int64)
         dst_t, src_t = self.staging.upload(dst=dst, src=src)
-        input_ids.index_copy_(0, dst_t, self.prev_tokens.index_select(0, src_t))   # no host sync
+        input_ids.index_copy_(0, dst_t, self.prev_tokens.index_select(0, src_t))  # no host sync
 
     def complete_output_ids(self, states, output_token_ids: list[list[int]], need_ids: bool) -> list[list[int]]:
         """Each state's output tokens with the one still on the device appended: its id when
@@ -121,19 +123,26 @@ class AsyncModelRunnerOutput:
         if sampler_output is not None and outputs.device.type == "cuda":
             # Enqueued behind this step's sampler, before anything of the next step: a
             # non-blocking device -> host copy lands in pinned memory.
-            self.host = type(sampler_output)(*(None if t is None else t.to("cpu", non_blocking=True)
-                                               for t in (sampler_output.sampled_token_ids,
-                                                         sampler_output.logprob_token_ids,
-                                                         sampler_output.logprobs,
-                                                         sampler_output.sampled_token_ranks)))
+            self.host = type(sampler_output)(
+                *(
+                    None if t is None else t.to("cpu", non_blocking=True)
+                    for t in (
+                        sampler_output.sampled_token_ids,
+                        sampler_output.logprob_token_ids,
+                        sampler_output.logprobs,
+                        sampler_output.sampled_token_ranks,
+                    )
+                )
+            )
             self.event = torch.cuda.Event()
             self.event.record()
 
     def get_output(self) -> ModelRunnerOutput:
         if self.event is not None:
-            self.event.synchronize()   # this step's copies only
+            self.event.synchronize()  # this step's copies only
         fetched = self.outputs.fetched
-        result = to_runner_output(self.req_ids, self.rows, self.states, self.host,
-                                  lambda row, state, token: fetched.append((state, token)))
+        result = to_runner_output(
+            self.req_ids, self.rows, self.states, self.host, lambda row, state, token: fetched.append((state, token))
+        )
         result.prompt_logprobs = self.prompt_logprobs
         return result

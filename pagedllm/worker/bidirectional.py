@@ -3,6 +3,7 @@ image tokens see each other at prefill (Gemma 3: `bidirectional_images`), for th
 metadata (torch_sdpa/metadata.py build_attention_metadata's `bidirectional`). The scheduler
 keeps each image's tokens in one step (SchedulerConfig.disable_chunked_mm_input): a span cut by
 the step's end would let its first tokens miss the later ones, so it is an error here."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,7 +17,7 @@ def bidirectional_spans(states, num_computed, num_scheduled) -> Optional[dict]:
     spans = {}
     for r, state in enumerate(states):
         c, end = int(num_computed[r]), int(num_computed[r]) + int(num_scheduled[r])
-        if not state.mm_inputs or c >= state.mm_inputs[-1].end:   # no image, or past them (decoding)
+        if not state.mm_inputs or c >= state.mm_inputs[-1].end:  # no image, or past them (decoding)
             continue
         row = []
         for image in state.mm_inputs:
@@ -24,8 +25,10 @@ def bidirectional_spans(states, num_computed, num_scheduled) -> Optional[dict]:
                 lo, hi = image.offset + start, image.offset + start + length
                 if lo < end and hi > c:
                     if hi > end:
-                        raise RuntimeError(f"request {state.req_id}: image tokens [{lo}, {hi}) are split at {end} "
-                                           "by the step; the scheduler must keep them in one step")
+                        raise RuntimeError(
+                            f"request {state.req_id}: image tokens [{lo}, {hi}) are split at {end} "
+                            "by the step; the scheduler must keep them in one step"
+                        )
                     row.append((lo, hi))
         if row:
             spans[r] = row

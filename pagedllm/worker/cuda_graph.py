@@ -27,6 +27,7 @@ then); a replay needs none.
 capture=False runs the same padded static-buffer path eagerly: the CPU tests use it under
 Triton's interpreter to check the padding; only a GPU checks the capture itself.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -42,8 +43,15 @@ logger = logging.getLogger(__name__)
 
 
 class StepGraphs:
-    def __init__(self, runner, sizes: list[int], capture: bool = True, mixed: bool = False,
-                 max_reqs: int | None = None, pool=None) -> None:
+    def __init__(
+        self,
+        runner,
+        sizes: list[int],
+        capture: bool = True,
+        mixed: bool = False,
+        max_reqs: int | None = None,
+        pool=None,
+    ) -> None:
         """sizes: batch sizes (decode) or token counts (mixed); max_reqs: a mixed step's most
         requests (max_num_seqs); pool: a graph memory pool to share (with the other kind)."""
         self.runner = runner
@@ -64,14 +72,18 @@ class StepGraphs:
         self.query_start_loc = torch.arange(R + 1, dtype=torch.int32, device=dev)  # decode: 1 token each
         self.block_table = torch.zeros((R, max_blocks), dtype=torch.int32, device=dev)
         # Their host side, page-locked: a step's copies into them then never wait for the GPU.
-        specs = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
-                 "slot_mapping": ((T,), torch.int64), "seq_lens": ((R,), torch.int32),
-                 "block_table": ((R, max_blocks), torch.int32)}
+        specs = {
+            "input_ids": ((T,), torch.int64),
+            "positions": ((T,), torch.int64),
+            "slot_mapping": ((T,), torch.int64),
+            "seq_lens": ((R,), torch.int32),
+            "block_table": ((R, max_blocks), torch.int32),
+        }
         if mixed:
             specs["query_start_loc"] = ((R + 1,), torch.int32)
         self.staging = PinnedStaging(specs, torch.device(dev))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}     # size -> static hidden [size, hidden]
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> static hidden [size, hidden]
         if capture:
             self._capture_all()
 
@@ -82,9 +94,15 @@ class StepGraphs:
     def _meta(self, size: int):
         r, n = self.runner, self._reqs(size)
         return r.attn_backend.build_graph_metadata(
-            self.slot_mapping[:size], self.query_start_loc[:n + 1], self.seq_lens[:n],
-            self.block_table[:n], r.num_kv_heads, r.block_size, r.max_model_len,
-            max_query_len=size if self.mixed else 1)
+            self.slot_mapping[:size],
+            self.query_start_loc[: n + 1],
+            self.seq_lens[:n],
+            self.block_table[:n],
+            r.num_kv_heads,
+            r.block_size,
+            r.max_model_len,
+            max_query_len=size if self.mixed else 1,
+        )
 
     def _forward(self, size: int, meta) -> torch.Tensor:
         with set_forward_context(meta):
@@ -94,12 +112,12 @@ class StepGraphs:
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         before = torch.cuda.mem_get_info()[0]
-        if self.mixed:   # a valid layout to warm up on: every request one token, the rest padding
+        if self.mixed:  # a valid layout to warm up on: every request one token, the rest padding
             n = self.max_reqs
             self.query_start_loc.copy_(torch.arange(n + 1, dtype=torch.int32))
-        for size in reversed(self.sizes):   # largest first: the smaller ones reuse its pool
+        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
             meta = self._meta(size)
-            self._forward(size, meta)       # warm-up: Triton compiles outside the capture
+            self._forward(size, meta)  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -107,10 +125,16 @@ class StepGraphs:
             self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d %s CUDA graphs (%s %d..%d) in %.1f s, %.2f GiB",
-                    len(self.sizes), "mixed-step" if self.mixed else "decode",
-                    "tokens" if self.mixed else "batch sizes", self.sizes[0], self.max_size,
-                    time.perf_counter() - t0, (before - torch.cuda.mem_get_info()[0]) / 2**30)
+        logger.info(
+            "captured %d %s CUDA graphs (%s %d..%d) in %.1f s, %.2f GiB",
+            len(self.sizes),
+            "mixed-step" if self.mixed else "decode",
+            "tokens" if self.mixed else "batch sizes",
+            self.sizes[0],
+            self.max_size,
+            time.perf_counter() - t0,
+            (before - torch.cuda.mem_get_info()[0]) / 2**30,
+        )
 
     def padded_size(self, n: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -135,17 +159,17 @@ class StepGraphs:
         st.copy_to("seq_lens", inputs.seq_lens, self.seq_lens[:r])
         st.copy_to("block_table", inputs.block_table[:, :nb], self.block_table[:r, :nb])
         if self.mixed:
-            st.copy_to("query_start_loc", inputs.query_start_loc, self.query_start_loc[:r + 1])
+            st.copy_to("query_start_loc", inputs.query_start_loc, self.query_start_loc[: r + 1])
         st.end()
-        if self.runner.async_outputs is not None:   # async scheduling: tokens still on the device
+        if self.runner.async_outputs is not None:  # async scheduling: tokens still on the device
             self.runner.async_outputs.fill_placeholders(self.input_ids[:n], inputs)
-        if n < size:   # padding tokens: written nowhere
+        if n < size:  # padding tokens: written nowhere
             self.slot_mapping[n:size].fill_(-1)
         R = self._reqs(size)
-        if self.mixed:   # padding requests own no tokens
-            self.query_start_loc[r + 1:R + 1].fill_(n)
+        if self.mixed:  # padding requests own no tokens
+            self.query_start_loc[r + 1 : R + 1].fill_(n)
             self.seq_lens[r:R].fill_(0)
-        elif r < R:      # padding rows: one token over one slot
+        elif r < R:  # padding rows: one token over one slot
             self.seq_lens[r:R].fill_(1)
         if self.capture:
             self.graphs[size].replay()
@@ -160,10 +184,12 @@ class CudaGraphs:
     def __init__(self, runner, decode_sizes: list[int], mixed_sizes: list[int], capture: bool = True) -> None:
         self.decode = StepGraphs(runner, decode_sizes, capture) if decode_sizes else None
         pool = self.decode.pool if self.decode is not None else None
-        self.mixed = (StepGraphs(runner, mixed_sizes, capture, mixed=True,
-                                 max_reqs=runner.input_batch.max_num_reqs, pool=pool)
-                      if mixed_sizes else None)
-        self.taken = None   # the StepGraphs the last can_run chose
+        self.mixed = (
+            StepGraphs(runner, mixed_sizes, capture, mixed=True, max_reqs=runner.input_batch.max_num_reqs, pool=pool)
+            if mixed_sizes
+            else None
+        )
+        self.taken = None  # the StepGraphs the last can_run chose
 
     def can_run(self, inputs) -> bool:
         self.taken = next((g for g in (self.decode, self.mixed) if g is not None and g.can_run(inputs)), None)

@@ -11,6 +11,7 @@ test's requests overlap, or outlast a stalled client, on any machine). The
 check runs after the runner's rows were brought in step with the scheduler and before the
 forward, so the step fails half done, as a real fault would leave it. Unset: no cost.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,14 +24,14 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 ENV = "PAGEDLLM_FAULT_INJECTION"
-EXIT_CODE = 70   # what an injected `exit` ends the process with
+EXIT_CODE = 70  # what an injected `exit` ends the process with
 ACTIONS = ("raise", "reject", "exit", "slow")
 SLOW_STEP_S = 0.005
 
 
 class FaultInjector:
     def __init__(self, triggers: dict[int, str], sleeps: Optional[dict[int, float]] = None) -> None:
-        self.triggers = triggers   # token id -> action
+        self.triggers = triggers  # token id -> action
         self.sleeps = {t: SLOW_STEP_S for t, a in triggers.items() if a == "slow"} | (sleeps or {})
 
     @classmethod
@@ -38,13 +39,18 @@ class FaultInjector:
         spec = envs.PAGEDLLM_FAULT_INJECTION.strip()
         if not spec:
             return None
-        triggers, sleeps = {}, {}   # sleeps: the `slow` ones given milliseconds
+        triggers, sleeps = {}, {}  # sleeps: the `slow` ones given milliseconds
         for item in spec.split(","):
             action, *numbers = item.strip().split(":")
-            if (action not in ACTIONS or not 1 <= len(numbers) <= 1 + (action == "slow")
-                    or not all(x.strip().isdigit() for x in numbers)):
-                raise ValueError(f"{ENV}: {item!r} is not ACTION:TOKEN_ID (slow:TOKEN_ID:MS too) with "
-                                 f"ACTION one of {', '.join(ACTIONS)}")
+            if (
+                action not in ACTIONS
+                or not 1 <= len(numbers) <= 1 + (action == "slow")
+                or not all(x.strip().isdigit() for x in numbers)
+            ):
+                raise ValueError(
+                    f"{ENV}: {item!r} is not ACTION:TOKEN_ID (slow:TOKEN_ID:MS too) with "
+                    f"ACTION one of {', '.join(ACTIONS)}"
+                )
             token = int(numbers[0])
             triggers[token] = action
             if len(numbers) == 2:
@@ -56,7 +62,7 @@ class FaultInjector:
         """Fail (or slow) the step if a scheduled request's prompt holds a trigger token."""
         sleep = 0.0
         for state in states:
-            hit = self.triggers.keys() & set(state.token_ids[:state.num_prompt_tokens])
+            hit = self.triggers.keys() & set(state.token_ids[: state.num_prompt_tokens])
             faults = sorted(t for t in hit if self.triggers[t] != "slow")
             sleep = max([sleep] + [self.sleeps[t] for t in hit if t in self.sleeps])
             if not faults:

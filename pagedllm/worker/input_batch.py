@@ -5,6 +5,7 @@ a request gets a row when it enters the batch and keeps it; rows are condensed s
 live ones are always [0, num_reqs). prepare_inputs turns one step's scheduled token counts
 into the model's inputs with vectorised index arithmetic, no Python loop over tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,17 +20,18 @@ from pagedllm.sampling_params import SamplingParams
 @dataclass
 class CachedRequestState:
     """What the runner keeps of a request between steps (also while it is out of the batch)."""
+
     req_id: str
-    token_ids: list[int]          # prompt + output so far
+    token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     generator: Optional[torch.Generator]
-    lora_request: Optional[Any] = None   # pagedllm.lora.LoRARequest, or None: the base model
+    lora_request: Optional[Any] = None  # pagedllm.lora.LoRARequest, or None: the base model
     # Several KV cache groups: the block tables of groups 1.. (block_ids is group 0's).
     extra_block_ids: list[list[int]] = field(default_factory=list)
-    mm_inputs: tuple = ()   # multimodal.inputs.ImageInput of each image of the prompt
+    mm_inputs: tuple = ()  # multimodal.inputs.ImageInput of each image of the prompt
     # M-RoPE (Qwen2-VL) with images: (the prompt's positions [3, prompt] int64, rope delta); None: plain.
     mrope: Optional[tuple] = None
 
@@ -37,24 +39,25 @@ class CachedRequestState:
 @dataclass
 class ModelInputs:
     """One step's inputs, named as in the worked example of the seed (003)."""
+
     req_ids: list[str]
-    num_scheduled_tokens: np.ndarray   # [num_reqs]
-    request_indices: np.ndarray        # [num_tokens] row of each token
-    positions: torch.Tensor            # [num_tokens] int64
-    token_indices: np.ndarray          # [num_tokens] into the flattened token-id table
-    input_ids: torch.Tensor            # [num_tokens] int64
-    block_table_indices: np.ndarray    # [num_tokens] into the flattened block table
-    block_numbers: np.ndarray          # [num_tokens] physical block of each token
-    block_offsets: np.ndarray          # [num_tokens]
-    slot_mapping: torch.Tensor         # [num_tokens] int64
-    query_start_loc: torch.Tensor      # [num_reqs + 1] int32
-    seq_lens: torch.Tensor             # [num_reqs] int32
+    num_scheduled_tokens: np.ndarray  # [num_reqs]
+    request_indices: np.ndarray  # [num_tokens] row of each token
+    positions: torch.Tensor  # [num_tokens] int64
+    token_indices: np.ndarray  # [num_tokens] into the flattened token-id table
+    input_ids: torch.Tensor  # [num_tokens] int64
+    block_table_indices: np.ndarray  # [num_tokens] into the flattened block table
+    block_numbers: np.ndarray  # [num_tokens] physical block of each token
+    block_offsets: np.ndarray  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
     num_computed_tokens: torch.Tensor  # [num_reqs] int32
-    block_table: torch.Tensor          # [num_reqs, max_num_blocks_per_req] int32 (a view)
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32 (a view)
     max_query_len: int
     max_seq_len: int
-    sample_rows: np.ndarray            # rows whose last scheduled token is their last token
-    logits_indices: torch.Tensor       # [len(sample_rows)] token index of each sampled row
+    sample_rows: np.ndarray  # rows whose last scheduled token is their last token
+    logits_indices: torch.Tensor  # [len(sample_rows)] token index of each sampled row
     # Several KV cache groups: groups 1..'s block tables [num_reqs, max_blocks] and slot mappings [num_tokens].
     group_block_tables: list[torch.Tensor] = field(default_factory=list)
     group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
@@ -109,14 +112,14 @@ class InputBatch:
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks_per_row[row]
-        self.block_table_np[row, start:start + len(block_ids)] = block_ids
+        self.block_table_np[row, start : start + len(block_ids)] = block_ids
         self.num_blocks_per_row[row] = start + len(block_ids)
 
     def append_extra_block_ids(self, row: int, extra_block_ids) -> None:
         """Groups 1..'s new block ids of the row (several KV cache groups)."""
         for table, counts, ids in zip(self.group_block_tables_np, self.group_num_blocks, extra_block_ids):
             start = counts[row]
-            table[row, start:start + len(ids)] = ids
+            table[row, start : start + len(ids)] = ids
             counts[row] = start + len(ids)
 
     def remove_requests(self, req_ids) -> None:
@@ -142,10 +145,9 @@ class InputBatch:
         nb = self.num_blocks_per_row[src]
         self.block_table_np[dst, :nb] = self.block_table_np[src, :nb]
         for table, counts in zip(self.group_block_tables_np, self.group_num_blocks):
-            table[dst, :counts[src]] = table[src, :counts[src]]
+            table[dst, : counts[src]] = table[src, : counts[src]]
             counts[dst] = counts[src]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
-                    self.num_blocks_per_row):
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu, self.num_blocks_per_row):
             arr[dst] = arr[src]
         self.req_ids[dst], self.req_ids[src] = self.req_ids[src], None
         self.states[dst], self.states[src] = self.states[src], None
@@ -161,10 +163,10 @@ class InputBatch:
     def prepare_inputs(self, num_scheduled: dict[str, int]) -> ModelInputs:
         num_reqs = self.num_reqs
         req_ids = self.req_ids[:num_reqs]
-        counts = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)   # [num_reqs]
+        counts = np.array([num_scheduled[r] for r in req_ids], dtype=np.int64)  # [num_reqs]
         total = int(counts.sum())
-        cu = np.cumsum(counts)                                                   # [num_reqs]
-        request_indices = np.repeat(np.arange(num_reqs), counts)                 # [total]
+        cu = np.cumsum(counts)  # [num_reqs]
+        request_indices = np.repeat(np.arange(num_reqs), counts)  # [total]
         # Offset of each token inside its request's scheduled chunk: 0, 1, 2, 0, 1, ...
         arange = np.arange(total) - np.repeat(cu - counts, counts)
         computed = self.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
@@ -177,7 +179,8 @@ class InputBatch:
         slot_mapping = block_numbers * self.block_size + block_offsets
         group_slot_mappings = [  # the same positions through each other group's table
             torch.from_numpy(t.reshape(-1)[block_table_indices].astype(np.int64) * self.block_size + block_offsets)
-            for t in self.group_block_tables_np]
+            for t in self.group_block_tables_np
+        ]
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         query_start_loc[1:] = cu
         seq_lens = computed + counts

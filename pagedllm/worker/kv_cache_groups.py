@@ -8,6 +8,7 @@ metadata, as before groups. With several (Gemma 3), layer i reads and writes cac
 group's at a time) through its group's block table, so the forward context carries a list
 of metadata, one per group, and `Attention.forward` picks its own.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -22,8 +23,9 @@ def kv_cache_config_of_specs(specs: list[KVCacheSpec], pipeline_stage: bool) -> 
     """The layout from the layers' specs (each layer's, in layer order): their sliding windows
     (None: full attention) group them. pipeline_stage: this rank holds a stage of a split model,
     which keeps one group (core/kv_cache_utils.merge_stage_configs joins the stages)."""
-    return kv_cache_config_from_windows([getattr(spec, "sliding_window", None) for spec in specs],
-                                        one_group=pipeline_stage)
+    return kv_cache_config_from_windows(
+        [getattr(spec, "sliding_window", None) for spec in specs], one_group=pipeline_stage
+    )
 
 
 def assign_kv_cache_groups(model: nn.Module, config: KVCacheConfig, specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
@@ -48,10 +50,19 @@ def build_step_metadata(backend, inputs, block_size: int, config: KVCacheConfig,
     extra = {} if bidirectional is None else {"bidirectional": bidirectional}
     tables = [inputs.block_table, *inputs.group_block_tables]
     slots = [inputs.slot_mapping, *inputs.group_slot_mappings]
-    metas = [StateMetadata.build(inputs.query_start_loc, inputs.num_computed_tokens, table, device,
-                                 group.state_blocks)
-             if group.state_blocks is not None else
-             backend.build_metadata(inputs.query_start_loc, inputs.seq_lens, table, slot, block_size,
-                                    inputs.max_query_len, inputs.max_seq_len, **extra)
-             for group, table, slot in zip(config.kv_cache_groups, tables, slots)]
+    metas = [
+        StateMetadata.build(inputs.query_start_loc, inputs.num_computed_tokens, table, device, group.state_blocks)
+        if group.state_blocks is not None
+        else backend.build_metadata(
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            table,
+            slot,
+            block_size,
+            inputs.max_query_len,
+            inputs.max_seq_len,
+            **extra,
+        )
+        for group, table, slot in zip(config.kv_cache_groups, tables, slots)
+    ]
     return metas[0] if len(metas) == 1 else metas

@@ -6,6 +6,7 @@ serves that layer of the requests whose prefill completes in this step while the
 compute); `wait_for_save` after the forward covers steps that call no layer module (the C++
 decode loop, a CUDA graph); the finished transfers ride back on the runner's output.
 """
+
 from __future__ import annotations
 
 from pagedllm.attention.layer import attention_layers
@@ -17,8 +18,9 @@ from pagedllm.distributed.kv_transfer.factory import create_connector
 class KVConnectorWorker:
     def __init__(self, config, runner) -> None:
         """After the runner's KV cache exists (its tensors are what the connector moves)."""
-        self.connector = create_connector(config.kv_transfer_config, KVConnectorRole.WORKER,
-                                          config.cache_config.block_size)
+        self.connector = create_connector(
+            config.kv_transfer_config, KVConnectorRole.WORKER, config.cache_config.block_size
+        )
         self.connector.register_kv_caches(runner.kv_caches, config.cache_config.block_size)
         for i, layer in enumerate(attention_layers(runner.model).values()):
             layer.register_forward_hook(lambda *_, i=i: self.connector.save_kv_layer(i))

@@ -1,5 +1,6 @@
 """ModelRunner: keeps the persistent InputBatch in step with the scheduler, runs the model
 over the paged KV cache, and samples the rows whose prefill is complete."""
+
 from __future__ import annotations
 
 import logging
@@ -59,12 +60,15 @@ class ModelRunner:
         self.memory_baseline = MemorySnapshot.take(self.device)
         self.model = load_model(mc, parallel, dc.device, dc.attention_backend)
         # Vision-language models: image features by content hash (worker/encoder_cache.py).
-        self.encoder_cache = (EncoderCache(self.model) if hasattr(self.model, "encode_images")
-                              or hasattr(self.model, "encode_image_list") else None)
+        self.encoder_cache = (
+            EncoderCache(self.model)
+            if hasattr(self.model, "encode_images") or hasattr(self.model, "encode_image_list")
+            else None
+        )
         # --enable-lora: the adapter slots, wrapped around the linears' methods (pagedllm/lora).
         self.lora_manager = make_lora_manager(self.model, config, self.device)
         self.memory_after_load = MemorySnapshot.take(self.device)
-        self.memory_profile = None   # worker/memory.MemoryProfile, once profiled
+        self.memory_profile = None  # worker/memory.MemoryProfile, once profiled
         self.dtype = next(self.model.parameters()).dtype
         # The backend the model's Attention layers were built with (the selector caches it).
         self.attn_backend = get_attn_backend(self.device, self.dtype, dc.attention_backend)
@@ -79,25 +83,30 @@ class ModelRunner:
         # Recurrent layers (Mamba2, LFM2's convolutions) add state groups (worker/state_cache.py).
         if state_layers(self.model):
             self.kv_cache_config, self.kv_cache_spec = state_kv_cache_layout(
-                self.model, self.kv_cache_spec, cc.block_size, self.kv_cache_dtype)
+                self.model, self.kv_cache_spec, cc.block_size, self.kv_cache_dtype
+            )
         else:
-            self.kv_cache_config = kv_cache_config_of_specs(self.kv_cache_spec,
-                                                            config.parallel_config.pipeline_parallel_size > 1)
+            self.kv_cache_config = kv_cache_config_of_specs(
+                self.kv_cache_spec, config.parallel_config.pipeline_parallel_size > 1
+            )
             if self.kv_cache_config.is_hybrid:
                 self.kv_cache_spec = assign_kv_cache_groups(self.model, self.kv_cache_config, self.kv_cache_spec)
         self.num_kv_cache_groups = len(self.kv_cache_config.kv_cache_groups)
-        self.num_kv_heads = (mc.hf_config.get("num_key_value_heads", mc.hf_config.get("num_attention_heads", 0))
-                             if parallel is None else parallel.shard.num_kv_heads)
+        self.num_kv_heads = (
+            mc.hf_config.get("num_key_value_heads", mc.hf_config.get("num_attention_heads", 0))
+            if parallel is None
+            else parallel.shard.num_kv_heads
+        )
         # Small CPU decode steps: every layer in one C++ call (None where it does not apply).
         self.decode_loop = build_decode_loop(self.model, self.attn_backend) if parallel is None else None
-        self.graphs = None   # worker/cuda_graph.CudaGraphs, made once the KV cache exists
+        self.graphs = None  # worker/cuda_graph.CudaGraphs, made once the KV cache exists
         # The sampled rows' indices go to the device through a page-locked buffer (no stream sync).
         self.index_staging = PinnedStaging({"logits_indices": ((sc.max_num_seqs,), torch.int64)}, self.device)
         # --async-scheduling: sampled tokens stay on the device until the host needs them.
         self.async_outputs = AsyncOutputs(self, sc.max_num_seqs) if sc.async_scheduling else None
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size, self.num_kv_cache_groups)
         self.requests: dict[str, CachedRequestState] = {}
-        self.faults = FaultInjector.from_env()   # tests only (PAGEDLLM_FAULT_INJECTION)
+        self.faults = FaultInjector.from_env()  # tests only (PAGEDLLM_FAULT_INJECTION)
         self.sampler = Sampler()
         # --runner pooling: prompts are pooled, never sampled (worker/pooler.py).
         self.pooler = Pooler(mc.pooler_config) if mc.runner == "pooling" else None
@@ -107,8 +116,11 @@ class ModelRunner:
         # so that a preempted request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
         # Speculative decoding (worker/spec_decode.py): verify drafts, propose the next ones.
-        self.spec_decoder = (SpecDecoder(config.speculative_config, self.model, self.attn_backend, config)
-                             if config.speculative_config else None)
+        self.spec_decoder = (
+            SpecDecoder(config.speculative_config, self.model, self.attn_backend, config)
+            if config.speculative_config
+            else None
+        )
         # A draft with a paged cache of its own: its layers' tensors after the target's, same blocks.
         self.num_target_kv_tensors = len(self.kv_cache_spec)
         if self.spec_decoder is not None and self.spec_decoder.paged is not None:
@@ -123,31 +135,45 @@ class ModelRunner:
         [num_blocks * block_size, num_kv_heads, head_dim]; MLA: (latent,), [num_blocks *
         block_size, kv_lora_rank + qk_rope_head_dim]). On the CPU torch.zeros maps pages
         lazily: unused blocks cost no memory until written."""
-        return [tuple(torch.zeros(shape, dtype=dt, device=device, pin_memory=pin)
-                      for shape, dt in spec.kv_tensors(num_blocks)) for spec in self.kv_cache_spec]
+        return [
+            tuple(
+                torch.zeros(shape, dtype=dt, device=device, pin_memory=pin) for shape, dt in spec.kv_tensors(num_blocks)
+            )
+            for spec in self.kv_cache_spec
+        ]
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """The KV cache, the swap space (host memory, pinned when the cache is on a GPU), and
         then the decode CUDA graphs, which capture the cache's addresses."""
         self.kv_caches = self.alloc_kv_caches(num_blocks, self.device)
         self.bind_kv_caches(self.kv_caches)
-        self.cpu_caches = (self.alloc_kv_caches(num_cpu_blocks, "cpu", pin=self.device.type == "cuda")
-                           if num_cpu_blocks else [])
+        self.cpu_caches = (
+            self.alloc_kv_caches(num_cpu_blocks, "cpu", pin=self.device.type == "cuda") if num_cpu_blocks else []
+        )
         dc = self.config.device_config
-        mtp = self.spec_decoder is not None and self.spec_decoder.paged is not None and \
-            self.spec_decoder.paged.needs_target_hidden   # reads the eager forward's hidden states
-        if (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs and dc.cuda_graph_sizes
-                and self.num_kv_cache_groups == 1 and not mtp   # a captured step has one block table
-                and not self.kv_cache_config.has_state          # and attention metadata only
-                and not getattr(self.model, "uses_mrope", False)):   # and positions [T], not M-RoPE's [3, T]
+        mtp = (
+            self.spec_decoder is not None
+            and self.spec_decoder.paged is not None
+            and self.spec_decoder.paged.needs_target_hidden
+        )  # reads the eager forward's hidden states
+        if (
+            self.device.type == "cuda"
+            and self.attn_backend.supports_cuda_graphs
+            and dc.cuda_graph_sizes
+            and self.num_kv_cache_groups == 1
+            and not mtp  # a captured step has one block table
+            and not self.kv_cache_config.has_state  # and attention metadata only
+            and not getattr(self.model, "uses_mrope", False)
+        ):  # and positions [T], not M-RoPE's [3, T]
             from pagedllm.worker.cuda_graph import CudaGraphs
+
             self.graphs = CudaGraphs(self, dc.cuda_graph_sizes, dc.mixed_graph_sizes, capture=True)
 
     def bind_kv_caches(self, kv_caches: list) -> None:
         """The target's layers take the first tensors, a paged draft's the rest ([] unbinds)."""
         n = self.num_target_kv_tensors
         bind_kv_cache(self.model, kv_caches[:n])
-        if self.kv_cache_config.has_state:   # rows of blocks, or of token slots
+        if self.kv_cache_config.has_state:  # rows of blocks, or of token slots
             rows_per_block = 1 if isinstance(self.kv_cache_spec[0], MambaSpec) else self.block_size
             bind_state_cache(self.model, kv_caches[:n], kv_caches[0][0].shape[0] // rows_per_block if kv_caches else 0)
         if self.spec_decoder is not None and self.spec_decoder.paged is not None:
@@ -156,6 +182,7 @@ class ModelRunner:
     def profile_kv_cache_memory(self) -> int:
         """GPU: bytes left for the KV cache (see worker/memory.py)."""
         from pagedllm.worker.memory import profile_kv_cache_memory
+
         return profile_kv_cache_memory(self)
 
     # ------------------------------------------------------------ states
@@ -203,11 +230,18 @@ class ModelRunner:
             if gen is None and params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed)
                 self.generators[data.req_id] = gen
-            state = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
-                                       params, list(data.block_ids), data.num_computed_tokens, gen,
-                                       data.lora_request,
-                                       extra_block_ids=[list(ids) for ids in data.block_ids_by_group[1:]],
-                                       mm_inputs=data.mm_inputs)
+            state = CachedRequestState(
+                data.req_id,
+                list(data.token_ids),
+                data.num_prompt_tokens,
+                params,
+                list(data.block_ids),
+                data.num_computed_tokens,
+                gen,
+                data.lora_request,
+                extra_block_ids=[list(ids) for ids in data.block_ids_by_group[1:]],
+                mm_inputs=data.mm_inputs,
+            )
             if data.mm_inputs and getattr(self.model, "uses_mrope", False):
                 table, delta = self.model.image_positions(data.num_prompt_tokens, data.mm_inputs)
                 state.mrope = (torch.from_numpy(table), delta)
@@ -222,9 +256,13 @@ class ModelRunner:
         offs = torch.arange(self.block_size)
         src_blocks, dst_blocks = torch.tensor([s for s, _ in pairs]), torch.tensor([d for _, d in pairs])
         src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
-        rows = {False: ((src_blocks[:, None] * self.block_size + offs).reshape(-1).to(src_dev),
-                        (dst_blocks[:, None] * self.block_size + offs).reshape(-1).to(dst_dev)),
-                True: (src_blocks.to(src_dev), dst_blocks.to(dst_dev))}
+        rows = {
+            False: (
+                (src_blocks[:, None] * self.block_size + offs).reshape(-1).to(src_dev),
+                (dst_blocks[:, None] * self.block_size + offs).reshape(-1).to(dst_dev),
+            ),
+            True: (src_blocks.to(src_dev), dst_blocks.to(dst_dev)),
+        }
         # Host -> device may be asynchronous (stream-ordered); device -> host must not be, as
         # the host indexes the result at once.
         async_copy = dst_dev.type == "cuda"
@@ -260,27 +298,34 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, inputs, batch)
         rows, out = inputs.sample_rows.tolist(), None
         spec = so.scheduled_spec_decode_tokens
-        if rows and spec:   # drafts to verify: the rejection sampler takes every sampling row
+        if rows and spec:  # drafts to verify: the rejection sampler takes every sampling row
             return self._verify_drafts(so, inputs, hidden, prompt_logprobs)
         if rows:
             logits_indices = self._logits_indices(inputs)
-            logits = self.model.compute_logits(hidden[logits_indices])          # [len(rows), V]
-            if so.grammar_bitmask is not None:   # structured output: constrained rows only
-                apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
-                                      [inputs.req_ids[r] for r in rows])
+            logits = self.model.compute_logits(hidden[logits_indices])  # [len(rows), V]
+            if so.grammar_bitmask is not None:  # structured output: constrained rows only
+                apply_grammar_bitmask(
+                    logits, so.grammar_bitmask, so.structured_output_request_ids, [inputs.req_ids[r] for r in rows]
+                )
             PROFILER.mark("forward")
             out = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
             PROFILER.mark("sample")
         else:
             PROFILER.mark("forward")
-        if self.async_outputs is not None:   # the tokens stay on the device (worker/async_output.py)
-            result = self.async_outputs.defer(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
-                                              prompt_logprobs)
+        if self.async_outputs is not None:  # the tokens stay on the device (worker/async_output.py)
+            result = self.async_outputs.defer(
+                inputs.req_ids, rows, [batch.states[r] for r in rows], out, prompt_logprobs
+            )
         else:
-            result = to_runner_output(inputs.req_ids, rows, [batch.states[r] for r in rows], out,
-                                      lambda row, state, token: batch.append_token(row, token))
+            result = to_runner_output(
+                inputs.req_ids,
+                rows,
+                [batch.states[r] for r in rows],
+                out,
+                lambda row, state, token: batch.append_token(row, token),
+            )
             result.prompt_logprobs = prompt_logprobs
-        batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        batch.num_computed_tokens_cpu[: batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         if self.spec_decoder is not None:
             self._propose(result, rows, inputs)
         PROFILER.mark("runner_update")
@@ -298,12 +343,14 @@ class ModelRunner:
 
         def metadata(states, drafts):
             return expanded_metadata(states, drafts, self.eos_ids, self.vocab_size, self.device)
-        tokens, row_logprobs = self.spec_decoder.sample(self.model.compute_logits, hidden, inputs, batch, spec,
-                                                        metadata, grammar)
+
+        tokens, row_logprobs = self.spec_decoder.sample(
+            self.model.compute_logits, hidden, inputs, batch, spec, metadata, grammar
+        )
         PROFILER.mark("sample")
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs = [None] * len(inputs.req_ids) if any(lp is not None for lp in row_logprobs) else None
-        batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        batch.num_computed_tokens_cpu[: batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
         for row, new, lp in zip(rows, tokens, row_logprobs):
             sampled[row] = new
             if logprobs is not None:
@@ -311,10 +358,11 @@ class ModelRunner:
             for t in new:
                 batch.append_token(row, t)
             k = len(spec.get(inputs.req_ids[row], ()))
-            batch.num_computed_tokens_cpu[row] -= k + 1 - len(new)   # the rejected drafts' slots
+            batch.num_computed_tokens_cpu[row] -= k + 1 - len(new)  # the rejected drafts' slots
             self.spec_decoder.policy.observe(k, len(new) - 1)
-        result = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                   prompt_logprobs=prompt_logprobs)
+        result = ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
         self._propose(result, rows, inputs)
         PROFILER.mark("runner_update")
         return result
@@ -333,8 +381,9 @@ class ModelRunner:
         pooled = self.pooler(hidden, inputs, batch.states[:n], batch.num_computed_tokens_cpu[:n].copy())
         PROFILER.mark("forward")
         batch.num_computed_tokens_cpu[:n] += inputs.num_scheduled_tokens.astype(np.int32)
-        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids],
-                                 pooler_output=pooled)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids], pooler_output=pooled
+        )
 
     def _prepare(self, so: SchedulerOutput):
         """Block copies, the batch brought in step with `so`, and this step's (inputs, attention
@@ -354,20 +403,24 @@ class ModelRunner:
         if batch.num_reqs == 0:
             return None
         if self.faults is not None:
-            self.faults.check(batch.states[:batch.num_reqs])
+            self.faults.check(batch.states[: batch.num_reqs])
         if so.scheduled_spec_decode_tokens:
             SpecDecoder.write_drafts(batch, so.scheduled_spec_decode_tokens)
         inputs = batch.prepare_inputs(so.num_scheduled_tokens)
         lora_active = self.lora_manager is not None and self.lora_manager.set_active_loras(
-            [s.lora_request for s in batch.states[:batch.num_reqs]], inputs.num_scheduled_tokens)
+            [s.lora_request for s in batch.states[: batch.num_reqs]], inputs.num_scheduled_tokens
+        )
         if self.graphs is not None and not lora_active and self.graphs.can_run(inputs):
-            return inputs, None    # a captured decode step builds its own metadata
+            return inputs, None  # a captured decode step builds its own metadata
         # Several KV cache groups: a list, one per group.
-        spans = (bidirectional_spans(batch.states[:batch.num_reqs], batch.num_computed_tokens_cpu,
-                                     inputs.num_scheduled_tokens)
-                 if getattr(self.model, "bidirectional_images", False) else None)
-        meta = build_step_metadata(self.attn_backend, inputs, self.block_size, self.kv_cache_config, self.device,
-                                   spans)
+        spans = (
+            bidirectional_spans(
+                batch.states[: batch.num_reqs], batch.num_computed_tokens_cpu, inputs.num_scheduled_tokens
+            )
+            if getattr(self.model, "bidirectional_images", False)
+            else None
+        )
+        meta = build_step_metadata(self.attn_backend, inputs, self.block_size, self.kv_cache_config, self.device, spans)
         return inputs, meta
 
     def _forward(self, inputs, meta) -> torch.Tensor:
@@ -376,25 +429,37 @@ class ModelRunner:
             return self.graphs.run(inputs)
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
         positions = inputs.positions.to(self.device, non_blocking=True)
-        if self.async_outputs is not None:   # tokens of the step in flight, from the device
+        if self.async_outputs is not None:  # tokens of the step in flight, from the device
             self.async_outputs.fill_placeholders(input_ids, inputs)
         with set_forward_context(meta):
             if self.decode_loop is not None and self.decode_loop.applies(meta, input_ids.shape[0]):
-                return self.decode_loop(input_ids, positions)   # the layers in one C++ call
-            if getattr(self.model, "uses_mrope", False):   # [3, T]: worker/mrope.py
-                positions = step_mrope_positions(inputs.positions, inputs.query_start_loc.tolist(),
-                                                 self.input_batch.states[:self.input_batch.num_reqs]).to(self.device)
+                return self.decode_loop(input_ids, positions)  # the layers in one C++ call
+            if getattr(self.model, "uses_mrope", False):  # [3, T]: worker/mrope.py
+                positions = step_mrope_positions(
+                    inputs.positions,
+                    inputs.query_start_loc.tolist(),
+                    self.input_batch.states[: self.input_batch.num_reqs],
+                ).to(self.device)
             return self.model(input_ids, positions, self._embed_images(input_ids, inputs))
 
     def _embed_images(self, input_ids: torch.Tensor, inputs) -> Optional[torch.Tensor]:
         """The step's input embeddings with image features at the placeholder rows; None when no
         request of the step has images (the model embeds input_ids itself)."""
         batch = self.input_batch
-        if self.encoder_cache is None or not any(s.mm_inputs for s in batch.states[:batch.num_reqs]):
+        if self.encoder_cache is None or not any(s.mm_inputs for s in batch.states[: batch.num_reqs]):
             return None
         starts = inputs.query_start_loc.tolist()
-        rows = [(s.req_id, s.mm_inputs, int(batch.num_computed_tokens_cpu[r]), int(inputs.num_scheduled_tokens[r]),
-                 starts[r]) for r, s in enumerate(batch.states[:batch.num_reqs]) if s.mm_inputs]
+        rows = [
+            (
+                s.req_id,
+                s.mm_inputs,
+                int(batch.num_computed_tokens_cpu[r]),
+                int(inputs.num_scheduled_tokens[r]),
+                starts[r],
+            )
+            for r, s in enumerate(batch.states[: batch.num_reqs])
+            if s.mm_inputs
+        ]
         return self.encoder_cache.embed(input_ids, rows)
 
     def _logits_indices(self, inputs) -> torch.Tensor:
@@ -413,14 +478,19 @@ class ModelRunner:
             if not p.ignore_eos:
                 stops |= self.eos_ids
             min_tok_stops.append(stops)
-        output_token_ids = [s.token_ids[s.num_prompt_tokens:] for s in states]
-        if self.async_outputs is not None:   # a token still on the device counts too
-            output_token_ids = self.async_outputs.complete_output_ids(states, output_token_ids, need_ids=any(
-                p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                for p in (s.sampling_params for s in states)))
+        output_token_ids = [s.token_ids[s.num_prompt_tokens :] for s in states]
+        if self.async_outputs is not None:  # a token still on the device counts too
+            output_token_ids = self.async_outputs.complete_output_ids(
+                states,
+                output_token_ids,
+                need_ids=any(
+                    p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                    for p in (s.sampling_params for s in states)
+                ),
+            )
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
             output_token_ids=output_token_ids,
             generators=[s.generator for s in states],
             stop_ids_for_min_tokens=min_tok_stops,

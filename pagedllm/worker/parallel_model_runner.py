@@ -8,6 +8,7 @@ since the last message to the others (`take_sampled`), and they go with that mes
 others apply them before they bring their batch in step with it: the same order in which the
 driver appended them, so every rank's batch stays identical.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,10 +33,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PendingStep:
     """A pipelined step submitted on stage 0, waiting for the last stage's hidden states."""
+
     req_ids: list[str]
-    rows: list[int]                    # rows that sample, in the step's batch order
-    states: list[CachedRequestState]   # their states (they may leave the batch meanwhile)
-    sampling: Optional[SamplingMetadata]   # None: no row samples, or all are plain greedy
+    rows: list[int]  # rows that sample, in the step's batch order
+    states: list[CachedRequestState]  # their states (they may leave the batch meanwhile)
+    sampling: Optional[SamplingMetadata]  # None: no row samples, or all are plain greedy
 
 
 class ParallelModelRunner(ModelRunner):
@@ -56,7 +58,7 @@ class ParallelModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, parallel, eos_token_ids: Iterable[int] = ()) -> None:
         super().__init__(config, parallel, eos_token_ids)
         self.hidden_size = config.model_config.hidden_size
-        self._pending_rows: deque[int] = deque()   # stage-0 TP workers: rows of unfinished steps
+        self._pending_rows: deque[int] = deque()  # stage-0 TP workers: rows of unfinished steps
         # Driver: tokens appended since the last message to the other ranks (take_sampled).
         self._sampled: dict[str, list[int]] = {}
 
@@ -80,7 +82,7 @@ class ParallelModelRunner(ModelRunner):
 
     def _advance(self, inputs) -> None:
         batch = self.input_batch
-        batch.num_computed_tokens_cpu[:batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
+        batch.num_computed_tokens_cpu[: batch.num_reqs] += inputs.num_scheduled_tokens.astype(np.int32)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -110,8 +112,12 @@ class ParallelModelRunner(ModelRunner):
         self._run_stage(inputs, meta)
         rows = inputs.sample_rows
         batch = self.input_batch
-        pending = PendingStep(inputs.req_ids, rows.tolist(), [batch.states[r] for r in rows.tolist()],
-                              self._sampling_metadata(rows) if len(rows) else None)
+        pending = PendingStep(
+            inputs.req_ids,
+            rows.tolist(),
+            [batch.states[r] for r in rows.tolist()],
+            self._sampling_metadata(rows) if len(rows) else None,
+        )
         self._advance(inputs)
         return pending
 
@@ -129,11 +135,12 @@ class ParallelModelRunner(ModelRunner):
         batch = self.input_batch
 
         def append(row: int, state: CachedRequestState, token: int) -> None:
-            now = batch.req_id_to_index.get(state.req_id)   # the batch has moved on since submit
+            now = batch.req_id_to_index.get(state.req_id)  # the batch has moved on since submit
             if now is not None and batch.states[now] is state:
                 batch.append_token(now, token)
-            else:   # out of the batch (it is in flight, or gone): its state only
+            else:  # out of the batch (it is in flight, or gone): its state only
                 state.token_ids.append(token)
+
         result = to_runner_output(pending.req_ids, pending.rows, pending.states, out, append)
         for row, state in zip(pending.rows, pending.states):
             if self.requests.get(state.req_id) is not state:
@@ -150,7 +157,7 @@ class ParallelModelRunner(ModelRunner):
         for req_id, token_ids in sampled.items():
             state = self.requests.get(req_id)
             if state is None or state.sampling_params.external_tokens:
-                continue   # finished or preempted meanwhile
+                continue  # finished or preempted meanwhile
             row = batch.req_id_to_index.get(req_id)
             for t in token_ids:
                 if row is not None:
@@ -171,7 +178,7 @@ class ParallelModelRunner(ModelRunner):
         if pc.pp_size == 1:
             hidden = self._forward(inputs, meta)
             if len(inputs.sample_rows):
-                self.model.compute_logits(hidden[inputs.logits_indices])   # this rank's vocab slice
+                self.model.compute_logits(hidden[inputs.logits_indices])  # this rank's vocab slice
         else:
             self._run_stage(inputs, meta)
             if pc.is_first_stage:

@@ -11,6 +11,7 @@ behind its copies; with at most two steps in flight that event is already comple
 wait costs nothing but keeps the reuse safe however the steps are driven. Without CUDA (the
 CPU path and its tests) the buffers are ordinary memory and the copies synchronous.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ class PinnedStaging:
         """specs: buffer name -> (largest shape, dtype)."""
         self.device = device
         pin = device.type == "cuda"
-        self.sets = [{name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in specs.items()}
-                     for _ in range(2)]
+        self.sets = [
+            {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in specs.items()}
+            for _ in range(2)
+        ]
         self.events = [torch.cuda.Event() if pin else None, torch.cuda.Event() if pin else None]
         self.recorded = [False, False]
         self.cur = 0

@@ -6,6 +6,7 @@ the mean keeps a running sum per request across chunks, restarted when a request
 its first token again (new, or resumed by recompute after a preemption). Mean pooling needs
 every prompt token computed by the request itself, so its engine has prefix caching off
 (EngineArgs)."""
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -20,7 +21,7 @@ from pagedllm.config import PoolerConfig
 class Pooler:
     def __init__(self, config: PoolerConfig) -> None:
         self.config = config
-        self.sums: dict[str, torch.Tensor] = {}   # mean: req_id -> [hidden] float32 sum so far
+        self.sums: dict[str, torch.Tensor] = {}  # mean: req_id -> [hidden] float32 sum so far
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for r in req_ids:
@@ -35,12 +36,12 @@ class Pooler:
         if self.config.pooling_type == "LAST":
             if not rows:
                 return out
-            pooled = hidden[inputs.logits_indices.to(hidden.device)].float()          # [len(rows), H]
+            pooled = hidden[inputs.logits_indices.to(hidden.device)].float()  # [len(rows), H]
         else:
             counts = torch.from_numpy(inputs.num_scheduled_tokens.astype(np.int64)).to(hidden.device)
-            owner = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), counts)   # [T]
+            owner = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), counts)  # [T]
             seg = torch.zeros(len(counts), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-            seg.index_add_(0, owner, hidden[:owner.shape[0]].float())                  # [num_reqs, H]
+            seg.index_add_(0, owner, hidden[: owner.shape[0]].float())  # [num_reqs, H]
             done = set(rows)
             for row, state in enumerate(states):
                 total = seg[row] if num_computed[row] == 0 else self.sums.pop(state.req_id) + seg[row]

@@ -1,5 +1,6 @@
 """The sampler's output as the scheduler takes it (ModelRunnerOutput): shared by the runner, the
 pipeline runner and async outputs (worker/async_output.py)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -8,8 +9,13 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.worker.input_batch import CachedRequestState
 
 
-def to_runner_output(req_ids: list[str], rows: list[int], states: list[CachedRequestState], out,
-                     append: Callable[[int, CachedRequestState, int], None]) -> ModelRunnerOutput:
+def to_runner_output(
+    req_ids: list[str],
+    rows: list[int],
+    states: list[CachedRequestState],
+    out,
+    append: Callable[[int, CachedRequestState, int], None],
+) -> ModelRunnerOutput:
     """The sampler's output (None: no row sampled) as the scheduler takes it: one token for each
     sampling row (`rows` index req_ids; `states` are their requests), with the sampled token's
     logprob, rank and the top k the request asked for. `append(row, state, token)` keeps the
@@ -29,5 +35,5 @@ def to_runner_output(req_ids: list[str], rows: list[int], states: list[CachedReq
             append(row, state, token_ids[i])
         if logprobs is not None and params.logprobs is not None:
             k = params.logprobs
-            logprobs[row] = [(ids[i][:k + 1], lps[i][:k + 1], ranks[i])]
+            logprobs[row] = [(ids[i][: k + 1], lps[i][: k + 1], ranks[i])]
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)

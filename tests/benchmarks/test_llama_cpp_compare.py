@@ -1,6 +1,7 @@
 """`bench latency --llama-cpp FILE.gguf`: the command lines given to llama.cpp's tools, the
 parsing of what they print (samples in their real formats, values written by hand), and one
 real run on a tiny file from `pagedllm make-gguf` where the tools are built."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,12 @@ import sys
 
 import pytest
 
-from pagedllm.benchmarks.llama_cpp_compare import (batched_bench_command, llama_bench_command, parse_batched_bench,
-                                                   parse_llama_bench)
+from pagedllm.benchmarks.llama_cpp_compare import (
+    batched_bench_command,
+    llama_bench_command,
+    parse_batched_bench,
+    parse_llama_bench,
+)
 from pagedllm.benchmarks.llama_cpp_tools import find_tool, missing_tools, tool_path
 from pagedllm.benchmarks.latency import split_llama_cpp
 
@@ -33,13 +38,19 @@ BATCHED_JSONL = (
     '{"n_kv_max": 2560, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, '
     '"n_threads": 2, "n_threads_batch": 2, "pp": 128, "tg": 32, "pl": 16, "n_kv": 2560, "t_pp": 32.000000, '
     '"speed_pp": 64.000000, "t_tg": 5.120000, "speed_tg": 100.000000, "t": 37.120000, "speed": 68.965515}\n'
-    "\n")
+    "\n"
+)
 
 
 def test_llama_bench_output_parsed():
     got = parse_llama_bench(LLAMA_BENCH_JSON)
-    assert got == {"prefill": {128: 64.0, 512: 51.2}, "decode": 40.0, "decode_n": 32,
-                   "model_bytes": 630000000, "threads": 2}
+    assert got == {
+        "prefill": {128: 64.0, 512: 51.2},
+        "decode": 40.0,
+        "decode_n": 32,
+        "model_bytes": 630000000,
+        "threads": 2,
+    }
 
 
 def test_batched_bench_output_parsed():
@@ -58,11 +69,38 @@ def test_unparsable_outputs_refused():
 
 def test_tool_command_lines():
     assert llama_bench_command("/b/llama-bench", "m.gguf", 2, [128, 512], 32, 3) == [
-        "/b/llama-bench", "-m", "m.gguf", "-t", "2", "-p", "128,512", "-n", "32", "-r", "3", "-o", "json"]
+        "/b/llama-bench",
+        "-m",
+        "m.gguf",
+        "-t",
+        "2",
+        "-p",
+        "128,512",
+        "-n",
+        "32",
+        "-r",
+        "3",
+        "-o",
+        "json",
+    ]
     # 16 sequences of 128 + 32 tokens: a KV cache of 2560 cells
     assert batched_bench_command("/b/llama-batched-bench", "m.gguf", 1, 128, 32, 16) == [
-        "/b/llama-batched-bench", "-m", "m.gguf", "-t", "1", "-npp", "128", "-ntg", "32", "-npl", "16",
-        "-c", "2560", "--output-format", "jsonl"]
+        "/b/llama-batched-bench",
+        "-m",
+        "m.gguf",
+        "-t",
+        "1",
+        "-npp",
+        "128",
+        "-ntg",
+        "32",
+        "-npl",
+        "16",
+        "-c",
+        "2560",
+        "--output-format",
+        "jsonl",
+    ]
 
 
 def test_llama_cpp_values_split_into_files_and_precisions(tmp_path):
@@ -87,27 +125,64 @@ def test_missing_tool_says_how_to_build(tmp_path, monkeypatch):
 NEEDED = ("llama-bench", "llama-batched-bench")
 
 
-@pytest.mark.skipif(bool(missing_tools(NEEDED)),
-                    reason=f"llama.cpp's tools are not built on this machine (missing {', '.join(missing_tools(NEEDED))} "
-                           f"under {tool_path('llama-bench').parent}); `make llama-cpp` builds them (~15 min on 2 "
-                           "cores), which CI does not do")
+@pytest.mark.skipif(
+    bool(missing_tools(NEEDED)),
+    reason=f"llama.cpp's tools are not built on this machine (missing {', '.join(missing_tools(NEEDED))} "
+    f"under {tool_path('llama-bench').parent}); `make llama-cpp` builds them (~15 min on 2 "
+    "cores), which CI does not do",
+)
 def test_real_run_on_a_made_file(tmp_path):
     """`pagedllm make-gguf` writes a tiny Q8_0 file; the bench runs llama.cpp's tools and the
     engine on it: every figure of both sides is there and positive, and llama.cpp's weight bytes
     are the file's tensor bytes as the gguf package reads them."""
     from gguf import GGUFReader
+
     path, out = tmp_path / "tiny.Q8_0.gguf", tmp_path / "cmp.json"
     cli = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
-    subprocess.run([*cli, "make-gguf", "--shape", "tiny", "--type", "Q8_0", "--out", str(path)], check=True,
-                   capture_output=True, timeout=300)
-    run = subprocess.run([*cli, "bench", "latency", "--model", str(path), "--llama-cpp", str(path), "--threads", "1",
-                          "--output-len", "4", "--llama-cpp-prefill", "16", "32", "--llama-cpp-batch", "4",
-                          "--llama-cpp-repetitions", "1", "--max-model-len", "64", "--output-json", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    subprocess.run(
+        [*cli, "make-gguf", "--shape", "tiny", "--type", "Q8_0", "--out", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    run = subprocess.run(
+        [
+            *cli,
+            "bench",
+            "latency",
+            "--model",
+            str(path),
+            "--llama-cpp",
+            str(path),
+            "--threads",
+            "1",
+            "--output-len",
+            "4",
+            "--llama-cpp-prefill",
+            "16",
+            "32",
+            "--llama-cpp-batch",
+            "4",
+            "--llama-cpp-repetitions",
+            "1",
+            "--max-model-len",
+            "64",
+            "--output-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["against_llama_cpp"][str(path)]
-    assert [r["figure"] for r in rows] == ["batch-1 decode tok/s (tg4)", "prefill 16 tok/s (pp16)",
-                                           "prefill 32 tok/s (pp32)", "batch-4 decode tok/s", "weights held MB"]
+    assert [r["figure"] for r in rows] == [
+        "batch-1 decode tok/s (tg4)",
+        "prefill 16 tok/s (pp16)",
+        "prefill 32 tok/s (pp32)",
+        "batch-4 decode tok/s",
+        "weights held MB",
+    ]
     assert all(r["threads"] == 1 and r["llama.cpp"] > 0 and r["pagedllm"] > 0 for r in rows)
     tensor_mb = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors) / 1e6
     assert rows[-1]["llama.cpp"] == pytest.approx(tensor_mb, rel=1e-6)

@@ -1,5 +1,6 @@
 """`bench prefill-attention`: both of its calls compute the same attention, its FLOP count is the
 causal pairs' (hand-counted), and bad head shapes are refused."""
+
 import pytest
 import torch
 from kernel_utils import require_built

@@ -5,6 +5,7 @@ width) against max_num_seqs; a search's beams are preempted and admitted togethe
 KV cache cannot leave a search half running forever; a prompt must leave room for one generated
 token. Each test here failed before (`input batch is full`, an IndexError, a hang).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,6 +36,7 @@ class WidthSpy:
             groups_running = {getattr(r, "group_id", None) for r in sched.running} - {None}
             self.split += [r.request_id for r in sched.waiting if getattr(r, "group_id", None) in groups_running]
             return out
+
         self.core.step = spied
 
     def close(self) -> None:
@@ -66,14 +68,13 @@ def test_beam_searches_wider_together_than_max_num_seqs(llm8):
         spy.close()
     assert together == alone
     assert spy.max_running <= 8 and spy.max_width <= 8, (spy.max_running, spy.max_width)
-    assert spy.max_running == 5   # one search at a time: 5 + 5 > 8
+    assert spy.max_running == 5  # one search at a time: 5 + 5 > 8
 
 
 def test_parallel_samples_never_exceed_max_num_seqs(llm8):
     spy = WidthSpy(llm8)
     try:
-        outs = llm8.generate(PROMPTS + [[20, 21]], SamplingParams(n=3, best_of=5, max_tokens=6, seed=1),
-                             use_tqdm=False)
+        outs = llm8.generate(PROMPTS + [[20, 21]], SamplingParams(n=3, best_of=5, max_tokens=6, seed=1), use_tqdm=False)
     finally:
         spy.close()
     assert [len(o.outputs) for o in outs] == [3] * 4
@@ -95,8 +96,10 @@ def test_prompt_must_leave_room_for_one_token(llm8):
         llm8.beam_search([list(range(3, 67))], beam_width=2, max_tokens=4)
     out = llm8.generate([list(range(3, 66))], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
-    assert llm8.llm_engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == \
-        llm8.llm_engine.core.num_blocks - 1
+    assert (
+        llm8.llm_engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        == llm8.llm_engine.core.num_blocks - 1
+    )
 
 
 # A cache that holds one search of width 4 at full length (4 beams x 4 blocks of 4 tokens), not two.
@@ -113,8 +116,9 @@ def test_beam_searches_in_a_cache_for_one_finish_as_alone(preemption_mode, prefi
         alone = [best(big.beam_search([p], beam_width=4, max_tokens=10))[0] for p in prompts]
     finally:
         big.shutdown()
-    llm = LLM(model=TINY, preemption_mode=preemption_mode, num_cpu_blocks=64,
-              enable_prefix_caching=prefix, **SMALL_CACHE)
+    llm = LLM(
+        model=TINY, preemption_mode=preemption_mode, num_cpu_blocks=64, enable_prefix_caching=prefix, **SMALL_CACHE
+    )
     try:
         spy = WidthSpy(llm)
         together = best(llm.beam_search(prompts, beam_width=4, max_tokens=10))
@@ -135,6 +139,7 @@ def test_beam_searches_in_a_cache_for_one_finish_as_alone(preemption_mode, prefi
 def test_unit_at_takes_the_contiguous_beams_of_a_search():
     from pagedllm.core.scheduler import _unit_at
     from pagedllm.request import Request
+
     reqs = [Request(f"r{i}", [1, 2], SamplingParams()) for i in range(6)]
     for r, g in zip(reqs, [None, "a", "a", "a", None, "b"]):
         r.group_id = g
@@ -147,13 +152,16 @@ def test_server_survives_beam_searches_wider_than_max_num_seqs():
     """Through the server: three concurrent width-5 searches with --max-num-seqs 8 used to kill
     the engine core (every later request: 503 engine_dead)."""
     import concurrent.futures as cf
+
     server = RemoteServer(["--model", TINY, "--max-num-seqs", "8", "--max-model-len", "64"])
     try:
         client = server.client()
 
         def search(i):
-            return client.completions.create(model=TINY, prompt=[5 + i, 6, 7], max_tokens=6,
-                                             n=5, extra_body={"use_beam_search": True})
+            return client.completions.create(
+                model=TINY, prompt=[5 + i, 6, 7], max_tokens=6, n=5, extra_body={"use_beam_search": True}
+            )
+
         with cf.ThreadPoolExecutor(3) as pool:
             results = list(pool.map(search, range(3)))
         assert [len(r.choices) for r in results] == [5, 5, 5]

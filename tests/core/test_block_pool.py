@@ -3,6 +3,7 @@
 The free queue is checked against a plain Python model (a list in eviction order) under
 random sequences of get_new_blocks / free_blocks / touch.
 """
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -135,7 +136,7 @@ def test_reuse_is_least_recently_freed_first():
 def test_shared_block_joins_the_queue_only_at_its_last_reference():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
-    pool.touch([a])                      # a second holder (prefix hit / parallel sampling)
+    pool.touch([a])  # a second holder (prefix hit / parallel sampling)
     assert a.ref_cnt == 2
     pool.free_blocks([a])
     assert a.ref_cnt == 1
@@ -173,20 +174,20 @@ def test_kv_cache_manager_frees_tail_blocks_first():
 def test_kv_cache_manager_allocates_only_what_the_new_tokens_need():
     kv = KVCacheManager(num_blocks=5, block_size=4)
     r = Request("r", list(range(10)), SamplingParams())
-    assert len(kv.allocate_slots(r, 3)) == 1           # tokens 0..2: one block
+    assert len(kv.allocate_slots(r, 3)) == 1  # tokens 0..2: one block
     r.num_computed_tokens = 3
-    assert kv.allocate_slots(r, 1) == []               # token 3 still fits in block 1
+    assert kv.allocate_slots(r, 1) == []  # token 3 still fits in block 1
     r.num_computed_tokens = 4
-    assert len(kv.allocate_slots(r, 6)) == 2           # tokens 4..9: blocks 2 and 3
+    assert len(kv.allocate_slots(r, 6)) == 2  # tokens 4..9: blocks 2 and 3
     r.num_computed_tokens = 10
     assert kv.get_block_ids("r") == [1, 2, 3]
-    assert kv.allocate_slots(r, 7) is None             # needs 2 more, 1 free: nothing taken
+    assert kv.allocate_slots(r, 7) is None  # needs 2 more, 1 free: nothing taken
     assert kv.get_block_ids("r") == [1, 2, 3] and kv.num_free_blocks() == 1
     with pytest.raises(ValueError):
         kv.allocate_slots(r, -1)
     kv.free(r)
     assert kv.num_free_blocks() == 4 and kv.get_block_ids("r") == []
-    kv.free(r)                                          # freeing twice is harmless here
+    kv.free(r)  # freeing twice is harmless here
     assert kv.num_free_blocks() == 4
 
 
@@ -194,16 +195,16 @@ def test_prefix_cache_bookkeeping():
     pool = BlockPool(4, enable_caching=True)
     a, b = pool.get_new_blocks(2)
     pool.cache_block(a, 111)
-    pool.cache_block(b, 111)                 # the hash is taken: b is not cached
+    pool.cache_block(b, 111)  # the hash is taken: b is not cached
     assert pool.get_cached_block(111) is a and b.block_hash is None
     pool.free_blocks([b, a])
     assert a.block_hash == 111 and pool.get_cached_block(111) is a  # free but still cached
     check_pool(pool, [3, 2, 1])
-    pool.touch([a])                          # a cache hit takes it back from the middle
+    pool.touch([a])  # a cache hit takes it back from the middle
     check_pool(pool, [3, 2])
     pool.free_blocks([a])
     check_pool(pool, [3, 2, 1])
-    got = pool.get_new_blocks(3)             # reused: evicted from the cache
+    got = pool.get_new_blocks(3)  # reused: evicted from the cache
     assert got[-1] is a and a.block_hash is None and pool.get_cached_block(111) is None
 
 
@@ -231,8 +232,8 @@ ops = st.lists(
 @given(num_blocks=st.integers(2, 12), ops=ops)
 def test_free_queue_invariants_under_random_operations(num_blocks, ops):
     pool = BlockPool(num_blocks)
-    model_free = list(range(1, num_blocks))        # eviction order: head first
-    refs = {i: 0 for i in range(1, num_blocks)}     # the model's ref counts
+    model_free = list(range(1, num_blocks))  # eviction order: head first
+    refs = {i: 0 for i in range(1, num_blocks)}  # the model's ref counts
     check_pool(pool, model_free)
     for op, arg in ops:
         if op == "get":
@@ -242,7 +243,7 @@ def test_free_queue_invariants_under_random_operations(num_blocks, ops):
                     pool.get_new_blocks(n)
             else:
                 got = pool.get_new_blocks(n)
-                assert [b.block_id for b in got] == model_free[:n]   # head of the queue first
+                assert [b.block_id for b in got] == model_free[:n]  # head of the queue first
                 del model_free[:n]
                 for b in got:
                     assert b.block_id != 0 and b.ref_cnt == 1
@@ -279,8 +280,11 @@ def test_free_queue_invariants_under_random_operations(num_blocks, ops):
 
 
 @settings(max_examples=150, deadline=None)
-@given(block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(2, 20),
-       steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40)), max_size=40))
+@given(
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_blocks=st.integers(2, 20),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40)), max_size=40),
+)
 def test_kv_cache_manager_random_growth_and_free(block_size, num_blocks, steps):
     """Requests grow by random amounts and end at random; ownership stays exclusive and the
     free queue always gets a freed request's blocks tail first."""
@@ -290,7 +294,7 @@ def test_kv_cache_manager_random_growth_and_free(block_size, num_blocks, steps):
     model_free = list(range(1, num_blocks))
     for who, n in steps:
         r = reqs[who]
-        if n % 7 == 0:                                   # this request ends
+        if n % 7 == 0:  # this request ends
             blocks = kv.get_block_ids(r.request_id)
             kv.free(r)
             model_free.extend(reversed(blocks))
@@ -303,8 +307,8 @@ def test_kv_cache_manager_random_growth_and_free(block_size, num_blocks, steps):
                 assert got is None
                 assert kv.get_block_ids(r.request_id) == before
             else:
-                assert [b.block_id for b in got] == model_free[:max(need, 0)]
-                del model_free[:max(need, 0)]
+                assert [b.block_id for b in got] == model_free[: max(need, 0)]
+                del model_free[: max(need, 0)]
                 r.num_computed_tokens += n
                 assert len(kv.get_block_ids(r.request_id)) == cdiv(r.num_computed_tokens, block_size)
         check_pool(pool, model_free)

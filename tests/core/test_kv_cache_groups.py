@@ -1,5 +1,6 @@
 """KV cache groups (no torch, no model): the layout read from per-layer windows, each group's
 manager over the shared pool, prefix-cache hits that need every group, the admission bound."""
+
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, check_fits_kv_cache
@@ -25,7 +26,7 @@ def step(kv, r, n, hits=None):
 
 def test_layout_of_gemma3_270m():
     """15 local and 3 global layers: groups of 3 layers, 3 shared tensors, the global group first."""
-    gemma = [None if i % 6 == 5 else 512 for i in range(18)]   # the windows its layers declare
+    gemma = [None if i % 6 == 5 else 512 for i in range(18)]  # the windows its layers declare
     cfg = kv_cache_config_from_windows(gemma)
     assert cfg.is_hybrid and cfg.num_tensors == 3 and len(cfg.kv_cache_groups) == 6
     assert cfg.kv_cache_groups[0].layer_ids == (5, 11, 17) and cfg.kv_cache_groups[0].sliding_window is None
@@ -49,7 +50,9 @@ def test_pipeline_stages_merge_into_one_group():
     assert merge_stage_configs([sliding, kv_cache_config_from_windows([8] * 3)]).kv_cache_groups[0].sliding_window == 8
     merged = merge_stage_configs([sliding, full])
     assert merged.kv_cache_groups[0].sliding_window is None and not merged.is_hybrid
-    assert merge_stage_configs([sliding, kv_cache_config_from_windows([4] * 2)]).kv_cache_groups[0].sliding_window is None
+    assert (
+        merge_stage_configs([sliding, kv_cache_config_from_windows([4] * 2)]).kv_cache_groups[0].sliding_window is None
+    )
     with pytest.raises(ValueError, match="one group each"):
         merge_stage_configs([make_kv_cache_config(LAYERS), full])
 
@@ -65,12 +68,12 @@ def test_sliding_group_frees_while_the_full_group_keeps_everything():
         step(kv, r, 1)
         full, *local = kv.get_num_blocks_by_group("a")
         assert full == -(r.num_computed_tokens // -BS)
-        assert all(n <= 3 for n in local)   # (computed - W, computed + 1] spans at most 3 blocks
+        assert all(n <= 3 for n in local)  # (computed - W, computed + 1] spans at most 3 blocks
         assert pool.get_num_free_blocks() == pool.num_blocks - 1 - full - sum(local)
     ids = kv.get_block_ids_by_group("a")
     assert ids[0] == kv.get_block_ids("a") and 0 not in ids[0]
-    assert ids[1][:10] == [0] * 10 and len(ids[1]) == len(ids[0])   # null block in freed places
-    assert not set(ids[0]) & set(b for b in ids[1] + ids[2] if b)    # a block is one group's
+    assert ids[1][:10] == [0] * 10 and len(ids[1]) == len(ids[0])  # null block in freed places
+    assert not set(ids[0]) & set(b for b in ids[1] + ids[2] if b)  # a block is one group's
     kv.free(r)
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
 
@@ -79,7 +82,7 @@ def test_allocate_returns_every_groups_new_blocks():
     kv = KVCacheManager(50, BS, kv_cache_config=make_kv_cache_config(LAYERS))
     blocks = kv.allocate_slots(req("a", list(range(9))), 9)
     assert isinstance(blocks, KVCacheBlocks) and [len(g) for g in blocks.groups] == [3, 3, 3]
-    assert list(blocks) == blocks.groups[0]   # what a caller that knows one group reads
+    assert list(blocks) == blocks.groups[0]  # what a caller that knows one group reads
     by_group = kv.new_block_ids_by_group(blocks)
     assert list(by_group) == list(kv.get_block_ids_by_group("a"))
     # All or nothing: 3 groups x 2 blocks do not fit in 5 free blocks.
@@ -102,7 +105,7 @@ def test_sliding_window_cache_hit_needs_only_the_window():
     hit = sw.find_longest_cache_hit(hashes, 4)
     assert hit == [pool.null_block, pool.null_block, blocks[2], blocks[3]]
     assert sw.find_longest_cache_hit(hashes, 3) == [pool.null_block, blocks[1], blocks[2]]
-    pool._evict(blocks[2])   # block 3 alone is too little window: only the start can hit
+    pool._evict(blocks[2])  # block 3 alone is too little window: only the start can hit
     assert sw.find_longest_cache_hit(hashes, 4) == []
 
 
@@ -117,7 +120,7 @@ def test_prefix_hit_needs_every_group():
     assert n == 28 and isinstance(hits, KVCacheBlocks)
     full, local = hits.groups[0], hits.groups[1]
     assert pool_ids(full) == kv_hit_ids(kv, a, 0) and 0 not in pool_ids(full)
-    assert pool_ids(local)[:5] == [0] * 5 and 0 not in pool_ids(local)[5:]   # only the window
+    assert pool_ids(local)[:5] == [0] * 5 and 0 not in pool_ids(local)[5:]  # only the window
     step(kv, b, 3, hits)
     assert b.num_computed_tokens == 3 and kv.get_num_blocks_by_group("b")[0] == 8
     # A sliding group whose window blocks were evicted (not its hash chain's start): the hit
@@ -130,7 +133,7 @@ def test_prefix_hit_needs_every_group():
     kv2.block_pool._evict(window_block)
     d = req("d", prompt + [99])
     hits, n = kv2.get_computed_blocks(d)
-    assert n == 24 and all(len(g) == 6 for g in hits.groups)   # blocks 4, 5 still make a window
+    assert n == 24 and all(len(g) == 6 for g in hits.groups)  # blocks 4, 5 still make a window
     assert kv2.allocate_slots(d, 7, hits) is not None
 
 
@@ -155,7 +158,7 @@ def test_fork_and_copy_on_write_per_group():
     c.append_output_token_ids([1])
     step(kv, c, 1)
     copies = kv.take_pending_copies()
-    assert len(copies) == 3 and kv.pending_copies == []   # the shared last block, in each group
+    assert len(copies) == 3 and kv.pending_copies == []  # the shared last block, in each group
     kv.free(p)
     kv.free(c)
     assert kv.num_free_blocks() == 99
@@ -168,7 +171,7 @@ def test_admission_counts_the_window_only():
     check_fits_kv_cache(150, 50, 1, BS, 65, 1000, cfg, 16)
     with pytest.raises(ValueError, match="needs 64 KV-cache blocks"):
         check_fits_kv_cache(150, 50, 1, BS, 64, 1000, cfg, 16)
-    with pytest.raises(ValueError, match="needs 50 KV-cache blocks"):   # one group: every block
+    with pytest.raises(ValueError, match="needs 50 KV-cache blocks"):  # one group: every block
         check_fits_kv_cache(150, 50, 1, BS, 50, 1000)
 
 
@@ -181,7 +184,7 @@ def test_every_group_takes_its_hits_before_any_new_block():
     step(kv, a, 8)
     assert kv.num_free_blocks() == 0
     group1 = kv.managers[1].req_to_blocks.pop("a")
-    kv.block_pool.free_blocks(group1)   # group 1's first block at the head of the free queue
+    kv.block_pool.free_blocks(group1)  # group 1's first block at the head of the free queue
     kv.free(a)
     b = req("b", prompt)
     hits, n = kv.get_computed_blocks(b)

@@ -1,4 +1,5 @@
 """Prefix caching, fork and copy-on-write in the KV cache manager, without a model (no torch)."""
+
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from pagedllm.core.scheduler import Scheduler
@@ -36,9 +37,9 @@ def test_extra_keys_never_share():
 
 def test_eviction_order_scenario():
     """Hits, a partial block, and least-recently-freed eviction with tails first."""
-    kv = KVCacheManager(num_blocks=9, block_size=4, enable_caching=True)   # blocks 1..8
+    kv = KVCacheManager(num_blocks=9, block_size=4, enable_caching=True)  # blocks 1..8
     pool = kv.block_pool
-    a = req("a", list(range(100, 110)))            # 10 tokens: 2 full blocks + a partial one
+    a = req("a", list(range(100, 110)))  # 10 tokens: 2 full blocks + a partial one
     assert [b.block_id for b in kv.allocate_slots(a, 10)] == [1, 2, 3]
     assert set(pool.cached_blocks.values()) == {pool.blocks[1], pool.blocks[2]}  # partial not cached
     b = req("b", list(range(100, 108)) + [7, 7, 7])  # shares a's 2 full blocks
@@ -52,8 +53,8 @@ def test_eviction_order_scenario():
     assert kv.get_computed_blocks(c)[1] == 8
     c2 = req("c2", list(range(100, 108)))
     assert kv.get_computed_blocks(c2)[1] == 4
-    kv.free(a)   # a's blocks: 3 (partial) goes to the free queue; 1 and 2 still held by b
-    kv.free(b)   # b frees tail first: 4, then 2, 1
+    kv.free(a)  # a's blocks: 3 (partial) goes to the free queue; 1 and 2 still held by b
+    kv.free(b)  # b frees tail first: 4, then 2, 1
     assert pool.free_queue.block_ids() == [5, 6, 7, 8, 3, 4, 2, 1]
     # Freed full blocks keep their hash: a new request still hits them.
     d = req("d", list(range(100, 108)) + [9, 9])
@@ -66,7 +67,7 @@ def test_eviction_order_scenario():
     # One more block: now the cached block 2 (freed before 1) is evicted and the hit shrinks.
     f = req("f", [1, 2, 3])
     assert [x.block_id for x in kv.allocate_slots(f, 3)] == [2]
-    assert kv.get_computed_blocks(d)[1] == 4   # block 1 (the first) is still cached, block 2 gone
+    assert kv.get_computed_blocks(d)[1] == 4  # block 1 (the first) is still cached, block 2 gone
     assert pool.get_cached_block(hash_block_tokens(None, tuple(range(100, 104)))) is pool.blocks[1]
     assert pool.blocks[2].block_hash is None
 
@@ -74,7 +75,7 @@ def test_eviction_order_scenario():
 def test_fork_and_copy_on_write():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
     parent = req("p", list(range(10)))
-    kv.allocate_slots(parent, 9)            # 9 tokens: blocks 1, 2, 3 (3 holds one token)
+    kv.allocate_slots(parent, 9)  # 9 tokens: blocks 1, 2, 3 (3 holds one token)
     parent.num_computed_tokens = 9
     kids = [req(f"{i}_p", list(range(10))) for i in range(3)]
     for k in kids:
@@ -100,14 +101,14 @@ def test_scheduler_forks_parallel_samples_over_shared_prompt_blocks():
     sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64), kv)
     sched.add_request(req("p", list(range(1, 11)), n=3, max_tokens=3, temperature=1.0))
     so = sched.schedule()
-    assert so.num_scheduled_tokens == {"p": 9}          # the prompt but its last token
+    assert so.num_scheduled_tokens == {"p": 9}  # the prompt but its last token
     sched.update_from_output(so, ModelRunnerOutput(["p"], [[]]))
-    so = sched.schedule()                                 # forked: each sibling computes token 10
+    so = sched.schedule()  # forked: each sibling computes token 10
     assert so.num_scheduled_tokens == {"0_p": 1, "1_p": 1, "2_p": 1}
     assert {d.req_id for d in so.scheduled_new_reqs} == {"0_p", "1_p", "2_p"}
     assert "p" in so.finished_req_ids
     assert so.blocks_to_copy == [(3, 4), (3, 5)]
-    assert kv.num_free_blocks() == 63 - 5                 # 2 shared + 3 own tails
+    assert kv.num_free_blocks() == 63 - 5  # 2 shared + 3 own tails
     step = 0
     while sched.has_unfinished_requests():
         ids = list(so.num_scheduled_tokens)
@@ -119,22 +120,22 @@ def test_scheduler_forks_parallel_samples_over_shared_prompt_blocks():
 
 
 def test_swap_out_in_and_fallback():
-    kv = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=4)   # 3 usable CPU blocks
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=4)  # 3 usable CPU blocks
     a, b = req("a", list(range(10))), req("b", list(range(14)))
     kv.allocate_slots(a, 10)
     kv.allocate_slots(b, 14)
     a.num_computed_tokens, b.num_computed_tokens = 10, 14
     assert kv.get_block_ids("a") == [1, 2, 3]
-    assert kv.swap_out(a)                                  # 3 blocks fit the swap space
+    assert kv.swap_out(a)  # 3 blocks fit the swap space
     assert kv.num_free_blocks() == 7 - 4 and kv.is_swapped(a)
-    assert not kv.swap_out(b)                              # 4 blocks do not: nothing changes
+    assert not kv.swap_out(b)  # 4 blocks do not: nothing changes
     assert kv.get_block_ids("b") == [4, 5, 6, 7] and not kv.is_swapped(b)
     out, inn = kv.take_pending_swaps()
     assert [d for d, _ in out] == [1, 2, 3] and inn == []
     cpu_of_a = [c for _, c in out]
-    assert kv.swap_in(a, 4) is None                        # needs 4 blocks, 3 free
+    assert kv.swap_in(a, 4) is None  # needs 4 blocks, 3 free
     kv.free(b)
-    blocks = kv.swap_in(a, 4)                              # 10 computed + 4 new tokens
+    blocks = kv.swap_in(a, 4)  # 10 computed + 4 new tokens
     assert len(blocks) == 4 and not kv.is_swapped(a)
     out, inn = kv.take_pending_swaps()
     # The 3 swapped blocks come back into the first 3 new device blocks, in order.

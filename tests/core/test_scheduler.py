@@ -5,6 +5,7 @@ scheduled_new_reqs / scheduled_cached_reqs, dropping preempted and finished ids)
 samples one token for a request when the step reaches its last known token. `Sim` drives
 schedule → execute → update and checks the scheduler's invariants after every call.
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -52,7 +53,7 @@ class FakeRunner:
         self.step = 0
         self.rows: dict[str, _Row] = {}
         self.sampled: defaultdict[str, list[int]] = defaultdict(list)  # every token it sampled
-        self.kv: defaultdict[int, list] = defaultdict(lambda: [None] * block_size)   # device blocks
+        self.kv: defaultdict[int, list] = defaultdict(lambda: [None] * block_size)  # device blocks
         self.cpu: defaultdict[int, list] = defaultdict(lambda: [None] * block_size)  # swap space
 
     def _move_kv(self, so: SchedulerOutput) -> None:
@@ -68,7 +69,7 @@ class FakeRunner:
         """Check that the cache holds the row's computed tokens, then write the next n."""
         bs = self.block_size
         seen = [self.kv[row.block_ids[p // bs]][p % bs] for p in range(row.num_computed)]
-        assert seen == row.token_ids[:row.num_computed], "the KV cache lost or moved a token"
+        assert seen == row.token_ids[: row.num_computed], "the KV cache lost or moved a token"
         for p in range(row.num_computed, row.num_computed + n):
             self.kv[row.block_ids[p // bs]][p % bs] = row.token_ids[p]
 
@@ -79,14 +80,16 @@ class FakeRunner:
         self._move_kv(so)
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.rows, f"{nr.req_id} added twice to the batch"
-            self.rows[nr.req_id] = _Row(list(nr.token_ids), nr.num_prompt_tokens,
-                                        nr.num_computed_tokens, list(nr.block_ids))
+            self.rows[nr.req_id] = _Row(
+                list(nr.token_ids), nr.num_prompt_tokens, nr.num_computed_tokens, list(nr.block_ids)
+            )
         for cr in so.scheduled_cached_reqs:
             row = self.rows[cr.req_id]
             assert row.num_computed == cr.num_computed_tokens
             row.block_ids.extend(cr.new_block_ids)
         assert set(so.num_scheduled_tokens) == (
-            {r.req_id for r in so.scheduled_new_reqs} | {r.req_id for r in so.scheduled_cached_reqs})
+            {r.req_id for r in so.scheduled_new_reqs} | {r.req_id for r in so.scheduled_cached_reqs}
+        )
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             row = self.rows[rid]
@@ -107,16 +110,29 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   chunked_prefill: bool = True, enable_caching: bool = False,
-                   preemption_mode: str = "recompute", num_cpu_blocks: int = 0,
-                   scheduling_policy: str = "fcfs") -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, chunked_prefill=chunked_prefill,
-                          preemption_mode=preemption_mode, scheduling_policy=scheduling_policy)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
-                                         num_cpu_blocks=num_cpu_blocks))
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 256,
+    chunked_prefill: bool = True,
+    enable_caching: bool = False,
+    preemption_mode: str = "recompute",
+    num_cpu_blocks: int = 0,
+    scheduling_policy: str = "fcfs",
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        chunked_prefill=chunked_prefill,
+        preemption_mode=preemption_mode,
+        scheduling_policy=scheduling_policy,
+    )
+    return Scheduler(
+        cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, num_cpu_blocks=num_cpu_blocks)
+    )
 
 
 def make_request(rid: str, prompt_len: int, eos: Optional[int] = EOS, **params) -> Request:
@@ -129,8 +145,7 @@ def make_request(rid: str, prompt_len: int, eos: Optional[int] = EOS, **params) 
 class Sim:
     """schedule → execute → update with every invariant checked (requests with n == 1)."""
 
-    def __init__(self, sched: Scheduler, token_fn: TokenFn = default_token,
-                 check_progress: bool = True) -> None:
+    def __init__(self, sched: Scheduler, token_fn: TokenFn = default_token, check_progress: bool = True) -> None:
         self.sched = sched
         self.cfg = sched.config
         self.kv = sched.kv_cache_manager
@@ -140,7 +155,7 @@ class Sim:
         self.num_cpu_blocks = len(self.kv.free_cpu_blocks) + 1 if self.kv.free_cpu_blocks else 0
         self.runner = FakeRunner(self.bs, token_fn)
         self.check_progress = check_progress
-        self.reqs: dict[str, Request] = {}          # every request ever added, finished included
+        self.reqs: dict[str, Request] = {}  # every request ever added, finished included
         self.outputs: defaultdict[str, list] = defaultdict(list)
         self.sched_outputs: list[SchedulerOutput] = []
         self.steps = 0
@@ -188,8 +203,7 @@ class Sim:
     def abort(self, *rids: str) -> list[Request]:
         s = self.sched
         # Blocks only these requests hold (shared prefix-cache blocks stay with the others).
-        refs = Counter(b.block_id for rid in set(rids) if rid in s.requests
-                       for b in self.kv.req_to_blocks.get(rid, ()))
+        refs = Counter(b.block_id for rid in set(rids) if rid in s.requests for b in self.kv.req_to_blocks.get(rid, ()))
         held = sum(1 for bid, c in refs.items() if self.kv.block_pool.blocks[bid].ref_cnt == c)
         free_before = self.kv.num_free_blocks()
         live = {rid for rid in rids if rid in s.requests}
@@ -199,7 +213,7 @@ class Sim:
             assert r.status == RequestStatus.FINISHED_ABORTED and r.get_finished_reason().value == "abort"
             assert r.request_id not in self.kv.req_to_blocks
             assert r.request_id in s.finished_req_ids
-        assert self.kv.num_free_blocks() == free_before + held   # every block came back
+        assert self.kv.num_free_blocks() == free_before + held  # every block came back
         self.check_state()
         return done
 
@@ -218,17 +232,17 @@ class Sim:
         # Batch order: running requests first, then the admitted ones.
         assert list(ns) == cached_ids + new_ids
         # FCFS: the admitted requests are exactly the head of the waiting queue, in order.
-        assert new_ids == waiting_before[:len(new_ids)]
+        assert new_ids == waiting_before[: len(new_ids)]
         # Preemption takes the newest running requests, and then nobody is admitted.
         running_ids = [rid for rid, _ in running_before]
         k = len(so.preempted_req_ids)
-        assert so.preempted_req_ids == set(running_ids[len(running_ids) - k:])
+        assert so.preempted_req_ids == set(running_ids[len(running_ids) - k :])
         if k:
             assert not new_ids
-        survivors = running_ids[:len(running_ids) - k]
+        survivors = running_ids[: len(running_ids) - k]
         # Running requests are served in order (oldest first); all but the last scheduled
         # one get everything they need, and waiting ones only get what the running left.
-        assert cached_ids == survivors[:len(cached_ids)]
+        assert cached_ids == survivors[: len(cached_ids)]
         need = dict(running_before)
         for rid in cached_ids[:-1]:
             assert ns[rid] == need[rid]
@@ -242,16 +256,16 @@ class Sim:
             assert cr.num_computed_tokens == computed_before[cr.req_id]
         for nr in so.scheduled_new_reqs:
             r = self.reqs[nr.req_id]
-            if nr.req_id in computed_before:   # a swapped request resumes where it was
+            if nr.req_id in computed_before:  # a swapped request resumes where it was
                 assert nr.num_computed_tokens == computed_before[nr.req_id] > 0
-            elif self.caching:   # prefix-cache hits: whole blocks, never the last token
+            elif self.caching:  # prefix-cache hits: whole blocks, never the last token
                 assert nr.num_computed_tokens % self.bs == 0 and nr.num_computed_tokens < r.num_tokens
             else:
                 assert nr.num_computed_tokens == 0
-            assert nr.token_ids == r.all_token_ids          # a resumed request brings its output
+            assert nr.token_ids == r.all_token_ids  # a resumed request brings its output
             assert nr.num_prompt_tokens == r.num_prompt_tokens
             assert nr.block_ids == self.kv.get_block_ids(nr.req_id)
-            if not cfg.chunked_prefill:                     # no chunking: all of it at once
+            if not cfg.chunked_prefill:  # no chunking: all of it at once
                 assert ns[nr.req_id] == r.num_tokens - nr.num_computed_tokens
 
     def check_state(self) -> None:
@@ -283,7 +297,7 @@ class Sim:
             assert len(kv.req_to_blocks.get(rid, ())) == cdiv(r.num_computed_tokens, self.bs)
         for rid, r in waiting.items():
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            if kv.is_swapped(r):   # its KV in the swap space, one CPU block per device block
+            if kv.is_swapped(r):  # its KV in the swap space, one CPU block per device block
                 assert r.status == RequestStatus.PREEMPTED and self.cfg.preemption_mode == "swap"
                 assert len(kv.req_to_cpu_blocks[rid]) == cdiv(r.num_computed_tokens, self.bs)
             else:
@@ -356,7 +370,6 @@ def test_max_num_seqs_holds_back_admission():
     sim.check_all_done()
 
 
-
 @pytest.mark.parametrize("n, num_parents", [(2, 3), (3, 2)])
 def test_max_num_seqs_counts_every_parallel_sample(n, num_parents):
     """A request with n > 1 forks into n running sequences: they count against max_num_seqs
@@ -376,14 +389,15 @@ def test_max_num_seqs_counts_every_parallel_sample(n, num_parents):
     kv = sched.kv_cache_manager
     assert kv.num_free_blocks() == kv.block_pool.num_blocks - 1
 
+
 # ====================================================================== FCFS
 def test_a_later_short_request_never_jumps_a_long_one_short_of_blocks():
     # 4 usable blocks of 4 tokens; budget is ample, blocks are not.
     sim = Sim(make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64))
-    sim.add(make_request("A", 8, max_tokens=4))               # 2 blocks
+    sim.add(make_request("A", 8, max_tokens=4))  # 2 blocks
     sim.step()
-    sim.add(make_request("B", 12, max_tokens=2))              # needs 3 blocks: only 2 free
-    sim.add(make_request("C", 2, max_tokens=2))               # would fit in one block
+    sim.add(make_request("B", 12, max_tokens=2))  # needs 3 blocks: only 2 free
+    sim.add(make_request("C", 2, max_tokens=2))  # would fit in one block
     order = []
     while sim.sched.has_unfinished_requests():
         so, _ = sim.step()
@@ -398,8 +412,8 @@ def test_a_later_short_request_never_jumps_a_long_one_short_of_budget_without_ch
     sim = Sim(make_scheduler(max_num_batched_tokens=20, max_model_len=40, chunked_prefill=False))
     sim.add(make_request("A1", 3, max_tokens=5), make_request("A2", 3, max_tokens=6))
     sim.step()
-    sim.add(make_request("B", 19, max_tokens=2))   # 19 > 20 - 2 decodes: waits, no chunk
-    sim.add(make_request("C", 1, max_tokens=2))    # 1 token would fit
+    sim.add(make_request("B", 19, max_tokens=2))  # 19 > 20 - 2 decodes: waits, no chunk
+    sim.add(make_request("C", 1, max_tokens=2))  # 1 token would fit
     admitted = []
     while sim.sched.has_unfinished_requests():
         so, _ = sim.step()
@@ -445,7 +459,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_the_chunks_sum_to_it():
 def test_chunked_prefill_shares_the_budget_with_a_decoding_request():
     sim = Sim(make_scheduler(max_num_batched_tokens=8))
     sim.add(make_request("dec", 3, max_tokens=10))
-    sim.step()                                   # dec's prompt; now it decodes
+    sim.step()  # dec's prompt; now it decodes
     sim.add(make_request("long", 20, max_tokens=2))
     so, _ = sim.step()
     assert so.num_scheduled_tokens == {"dec": 1, "long": 7}
@@ -463,7 +477,7 @@ def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
     sim = Sim(make_scheduler(max_num_batched_tokens=32, max_model_len=32, chunked_prefill=False))
     sim.add(make_request("a", 30, max_tokens=2), make_request("b", 5, max_tokens=2))
     so, _ = sim.step()
-    assert so.num_scheduled_tokens == {"a": 30}   # b (5) does not fit in the 2 left: waits
+    assert so.num_scheduled_tokens == {"a": 30}  # b (5) does not fit in the 2 left: waits
     so, _ = sim.step()
     assert so.num_scheduled_tokens == {"a": 1, "b": 5}
     sim.run()
@@ -476,7 +490,7 @@ def test_running_requests_are_served_before_waiting_ones():
     sim.add(make_request("old", 10, max_tokens=5))
     sim.add(make_request("new", 4, max_tokens=5))
     so, _ = sim.step()
-    assert so.num_scheduled_tokens == {"old": 10}     # the whole budget on the earlier request
+    assert so.num_scheduled_tokens == {"old": 10}  # the whole budget on the earlier request
     so, _ = sim.step()
     assert list(so.num_scheduled_tokens) == ["old", "new"]
     assert so.num_scheduled_tokens == {"old": 1, "new": 4}
@@ -503,8 +517,8 @@ def test_preemption_takes_the_newest_returns_all_its_blocks_and_it_resumes_intac
     # 4 usable blocks of 4 tokens: A and B (7-token prompts) take 2 each.
     sim = Sim(make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64))
     sim.add(make_request("A", 7, max_tokens=4), make_request("B", 7, max_tokens=4))
-    sim.step()        # prefills, 1 token each: 8 tokens, 7 computed
-    sim.step()        # token 7 computed: still 2 blocks each
+    sim.step()  # prefills, 1 token each: 8 tokens, 7 computed
+    sim.step()  # token 7 computed: still 2 blocks each
     assert sim.kv.num_free_blocks() == 0
     b = sim.reqs["B"]
     b_out_before = list(b.output_token_ids)
@@ -533,7 +547,7 @@ def test_preemption_takes_the_newest_returns_all_its_blocks_and_it_resumes_intac
     assert resumed.num_computed_tokens == 0
     assert b.num_output_tokens == 4 and b.output_token_ids[:2] == b_out_before
     assert b.output_token_ids == sim.runner.sampled["B"]
-    assert b.output_token_ids == sorted(set(b.output_token_ids))   # 1000 + step: continues
+    assert b.output_token_ids == sorted(set(b.output_token_ids))  # 1000 + step: continues
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert sim.reqs["A"].num_output_tokens == 4
     sim.check_all_done()
@@ -545,7 +559,7 @@ def test_preemption_spares_older_requests():
     sim.add(*(make_request(x, 4, max_tokens=3) for x in "ABC"))
     sim.step()
     assert sim.kv.num_free_blocks() == 0
-    so, _ = sim.step()   # all need a 3rd block: C goes, A and B each get one of its two
+    so, _ = sim.step()  # all need a 3rd block: C goes, A and B each get one of its two
     assert so.preempted_req_ids == {"C"}
     assert so.num_scheduled_tokens == {"A": 1, "B": 1}
     assert [r.request_id for r in sim.sched.running] == ["A", "B"]
@@ -576,7 +590,7 @@ def test_the_scheduled_request_itself_is_the_victim_when_it_is_the_newest():
     # 4 usable blocks of 2: A has 2, B has 2. A needs nothing new, B needs a 3rd block.
     sim = Sim(make_scheduler(num_blocks=5, block_size=2, max_num_batched_tokens=64))
     sim.add(make_request("A", 3, max_tokens=3), make_request("B", 4, max_tokens=3))
-    sim.step()   # A: 3 computed + 1 sampled (4 tokens, 2 blocks); B: 4 computed + 1 (5 tokens)
+    sim.step()  # A: 3 computed + 1 sampled (4 tokens, 2 blocks); B: 4 computed + 1 (5 tokens)
     assert sim.kv.num_free_blocks() == 0
     so, _ = sim.step()
     assert so.num_scheduled_tokens == {"A": 1}
@@ -603,7 +617,7 @@ def test_abort_a_running_request_between_steps():
     assert "a" not in sim.runner.rows
     so, _ = sim.step()
     assert "a" not in so.finished_req_ids
-    assert sim.abort("a") == []   # already over: nothing happens
+    assert sim.abort("a") == []  # already over: nothing happens
     sim.run()
     sim.check_all_done()
 
@@ -611,7 +625,7 @@ def test_abort_a_running_request_between_steps():
 def test_abort_a_waiting_and_a_preempted_request():
     sim = Sim(make_scheduler(num_blocks=5, block_size=4, max_num_seqs=2))
     sim.add(make_request("A", 7, max_tokens=4), make_request("B", 7, max_tokens=4))
-    sim.add(make_request("W", 3, max_tokens=2))   # waits: max_num_seqs
+    sim.add(make_request("W", 3, max_tokens=2))  # waits: max_num_seqs
     sim.step()
     sim.step()
     so, _ = sim.step()
@@ -619,7 +633,7 @@ def test_abort_a_waiting_and_a_preempted_request():
     assert [r.request_id for r in sim.sched.waiting] == ["B", "W"]
     free = sim.kv.num_free_blocks()
     sim.abort("W", "B", "nonexistent")
-    assert sim.kv.num_free_blocks() == free       # they held nothing
+    assert sim.kv.num_free_blocks() == free  # they held nothing
     assert not sim.sched.waiting
     so, _ = sim.step()
     assert so.finished_req_ids == {"W", "B"}
@@ -637,7 +651,7 @@ def test_abort_mid_step_drops_the_sampled_token():
     so = sim.schedule()
     assert "a" in so.num_scheduled_tokens
     out_before = list(sim.reqs["a"].output_token_ids)
-    sim.abort("a")                       # the step is already on the device
+    sim.abort("a")  # the step is already on the device
     outs = sim.execute_and_update(so)
     assert all(o.req_id != "a" for o in outs)
     assert sim.reqs["a"].output_token_ids == out_before
@@ -665,6 +679,7 @@ def scripted(script: dict[str, list[int]]) -> TokenFn:
     def fn(rid, step, k):
         s = script.get(rid, [])
         return s[k] if k < len(s) else 1000 + step
+
     return fn
 
 
@@ -768,7 +783,7 @@ class _Spec:
     stop_ids: list[int]
     script: list[int]
     arrival: int
-    abort: Optional[tuple[int, bool]]   # (step, mid-step)
+    abort: Optional[tuple[int, bool]]  # (step, mid-step)
 
 
 def expected_end(spec: _Spec, max_model_len: int) -> tuple[int, set[str]]:
@@ -805,17 +820,18 @@ def scenarios(draw):
     for _ in range(draw(st.integers(1, 8))):
         max_tokens = draw(st.one_of(st.none(), st.integers(1, 20)))
         min_tokens = draw(st.integers(0, max_tokens if max_tokens is not None else 5))
-        specs.append(_Spec(
-            prompt_len=draw(st.integers(1, max_model_len)),
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            ignore_eos=draw(st.booleans()),
-            stop_ids=draw(st.sampled_from([[], [7], [7, 9]])),
-            script=draw(st.lists(st.sampled_from([EOS, 7, 9, 500, 501, 502]), max_size=12)),
-            arrival=draw(st.integers(0, 8)),
-            abort=draw(st.one_of(st.none(), st.none(),
-                                 st.tuples(st.integers(0, 30), st.booleans()))),
-        ))
+        specs.append(
+            _Spec(
+                prompt_len=draw(st.integers(1, max_model_len)),
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                ignore_eos=draw(st.booleans()),
+                stop_ids=draw(st.sampled_from([[], [7], [7, 9]])),
+                script=draw(st.lists(st.sampled_from([EOS, 7, 9, 500, 501, 502]), max_size=12)),
+                arrival=draw(st.integers(0, 8)),
+                abort=draw(st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 30), st.booleans()))),
+            )
+        )
     # Every request must fit the cache alone, or it could never finish (it would preempt
     # itself forever): it holds KV for at most all its tokens but the last sampled one.
     most = max(cdiv(s.prompt_len + expected_end(s, max_model_len)[0] - 1, block_size) for s in specs)
@@ -823,9 +839,18 @@ def scenarios(draw):
     # Swap: a swap space from none (every preemption falls back to recompute) to ample.
     mode = draw(st.sampled_from(["recompute", "swap"]))
     num_cpu_blocks = draw(st.one_of(st.integers(0, 4), st.integers(4, 64))) if mode == "swap" else 0
-    return dict(block_size=block_size, max_model_len=max_model_len, chunked=chunked, caching=caching, budget=budget,
-                max_num_seqs=max_num_seqs, num_blocks=num_blocks, specs=specs, mode=mode,
-                num_cpu_blocks=num_cpu_blocks)
+    return dict(
+        block_size=block_size,
+        max_model_len=max_model_len,
+        chunked=chunked,
+        caching=caching,
+        budget=budget,
+        max_num_seqs=max_num_seqs,
+        num_blocks=num_blocks,
+        specs=specs,
+        mode=mode,
+        num_cpu_blocks=num_cpu_blocks,
+    )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -833,32 +858,44 @@ def scenarios(draw):
 def test_random_workload_keeps_every_invariant_and_finishes(sc):
     specs: list[_Spec] = sc["specs"]
     max_model_len = sc["max_model_len"]
-    sched = make_scheduler(num_blocks=sc["num_blocks"], block_size=sc["block_size"],
-                           max_num_seqs=sc["max_num_seqs"], max_num_batched_tokens=sc["budget"],
-                           max_model_len=max_model_len, chunked_prefill=sc["chunked"],
-                           enable_caching=sc["caching"], preemption_mode=sc["mode"],
-                           num_cpu_blocks=sc["num_cpu_blocks"])
+    sched = make_scheduler(
+        num_blocks=sc["num_blocks"],
+        block_size=sc["block_size"],
+        max_num_seqs=sc["max_num_seqs"],
+        max_num_batched_tokens=sc["budget"],
+        max_model_len=max_model_len,
+        chunked_prefill=sc["chunked"],
+        enable_caching=sc["caching"],
+        preemption_mode=sc["mode"],
+        num_cpu_blocks=sc["num_cpu_blocks"],
+    )
     script = {f"r{i}": s.script for i, s in enumerate(specs)}
     sim = Sim(sched, token_fn=scripted(script))
     # Liveness bound: the oldest running request can always grow (it fits alone and is never
     # the one preempted), so each step computes >= 1 of its at most prompt + output tokens.
-    cap = max(s.arrival for s in specs) + sum(s.prompt_len + expected_end(s, max_model_len)[0]
-                                              for s in specs) + 2
+    cap = max(s.arrival for s in specs) + sum(s.prompt_len + expected_end(s, max_model_len)[0] for s in specs) + 2
     aborted: set[str] = set()
 
     def do_aborts(step: int, mid: bool) -> None:
         for i, s in enumerate(specs):
             rid = f"r{i}"
-            if s.abort == (step, mid) and rid in sim.reqs:   # arrived; maybe already over
+            if s.abort == (step, mid) and rid in sim.reqs:  # arrived; maybe already over
                 aborted.update(r.request_id for r in sim.abort(rid))
 
     step = 0
     while True:
         for i, s in enumerate(specs):
             if s.arrival == step:
-                sim.add(make_request(f"r{i}", s.prompt_len, max_tokens=s.max_tokens,
-                                     min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
-                                     stop_token_ids=s.stop_ids))
+                sim.add(
+                    make_request(
+                        f"r{i}",
+                        s.prompt_len,
+                        max_tokens=s.max_tokens,
+                        min_tokens=s.min_tokens,
+                        ignore_eos=s.ignore_eos,
+                        stop_token_ids=s.stop_ids,
+                    )
+                )
         do_aborts(step, False)
         if not sim.sched.has_unfinished_requests() and step > max(s.arrival for s in specs):
             break
@@ -870,8 +907,11 @@ def test_random_workload_keeps_every_invariant_and_finishes(sc):
     sim.check_all_done()
     event(f"preemptions: {min(sched.num_preemptions, 3)}{'+' if sched.num_preemptions > 3 else ''}")
     if sc["mode"] == "swap" and sched.num_preemptions:
-        event(f"swap: {sched.num_swaps} of {sched.num_preemptions} preemptions swapped"
-              if sched.num_swaps < 3 else "swap: 3+ swaps")
+        event(
+            f"swap: {sched.num_swaps} of {sched.num_preemptions} preemptions swapped"
+            if sched.num_swaps < 3
+            else "swap: 3+ swaps"
+        )
     event(f"aborted: {bool(aborted)}")
     event(f"chunked: {sc['chunked']}")
     event(f"prefix hits: {any(max(r.num_cached_tokens, 0) > 0 for r in sim.reqs.values())}")
@@ -887,7 +927,7 @@ def test_random_workload_keeps_every_invariant_and_finishes(sc):
         if rid in aborted:
             assert r.status == RequestStatus.FINISHED_ABORTED
             assert r.num_output_tokens <= n
-            assert r.output_token_ids == sim.runner.sampled[rid][:r.num_output_tokens]
+            assert r.output_token_ids == sim.runner.sampled[rid][: r.num_output_tokens]
             continue
         assert r.num_output_tokens == n
         assert r.get_finished_reason().value in reasons

@@ -1,5 +1,6 @@
 """The KV cache manager with a sliding window on every layer frees the blocks a request's
 remaining queries cannot see, while it runs (no torch, no model)."""
+
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import kv_cache_config_from_windows
 from pagedllm.models.hf_config import layer_sliding_windows, mixes_attention_windows
@@ -23,15 +24,15 @@ def test_blocks_behind_the_window_are_freed_as_the_request_runs():
     kv = KVCacheManager(num_blocks=20, block_size=4, sliding_window=6)
     pool, null = kv.block_pool, kv.block_pool.null_block
     r = req("a", list(range(40)))
-    step(kv, r, 10)                        # a prefill chunk: nothing is behind any window yet
+    step(kv, r, 10)  # a prefill chunk: nothing is behind any window yet
     assert len(kv.req_to_blocks["a"]) == 3 and null not in kv.req_to_blocks["a"]
-    step(kv, r, 4)                         # allocated at 10 computed: block 0 freed
+    step(kv, r, 4)  # allocated at 10 computed: block 0 freed
     ids = kv.get_block_ids("a")
-    assert ids[0] == 0 and 0 not in ids[1:] and len(ids) == 4   # the null block in its place
-    step(kv, r, 1)                         # allocated at 14 computed: block 1 freed
+    assert ids[0] == 0 and 0 not in ids[1:] and len(ids) == 4  # the null block in its place
+    step(kv, r, 1)  # allocated at 14 computed: block 1 freed
     ids = kv.get_block_ids("a")
     assert ids[:2] == [0, 0] and 0 not in ids[2:]
-    for _ in range(25):                    # decode on: the request holds at most 3 blocks
+    for _ in range(25):  # decode on: the request holds at most 3 blocks
         step(kv, r, 1)
         held = [b for b in kv.req_to_blocks["a"] if b is not null]
         assert len(held) <= 3
@@ -72,11 +73,11 @@ def test_which_configs_free_blocks():
     assert kv_cache_window(mistral) == 4096
     assert kv_cache_window({**mistral, "sliding_window": None}) is None
     qwen2 = {"model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": 4096}
-    assert layer_sliding_windows(qwen2) == [None, None]          # use_sliding_window is off
+    assert layer_sliding_windows(qwen2) == [None, None]  # use_sliding_window is off
     gemma = {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512}
-    assert layer_sliding_windows(gemma) == [512] * 5 + [None, 512]   # every 6th layer global
+    assert layer_sliding_windows(gemma) == [512] * 5 + [None, 512]  # every 6th layer global
     assert mixes_attention_windows(gemma)
-    assert kv_cache_window(gemma, pipeline_stage=True) is None    # one group: global layers keep every block
+    assert kv_cache_window(gemma, pipeline_stage=True) is None  # one group: global layers keep every block
 
 
 def kv_cache_window(hf_config, pipeline_stage=False):

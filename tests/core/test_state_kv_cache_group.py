@@ -2,6 +2,7 @@
 blocks per request whatever its length, from the pool the attention groups use; admission
 counts them; a preempted request frees them (recompute) or swaps them out with its attention
 blocks. Snapshots: test_state_snapshots.py."""
+
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from pagedllm.core.state_kv_cache_manager import StateManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
-BS, STATE = 4, 3   # block size; blocks per request in each state group
+BS, STATE = 4, 3  # block size; blocks per request in each state group
 
 
 def req(rid, tokens):
@@ -55,19 +56,19 @@ def test_state_blocks_are_fixed_whatever_the_length():
     kv = KVCacheManager(100, BS, kv_cache_config=hybrid())
     assert [type(m) for m in kv.managers][1:] == [StateManager, StateManager]
     r = req("a", list(range(30)))
-    for n in (5, 7, 18):   # chunked prefill: the state groups take their blocks once, at the first chunk
+    for n in (5, 7, 18):  # chunked prefill: the state groups take their blocks once, at the first chunk
         assert kv.allocate_slots(r, n) is not None
         r.num_computed_tokens += n
         assert kv.get_num_blocks_by_group("a") == [-(-r.num_computed_tokens // BS), STATE, STATE]
-    for _ in range(20):   # decode: the attention group grows, the states do not
+    for _ in range(20):  # decode: the attention group grows, the states do not
         r.append_output_token_ids([1])
         assert kv.allocate_slots(r, 1) is not None
         r.num_computed_tokens += 1
     assert kv.get_num_blocks_by_group("a") == [13, STATE, STATE]
     ids = kv.get_block_ids_by_group("a")
-    assert len({b for g in ids for b in g}) == 13 + 2 * STATE   # every block is one group's
+    assert len({b for g in ids for b in g}) == 13 + 2 * STATE  # every block is one group's
     kv.free(r)
-    assert kv.num_free_blocks() == 99   # all back (block 0 is the null block)
+    assert kv.num_free_blocks() == 99  # all back (block 0 is the null block)
 
 
 def test_admission_counts_the_state_blocks():

@@ -2,6 +2,7 @@
 snapshot blocks at block boundaries of its prompt, cached under that boundary's block hash and
 freed at once (evicted LRU with the other cached blocks); a later request resumes from the
 longest boundary where the attention blocks and the snapshot are both cached."""
+
 from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheGroupSpec, add_state_groups, make_kv_cache_config
 from pagedllm.request import Request, RequestStatus
@@ -29,13 +30,13 @@ def run(kv, r, n, hits=None):
 def test_a_snapshot_at_a_boundary_is_hit_by_the_same_prefix():
     kv = KVCacheManager(20, BS, enable_caching=True, kv_cache_config=hybrid())
     a = req("a", list(range(13)))
-    assert run(kv, a, 8) == []                      # 0 -> 8: no state to keep yet
+    assert run(kv, a, 8) == []  # 0 -> 8: no state to keep yet
     state_a = kv.get_block_ids_by_group("a")[1]
     free = kv.num_free_blocks()
-    copies = run(kv, a, 5)                          # at 8 (a boundary): the state is kept
+    copies = run(kv, a, 5)  # at 8 (a boundary): the state is kept
     assert len(copies) == 1 and copies[0][0] == state_a[0]
     snap = copies[0][1]
-    assert kv.num_free_blocks() == free - 1 - 1     # a's 4th attention block; the snapshot is free
+    assert kv.num_free_blocks() == free - 1 - 1  # a's 4th attention block; the snapshot is free
     # b shares a's first 8 tokens: 2 attention blocks and the snapshot at 8.
     b = req("b", list(range(8)) + [50, 51, 52])
     hits, n = kv.get_computed_blocks(b)
@@ -45,7 +46,7 @@ def test_a_snapshot_at_a_boundary_is_hit_by_the_same_prefix():
     assert copies == [(snap, kv.get_block_ids_by_group("b")[1][0])]
     for r in (a, b):
         kv.free(r)
-    assert kv.num_free_blocks() == 19               # nothing leaked; the snapshot is cached, free
+    assert kv.num_free_blocks() == 19  # nothing leaked; the snapshot is cached, free
 
 
 def test_the_hit_is_the_longest_boundary_with_both():
@@ -53,7 +54,7 @@ def test_the_hit_is_the_longest_boundary_with_both():
     kv = KVCacheManager(30, BS, enable_caching=True, kv_cache_config=hybrid())
     a = req("a", list(range(14)))
     run(kv, a, 4)
-    assert len(run(kv, a, 9)) == 1                  # snapshot at 4; 4 -> 13 in one chunk: none at 8, 12
+    assert len(run(kv, a, 9)) == 1  # snapshot at 4; 4 -> 13 in one chunk: none at 8, 12
     b = req("b", list(range(14)))
     hits, n = kv.get_computed_blocks(b)
     assert n == 4 and len(hits.groups[0]) == 1 and kv.req_to_attn_hit["b"] == 3
@@ -86,8 +87,8 @@ def test_snapshots_at_decode_boundaries():
     assert kv.get_computed_blocks(b)[1] == 8
     c = req("c", list(range(12)))
     run(kv, c, 12)
-    assert kv.allocate_slots(c, 1) is not None and len(kv.take_pending_copies()) == 1   # at 12, all known
-    c.num_computed_tokens = 16   # placeholders: 4 tokens scheduled, not known
+    assert kv.allocate_slots(c, 1) is not None and len(kv.take_pending_copies()) == 1  # at 12, all known
+    c.num_computed_tokens = 16  # placeholders: 4 tokens scheduled, not known
     assert kv.allocate_slots(c, 1) is not None and kv.take_pending_copies() == []
 
 
@@ -122,7 +123,7 @@ def test_several_state_blocks_and_two_state_groups():
     assert n == 4
     back = run(kv, b, 5, hits)
     own_b = kv.get_block_ids_by_group("b")
-    snap_of = dict(out)   # a's state block -> its snapshot block
+    snap_of = dict(out)  # a's state block -> its snapshot block
     assert sorted(back) == sorted((snap_of[src], dst) for src, dst in zip(own_a[1] + own_a[2], own_b[1] + own_b[2]))
 
 
@@ -133,7 +134,7 @@ def test_a_snapshot_saved_and_hit_in_one_step():
     a = req("a", list(range(9)))
     run(kv, a, 4)
     state_a = kv.get_block_ids_by_group("a")[1][0]
-    assert kv.allocate_slots(a, 5) is not None      # saves the snapshot at 4 (copy pending)
+    assert kv.allocate_slots(a, 5) is not None  # saves the snapshot at 4 (copy pending)
     b = req("b", list(range(9)))
     hits, n = kv.get_computed_blocks(b)
     assert n == 4 and kv.allocate_slots(b, 5, hits) is not None
@@ -169,9 +170,9 @@ def test_a_recurrent_only_model_finds_where_prompts_part_from_recent_ones():
     kv.get_computed_blocks(a)
     assert kv.req_to_attn_hit["a"] == 0
     kv.get_computed_blocks(b)
-    assert kv.req_to_attn_hit["b"] == 2                # b parts from a in its third block
-    assert kv.prefill_chunk_end(b, 0, 14) == 8         # so its first chunk ends at 8
-    assert len(kv.seen_prompt_blocks) == 4             # a's 3 and b's third (bounded by 4 blocks)
+    assert kv.req_to_attn_hit["b"] == 2  # b parts from a in its third block
+    assert kv.prefill_chunk_end(b, 0, 14) == 8  # so its first chunk ends at 8
+    assert len(kv.seen_prompt_blocks) == 4  # a's 3 and b's third (bounded by 4 blocks)
 
 
 def test_the_scheduler_ends_prefill_chunks_at_snapshot_boundaries():
@@ -180,6 +181,7 @@ def test_the_scheduler_ends_prefill_chunks_at_snapshot_boundaries():
     state there), 8 -> 14; the third resumes at 8."""
     from pagedllm.config import SchedulerConfig
     from pagedllm.core.scheduler import Scheduler
+
     kv = KVCacheManager(40, BS, enable_caching=True, kv_cache_config=hybrid())
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
     system = list(range(9))
@@ -206,7 +208,7 @@ def test_a_swapped_in_request_saves_no_snapshot_of_states_not_yet_restored():
     run(kv, a, 4)
     assert kv.swap_out(a)
     kv.take_pending_swaps()
-    assert kv.swap_in(a, 4) is not None              # at 4, a boundary: no snapshot out of the restored state
+    assert kv.swap_in(a, 4) is not None  # at 4, a boundary: no snapshot out of the restored state
     assert kv.take_pending_copies() == []
     a.num_computed_tokens += 4
-    assert len(run(kv, a, 4)) == 1                  # at 8, on its own state again: kept
+    assert len(run(kv, a, 4)) == 1  # at 8, on its own state again: kept

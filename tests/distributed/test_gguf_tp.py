@@ -8,6 +8,7 @@ tensor, its type and the sizes.
 
 The reference is TP=1 with the top-2 logprobs: where the two first differ, a numerical tie
 (greedy_utils.TIE_EPS) ends that sequence's comparison; any other difference is a bug."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,19 +30,28 @@ def one_thread_per_worker(monkeypatch, tmp_path):
 
 def _make_gguf(shape: str, file_type: str, out):
     from pagedllm.models.gguf.cli import cmd_make_gguf
+
     cmd_make_gguf(argparse.Namespace(shape=shape, type=file_type, seed=0, out=str(out)))
     return out
 
 
 def _tensor_types(path) -> dict:
     from gguf import GGUFReader
+
     return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
 
 
 def _generate(path, tp: int, logprobs=None):
     from pagedllm import LLM, SamplingParams
-    llm = LLM(str(path), tensor_parallel_size=tp, max_model_len=64, enable_prefix_caching=False,
-              max_num_seqs=4, kv_cache_memory=2**25)
+
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=tp,
+        max_model_len=64,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        kv_cache_memory=2**25,
+    )
     try:
         if tp > 1:
             assert llm.llm_engine.core.model_executor.world_size == tp
@@ -52,11 +62,14 @@ def _generate(path, tp: int, logprobs=None):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("shape,file_type,row_parallel_types", [
-    ("tiny", "Q4_0", {"Q4_0"}),                          # o_proj: 64 features a rank, 2 blocks of 32
-    ("tiny-superblocks", "Q4_K_M", {"Q4_K", "Q6_K"}),    # uneven heads: 256 / 512 features, whole super-blocks
-    ("tiny-superblocks", "Q8_0", {"Q8_0"}),
-])
+@pytest.mark.parametrize(
+    "shape,file_type,row_parallel_types",
+    [
+        ("tiny", "Q4_0", {"Q4_0"}),  # o_proj: 64 features a rank, 2 blocks of 32
+        ("tiny-superblocks", "Q4_K_M", {"Q4_K", "Q6_K"}),  # uneven heads: 256 / 512 features, whole super-blocks
+        ("tiny-superblocks", "Q8_0", {"Q8_0"}),
+    ],
+)
 def test_tp2_equals_tp1(shape, file_type, row_parallel_types, tmp_path, monkeypatch):
     # int16 activations: with the int8 default, the all-reduce's other order of float sums moves
     # a later layer's int8 rounding by a whole step (1/127 of a block's range), so TP=1 and
@@ -78,17 +91,23 @@ def test_refused_where_a_row_parallel_split_cuts_a_block(tmp_path):
     """tiny's ffn_down rows (256 features) are one Q4_K super-block: two ranks of 128 each
     cannot hold whole blocks. Refused when the config is made, before any process or weight."""
     from pagedllm.engine.arg_utils import EngineArgs
+
     path = _make_gguf("tiny", "Q4_K", tmp_path / "tiny-q4_k.gguf")
     assert _tensor_types(path)["blk.0.ffn_down.weight"] == "Q4_K"
-    EngineArgs(model=str(path), tensor_parallel_size=1).create_engine_config()   # one rank: served
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: GGUF tensor blk\.0\.ffn_down\.weight \(Q4_K, "
-                                         r"256 input features in blocks of 256\) would give rank 0 input "
-                                         r"features 0\.\.127 \(128\)"):
+    EngineArgs(model=str(path), tensor_parallel_size=1).create_engine_config()  # one rank: served
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size 2: GGUF tensor blk\.0\.ffn_down\.weight \(Q4_K, "
+        r"256 input features in blocks of 256\) would give rank 0 input "
+        r"features 0\.\.127 \(128\)",
+    ):
         EngineArgs(model=str(path), tensor_parallel_size=2).create_engine_config()
 
 
-@pytest.mark.parametrize("type_name,features", [("Q4_K", range(256, 768)), ("Q6_K", range(0, 256)),
-                                                ("Q4_0", range(32, 96)), ("Q8_0", range(736, 768))])
+@pytest.mark.parametrize(
+    "type_name,features",
+    [("Q4_K", range(256, 768)), ("Q6_K", range(0, 256)), ("Q4_0", range(32, 96)), ("Q8_0", range(736, 768))],
+)
 def test_sliced_row_blobs_dequantise_as_the_whole_rows(type_name, features):
     """A rank's blocks of each row (slice_row_blobs) against the gguf package's dequantisation
     of the whole rows, cut at the same features; a cut inside a block is refused."""
@@ -97,22 +116,24 @@ def test_sliced_row_blobs_dequantise_as_the_whole_rows(type_name, features):
     from pagedllm.models.gguf.tp_split import slice_row_blobs
     from pagedllm.models.gguf.writer import quantize_rows
     from pagedllm.models.layers.quantization.gguf_method import blob_width, row_blob
-    w = np.random.default_rng(0).standard_normal((19, 768)).astype(np.float32)   # 19 rows: odd
+
+    w = np.random.default_rng(0).standard_normal((19, 768)).astype(np.float32)  # 19 rows: odd
     qtype = GGMLQuantizationType[type_name]
-    raw = quantize_rows(w, type_name)   # [19, row bytes]
+    raw = quantize_rows(w, type_name)  # [19, row bytes]
     blob = row_blob(raw, type_name, [type_name])
     part = slice_row_blobs(blob, features, blob_width([type_name], len(features)))
     assert (part[:, 0] == int(qtype)).all()
     nbytes = raw.shape[1] * len(features) // 768
-    assert not part[:, 1 + nbytes:].any()   # the padding stays zero
-    got = dequantize(np.ascontiguousarray(part[:, 1:1 + nbytes]), qtype)
-    np.testing.assert_array_equal(got, dequantize(raw, qtype)[:, features.start:features.stop])
-    with pytest.raises(ValueError, match=f"input features 16..{features.stop - 1} of a {type_name} row are not whole "
-                                         f"blocks"):
+    assert not part[:, 1 + nbytes :].any()  # the padding stays zero
+    got = dequantize(np.ascontiguousarray(part[:, 1 : 1 + nbytes]), qtype)
+    np.testing.assert_array_equal(got, dequantize(raw, qtype)[:, features.start : features.stop])
+    with pytest.raises(
+        ValueError, match=f"input features 16..{features.stop - 1} of a {type_name} row are not whole blocks"
+    ):
         slice_row_blobs(blob, range(16, features.stop), 1 + raw.shape[1])
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("extension", [True, False])
 def test_row_parallel_halves_sum_to_the_whole_layer(type_name, extension):
@@ -126,8 +147,9 @@ def test_row_parallel_halves_sum_to_the_whole_layer(type_name, extension):
     from pagedllm.models.gguf.writer import quantize_rows
     from pagedllm.models.layers.linear import RowParallelLinear
     from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, row_blob
+
     raw = quantize_rows(np.random.default_rng(1).standard_normal((37, 512)).astype(np.float32), type_name)
-    blob = torch.from_numpy(row_blob(raw, type_name, [type_name]))   # [37 outputs, 512 features]
+    blob = torch.from_numpy(row_blob(raw, type_name, [type_name]))  # [37 outputs, 512 features]
 
     def layer(features: range):
         method = GGUFLinearMethod([type_name], {})

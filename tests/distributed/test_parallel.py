@@ -8,6 +8,7 @@ and rank 1 holds 2 (6 query heads), so this also checks the uneven split.
 The reference is TP=1 with the top-2 logprobs: where the two first differ, a numerical tie
 (top-2 gap < 1e-4, DESIGN.md) ends the comparison of that sequence; any other difference is
 a bug. Each worker uses one thread (two cores are shared by all ranks)."""
+
 import gc
 import os
 import signal
@@ -54,12 +55,15 @@ def one_thread_per_worker(monkeypatch):
 def prompts(tokenizer):
     ids = tokenizer(TEXT)["input_ids"]
     assert len(ids) > max(PROMPT_LENGTHS) + 20
-    return [ids[(11 * i) % (len(ids) - n):][:n] for i, n in enumerate(PROMPT_LENGTHS)]
+    return [ids[(11 * i) % (len(ids) - n) :][:n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
 def _generate(llm, prompts, logprobs=None):
-    params = GREEDY if logprobs is None else SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                            ignore_eos=True, logprobs=logprobs)
+    params = (
+        GREEDY
+        if logprobs is None
+        else SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+    )
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
@@ -92,8 +96,9 @@ def assert_equal_to_reference(outs, reference, label):
         assert len(ours) == len(ref) == MAX_TOKENS, f"[{label}] prompt {i}: {len(ours)} vs {len(ref)} tokens"
         for j, (a, b) in enumerate(zip(ours, ref)):
             if a != b:
-                assert gaps[j] < TIE_EPS, (f"[{label}] prompt {i}: token {j} is {a}, TP=1 gives {b} "
-                                           f"(top-2 gap {gaps[j]:.3g} is no tie)")
+                assert gaps[j] < TIE_EPS, (
+                    f"[{label}] prompt {i}: token {j} is {a}, TP=1 gives {b} (top-2 gap {gaps[j]:.3g} is no tie)"
+                )
                 ties += 1
                 break
     print(f"[{label}] {len(outs)} prompts equal to TP=1; numerical ties met: {ties}")
@@ -129,7 +134,7 @@ def _run_split(model_dir, prompts, reference, label, **parallel):
     finally:
         llm.shutdown()
     _assert_gone(pids)
-    assert torch.get_num_threads() == executor._saved_threads   # the driver's threads restored
+    assert torch.get_num_threads() == executor._saved_threads  # the driver's threads restored
     return stats
 
 
@@ -146,25 +151,26 @@ def test_pp2_equals_pp1(model_dir, prompts, reference):
 def test_tp2_pp2_one_step_in_flight(model_dir, prompts, reference, monkeypatch):
     """Four ranks (2 stages x 2 TP ranks), the simple schedule: one step at a time."""
     monkeypatch.setenv("PAGEDLLM_PP_BATCH_QUEUE", "0")
-    stats = _run_split(model_dir, prompts, reference, "TP=2 x PP=2 mp", tensor_parallel_size=2,
-                       pipeline_parallel_size=2)
+    stats = _run_split(
+        model_dir, prompts, reference, "TP=2 x PP=2 mp", tensor_parallel_size=2, pipeline_parallel_size=2
+    )
     assert stats["max_in_flight"] == 1
 
 
 def test_tp2_ray_equals_tp1(model_dir, prompts, reference):
     pytest.importorskip("ray")
-    _run_split(model_dir, prompts, reference, "TP=2 ray", tensor_parallel_size=2,
-               distributed_executor_backend="ray")
+    _run_split(model_dir, prompts, reference, "TP=2 ray", tensor_parallel_size=2, distributed_executor_backend="ray")
 
 
 def test_worker_killed_mid_run(model_dir, prompts):
     """SIGKILL a worker while the engine is busy: generate raises an ExecutorError naming the
     rank and the signal (no hang), the other worker is stopped, and the engine stays down."""
     from pagedllm.executor import ExecutorError
+
     llm = LLM(model_dir, **SETTINGS, tensor_parallel_size=2)
     executor = llm.llm_engine.core.model_executor
     pids = executor.worker_pids()
-    _generate(llm, prompts[:1])   # warm: the kill below lands mid-run, not during start-up
+    _generate(llm, prompts[:1])  # warm: the kill below lands mid-run, not during start-up
     warm = executor.comm_stats()["steps"]
 
     def kill_mid_run():
@@ -177,12 +183,12 @@ def test_worker_killed_mid_run(model_dir, prompts):
     killer = threading.Thread(target=kill_mid_run)
     killer.start()
     with pytest.raises(ExecutorError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
-        _generate(llm, prompts * 4)   # a hang here: the test's timeout
+        _generate(llm, prompts * 4)  # a hang here: the test's timeout
     killer.join()
     _assert_gone(pids)
-    with pytest.raises(ExecutorError):   # refuses further work, at once
+    with pytest.raises(ExecutorError):  # refuses further work, at once
         _generate(llm, prompts[:1])
-    llm.shutdown()   # idempotent
+    llm.shutdown()  # idempotent
 
 
 def test_worker_killed_while_idle_and_gc(model_dir, prompts):
@@ -190,6 +196,7 @@ def test_worker_killed_while_idle_and_gc(model_dir, prompts):
     dropped without shutdown() still takes its workers with it and gives the caller's thread
     count back."""
     from pagedllm.executor import ExecutorError
+
     threads = torch.get_num_threads()
     llm = LLM(model_dir, **SETTINGS, pipeline_parallel_size=2)
     pids = llm.llm_engine.core.model_executor.worker_pids()
@@ -200,7 +207,7 @@ def test_worker_killed_while_idle_and_gc(model_dir, prompts):
 
     llm = LLM(model_dir, **SETTINGS, tensor_parallel_size=2)
     pids = llm.llm_engine.core.model_executor.worker_pids()
-    assert torch.get_num_threads() == max(1, threads // 2)   # the driver's share of the cores
+    assert torch.get_num_threads() == max(1, threads // 2)  # the driver's share of the cores
     del llm
     gc.collect()
     _assert_gone(pids)
@@ -223,8 +230,15 @@ def test_tp2_from_a_script_on_stdin():
     for the driver's `<stdin>` file and the workers died), equal to one process."""
     import subprocess
     import sys
-    run = subprocess.run([sys.executable, "-"], input=STDIN_SCRIPT, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+    run = subprocess.run(
+        [sys.executable, "-"],
+        input=STDIN_SCRIPT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("TP ")]
     assert [tp for _, tp, _ in lines] == ["1", "2"], run.stdout

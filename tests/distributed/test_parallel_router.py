@@ -1,13 +1,13 @@
 """The data-parallel router's decisions, with a fake engine (no model, no processes): repeated
 prefixes stay on the replica that caches them, unrelated load spreads evenly, a much more
 loaded replica loses its cache advantage, and a full set of replicas refuses at once."""
+
 import random
 from collections import Counter, defaultdict, deque
 
 import pytest
 
-from pagedllm.engine.dp_router import (PrefixCacheAwareRouter, RouterOverloadedError,
-                                       prompt_block_hashes)
+from pagedllm.engine.dp_router import PrefixCacheAwareRouter, RouterOverloadedError, prompt_block_hashes
 
 BS = 16
 
@@ -39,6 +39,7 @@ def test_hashes_match_the_kv_cache_manager():
     from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.request import Request
     from pagedllm.sampling_params import SamplingParams
+
     rng = random.Random(0)
     prompt = _tokens(rng, 5 * BS + 7)
     kv = KVCacheManager(64, BS, enable_caching=True)
@@ -54,7 +55,7 @@ def test_repeated_prefixes_go_to_the_same_replica():
     rng = random.Random(1)
     router = PrefixCacheAwareRouter(4, BS, capacity_blocks=1000)
     engine = FakeEngine(router, rate=2)
-    prefixes = [_tokens(rng, 4 * BS) for _ in range(8)]      # 8 "system prompts" of 4 blocks
+    prefixes = [_tokens(rng, 4 * BS) for _ in range(8)]  # 8 "system prompts" of 4 blocks
     where = defaultdict(Counter)
     reasons = Counter()
     for i in range(400):
@@ -67,7 +68,7 @@ def test_repeated_prefixes_go_to_the_same_replica():
         assert len(counts) == 1, f"prefix {p} went to replicas {dict(counts)}"
     # Only the first request of each prefix missed; every other one hit all 4 blocks.
     assert reasons == {("least-loaded", 0): 8, ("prefix", 4): 392}, reasons
-    assert len({next(iter(c)) for c in where.values()}) > 1   # the prefixes are not all on one
+    assert len({next(iter(c)) for c in where.values()}) > 1  # the prefixes are not all on one
 
 
 def test_unrelated_load_spreads_evenly():
@@ -90,11 +91,11 @@ def test_a_much_more_loaded_replica_loses_its_cache_advantage():
     hot = _tokens(rng, 8 * BS)
     decisions = [router.route(f"r{i}", hot + _tokens(rng, 10)) for i in range(60)]  # none finishes
     first = decisions[0].replica
-    assert all(d.replica == first for d in decisions[:5])         # the hit wins while the gap is small
+    assert all(d.replica == first for d in decisions[:5])  # the hit wins while the gap is small
     assert any(d.reason == "balance" for d in decisions)
     loads = router.loads()
     assert loads[first] - min(loads) <= max(4, 0.5 * min(loads)) + 1, loads
-    assert min(loads) > 0, loads   # every replica took some of the overflow
+    assert min(loads) > 0, loads  # every replica took some of the overflow
     # The overflow replicas now cache the hot prefix too, so they are preferred among equals.
     assert sum(d.hit_blocks > 0 for d in decisions[5:]) > 0
 
@@ -128,10 +129,10 @@ def test_the_cache_estimate_forgets_least_recently_used_blocks():
     old = _tokens(rng, 4 * BS)
     assert router.route("a", old + [1]).replica == 0
     router.finish("a")
-    router.route("b", old + [2])                 # the hit keeps it on replica 0
+    router.route("b", old + [2])  # the hit keeps it on replica 0
     assert router.owner["b"] == 0
     router.finish("b")
-    for i in range(3):                           # 12 other blocks through replica 0 evict `old`
+    for i in range(3):  # 12 other blocks through replica 0 evict `old`
         router.replicas[0].remember(prompt_block_hashes(_tokens(rng, 4 * BS), BS))
     decision, _ = router.choose(old + [3])
     assert decision.hit_blocks == 0 and decision.reason == "least-loaded"
@@ -143,12 +144,14 @@ class FakeCoreClient:
 
     def __init__(self):
         import asyncio
+
         self.sent = []
         self.inbox = asyncio.Queue()
 
     async def wait_ready(self, timeout):
         from pagedllm.core.kv_cache_utils import make_kv_cache_config
         from pagedllm.engine.messages import EngineCoreReady
+
         return EngineCoreReady(num_blocks=64, pid=0, kv_cache_config=make_kv_cache_config([None] * 2))
 
     def add_requests(self, requests):
@@ -175,15 +178,19 @@ class FakeCoreClient:
 
 def _config(k, max_num_seqs=4):
     from types import SimpleNamespace
-    return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=k),
-                           cache_config=SimpleNamespace(block_size=BS),
-                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=k),
+        cache_config=SimpleNamespace(block_size=BS),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+    )
 
 
 def _enc(req_id, prompt, n=1):
     from pagedllm.engine.messages import EngineCoreRequest
     from pagedllm.request import Request
     from pagedllm.sampling_params import SamplingParams
+
     return EngineCoreRequest.from_request(Request(req_id, prompt, SamplingParams(n=n), 2, 0.0))
 
 
@@ -191,11 +198,21 @@ def _outs(outputs=(), failed=(), **stats):
     """A replica's outputs message: (req_id, finish) outputs, failed request ids, its stats."""
     from pagedllm.core.scheduler_output import EngineCoreOutput
     from pagedllm.engine import messages as m
-    base = {"running": 1, "waiting": 0, "used_blocks": 4, "num_blocks": 64, "preemptions": 0,
-            "num_added": 2, "kv_usage": 4 / 64}
-    return m.EngineCoreOutputs([EngineCoreOutput(rid, [5], finish_reason=fin) for rid, fin in outputs],
-                               m.SchedulerStats(**{**base, **stats}),
-                               failed=[m.FailedRequest(rid, "boom", False) for rid in failed])
+
+    base = {
+        "running": 1,
+        "waiting": 0,
+        "used_blocks": 4,
+        "num_blocks": 64,
+        "preemptions": 0,
+        "num_added": 2,
+        "kv_usage": 4 / 64,
+    }
+    return m.EngineCoreOutputs(
+        [EngineCoreOutput(rid, [5], finish_reason=fin) for rid, fin in outputs],
+        m.SchedulerStats(**{**base, **stats}),
+        failed=[m.FailedRequest(rid, "boom", False) for rid in failed],
+    )
 
 
 def test_dp_client_routes_adds_aborts_and_finishes():
@@ -212,7 +229,7 @@ def test_dp_client_routes_adds_aborts_and_finishes():
         system = _tokens(rng, 3 * BS)
         client.add_requests([_enc("a", system + [1]), _enc("b", system + [2])])
         client.add_requests([_enc("c", _tokens(rng, 40))])
-        assert fakes[0].added() == ["a", "b"] and fakes[1].added() == ["c"]   # b follows a's prefix
+        assert fakes[0].added() == ["a", "b"] and fakes[1].added() == ["c"]  # b follows a's prefix
         client.abort_requests(["b", "c"])
         assert fakes[0].aborts() == [["b"]] and fakes[1].aborts() == [["c"]]
         assert client.router.loads() == [1, 0]
@@ -261,7 +278,7 @@ def test_dp_client_failed_requests_lower_the_load():
         fakes[owner].inbox.put_nowait(_outs(failed=["1_p"]))
         await asyncio.wait_for(client.get_output(), 5)
         assert "a" not in client.router.owner and client.router.owner["p"] == owner
-        client.abort_requests(["p", "0_p", "1_p"])   # what AsyncLLM sends next
+        client.abort_requests(["p", "0_p", "1_p"])  # what AsyncLLM sends next
         assert fakes[owner].aborts() == [["p", "0_p", "1_p"]]
         assert client.router.loads() == [0, 0] and not client._parent_of
         client.shutdown()
@@ -288,6 +305,7 @@ def test_dp_client_liveness_and_a_replica_failure():
 
         async def dying():
             raise EngineDeadError("the engine core failed: RuntimeError: CUDA out of memory")
+
         fakes[1].get_output = dying
         with pytest.raises(EngineDeadError, match="CUDA out of memory"):
             await asyncio.wait_for(client.get_output(), 5)

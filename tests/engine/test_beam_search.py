@@ -1,5 +1,6 @@
 """Beam search equals transformers' generate(num_beams=k, do_sample=False, length_penalty=...)
 on the same model, and its beams share KV blocks (fork + copy-on-write)."""
+
 import pytest
 import torch
 
@@ -8,8 +9,12 @@ from engine.test_logprobs import hf_logprobs
 
 pytestmark = pytest.mark.model
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "My favourite season is",
-           "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "My favourite season is",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +32,21 @@ def hf_beam_hypotheses(hf_model, prompt_ids, width, length_penalty, max_new_toke
     logprobs (log_softmax of the raw logits: no processor is configured) divided by its
     generated length (EOS included) ** length_penalty."""
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                                num_beams=width, do_sample=False, length_penalty=length_penalty,
-                                max_new_tokens=max_new_tokens, early_stopping=False,
-                                num_return_sequences=num_return, output_scores=True,
-                                return_dict_in_generate=True)
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            num_beams=width,
+            do_sample=False,
+            length_penalty=length_penalty,
+            max_new_tokens=max_new_tokens,
+            early_stopping=False,
+            num_return_sequences=num_return,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     hyps = []
-    for row, score in zip(out.sequences[:, len(prompt_ids):].tolist(), out.sequences_scores.tolist()):
-        hyps.append((row[:row.index(EOS) + 1] if EOS in row else row, score))
+    for row, score in zip(out.sequences[:, len(prompt_ids) :].tolist(), out.sequences_scores.tolist()):
+        hyps.append((row[: row.index(EOS) + 1] if EOS in row else row, score))
     return hyps
 
 
@@ -80,6 +92,7 @@ def test_beams_share_blocks(llm):
         if len(sched.running) == 4:
             seen.append(kv.block_pool.num_blocks - 1 - kv.num_free_blocks())
         return out
+
     engine.core.step = spy
     try:
         llm.beam_search({"prompt_token_ids": [(i * 31) % 3000 + 100 for i in range(200)]}, 4, 12, ignore_eos=True)

@@ -1,5 +1,6 @@
 """The engine CLI generated from EngineArgs' fields: vLLM's flag names, aliases, --no-X switches
 and defaults, and the GiB -> bytes hand-over, against values written out by hand."""
+
 import argparse
 from dataclasses import dataclass
 from typing import Optional
@@ -22,15 +23,34 @@ def test_no_flags_give_the_fields_defaults():
 
 
 def test_flags_aliases_and_switches():
-    a = _parse(["-tp", "2", "-pp", "3", "-dp", "4", "-q", "int4", "--no-enable-prefix-caching",
-                "--no-enable-chunked-prefill", "--enforce-eager", "--async-scheduling",
-                "--cudagraph-mode", "full_decode_only", "--kv-cache-memory", "1.5", "--max-cpu-loras", "3"])
+    a = _parse(
+        [
+            "-tp",
+            "2",
+            "-pp",
+            "3",
+            "-dp",
+            "4",
+            "-q",
+            "int4",
+            "--no-enable-prefix-caching",
+            "--no-enable-chunked-prefill",
+            "--enforce-eager",
+            "--async-scheduling",
+            "--cudagraph-mode",
+            "full_decode_only",
+            "--kv-cache-memory",
+            "1.5",
+            "--max-cpu-loras",
+            "3",
+        ]
+    )
     assert (a.tensor_parallel_size, a.pipeline_parallel_size, a.data_parallel_size) == (2, 3, 4)
     assert a.quantization == "int4" and a.max_cpu_loras == 3
     assert a.enable_prefix_caching is False and a.enable_chunked_prefill is False
     assert a.enforce_eager is True and a.async_scheduling is True
     assert a.cudagraph_mode == "FULL_DECODE_ONLY"
-    assert a.kv_cache_memory == 1610612736   # 1.5 GiB in bytes
+    assert a.kv_cache_memory == 1610612736  # 1.5 GiB in bytes
 
 
 def test_runner_and_its_older_name_task():
@@ -40,8 +60,16 @@ def test_runner_and_its_older_name_task():
         _parse(["--runner", "generate", "--task", "embed"])
 
 
-@pytest.mark.parametrize("argv", [["--dtype", "float64"], ["--kv-cache-dtype", "fp4"], ["--device", "tpu"],
-                                  ["--block-size", "x"], ["--speculative-config", '{"method": "nope"}']])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dtype", "float64"],
+        ["--kv-cache-dtype", "fp4"],
+        ["--device", "tpu"],
+        ["--block-size", "x"],
+        ["--speculative-config", '{"method": "nope"}'],
+    ],
+)
 def test_bad_values_are_argparse_errors(argv):
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -84,8 +112,8 @@ def test_a_renamed_flag_a_positional_a_list_and_a_default_read_when_the_parser_i
 
     p = argparse.ArgumentParser()
     add_dataclass_args(p, Knobs)
-    assert read == [1]   # once, when the flags were made
+    assert read == [1]  # once, when the flags were made
     assert dataclass_from_args(Knobs, p.parse_args([])) == Knobs(key="from-env")
     k = dataclass_from_args(Knobs, p.parse_args(["here", "--level", "debug", "--names", "a", "b", "--key", "k"]))
     assert k == Knobs(target="here", verbosity="debug", names=["a", "b"], key="k")
-    assert "from-env" not in p.format_help()   # a value from the environment is never shown
+    assert "from-env" not in p.format_help()  # a value from the environment is never shown

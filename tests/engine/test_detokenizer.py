@@ -1,4 +1,5 @@
 """IncrementalDetokenizer against the real SmolLM2 byte-level BPE tokenizer."""
+
 import random
 
 import pytest
@@ -20,11 +21,11 @@ PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="session")
-def tok(tokenizer):   # the default model's (conftest marks its users `model`)
+def tok(tokenizer):  # the default model's (conftest marks its users `model`)
     return tokenizer
 
 
-FAST = True   # which decoder the tests below run: tokenizers' DecodeStream, or the token window
+FAST = True  # which decoder the tests below run: tokenizers' DecodeStream, or the token window
 
 
 @pytest.fixture(autouse=True, params=["stream", "window"])
@@ -46,7 +47,7 @@ def stream(tok, ids, prompt_ids=(), chunk=1, stop_terminated=False, **kw):
     d = detok(tok, prompt_ids, SamplingParams(**kw))
     deltas, stop = [], None
     for i in range(0, len(ids), chunk):
-        new = ids[i:i + chunk]
+        new = ids[i : i + chunk]
         last = i + chunk >= len(ids)
         stop = d.update(new, stop_terminated and last)
         finished = stop is not None or last
@@ -141,8 +142,7 @@ def test_earliest_stop_string_wins(tok):
     d = detok(tok, [], SamplingParams(stop=["gamma", "beta"]))
     assert d.update(ids, False) == "beta"
     assert d.output_text == "alpha "
-    d = detok(tok, [], SamplingParams(stop=["delta", "a g"],
-                                                       include_stop_str_in_output=True))
+    d = detok(tok, [], SamplingParams(stop=["delta", "a g"], include_stop_str_in_output=True))
     assert d.update(ids, False) == "a g"
     assert d.output_text == "alpha beta g"
     _, d, stop = stream(tok, ids, stop=["gamma", "beta"])
@@ -153,14 +153,14 @@ def test_stop_inside_several_tokens_ends_at_the_completing_token(tok):
     """Several tokens in one update (a verified speculative run): the tokens after the one that
     completes the stop string are counted, for the output processor to drop, as one at a time."""
     ids = enc(tok, "alpha beta gamma delta epsilon")
-    upto = len(enc(tok, "alpha beta gamma"))   # "gamma" completes with this many tokens
+    upto = len(enc(tok, "alpha beta gamma"))  # "gamma" completes with this many tokens
     for kw in ({}, {"include_stop_str_in_output": True}):
         d = detok(tok, [], SamplingParams(stop=["gam"], **kw))
         assert d.update(ids, False) == "gam" and d.tokens_after_stop == len(ids) - upto
         one = detok(tok, [], SamplingParams(stop=["gam"], **kw))
-        used = next(i + 1 for i in range(len(ids)) if one.update(ids[i:i + 1], False))
+        used = next(i + 1 for i in range(len(ids)) if one.update(ids[i : i + 1], False))
         assert used == upto and one.output_text == d.output_text and one.tokens_after_stop == 0
-    d = detok(tok, [], SamplingParams(stop=["gam"]))   # the last token a stop id too
+    d = detok(tok, [], SamplingParams(stop=["gam"]))  # the last token a stop id too
     assert d.update(ids, True) == "gam" and d.tokens_after_stop == len(ids) - upto
 
 
@@ -182,10 +182,8 @@ def test_special_tokens_skipped_or_kept(tok, skip):
 
 def test_stop_terminated_eos(tok):
     ids = enc(tok, "Bye now.") + [tok.eos_token_id]
-    for skip, include, tail in [(True, False, ""), (True, True, ""),
-                                (False, False, ""), (False, True, "<|im_end|>")]:
-        _, d, _ = stream(tok, ids, stop_terminated=True, skip_special_tokens=skip,
-                         include_stop_str_in_output=include)
+    for skip, include, tail in [(True, False, ""), (True, True, ""), (False, False, ""), (False, True, "<|im_end|>")]:
+        _, d, _ = stream(tok, ids, stop_terminated=True, skip_special_tokens=skip, include_stop_str_in_output=include)
         assert d.output_text == "Bye now." + tail, (skip, include)
 
 
@@ -209,7 +207,7 @@ def test_random_chunks_match_decode(tok):
     out, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 4)
-        d.update(ids[i:i + n], False)
+        d.update(ids[i : i + n], False)
         i += n
         out.append(d.get_next_output_text(i >= len(ids), True))
     assert "".join(out) == detokenize_all(tok, ids)
@@ -232,6 +230,7 @@ def test_output_processor_drops_tokens_after_a_stop_string(tok):
     from pagedllm.core.scheduler_output import EngineCoreOutput
     from pagedllm.engine.output_processor import OutputKind, OutputProcessor
     from pagedllm.request import Request
+
     ids = enc(tok, "alpha beta gamma delta epsilon")
     upto = len(enc(tok, "alpha beta gamma"))
     proc = OutputProcessor(tok)

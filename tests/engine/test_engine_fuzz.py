@@ -11,6 +11,7 @@ run alone on a roomy engine (up to a numerical tie, as docs/design.md's correctn
 Cases are grouped by engine configuration (CASES_PER_ENGINE per engine). A failure prints the
 case's seed and a replay command; `--fuzz-cases N` scales the run, `--fuzz-seed` changes it.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ from pagedllm.engine.beam_search import BeamSearchDriver, beam_params, beam_sear
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputKind
 
-CI_CASES = 320           # about 30 s on a 2-core machine (one thread)
+CI_CASES = 320  # about 30 s on a 2-core machine (one thread)
 CASES_PER_ENGINE = 8
 TIE_EPS = 1e-4
 
@@ -46,8 +47,10 @@ def case_label(seed: int, group: int, case: int) -> str:
 
 
 def replay_command(seed: int, group: int, case: int) -> str:
-    return (f"PYTHONPATH=$PWD python -m pytest -q -s tests/engine/test_engine_fuzz.py::test_engine_fuzz "
-            f"--fuzz-seed {seed} --fuzz-replay {group}:{case}")
+    return (
+        f"PYTHONPATH=$PWD python -m pytest -q -s tests/engine/test_engine_fuzz.py::test_engine_fuzz "
+        f"--fuzz-seed {seed} --fuzz-replay {group}:{case}"
+    )
 
 
 def group_spec(seed: int, group: int) -> EngineSpec:
@@ -120,8 +123,9 @@ def submit(engine: LLMEngine, driver: BeamSearchDriver, req: RequestSpec) -> Non
     """ValueError: refused (nothing entered the engine)."""
     if req.is_beam:
         check_beam_args(req.beam_width, req.max_tokens, req.length_penalty)
-        _, request = engine.processor.process(req.rid, req.prompt, beam_params(req.beam_width, req.max_tokens),
-                                              priority=req.priority)
+        _, request = engine.processor.process(
+            req.rid, req.prompt, beam_params(req.beam_width, req.max_tokens), priority=req.priority
+        )
         driver.add(request, req.beam_width, req.length_penalty, engine.processor.eos_token_id)
     else:
         # Not streamed: LLM.generate's final-only outputs for half the ids, cumulative for the rest.
@@ -146,7 +150,8 @@ def run_case(engine: LLMEngine, reqs: list[RequestSpec]) -> CaseResult:
             raise CaseFailure(
                 f"hang: {sorted(live)} unfinished after {step} steps (beam searches "
                 f"{sorted(r for r in live if live[r].is_beam)}; {len(sched.running)} running, "
-                f"{len(sched.waiting)} waiting, {sched.kv_cache_manager.num_free_blocks()} free blocks)")
+                f"{len(sched.waiting)} waiting, {sched.kv_cache_manager.num_free_blocks()} free blocks)"
+            )
         while pending and pending[0].arrival <= step:
             req = pending.pop(0)
             try:
@@ -193,30 +198,41 @@ def check_idle(engine: LLMEngine) -> None:
     sched = engine.core.scheduler
     kv = sched.kv_cache_manager
     pool = kv.block_pool
-    left = [sched.requests, sched.waiting, sched.running, engine.output_processor.states,
-            engine.output_processor.parents]
+    left = [
+        sched.requests,
+        sched.waiting,
+        sched.running,
+        engine.output_processor.states,
+        engine.output_processor.parents,
+    ]
     if any(left):
         raise CaseFailure(f"requests left behind: {[list(x)[:5] for x in left]}")
     free = pool.free_queue.block_ids()
     if sorted(free) != list(range(1, pool.num_blocks)) or pool.get_num_free_blocks() != pool.num_blocks - 1:
         used = sorted(set(range(1, pool.num_blocks)) - set(free))
         dup = [b for b, c in Counter(free).items() if c > 1]
-        raise CaseFailure(f"free queue: {len(free)} of {pool.num_blocks - 1} blocks "
-                          f"(count {pool.get_num_free_blocks()}), in use {used}, twice {dup}")
+        raise CaseFailure(
+            f"free queue: {len(free)} of {pool.num_blocks - 1} blocks "
+            f"(count {pool.get_num_free_blocks()}), in use {used}, twice {dup}"
+        )
     held = [b for b in pool.blocks[1:] if b.ref_cnt != 0]
     if held or any(kv.req_to_blocks.values()):
         raise CaseFailure(f"blocks still referenced: {held[:5]}, tables {dict(kv.req_to_blocks)}")
     for h, b in pool.cached_blocks.items():
         if b.block_hash != h:
             raise CaseFailure(f"prefix cache maps {h} to {b}")
-    runner = engine.core.model_executor.driver_worker.model_runner   # it drops finished requests at the next step: nothing else
+    runner = (
+        engine.core.model_executor.driver_worker.model_runner
+    )  # it drops finished requests at the next step: nothing else
     stale = (set(runner.requests) | set(runner.generators)) - sched.finished_req_ids
     if stale:
         raise CaseFailure(f"the model runner still holds {sorted(stale)}")
     num_cpu = engine.core.num_cpu_blocks
     if kv.req_to_cpu_blocks or sorted(kv.free_cpu_blocks) != list(range(1, max(num_cpu, 1))):
-        raise CaseFailure(f"swap space: {len(kv.free_cpu_blocks)} of {max(num_cpu - 1, 0)} CPU blocks free, "
-                          f"held by {sorted(kv.req_to_cpu_blocks)}")
+        raise CaseFailure(
+            f"swap space: {len(kv.free_cpu_blocks)} of {max(num_cpu - 1, 0)} CPU blocks free, "
+            f"held by {sorted(kv.req_to_cpu_blocks)}"
+        )
 
 
 def check_completions(req: RequestSpec, comps: dict[int, Completion], max_model_len: int) -> None:
@@ -250,8 +266,7 @@ def check_beam(req: RequestSpec, out, max_model_len: int) -> None:
     if [s.score for s in seqs] != sorted((s.score for s in seqs), reverse=True):
         raise CaseFailure(f"{req.rid}: hypotheses not best first")
     for s in seqs:
-        if not 1 <= len(s.tokens) <= cap or s.finish_reason not in ("stop", "length") \
-                or not math.isfinite(s.score):
+        if not 1 <= len(s.tokens) <= cap or s.finish_reason not in ("stop", "length") or not math.isfinite(s.score):
             raise CaseFailure(f"{req.rid}: hypothesis {s} (cap {cap})")
 
 
@@ -260,14 +275,15 @@ class Reference:
     """Runs a request alone on a roomy engine (no preemption, no prefix cache), memoised."""
 
     def __init__(self, model: str = MODEL) -> None:
-        self.engine = build_engine(model, max_model_len=MAX_MODEL_LEN_CAP, max_num_seqs=8, num_gpu_blocks=64,
-                                   enable_prefix_caching=False)
+        self.engine = build_engine(
+            model, max_model_len=MAX_MODEL_LEN_CAP, max_num_seqs=8, num_gpu_blocks=64, enable_prefix_caching=False
+        )
         self.memo: dict = {}
 
     def run(self, req: RequestSpec, max_model_len: int) -> dict[int, Completion]:
         cap = effective_max_tokens(req, max_model_len)
         over = dict(max_tokens=cap, min_tokens=min(req.params.get("min_tokens", 0), cap))
-        if req.greedy:   # the top-2 decide whether a difference is a tie
+        if req.greedy:  # the top-2 decide whether a difference is a tie
             over["logprobs"] = max(req.params.get("logprobs") or 0, 2)
         params = req.sampling_params(**over)
         key = (tuple(req.prompt), repr(params))
@@ -299,8 +315,10 @@ def compare_alone(req: RequestSpec, comps: dict[int, Completion], ref: dict[int,
         r = ref[i]
         if c.token_ids == r.token_ids:
             if c.text != r.text or c.finish_reason != r.finish_reason:
-                raise CaseFailure(f"{req.rid}[{i}]: same tokens, text {c.text!r} / {c.finish_reason} "
-                                  f"alone {r.text!r} / {r.finish_reason}")
+                raise CaseFailure(
+                    f"{req.rid}[{i}]: same tokens, text {c.text!r} / {c.finish_reason} "
+                    f"alone {r.text!r} / {r.finish_reason}"
+                )
             continue
         j = next((j for j, (a, b) in enumerate(zip(c.token_ids, r.token_ids)) if a != b), None)
         if j is not None and req.greedy:
@@ -309,8 +327,9 @@ def compare_alone(req: RequestSpec, comps: dict[int, Completion], ref: dict[int,
             if ours in lps and abs(lps[ours].logprob - lps[theirs].logprob) < TIE_EPS:
                 ties += 1
                 continue
-        raise CaseFailure(f"{req.rid}[{i}] differs from the same request alone at token {j}: "
-                          f"{c.token_ids} vs {r.token_ids}")
+        raise CaseFailure(
+            f"{req.rid}[{i}] differs from the same request alone at token {j}: {c.token_ids} vs {r.token_ids}"
+        )
     return ties
 
 
@@ -336,7 +355,7 @@ class Tally:
     ties: int = 0
     preemptions: int = 0
     swaps: int = 0
-    prefix_hits: int = 0   # prompt tokens found in the prefix cache
+    prefix_hits: int = 0  # prompt tokens found in the prefix cache
     steps: int = 0
     failures: list = field(default_factory=list)
 
@@ -357,14 +376,22 @@ def run_checked_case(engine, reference, reqs, tally: Tally) -> None:
     done = set(res.completions) | set(res.beams) | set(res.refused) | res.aborted
     if done != set(by_id):
         raise CaseFailure(f"requests with no outcome: {sorted(set(by_id) - done)}")
-    tally.requests.update(served=len(res.completions) + len(res.beams), refused=len(res.refused),
-                          aborted=len(res.aborted))
+    tally.requests.update(
+        served=len(res.completions) + len(res.beams), refused=len(res.refused), aborted=len(res.aborted)
+    )
     tally.refusals.update(re.sub(r"\d+", "N", msg)[:70] for msg in res.refused.values())
     tally.steps += res.steps
 
 
-def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, verbose: bool = False,
-         model: str = MODEL, spec_of=group_spec, share: float = 0.4) -> Tally:
+def fuzz(
+    seed: int,
+    groups: list[tuple[int, list[int]]],
+    reference: Reference,
+    verbose: bool = False,
+    model: str = MODEL,
+    spec_of=group_spec,
+    share: float = 0.4,
+) -> Tally:
     """Run the cases of each (group, case indices) on one engine per group (its configuration
     `spec_of(seed, group)`); failures are collected (the engine is rebuilt after one), not raised.
     share: the fraction of prompts that start with part of a case's shared prompt."""
@@ -382,15 +409,16 @@ def fuzz(seed: int, groups: list[tuple[int, list[int]]], reference: Reference, v
                 if engine is None:
                     engine = build_engine(model, **spec.engine_kwargs())
                 run_checked_case(engine, reference, reqs, tally)
-            except Exception as e:   # noqa: BLE001 -- every escape is a finding, with its seed
+            except Exception as e:  # noqa: BLE001 -- every escape is a finding, with its seed
                 where = traceback.extract_tb(e.__traceback__)[-1]
                 tally.failures.append(
                     f"{case_label(seed, group, case)}: {type(e).__name__}: {e} "
                     f"(at {where.filename.split('/')[-1]}:{where.lineno})\n  engine {spec}\n"
-                    f"  replay: {replay_command(seed, group, case)}")
+                    f"  replay: {replay_command(seed, group, case)}"
+                )
                 if verbose:
                     traceback.print_exc()
-                engine = None   # its state is suspect: the next case starts afresh
+                engine = None  # its state is suspect: the next case starts afresh
             tally.cases += 1
         if engine is not None:
             tally.preemptions += engine.num_preemptions
@@ -435,13 +463,16 @@ def test_engine_fuzz(request, reference):
         groups, verbose = plan(n), False
     t0 = time.monotonic()
     tally = fuzz(seed, groups, reference, verbose)
-    print(f"\nengine fuzz, seed {seed}: {tally.cases} cases in {time.monotonic() - t0:.1f} s, "
-          f"{tally.steps} steps, requests {dict(tally.requests)}, preemptions {tally.preemptions} "
-          f"({tally.swaps} by swap), "
-          f"numerical ties {tally.ties}; refusals {dict(tally.refusals)}")
+    print(
+        f"\nengine fuzz, seed {seed}: {tally.cases} cases in {time.monotonic() - t0:.1f} s, "
+        f"{tally.steps} steps, requests {dict(tally.requests)}, preemptions {tally.preemptions} "
+        f"({tally.swaps} by swap), "
+        f"numerical ties {tally.ties}; refusals {dict(tally.refusals)}"
+    )
     if tally.failures:
-        pytest.fail(f"{len(tally.failures)} of {tally.cases} cases failed:\n" + "\n".join(tally.failures),
-                    pytrace=False)
+        pytest.fail(
+            f"{len(tally.failures)} of {tally.cases} cases failed:\n" + "\n".join(tally.failures), pytrace=False
+        )
     served = tally.requests["served"]
     assert served >= tally.requests["refused"], f"the workload is mostly refused: {dict(tally.requests)}"
 
@@ -453,7 +484,8 @@ def test_best_of_equal_to_n_gives_no_unasked_logprobs(one_thread):
     (found by the fuzzer: seed 0 case 0:0)."""
     engine = build_engine(max_model_len=32)
     for stream in (False, True):
-        req = RequestSpec("r", [5, 6, 7], 0, None, params=dict(temperature=0.7, seed=1, n=2, best_of=2),
-                          max_tokens=3, stream=stream)
+        req = RequestSpec(
+            "r", [5, 6, 7], 0, None, params=dict(temperature=0.7, seed=1, n=2, best_of=2), max_tokens=3, stream=stream
+        )
         comps = run_case(engine, [req]).completions["r"]
         assert [(c.logprobs, len(c.token_ids)) for c in comps.values()] == [(None, 3), (None, 3)]

@@ -2,6 +2,7 @@
 round-trips through its frames unchanged (logit_bias keeps int keys, the engine's stop ids and
 nested extra keys survive), a frame that is not a message is a clear ProtocolError, and the
 offline engine never imports msgspec."""
+
 from __future__ import annotations
 
 import subprocess
@@ -21,11 +22,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _request() -> m.EngineCoreRequest:
-    sp = SamplingParams(n=2, best_of=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1,
-                        presence_penalty=0.5, frequency_penalty=-0.5, seed=2 ** 62, max_tokens=7, min_tokens=2,
-                        stop=["a", "bc"], stop_token_ids=[3, 4], include_stop_str_in_output=True, ignore_eos=True,
-                        logprobs=3, skip_special_tokens=False, logit_bias={5: -100.0, 7: 2.5})
-    sp.all_stop_token_ids = {3, 4, 9}   # the engine's EOS extras, beyond the user's stop_token_ids
+    sp = SamplingParams(
+        n=2,
+        best_of=3,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        seed=2**62,
+        max_tokens=7,
+        min_tokens=2,
+        stop=["a", "bc"],
+        stop_token_ids=[3, 4],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        logprobs=3,
+        skip_special_tokens=False,
+        logit_bias={5: -100.0, 7: 2.5},
+    )
+    sp.all_stop_token_ids = {3, 4, 9}  # the engine's EOS extras, beyond the user's stop_token_ids
     req = Request("r-1", [1, 2, 3], sp, eos_token_id=2, arrival_time=123.5)
     req.max_tokens = 9
     req.extra_keys = ("lora", 3, ("nested", 1))
@@ -33,8 +51,18 @@ def _request() -> m.EngineCoreRequest:
 
 
 def _stats(**kw) -> m.SchedulerStats:
-    return m.SchedulerStats(**{"running": 1, "waiting": 2, "kv_usage": 0.25, "used_blocks": 4, "num_blocks": 16,
-                               "preemptions": 0, "num_added": 3, **kw})
+    return m.SchedulerStats(
+        **{
+            "running": 1,
+            "waiting": 2,
+            "kv_usage": 0.25,
+            "used_blocks": 4,
+            "num_blocks": 16,
+            "preemptions": 0,
+            "num_added": 3,
+            **kw,
+        }
+    )
 
 
 REQUESTS = [
@@ -46,19 +74,26 @@ REQUESTS = [
     m.Shutdown(),
 ]
 
-_BEAMS = BeamSearchOutput([1, 2], [BeamSequence([5, 2], -0.5, -0.25, finish_reason="stop", logprobs=[-0.2, -0.3]),
-                                   BeamSequence([6, 7], -0.9, -0.45)], "r-2", 16)
+_BEAMS = BeamSearchOutput(
+    [1, 2],
+    [BeamSequence([5, 2], -0.5, -0.25, finish_reason="stop", logprobs=[-0.2, -0.3]), BeamSequence([6, 7], -0.9, -0.45)],
+    "r-2",
+    16,
+)
 OUTPUTS = [
     m.EngineCoreReady(num_blocks=63, pid=1234, kv_cache_config=make_kv_cache_config([None, 4, 4, None, 4])),
     m.EngineCoreOutputs(
-        outputs=[EngineCoreOutput("r-1", [5, 6], "stop", "bc", [([5, 7], [-0.1, -2.0], 1), ([6], [-0.5], 2)], 4),
-                 EngineCoreOutput("0_r-3", [9], None, None, None, 0),
-                 EngineCoreOutput("r-4", [], "stop", 2)],
+        outputs=[
+            EngineCoreOutput("r-1", [5, 6], "stop", "bc", [([5, 7], [-0.1, -2.0], 1), ([6], [-0.5], 2)], 4),
+            EngineCoreOutput("0_r-3", [9], None, None, None, 0),
+            EngineCoreOutput("r-4", [], "stop", 2),
+        ],
         scheduler_stats=_stats(prefix_cache_queries=10, prefix_cache_hits=4),
         queue_times=[("r-1", 0.5)],
         beam_results=[m.BeamResult(_BEAMS), m.BeamResult(BeamSearchOutput([1], [], "r-5"), "already in use")],
-        failed=[m.FailedRequest("r-6", "the engine failed running request 'r-6': boom", True)]),
-    m.EngineCoreOutputs(scheduler_stats=_stats()),   # an idle core's stats
+        failed=[m.FailedRequest("r-6", "the engine failed running request 'r-6': boom", True)],
+    ),
+    m.EngineCoreOutputs(scheduler_stats=_stats()),  # an idle core's stats
     m.UtilityOutput(7, {"running": 1, "kv_usage": 0.5}),
     m.UtilityOutput(8, None, "ValueError: unknown utility method 'nope'"),
     m.EngineCoreError("RuntimeError", "CUDA out of memory"),
@@ -80,10 +115,16 @@ def test_output_round_trip(msg):
 def test_engine_core_request_rebuilds_the_request():
     back = m.decode_request(m.encode_request(m.AddRequests([_request()]))).requests[0].to_request()
     sp = back.sampling_params
-    assert (back.request_id, back.prompt_token_ids, back.eos_token_id, back.arrival_time, back.max_tokens,
-            back.extra_keys) == ("r-1", [1, 2, 3], 2, 123.5, 9, ("lora", 3, ("nested", 1)))
+    assert (
+        back.request_id,
+        back.prompt_token_ids,
+        back.eos_token_id,
+        back.arrival_time,
+        back.max_tokens,
+        back.extra_keys,
+    ) == ("r-1", [1, 2, 3], 2, 123.5, 9, ("lora", 3, ("nested", 1)))
     assert sp.logit_bias == {5: -100.0, 7: 2.5} and all(type(k) is int for k in sp.logit_bias)
-    assert sp.all_stop_token_ids == {3, 4, 9} and sp.stop == ["a", "bc"] and sp.seed == 2 ** 62
+    assert sp.all_stop_token_ids == {3, 4, 9} and sp.stop == ["a", "bc"] and sp.seed == 2**62
     assert back.num_computed_tokens == 0 and back.output_token_ids == []
 
 
@@ -94,16 +135,24 @@ def test_scheduler_stats_as_dict():
     assert "replicas" not in _stats().as_dict()
 
 
-@pytest.mark.parametrize("frames, error", [
-    ([b"\x7f", b"\x90"], "unknown engine core request type"),
-    ([b"add", b"\x90"], "unknown engine core request type"),
-    ([m.EngineCoreRequestType.ABORT.value], "2 frames"),
-    ([m.EngineCoreRequestType.ABORT.value, b"\xc1"], "garbled AbortRequests"),
-    ([m.EngineCoreRequestType.ADD.value, m.encode_request(m.AbortRequests(["a"]))[1]], "garbled AddRequests"),
-    # a SamplingParams the user could not have made: its validation speaks
-    ([m.EngineCoreRequestType.ADD.value,
-      m.encode_request(m.AddRequests([_request()]))[1].replace(b"\xa1n\x02", b"\xa1n\x00")], "n must be"),
-])
+@pytest.mark.parametrize(
+    "frames, error",
+    [
+        ([b"\x7f", b"\x90"], "unknown engine core request type"),
+        ([b"add", b"\x90"], "unknown engine core request type"),
+        ([m.EngineCoreRequestType.ABORT.value], "2 frames"),
+        ([m.EngineCoreRequestType.ABORT.value, b"\xc1"], "garbled AbortRequests"),
+        ([m.EngineCoreRequestType.ADD.value, m.encode_request(m.AbortRequests(["a"]))[1]], "garbled AddRequests"),
+        # a SamplingParams the user could not have made: its validation speaks
+        (
+            [
+                m.EngineCoreRequestType.ADD.value,
+                m.encode_request(m.AddRequests([_request()]))[1].replace(b"\xa1n\x02", b"\xa1n\x00"),
+            ],
+            "n must be",
+        ),
+    ],
+)
 def test_garbled_request_is_a_protocol_error(frames, error):
     with pytest.raises(m.ProtocolError, match=error):
         m.decode_request(frames)
@@ -140,7 +189,9 @@ def test_core_proc_ends_on_a_garbled_frame():
 
 
 def test_offline_engine_imports_no_msgspec():
-    code = ("import sys, pagedllm.entrypoints.llm, pagedllm.engine.llm_engine; "
-            "print(sorted(k for k in ('msgspec', 'zmq') if k in sys.modules))")
+    code = (
+        "import sys, pagedllm.entrypoints.llm, pagedllm.engine.llm_engine; "
+        "print(sorted(k for k in ('msgspec', 'zmq') if k in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"

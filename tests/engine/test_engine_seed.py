@@ -1,5 +1,6 @@
 """--seed: requests without a seed of their own draw from a generator the engine seeds, so the
 same engine seed gives the same run and another seed another one (vLLM's behaviour)."""
+
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]

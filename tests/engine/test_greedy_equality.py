@@ -4,6 +4,7 @@ to force preemption, and with speculative decoding (n-gram drafts; the default m
 layers as its draft model) under chunked prefill and preemption. The one allowed difference is
 a numerical tie (DESIGN.md): where the two first differ, the reference's top-2 logits are
 within 1e-4."""
+
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy_batched
 
@@ -46,7 +47,7 @@ def greedy_equality_prompts(tokenizer) -> list[list[int]]:
     quantized weights' agreement prompts (tests/models/test_quantization.py)."""
     ids = tokenizer(TEXT)["input_ids"]
     assert len(ids) >= 340
-    return [ids[(7 * i) % (len(ids) - n):][:n] for i, n in enumerate(PROMPT_LENGTHS)]
+    return [ids[(7 * i) % (len(ids) - n) :][:n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +95,14 @@ SELF_DRAFT = {"method": "draft_model", "model": "self:16", "num_speculative_toke
 def test_speculative_decoding(model_dir, prompts, reference, spec, mode):
     """Each proposer (the truncated self-draft too) with chunked prefill and preemption forced:
     the same tokens as transformers; drafts were accepted, so verification ran."""
-    llm = LLM(model_dir, speculative_config=spec, num_gpu_blocks=40, max_num_batched_tokens=64,
-              preemption_mode=mode, num_cpu_blocks=64)
+    llm = LLM(
+        model_dir,
+        speculative_config=spec,
+        num_gpu_blocks=40,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        num_cpu_blocks=64,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     stats = llm.llm_engine.core.scheduler.spec_decoding_stats
     assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"

@@ -4,14 +4,14 @@ registered with transformers' AttentionInterface rounds each token's rotated key
 rows per head by the scheme written out here from its definition: scale = max|row| / QMAX,
 int8 rounded half away from zero, fp8 by torch's cast; then runs its SDPA). Greedy must
 be equal token for token up to numerical ties; the memory planner must give more blocks."""
+
 import pytest
 import torch
 from greedy_utils import assert_greedy_equal, hf_greedy
 
 MAX_TOKENS = 12
 # The cache's element type and the largest magnitude it holds (int8: 127; e4m3: 448; e5m2: 57344).
-KV = {"int8": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
-      "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+KV = {"int8": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 
 
 def round_trip(x: torch.Tensor, kv: str) -> torch.Tensor:
@@ -33,8 +33,9 @@ def _register_fake_quant(kv: str) -> str:
 
     def fake_quant_sdpa(module, query, key, value, attention_mask, **kwargs):
         # key / value [B, Hkv, T, D]: one scale per (token, head) row, as the cache stores them
-        return sdpa_attention_forward(module, query, round_trip(key, kv), round_trip(value, kv), attention_mask,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, round_trip(key, kv), round_trip(value, kv), attention_mask, **kwargs
+        )
 
     name = f"kvq_{kv}"
     AttentionInterface.register(name, fake_quant_sdpa)
@@ -47,13 +48,17 @@ def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.models.random_model import random_model_dir
+
     path = str(random_model_dir("random:tiny"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 23, 70)]
     # block 16, a budget of 32 tokens: chunked prefills with cached past, decodes beside them
     llm = LLM(path, kv_cache_dtype=kv, max_num_batched_tokens=32, max_model_len=256, kv_cache_memory=2**20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     blocks_quant = llm.llm_engine.core.num_blocks
     del llm
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=_register_fake_quant(kv))
@@ -65,5 +70,6 @@ def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
 
 def test_bad_kv_cache_dtype_is_a_value_error():
     from pagedllm import LLM
+
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("random:tiny", kv_cache_dtype="int4")

@@ -2,6 +2,7 @@
 preemption. Sharing must never change a token. Prefix caching and the block accounting on the
 real model; the engines that only compare one setting's tokens with another's on a tiny random
 model (several engines each: seconds there, a minute on the real model)."""
+
 import numpy as np
 import pytest
 
@@ -16,22 +17,30 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def all_blocks_free(llm):
     pool = llm.llm_engine.core.scheduler.kv_cache_manager.block_pool
-    return pool.get_num_free_blocks() == pool.num_blocks - 1 and all(
-        b.ref_cnt == 0 for b in pool.blocks[1:])
+    return pool.get_num_free_blocks() == pool.num_blocks - 1 and all(b.ref_cnt == 0 for b in pool.blocks[1:])
 
 
 @pytest.fixture(scope="module")
 def shared_prefix_prompts(tokenizer):
-    system = ("You are a careful assistant for a lighthouse museum. Answer briefly and kindly, "
-              "cite the exhibit number when you can, and never invent opening hours. ") * 3
-    questions = ["When was the lamp installed?", "Who was the last keeper?", "Can I climb the stairs?",
-                 "Is there a gift shop?", "How tall is the tower?", "Are dogs allowed?"]
+    system = (
+        "You are a careful assistant for a lighthouse museum. Answer briefly and kindly, "
+        "cite the exhibit number when you can, and never invent opening hours. "
+    ) * 3
+    questions = [
+        "When was the lamp installed?",
+        "Who was the last keeper?",
+        "Can I climb the stairs?",
+        "Is there a gift shop?",
+        "How tall is the tower?",
+        "Are dogs allowed?",
+    ]
     return [tokenizer(system + q)["input_ids"] for q in questions]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from pagedllm.models.random_model import make_random_model
+
     # A wider init than a real checkpoint's: peaked logits, so that the last-bit differences
     # between batch shapes never decide a token.
     return str(make_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", initializer_range=0.2))
@@ -73,8 +82,7 @@ def test_parallel_samples_at_temperature_zero_equal_single(tiny_dir, tiny_shared
         llm = LLM(tiny_dir, max_model_len=512, enable_prefix_caching=caching)
         prompts = [{"prompt_token_ids": p} for p in tiny_shared_prefix_prompts[:3]]
         single = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
-        four = llm.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True),
-                            use_tqdm=False)
+        four = llm.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         for out, ref in zip(four, single):
             assert len(out.outputs) == 4
             assert all(c.token_ids == ref for c in out.outputs)
@@ -85,6 +93,7 @@ def test_best_of_keeps_the_highest_cumulative_logprob(model_dir, hf_model):
     """best_of=5, n=2: the two of the five samples (those n=5 draws with the same seed) whose
     cumulative logprob under transformers' logits is highest, best first."""
     import torch
+
     llm = LLM(model_dir, max_model_len=256)
     prompt = "A short poem about rain:"
     kw = dict(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
@@ -94,12 +103,12 @@ def test_best_of_keeps_the_highest_cumulative_logprob(model_dir, hf_model):
     p = every.prompt_token_ids
     scores = []
     with torch.inference_mode():
-        for c in every.outputs:   # log_softmax of the raw logits at each sampled token, summed
-            logits = hf_model(torch.tensor([p + list(c.token_ids)])).logits[0, len(p) - 1:-1].float()
+        for c in every.outputs:  # log_softmax of the raw logits at each sampled token, summed
+            logits = hf_model(torch.tensor([p + list(c.token_ids)])).logits[0, len(p) - 1 : -1].float()
             lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])
             scores.append(float(lp.sum()))
     order = sorted(range(5), key=lambda i: scores[i], reverse=True)
-    assert scores[order[1]] - scores[order[2]] > 1e-3, scores   # no near-tie at the cut
+    assert scores[order[1]] - scores[order[2]] > 1e-3, scores  # no near-tie at the cut
     assert [c.token_ids for c in out.outputs] == [every.outputs[i].token_ids for i in order[:2]]
 
 
@@ -117,17 +126,20 @@ def test_n8_samples_hold_the_prompt_once(model_dir):
     engine = llm.llm_engine
     kv = engine.core.scheduler.kv_cache_manager
     prompt = [(i * 37) % 5000 + 100 for i in range(512)]
-    engine.add_request("p", {"prompt_token_ids": prompt},
-                       SamplingParams(n=8, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True),
-                       kind=OutputKind.FINAL_ONLY)
+    engine.add_request(
+        "p",
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=8, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True),
+        kind=OutputKind.FINAL_ONLY,
+    )
     sched = engine.core.scheduler
     _step_until(engine, lambda: len(sched.running) == 8 and all(r.num_output_tokens >= 4 for r in sched.running))
     bs = 16
     used = kv.block_pool.num_blocks - 1 - kv.num_free_blocks()
-    shared_full = (512 - 1) // bs                    # full blocks of the shared prompt
-    tail = cdiv(512 + 8, bs) - shared_full           # each sibling's own blocks at most
+    shared_full = (512 - 1) // bs  # full blocks of the shared prompt
+    tail = cdiv(512 + 8, bs) - shared_full  # each sibling's own blocks at most
     assert used <= shared_full + 8 * tail, used
-    assert used < 8 * cdiv(512, bs) / 4              # far from eight private copies
+    assert used < 8 * cdiv(512, bs) / 4  # far from eight private copies
     for b in kv.req_to_blocks[sched.running[0].request_id][:shared_full]:
         assert b.ref_cnt == 8
     while engine.has_unfinished_requests():
@@ -141,8 +153,12 @@ def test_shared_system_prompt_held_once(model_dir, tokenizer):
     kv = engine.core.scheduler.kv_cache_manager
     system = [(i * 53) % 7000 + 200 for i in range(1000)]
     for i in range(16):
-        engine.add_request(f"r{i}", {"prompt_token_ids": system + [300 + i] * (5 + i)},
-                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), kind=OutputKind.FINAL_ONLY)
+        engine.add_request(
+            f"r{i}",
+            {"prompt_token_ids": system + [300 + i] * (5 + i)},
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            kind=OutputKind.FINAL_ONLY,
+        )
     sched = engine.core.scheduler
     _step_until(engine, lambda: not sched.waiting and all(r.num_output_tokens >= 1 for r in sched.running))
     used = kv.block_pool.num_blocks - 1 - kv.num_free_blocks()
@@ -154,15 +170,21 @@ def test_shared_system_prompt_held_once(model_dir, tokenizer):
 
 
 def test_swap_and_recompute_preemption_equal(tiny_dir, tiny_shared_prefix_prompts):
-    prompts = [{"prompt_token_ids": p[-40 - 5 * i:]} for i, p in enumerate(tiny_shared_prefix_prompts)] * 2
+    prompts = [{"prompt_token_ids": p[-40 - 5 * i :]} for i, p in enumerate(tiny_shared_prefix_prompts)] * 2
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref_llm = LLM(tiny_dir, max_model_len=256, enable_prefix_caching=False)
     ref = token_ids(ref_llm.generate(prompts, params, use_tqdm=False))
     del ref_llm
     results = {}
     for mode in ("recompute", "swap"):
-        llm = LLM(tiny_dir, max_model_len=256, num_gpu_blocks=24, preemption_mode=mode,
-                  num_cpu_blocks=64, enable_prefix_caching=False)
+        llm = LLM(
+            tiny_dir,
+            max_model_len=256,
+            num_gpu_blocks=24,
+            preemption_mode=mode,
+            num_cpu_blocks=64,
+            enable_prefix_caching=False,
+        )
         results[mode] = token_ids(llm.generate(prompts, params, use_tqdm=False))
         sched = llm.llm_engine.core.scheduler
         assert sched.num_preemptions > 0
@@ -178,8 +200,14 @@ def test_swap_space_full_falls_back_to_recompute(tiny_dir, tiny_shared_prefix_pr
     prompts = [{"prompt_token_ids": p[-60:]} for p in tiny_shared_prefix_prompts]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     # One usable CPU block: no preempted request (>= 4 blocks) fits, every one recomputes.
-    llm = LLM(tiny_dir, max_model_len=256, num_gpu_blocks=16, preemption_mode="swap", num_cpu_blocks=2,
-              enable_prefix_caching=False)
+    llm = LLM(
+        tiny_dir,
+        max_model_len=256,
+        num_gpu_blocks=16,
+        preemption_mode="swap",
+        num_cpu_blocks=2,
+        enable_prefix_caching=False,
+    )
     outs = token_ids(llm.generate(prompts, params, use_tqdm=False))
     sched = llm.llm_engine.core.scheduler
     assert sched.num_preemptions > 0 and sched.num_swaps == 0

@@ -1,5 +1,6 @@
 """The offline API on the real model: bad input is a ValueError before anything runs, a seeded
 request does not depend on its batch, stop strings / stop ids / min_tokens / n behave."""
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -13,31 +14,37 @@ def llm(model_dir):
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 2.0}, "min_p"),
-    ({"n": 0}, "n"),
-    ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"stop": [""]}, "stop"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"seed": 2**70}, "seed"),
-    ({"best_of": 1, "n": 2}, "best_of"),
-    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"seed": 2**70}, "seed"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+    ],
+)
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
 def test_unknown_chat_role_rejected(llm):
-    with pytest.raises(ValueError, match=r"messages\[1\]\.role: 'robot' is not a chat role; allowed: system, "
-                                         "developer, user, assistant, tool"):
+    with pytest.raises(
+        ValueError,
+        match=r"messages\[1\]\.role: 'robot' is not a chat role; allowed: system, "
+        "developer, user, assistant, tool",
+    ):
         llm.chat([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
 
 
@@ -61,7 +68,7 @@ def test_bad_engine_args(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="does not exist"):
-        LLM(tmp_path / "nope")   # a PathLike is a path like a str
+        LLM(tmp_path / "nope")  # a PathLike is a path like a str
     with pytest.raises(ValueError, match="model must be a name or a path, not int"):
         LLM(123)
     with pytest.raises(ValueError, match="config.json"):
@@ -106,11 +113,13 @@ def test_seeded_request_independent_of_batch(llm):
 
 
 def test_max_tokens_and_finish_reasons(llm):
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
-    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=100),
-                    use_tqdm=False)[0].outputs[0]
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=100), use_tqdm=False
+    )[0].outputs[0]
     assert chat.finish_reason == "stop" and chat.token_ids[-1] == 2  # <|im_end|>
     assert "<|im_end|>" not in chat.text
 
@@ -120,36 +129,44 @@ def test_stop_strings_and_ids(llm):
     full = llm.generate("The capital of France is", greedy, use_tqdm=False)[0].outputs[0]
     # Stop at a word that the greedy text contains: the text is cut just before it.
     word = full.text.split()[3]
-    cut = llm.generate("The capital of France is",
-                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[word]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[word]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == word
-    assert cut.text == full.text[:full.text.index(word)]
-    kept = llm.generate("The capital of France is",
-                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[word],
-                                       include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == full.text[:full.text.index(word) + len(word)]
+    assert cut.text == full.text[: full.text.index(word)]
+    kept = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[word], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(word) + len(word)]
     # A stop token id: the output ends on it.
     tid = full.token_ids[5]
-    by_id = llm.generate("The capital of France is",
-                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[tid]),
-                         use_tqdm=False)[0].outputs[0]
-    assert by_id.token_ids == full.token_ids[:full.token_ids.index(tid) + 1]
+    by_id = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[tid]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tid
 
 
 def test_min_tokens_defers_eos(llm):
     msgs = [{"role": "user", "content": "Say hi."}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=100), use_tqdm=False)[0].outputs[0]
-    longer = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=100, min_tokens=len(short.token_ids) + 5),
-                      use_tqdm=False)[0].outputs[0]
+    longer = llm.chat(
+        msgs, SamplingParams(temperature=0, max_tokens=100, min_tokens=len(short.token_ids) + 5), use_tqdm=False
+    )[0].outputs[0]
     assert len(longer.token_ids) >= len(short.token_ids) + 5
-    assert 2 not in longer.token_ids[:len(short.token_ids) + 4]
+    assert 2 not in longer.token_ids[: len(short.token_ids) + 4]
 
 
 def test_n_and_logprobs(llm):
-    out = llm.generate("Hello, my name is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
-                                                            logprobs=2), use_tqdm=False)[0]
+    out = llm.generate(
+        "Hello, my name is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, logprobs=2), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for c in out.outputs:
         assert len(c.token_ids) == 8 and len(c.logprobs) == 8
@@ -160,7 +177,8 @@ def test_n_and_logprobs(llm):
 
 
 def test_greedy_logprobs_rank_one(llm):
-    c = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, logprobs=1),
-                     use_tqdm=False)[0].outputs[0]
+    c = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)[0].outputs[
+        0
+    ]
     for tid, pos in zip(c.token_ids, c.logprobs):
         assert pos[tid].rank == 1

@@ -7,6 +7,7 @@ each top-k entry's id, value and rank. The checks here are shared with test_serv
 Ties: where the reference's values at two ranks are within TOL, either id may take the rank (the
 value at each rank is still checked), as in the greedy-equality rule of docs/design.md.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,18 +24,25 @@ def hf_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch
     (one forward over prompt + output; the logits at position i predict token i + 1)."""
     ids = torch.tensor([list(prompt_ids) + list(output_ids)])
     with torch.inference_mode():
-        logits = hf_model(ids).logits[0, len(prompt_ids) - 1:ids.shape[1] - 1]
+        logits = hf_model(ids).logits[0, len(prompt_ids) - 1 : ids.shape[1] - 1]
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-def check_position(ref: torch.Tensor, sampled: int, sampled_lp: float, top: list[tuple[int, float]],
-                   k: int, sampled_rank: int | None = None, where: str = "") -> None:
+def check_position(
+    ref: torch.Tensor,
+    sampled: int,
+    sampled_lp: float,
+    top: list[tuple[int, float]],
+    k: int,
+    sampled_rank: int | None = None,
+    where: str = "",
+) -> None:
     """One position against its reference row `ref` [V]. `top`: the reported top-k as (id, value),
     most likely first (rank j + 1 at index j)."""
     assert abs(sampled_lp - float(ref[sampled])) < TOL, (where, sampled, sampled_lp, float(ref[sampled]))
-    if sampled_rank is not None:   # 1 + the number of tokens more likely, ties within TOL either way
+    if sampled_rank is not None:  # 1 + the number of tokens more likely, ties within TOL either way
         lo = int((ref > ref[sampled] + TOL).sum()) + 1
-        hi = int((ref > ref[sampled] - TOL).sum())   # counts the sampled token itself
+        hi = int((ref > ref[sampled] - TOL).sum())  # counts the sampled token itself
         assert lo <= sampled_rank <= hi, (where, sampled, sampled_rank, lo, hi)
     ref_top = ref.topk(k).values.tolist()
     assert len(top) == k and len({t for t, _ in top}) == k, (where, top)
@@ -49,11 +57,13 @@ def check_logprob_dicts(ref: torch.Tensor, token_ids: list[int], dicts, k: int, 
     for i, (tid, pos) in enumerate(zip(token_ids, dicts)):
         first, first_lp = next(iter(pos.items()))
         assert first == tid, (where, i, "the sampled token comes first")
-        top = sorted(((t, lp) for t, lp in pos.items() if lp.rank <= k and (t != tid or len(pos) == k)),
-                     key=lambda e: e[1].rank)
+        top = sorted(
+            ((t, lp) for t, lp in pos.items() if lp.rank <= k and (t != tid or len(pos) == k)), key=lambda e: e[1].rank
+        )
         assert len(pos) == k + (tid not in dict(top)), (where, i, pos)
-        check_position(ref[i], tid, first_lp.logprob, [(t, lp.logprob) for t, lp in top], k,
-                       first_lp.rank, f"{where} token {i}")
+        check_position(
+            ref[i], tid, first_lp.logprob, [(t, lp.logprob) for t, lp in top], k, first_lp.rank, f"{where} token {i}"
+        )
         assert [lp.rank for _, lp in top] == list(range(1, k + 1)), (where, i, pos)
         assert all(isinstance(lp.decoded_token, str) for lp in pos.values()), (where, i, pos)
 
@@ -73,12 +83,14 @@ def check_completion(hf_model, prompt_ids, c, k: int, where: str = "") -> int:
 @pytest.fixture(scope="module")
 def tiny_dir():
     from pagedllm.models.random_model import random_model_dir
+
     return str(random_model_dir(TINY))
 
 
 @pytest.fixture(scope="module")
 def tiny_hf(tiny_dir):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
@@ -99,10 +111,12 @@ CASES = {
     "k0": SamplingParams(temperature=0, logprobs=0),
     "temperature": SamplingParams(temperature=0.7, seed=1, logprobs=3),
     "hot": SamplingParams(temperature=1.8, seed=2, logprobs=20),
-    "penalties": SamplingParams(temperature=0.9, seed=3, repetition_penalty=1.5, presence_penalty=0.8,
-                                frequency_penalty=0.5, logprobs=4),
-    "greedy+penalty+bias": SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={7: 5.0, 9: -3.0},
-                                          logprobs=2),
+    "penalties": SamplingParams(
+        temperature=0.9, seed=3, repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=0.5, logprobs=4
+    ),
+    "greedy+penalty+bias": SamplingParams(
+        temperature=0, repetition_penalty=1.3, logit_bias={7: 5.0, 9: -3.0}, logprobs=2
+    ),
     "top_k/top_p/min_p": SamplingParams(temperature=1.0, seed=4, top_k=20, top_p=0.9, min_p=0.05, logprobs=6),
     "n=2": SamplingParams(n=2, temperature=1.0, seed=5, logprobs=1),
 }
@@ -115,8 +129,11 @@ def test_logprobs_equal_transformers_tiny(tiny_llm, tiny_hf):
     names = list(CASES)
     prompts = [_prompt(i, 5 + 23 * i) for i in range(len(names))]
     params = [_with(CASES[n], max_tokens=12, ignore_eos=True) for n in names]
-    outs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": _prompt(99, 30)}],
-                             params + [SamplingParams(temperature=0, max_tokens=12)], use_tqdm=False)
+    outs = tiny_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": _prompt(99, 30)}],
+        params + [SamplingParams(temperature=0, max_tokens=12)],
+        use_tqdm=False,
+    )
     checked = 0
     for name, p, sp, out in zip(names, prompts, params, outs):
         assert len(out.outputs) == sp.n
@@ -141,8 +158,10 @@ def test_logprobs_equal_transformers_default_model(model_dir, hf_model, tokenize
     and one greedy request with the widest top-k, side by side in one batch."""
     llm = LLM(model_dir, max_model_len=256)
     prompts = [tokenizer(p)["input_ids"] for p in ("The capital of France is", "def fibonacci(n):")]
-    params = [SamplingParams(temperature=0.8, seed=0, repetition_penalty=1.3, logprobs=5, max_tokens=8),
-              SamplingParams(temperature=0, logprobs=20, max_tokens=8)]
+    params = [
+        SamplingParams(temperature=0.8, seed=0, repetition_penalty=1.3, logprobs=5, max_tokens=8),
+        SamplingParams(temperature=0, logprobs=20, max_tokens=8),
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, sp, out in zip(prompts, params, outs):
         check_completion(hf_model, p, out.outputs[0], sp.logprobs, tokenizer.decode(p))

@@ -2,6 +2,7 @@
 run in (priority, arrival) order, greedy outputs equal those of the first-come-first-served
 engine (the order changes nothing in a request's tokens), and a priority on an FCFS engine, a
 non-integer priority or an unknown policy is a ValueError naming the field."""
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -28,7 +29,7 @@ def finish_order(policy: str, priorities: list[int]) -> tuple[list[str], dict[st
 
 def test_one_slot_runs_requests_by_priority_then_arrival_with_the_same_tokens():
     order, tokens = finish_order("priority", PRIORITIES)
-    assert order == ["r3", "r1", "r0", "r2"]     # -1, 0, then the two 3s by arrival
+    assert order == ["r3", "r1", "r0", "r2"]  # -1, 0, then the two 3s by arrival
     fcfs_order, fcfs_tokens = finish_order("fcfs", [0] * len(PROMPTS))
     assert fcfs_order == ["r0", "r1", "r2", "r3"]
     assert tokens == fcfs_tokens

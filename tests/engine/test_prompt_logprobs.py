@@ -3,6 +3,7 @@ reported logprob, rank and top k equal log_softmax of transformers' logits at th
 before it, within 1e-4 (ties as in test_logprobs.py), whatever the chunking of the prefill, a
 prefix-cache hit, parallel sampling or preemption. vLLM's shape: None for the first token, then
 one dict per token with the prompt token first."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,7 @@ def test_prefix_cache_hit_is_recomputed(llm, tiny_hf):
     prefix = _prompt(40, 48)
     first = llm.generate([{"prompt_token_ids": prefix + [5, 6]}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     p = prefix + [9, 10, 11]
-    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, prompt_logprobs=4),
-                       use_tqdm=False)[0]
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, prompt_logprobs=4), use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and out.num_cached_tokens == 0
     check_prompt_logprobs(tiny_hf, p, out.prompt_logprobs, 4, "after a cached prefix")
     plain = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
@@ -65,8 +65,9 @@ def test_prefix_cache_hit_is_recomputed(llm, tiny_hf):
 def test_parallel_sampling_reports_them_once(llm, tiny_hf):
     """n = 3: the parent computes the prompt; its logprobs come once, on the request."""
     p = _prompt(50, 30)
-    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(n=3, seed=0, max_tokens=4, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": p}], SamplingParams(n=3, seed=0, max_tokens=4, prompt_logprobs=1), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 3
     check_prompt_logprobs(tiny_hf, p, out.prompt_logprobs, 1, "n=3")
 
@@ -74,8 +75,15 @@ def test_parallel_sampling_reports_them_once(llm, tiny_hf):
 def test_preempted_prefill_reports_each_token_once(tiny_hf):
     """A KV cache too small for both: the newer request is preempted, recomputes its prompt and
     still reports each prompt token once, with a full prefill's values."""
-    llm = LLM(TINY, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
-              num_gpu_blocks=24, enable_prefix_caching=False)
+    llm = LLM(
+        TINY,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=4,
+        num_gpu_blocks=24,
+        enable_prefix_caching=False,
+    )
     prompts = [_prompt(60, 40), _prompt(61, 40)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -92,9 +100,10 @@ def test_split_model_refuses_them(llm):
 
     from pagedllm.config import ParallelConfig
     from pagedllm.sampling_params import ParamError
+
     proc = copy.copy(llm.llm_engine.processor)
     proc.config = dataclasses.replace(proc.config, parallel_config=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ParamError, match="prompt_logprobs") as e:
         proc.process("r", [5, 6, 7], SamplingParams(prompt_logprobs=1))
     assert e.value.param == "prompt_logprobs"
-    proc.process("r", [5, 6, 7], SamplingParams())   # the rest is unchanged
+    proc.process("r", [5, 6, 7], SamplingParams())  # the rest is unchanged

@@ -14,6 +14,7 @@
 - The C++ decode loop takes verification steps (the cpu backend's metadata makes each draft a
   decode query) and computes there what the eager layers compute, bit for bit.
 """
+
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy
 
@@ -21,9 +22,11 @@ from pagedllm import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_TOKENS = 32
-TEXT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
-        "The keeper fed his cat and watched the tide turn. The keeper fed his cat and watched the "
-        "tide turn again, as he had every evening for thirty years.\n")
+TEXT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+    "The keeper fed his cat and watched the tide turn. The keeper fed his cat and watched the "
+    "tide turn again, as he had every evening for thirty years.\n"
+)
 
 
 def assert_no_block_in_use(llm) -> None:
@@ -49,10 +52,20 @@ def test_greedy_equals_transformers(model_dir, prompts, reference, mode, policy)
     """Tiny blocks (drafts cross block boundaries) and a 24-token budget; the greedy-equality
     prompts' spec tests (tests/engine/test_greedy_equality.py) run with the default blocks. The
     adaptive length policy (which drafts by the step times it measures) too."""
-    llm = LLM(model_dir, speculative_config={**NGRAM, "length_policy": policy}, num_gpu_blocks=40, block_size=4,
-              max_num_batched_tokens=24, preemption_mode=mode, num_cpu_blocks=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    llm = LLM(
+        model_dir,
+        speculative_config={**NGRAM, "length_policy": policy},
+        num_gpu_blocks=40,
+        block_size=4,
+        max_num_batched_tokens=24,
+        preemption_mode=mode,
+        num_cpu_blocks=64,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
     stats = llm.llm_engine.core.scheduler.spec_decoding_stats
     assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
     # The fixed policy drafts every step, so this text must have accepted many; the adaptive one
@@ -78,7 +91,7 @@ def assert_logprobs_close(got, want) -> None:
     assert (got is None) == (want is None)
     assert len(got or []) == len(want or [])
     for g, w in zip(got or [], want or []):
-        if g is None or w is None:   # prompt logprobs: the first prompt token has none
+        if g is None or w is None:  # prompt logprobs: the first prompt token has none
             assert g is w
             continue
         assert list(g) == list(w)
@@ -89,9 +102,11 @@ def assert_logprobs_close(got, want) -> None:
 
 def test_stop_max_tokens_n_as_without_speculation(tiny_pair):
     plain, spec = tiny_pair
-    cases = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-             SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-             SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True)]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True),
+    ]
     prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
     for params in cases:
         want = plain.generate(prompts, params, use_tqdm=False)
@@ -101,7 +116,7 @@ def test_stop_max_tokens_n_as_without_speculation(tiny_pair):
             assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
     # A stop string cut from the text of a greedy run: the same text ends there with speculation.
     text = plain.generate(prompts[:1], cases[0], use_tqdm=False)[0].outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     params = SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True)
     w, g = (llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0] for llm in (plain, spec))
     assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason)
@@ -114,14 +129,16 @@ def test_logprobs_with_drafts_as_without_speculation(tiny_pair):
     plain, spec = tiny_pair
     stats = spec.llm_engine.core.scheduler.spec_decoding_stats
     prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
-    mixed = [SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True),
-             SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),      # drafts beside the others
-             SamplingParams(temperature=0.0, max_tokens=13, logprobs=0, prompt_logprobs=1, ignore_eos=True)]
+    mixed = [
+        SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),  # drafts beside the others
+        SamplingParams(temperature=0.0, max_tokens=13, logprobs=0, prompt_logprobs=1, ignore_eos=True),
+    ]
     for params in ([mixed[0]] * 3, mixed):
         accepted = stats.num_accepted_tokens
         want = plain.generate(prompts, params, use_tqdm=False)
         got = spec.generate(prompts, params, use_tqdm=False)
-        assert stats.num_accepted_tokens > accepted + 4   # some logprobs came from accepted drafts
+        assert stats.num_accepted_tokens > accepted + 4  # some logprobs came from accepted drafts
         for w, g, p in zip(want, got, params):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             assert len(g.outputs[0].logprobs or []) == (len(g.outputs[0].token_ids) if p.logprobs is not None else 0)
@@ -157,21 +174,30 @@ def test_decode_loop_takes_steps_with_drafts():
     from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
     from pagedllm.models.cpu_decode_loop import DecodeLoop
     from types import SimpleNamespace
-    loop = DecodeLoop.__new__(DecodeLoop)   # applies() reads the metadata, max_rows, LoRA and the cache's arity
+
+    loop = DecodeLoop.__new__(DecodeLoop)  # applies() reads the metadata, max_rows, LoRA and the cache's arity
     loop.lora_mapping, loop.attns = None, [SimpleNamespace(kv_cache=(torch.empty(0), torch.empty(0)))]
     table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
     q = CPUAttentionBackend.max_decode_query_len
 
     def meta(starts, lens, **kw):
         starts = np.array(starts, dtype=np.int32)
-        return build_attention_metadata(starts, np.array(lens, dtype=np.int32), table[:len(lens)], 4,
-                                        torch.arange(int(starts[-1])), decode_by_pages=True, **kw)
+        return build_attention_metadata(
+            starts,
+            np.array(lens, dtype=np.int32),
+            table[: len(lens)],
+            4,
+            torch.arange(int(starts[-1])),
+            decode_by_pages=True,
+            **kw,
+        )
+
     spec = meta([0, 5], [10], max_decode_query_len=q)
     assert spec.all_decode and spec.decode_token_idx.tolist() == [0, 1, 2, 3, 4]
     assert spec.decode_seq_lens.tolist() == [6, 7, 8, 9, 10] and loop.applies(spec, 5)
-    assert not loop.applies(meta([0, 5], [10]), 5)                            # a prefill chunk
-    assert not loop.applies(meta([0, 5, 10], [10, 12], max_decode_query_len=q), 10)   # 10 rows
-    assert not meta([0, 5], [5], max_decode_query_len=q).all_decode            # no past: a prompt
+    assert not loop.applies(meta([0, 5], [10]), 5)  # a prefill chunk
+    assert not loop.applies(meta([0, 5, 10], [10, 12], max_decode_query_len=q), 10)  # 10 rows
+    assert not meta([0, 5], [5], max_decode_query_len=q).all_decode  # no past: a prompt
 
 
 def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch):
@@ -184,6 +210,7 @@ def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch)
     import torch
     from kernel_utils import require_decode_loop
     from pagedllm.spec_decode import ngram_proposer
+
     monkeypatch.setattr(ngram_proposer, "draft_length", lambda n, k: k)
     plain, spec = tiny_pair
     runner = spec.llm_engine.core.model_executor.driver_worker.model_runner
@@ -195,9 +222,10 @@ def test_decode_loop_verifies_drafts_as_the_eager_layers(tiny_pair, monkeypatch)
         def __call__(self, input_ids, positions):
             out = loop(input_ids, positions)
             assert torch.equal(out, runner.model(input_ids, positions)), positions
-            if len(positions) > 1 and bool((positions.diff() == 1).all()):   # one request's k + 1 tokens
+            if len(positions) > 1 and bool((positions.diff() == 1).all()):  # one request's k + 1 tokens
                 verified.append(len(positions))
             return out
+
     runner.decode_loop = Checked()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -217,10 +245,16 @@ def test_self_draft_proposes_what_the_truncated_model_generates():
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.random_model import random_model_dir
-    engine = LLMEngine.from_engine_args(EngineArgs(model="random:tiny", max_model_len=128, block_size=4,
-                                                   num_gpu_blocks=64, speculative_config={
-                                                       "method": "draft_model", "model": "self:1",
-                                                       "num_speculative_tokens": 4}))
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model="random:tiny",
+            max_model_len=128,
+            block_size=4,
+            num_gpu_blocks=64,
+            speculative_config={"method": "draft_model", "model": "self:1", "num_speculative_tokens": 4},
+        )
+    )
     prompt = [7, 100, 33, 250, 9, 71]
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20))
     engine.step()
@@ -230,6 +264,6 @@ def test_self_draft_proposes_what_the_truncated_model_generates():
     hf.model.layers = hf.model.layers[:1]
     hf.config.num_hidden_layers = 1
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompt + first]), do_sample=False, max_new_tokens=4)[0, len(prompt) + 1:]
+        ref = hf.generate(torch.tensor([prompt + first]), do_sample=False, max_new_tokens=4)[0, len(prompt) + 1 :]
     assert len(first) == 1 and drafts == ref.tolist()
     engine.shutdown()

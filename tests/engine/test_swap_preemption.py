@@ -3,6 +3,7 @@ workload swaps requests out to the CPU block pool and back in the middle of chun
 (the request swapped out is halfway through its prompt, and another one is too). Greedy and
 seeded sampled requests (and a seeded n=2 one) must give exactly what the same requests give
 with a cache big enough that nothing is preempted."""
+
 import numpy as np
 import pytest
 
@@ -12,8 +13,7 @@ PROMPT_LENGTHS = [5, 70, 23, 90, 12, 45, 33, 60]
 MAX_TOKENS = 24
 # 4-token blocks and a 16-token budget: a 90-token prompt is prefilled over 6 steps, while the
 # running requests' decodes take their share of the budget.
-SETTINGS = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
-                max_model_len=256)
+SETTINGS = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=256)
 # 39 usable blocks (156 slots) hold the longest request (90 + 24 tokens) but not a third of the
 # ~530 tokens of work; 128 CPU blocks take every swap (none falls back to recompute).
 SMALL_CACHE = dict(num_gpu_blocks=40, preemption_mode="swap", num_cpu_blocks=128)
@@ -22,6 +22,7 @@ SMALL_CACHE = dict(num_gpu_blocks=40, preemption_mode="swap", num_cpu_blocks=128
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from pagedllm.models.random_model import make_random_model
+
     # A wider init than a real checkpoint's: peaked logits, so that the last-bit differences
     # between batch shapes (the kernels differ by row count) never decide a token.
     return str(make_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", initializer_range=0.2))
@@ -35,8 +36,16 @@ def _workload():
         if i % 2 == 0:
             params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
         else:
-            params.append(SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS,
-                                         ignore_eos=True, n=2 if i == 3 else 1))
+            params.append(
+                SamplingParams(
+                    temperature=1.0,
+                    top_p=0.9,
+                    seed=100 + i,
+                    max_tokens=MAX_TOKENS,
+                    ignore_eos=True,
+                    n=2 if i == 3 else 1,
+                )
+            )
     return prompts, params
 
 
@@ -94,4 +103,3 @@ def test_swap_during_chunked_prefill_equals_no_preemption(tiny_dir):
     pool = kv.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
     assert len(kv.free_cpu_blocks) == SMALL_CACHE["num_cpu_blocks"] - 1
-

@@ -1,6 +1,7 @@
 """The seed's worked example (shared/seeds/003): block size 2, prompts of 3, 2 and 8 tokens,
 token budget 10, max model len 12. The real Scheduler, KVCacheManager and InputBatch must
 give every number of step 1 and step 2."""
+
 import numpy as np
 
 from pagedllm.config import SchedulerConfig
@@ -22,8 +23,15 @@ def T(r, i):
 
 def _apply(batch: InputBatch, so, runner_states):
     for data in so.scheduled_new_reqs:
-        st = CachedRequestState(data.req_id, list(data.token_ids), data.num_prompt_tokens,
-                                data.sampling_params, list(data.block_ids), data.num_computed_tokens, None)
+        st = CachedRequestState(
+            data.req_id,
+            list(data.token_ids),
+            data.num_prompt_tokens,
+            data.sampling_params,
+            list(data.block_ids),
+            data.num_computed_tokens,
+            None,
+        )
         runner_states[data.req_id] = st
         batch.add_request(st)
     for data in so.scheduled_cached_reqs:
@@ -49,10 +57,24 @@ def test_prepare_inputs_matches_seed_example():
     assert x.request_indices.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
     assert x.positions.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
     assert x.token_indices.tolist() == [0, 1, 2, 12, 13, 24, 25, 26, 27, 28]
-    assert x.input_ids.tolist() == [T(0, 0), T(0, 1), T(0, 2), T(1, 0), T(1, 1),
-                                    T(2, 0), T(2, 1), T(2, 2), T(2, 3), T(2, 4)]
-    assert batch.block_table[:4].tolist() == [[1, 2, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0],
-                                              [4, 5, 6, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert x.input_ids.tolist() == [
+        T(0, 0),
+        T(0, 1),
+        T(0, 2),
+        T(1, 0),
+        T(1, 1),
+        T(2, 0),
+        T(2, 1),
+        T(2, 2),
+        T(2, 3),
+        T(2, 4),
+    ]
+    assert batch.block_table[:4].tolist() == [
+        [1, 2, 0, 0, 0, 0],
+        [3, 0, 0, 0, 0, 0],
+        [4, 5, 6, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+    ]
     assert x.block_table_indices.tolist() == [0, 0, 1, 6, 6, 12, 12, 13, 13, 14]
     assert x.block_numbers.tolist() == [1, 1, 2, 3, 3, 4, 4, 5, 5, 6]
     assert x.block_offsets.tolist() == [0, 1, 0, 0, 1, 0, 1, 0, 1, 0]
@@ -84,8 +106,12 @@ def test_prepare_inputs_matches_seed_example():
     assert batch.token_ids_cpu[1, :3].tolist() == [T(1, 0), T(1, 1), T(1, 2)]
     assert x.token_indices.tolist() == [3, 14, 29, 30, 31]
     assert x.input_ids.tolist() == [T(0, 3), T(1, 2), T(2, 5), T(2, 6), T(2, 7)]
-    assert batch.block_table[:4].tolist() == [[1, 2, 0, 0, 0, 0], [3, 7, 0, 0, 0, 0],
-                                              [4, 5, 6, 8, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert batch.block_table[:4].tolist() == [
+        [1, 2, 0, 0, 0, 0],
+        [3, 7, 0, 0, 0, 0],
+        [4, 5, 6, 8, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+    ]
     assert x.block_table_indices.tolist() == [1, 7, 14, 15, 15]
     assert x.block_numbers.tolist() == [2, 7, 6, 8, 8]
     assert x.block_offsets.tolist() == [1, 0, 1, 0, 1]
@@ -94,6 +120,6 @@ def test_prepare_inputs_matches_seed_example():
     assert x.seq_lens.tolist() == [4, 3, 8]
     assert x.num_computed_tokens.tolist() == [3, 2, 5]
     assert x.max_query_len == 3
-    assert x.max_seq_len == 8   # the 5 x 8 attention mask of the seed
+    assert x.max_seq_len == 8  # the 5 x 8 attention mask of the seed
     assert x.sample_rows.tolist() == [0, 1, 2]
     assert np.array_equal(x.logits_indices.numpy(), [0, 1, 4])

@@ -1,6 +1,7 @@
 """The command line as a user runs it (subprocesses): `pagedllm generate` (float32 and
 `--dtype float16`, plain and `--chat-template`) and `pagedllm chat` (stdin) against transformers'
 greedy output on the same weights, and `pagedllm download` of the default model."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,14 @@ MAX_TOKENS = 6
 
 
 def cli(*args: str, stdin: str = "") -> str:
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], input=stdin, cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args],
+        input=stdin,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return r.stdout
 
@@ -26,6 +33,7 @@ def cli(*args: str, stdin: str = "") -> str:
 def _reference(path, dtype, prompt_ids) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and top-2 logit gaps."""
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     ((out, gaps),) = hf_greedy(hf, [prompt_ids], MAX_TOKENS)
     return out, gaps
@@ -46,8 +54,20 @@ def assert_greedy_equal(ours: list[int], ref: list[int], gaps: list[float], tie:
 def test_generate(dtype, tie):
     """random:tiny's word-level tokenizer: "w5" is id 5, so the printed text is the token ids."""
     from pagedllm.models.random_model import random_model_dir
-    out = cli("generate", "--model", TINY, "--dtype", dtype, "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
-              "w5 w17 w300", "w9 w9 w120 w7")
+
+    out = cli(
+        "generate",
+        "--model",
+        TINY,
+        "--dtype",
+        dtype,
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--temperature",
+        "0",
+        "w5 w17 w300",
+        "w9 w9 w120 w7",
+    )
     blocks = out.strip().split("\n\n")
     assert len(blocks) == 2, out
     for block, prompt in zip(blocks, ([5, 17, 300], [9, 9, 120, 7])):
@@ -66,6 +86,7 @@ def chat_model(tmp_path_factory):
 def _chat_reference(model, conversation) -> str:
     """The reply transformers' greedy generate gives to the conversation through the template."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model)
     ids = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
     out, gaps = _reference(model, torch.float32, list(ids))

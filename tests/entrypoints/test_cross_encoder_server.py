@@ -3,6 +3,7 @@ BertForSequenceClassification saved by transformers): a one-label cross-encoder'
 /v1/rerank and /rerank equal sentence-transformers' CrossEncoder.predict (the sigmoid of the
 logit of [CLS] query [SEP] document [SEP]); a three-label classifier's /classify (vLLM's shape)
 equals the softmax of transformers' logits; bad requests are 400s naming the field."""
+
 from __future__ import annotations
 
 import httpx
@@ -14,14 +15,17 @@ from encoder_dirs import random_encoder
 from server_utils import RemoteServer, assert_error
 
 QUERY = "what is paged attention?"
-DOCS = ["Paged attention stores the KV cache in fixed-size blocks.", "The quick brown fox jumps over the lazy dog.",
-        "hi", "vLLM serves language models with continuous batching and paged attention."]
+DOCS = [
+    "Paged attention stores the KV cache in fixed-size blocks.",
+    "The quick brown fox jumps over the lazy dog.",
+    "hi",
+    "vLLM serves language models with continuous batching and paged attention.",
+]
 
 
 def _serve(tmp_path_factory, name: str, num_labels: int):
     path = tmp_path_factory.mktemp(name)
-    model, tok = random_encoder(path, "BertForSequenceClassification", None, num_labels=num_labels,
-                                init_range=0.2)
+    model, tok = random_encoder(path, "BertForSequenceClassification", None, num_labels=num_labels, init_range=0.2)
     return RemoteServer([str(path), "--served-model-name", name]), path, model, tok
 
 
@@ -29,6 +33,7 @@ def _serve(tmp_path_factory, name: str, num_labels: int):
 def cross(tmp_path_factory):
     srv, path, model, tok = _serve(tmp_path_factory, "cross-encoder", 1)
     from sentence_transformers import CrossEncoder
+
     ref = CrossEncoder(str(path), device="cpu")
     yield srv, lambda pairs: ref.predict(pairs, convert_to_numpy=True).astype(np.float64), model, tok
     srv.close()
@@ -50,11 +55,11 @@ def post(server, path, body, status=200):
 def test_score(cross):
     server, predict, _, _ = cross
     want = predict([(QUERY, d) for d in DOCS])
-    assert np.diff(np.sort(want)).min() > 1e-3   # scores well apart: the rerank order is not float noise
+    assert np.diff(np.sort(want)).min() > 1e-3  # scores well apart: the rerank order is not float noise
     r = post(server, "/score", {"model": "cross-encoder", "text_1": QUERY, "text_2": DOCS})
     np.testing.assert_allclose([d["score"] for d in r["data"]], want, atol=1e-5)
     assert [d["index"] for d in r["data"]] == list(range(len(DOCS)))
-    r = post(server, "/v1/score", {"text_1": DOCS[:2], "text_2": DOCS[2:]})   # pairwise
+    r = post(server, "/v1/score", {"text_1": DOCS[:2], "text_2": DOCS[2:]})  # pairwise
     np.testing.assert_allclose([d["score"] for d in r["data"]], predict(list(zip(DOCS[:2], DOCS[2:]))), atol=1e-5)
     assert r["usage"]["prompt_tokens"] > 0
 
@@ -64,13 +69,14 @@ def test_rerank(cross, path):
     server, predict, _, _ = cross
     want = predict([(QUERY, d) for d in DOCS])
     order = list(np.argsort(-want))
-    r = post(server, path, {"query": QUERY, "documents": DOCS})   # Jina's shape
+    r = post(server, path, {"query": QUERY, "documents": DOCS})  # Jina's shape
     assert [x["index"] for x in r["results"]] == order
     for x in r["results"]:
         assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
         assert x["document"] == {"text": DOCS[x["index"]]}
-    r = post(server, path, {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 2,
-                            "return_documents": False})   # Cohere's
+    r = post(
+        server, path, {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 2, "return_documents": False}
+    )  # Cohere's
     assert [x["index"] for x in r["results"]] == order[:2] and all("document" not in x for x in r["results"])
 
 
@@ -88,7 +94,7 @@ def test_classify(classifier):
     texts = [QUERY, *DOCS]
     with torch.no_grad():
         enc = tok(texts, padding=True, return_tensors="pt")
-        want = torch.softmax(model(**enc).logits.double(), -1).numpy()                 # [N, 3]
+        want = torch.softmax(model(**enc).logits.double(), -1).numpy()  # [N, 3]
     for path in ("/classify", "/v1/classify"):
         r = post(server, path, {"model": "classifier", "input": texts})
         assert [d["index"] for d in r["data"]] == list(range(len(texts)))
@@ -98,22 +104,25 @@ def test_classify(classifier):
         assert r["usage"]["prompt_tokens"] == int(enc["attention_mask"].sum())
 
 
-@pytest.mark.parametrize("path,body,field,code", [
-    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2", None),
-    ("/rerank", {"query": "a", "documents": []}, "documents", None),
-    ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n", None),
-    ("/rerank", {"query": "a", "documents": ["word " * 200]}, "documents", "context_length_exceeded"),
-    ("/score", {"text_1": "a", "text_2": "word " * 200}, "text_2", "context_length_exceeded"),
-    ("/classify", {"input": "word " * 200}, "input", "context_length_exceeded"),
-    ("/classify", {"input": []}, "input", None),
-    ("/v1/embeddings", {"input": "a"}, "model", "unsupported_endpoint"),
-    ("/pooling", {"input": "a"}, "model", "unsupported_endpoint"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}, "model", "unsupported_endpoint"),
-])
+@pytest.mark.parametrize(
+    "path,body,field,code",
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2", None),
+        ("/rerank", {"query": "a", "documents": []}, "documents", None),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n", None),
+        ("/rerank", {"query": "a", "documents": ["word " * 200]}, "documents", "context_length_exceeded"),
+        ("/score", {"text_1": "a", "text_2": "word " * 200}, "text_2", "context_length_exceeded"),
+        ("/classify", {"input": "word " * 200}, "input", "context_length_exceeded"),
+        ("/classify", {"input": []}, "input", None),
+        ("/v1/embeddings", {"input": "a"}, "model", "unsupported_endpoint"),
+        ("/pooling", {"input": "a"}, "model", "unsupported_endpoint"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}, "model", "unsupported_endpoint"),
+    ],
+)
 def test_bad_input(cross, path, body, field, code):
     err = assert_error(httpx.post(cross[0].url + path, json=body, timeout=60), 400, code)
     assert err["param"] == field, err
-    if code == "unsupported_endpoint":   # it says what the model does serve
+    if code == "unsupported_endpoint":  # it says what the model does serve
         assert "/classify" in err["message"] and "/v1/rerank" in err["message"], err
 
 

@@ -3,6 +3,7 @@
 hidden state (after the final norm) at the last token, normalised, within 1e-4, for every input
 form and both encodings, and cut to `dimensions` and normalised again; usage counts the prompt
 tokens; generation endpoints answer 400."""
+
 from __future__ import annotations
 
 import base64
@@ -22,8 +23,22 @@ TEXTS = ["w5 w17 w33 w101 w7", "w250 w9 w64 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13
 @pytest.fixture(scope="module")
 def server():
     # A budget of 8 tokens: the longer prompts are prefilled in chunks, batched with the others.
-    srv = RemoteServer(["--model", TINY, "--task", "embed", "--max-model-len", "64", "--kv-cache-memory", "0.01",
-                        "--max-num-batched-tokens", "8", "--block-size", "4"])
+    srv = RemoteServer(
+        [
+            "--model",
+            TINY,
+            "--task",
+            "embed",
+            "--max-model-len",
+            "64",
+            "--kv-cache-memory",
+            "0.01",
+            "--max-num-batched-tokens",
+            "8",
+            "--block-size",
+            "4",
+        ]
+    )
     yield srv
     srv.close()
 
@@ -33,12 +48,14 @@ def reference():
     """token ids -> transformers' pooled (last token, normalised) vector."""
     from transformers import AutoModel, AutoTokenizer
     from pagedllm.models.random_model import random_model_dir
+
     d = str(random_model_dir(TINY))
     model, tok = AutoModel.from_pretrained(d, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(d)
 
     def pooled(ids):
         with torch.no_grad():
             return F.normalize(model(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+
     return pooled, tok
 
 
@@ -96,21 +113,23 @@ def test_refusals(server, client):
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "w5", "encoding_format": "int8"})
     assert_error(r, 400)
     # A pooling server does not generate.
-    for path, body in (("/v1/completions", {"prompt": "w5", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]}),
-                       ("/v1/responses", {"input": "w5"})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "w5", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]}),
+        ("/v1/responses", {"input": "w5"}),
+    ):
         err = assert_error(httpx.post(server.url + path, json=body), 400, "wrong_runner")
         assert "--runner generate" in err["message"]
 
 
 def test_generating_server_refuses_embeddings(tiny_shared_server):
-    err = assert_error(httpx.post(tiny_shared_server.url + "/v1/embeddings", json={"input": "w5"}), 400,
-                       "wrong_runner")
+    err = assert_error(httpx.post(tiny_shared_server.url + "/v1/embeddings", json={"input": "w5"}), 400, "wrong_runner")
     assert "--runner pooling" in err["message"]
 
 
 def test_runner_flags():
     from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
     parse = build_parser().parse_args
     assert engine_args_from(parse(["serve", "--task", "embed"])).runner == "pooling"
     assert engine_args_from(parse(["serve", "--runner", "pooling"])).runner == "pooling"

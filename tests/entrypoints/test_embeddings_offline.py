@@ -2,6 +2,7 @@
 transformers' (LlamaModel's last_hidden_state, after the final norm) within 1e-4, pooled as the
 directory says: last token by default, the mean where a sentence-transformers config asks for it;
 with chunked prefill (a small token budget), batching, and (last token) a prefix-cache hit."""
+
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ PROMPTS = [[5, 17, 33, 101, 7, 250, 9, 64] * 5, [3, 4, 5], list(range(3, 60)), [
 @pytest.fixture(scope="module")
 def tiny_dir():
     from pagedllm.models.random_model import random_model_dir
+
     return str(random_model_dir("random:tiny"))
 
 
@@ -29,6 +31,7 @@ def tiny_dir():
 def hidden(tiny_dir):
     """prompt index -> transformers' final hidden states [len, H]."""
     from transformers import AutoModel
+
     model = AutoModel.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return [model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
@@ -37,15 +40,25 @@ def hidden(tiny_dir):
 def st_dir(src, dst, pooling_mode: str, normalize: bool) -> str:
     """A copy of the model directory with a sentence-transformers pooling config."""
     shutil.copytree(src, dst)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
     if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (dst / "modules.json").write_text(json.dumps(modules))
     (dst / "1_Pooling").mkdir()
-    (dst / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 128, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
-        "pooling_mode_lasttoken": False, pooling_mode: True}))
+    (dst / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 128,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_mean_tokens": False,
+                "pooling_mode_lasttoken": False,
+                pooling_mode: True,
+            }
+        )
+    )
     return str(dst)
 
 
@@ -63,7 +76,7 @@ def test_last_token_default_chunked_and_cached(tiny_dir, hidden):
     expected = [(i, F.normalize(h[-1], dim=-1)) for i, h in enumerate(hidden)]
     check(llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False), expected)
     again = llm.embed([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}], use_tqdm=False)
-    assert again[0].num_cached_tokens > 0 and again[1].num_cached_tokens > 0   # prefix-cache hits
+    assert again[0].num_cached_tokens > 0 and again[1].num_cached_tokens > 0  # prefix-cache hits
     check(again, [expected[0], expected[2]])
     with pytest.raises(ValueError, match="runner='generate'"):
         llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))
@@ -74,9 +87,11 @@ def test_mean_from_sentence_transformers_config(tiny_dir, hidden, tmp_path):
     assert PoolerConfig.from_dir(d) == PoolerConfig("MEAN", False)
     # The means' sums run across chunks (budget 16 < 40, 57 tokens).
     llm = LLM(d, runner="pooling", max_num_batched_tokens=16, block_size=4)
-    assert not llm.llm_engine.config.cache_config.enable_prefix_caching   # a mean needs every token
-    check(llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False),
-          [(i, h.mean(0)) for i, h in enumerate(hidden)])
+    assert not llm.llm_engine.config.cache_config.enable_prefix_caching  # a mean needs every token
+    check(
+        llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False),
+        [(i, h.mean(0)) for i, h in enumerate(hidden)],
+    )
 
 
 def test_bad_configs(tiny_dir, tmp_path):

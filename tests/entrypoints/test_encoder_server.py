@@ -4,6 +4,7 @@ Every vector equals sentence-transformers' encode of the same text (normalised, 
 Normalize module does) within 1e-5, alone, in one request and across concurrent requests;
 more than max_seq_length (256) tokens is a 400; generation endpoints are 400s naming what the
 model serves."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,12 @@ import encoder_dirs
 from pagedllm.models.download import MINILM_MODEL
 from server_utils import RemoteServer, assert_error
 
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores the KV cache in blocks.", "hi",
-         "A longer sentence, with commas and numbers like 3.14 and 42, split into several word pieces."]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the KV cache in blocks.",
+    "hi",
+    "A longer sentence, with commas and numbers like 3.14 and 42, split into several word pieces.",
+]
 CONCURRENT = [f"request number {i}: " + "word " * (i % 7) for i in range(12)]
 
 
@@ -54,11 +59,12 @@ def test_embeddings_equal_sentence_transformers(server, st_encode):
     tok = minilm_tokenizer()
     ids = tok(TEXTS[0])["input_ids"]
     assert out.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in TEXTS)
-    by_ids = client.embeddings.create(model=MINILM_MODEL, input=[ids])   # token ids as the input
+    by_ids = client.embeddings.create(model=MINILM_MODEL, input=[ids])  # token ids as the input
     close([by_ids.data[0].embedding], want[0:1])
     # the client asks for base64 (little-endian float32) by itself and decodes it; floats when asked
-    raw = httpx.post(server.base_url + "/embeddings", json={"input": TEXTS[2], "encoding_format": "base64"},
-                     timeout=60).json()["data"][0]["embedding"]
+    raw = httpx.post(
+        server.base_url + "/embeddings", json={"input": TEXTS[2], "encoding_format": "base64"}, timeout=60
+    ).json()["data"][0]["embedding"]
     close([np.frombuffer(base64.b64decode(raw), dtype="<f4")], want[2:3])
     floats = client.embeddings.create(model=MINILM_MODEL, input=TEXTS[2], encoding_format="float")
     close([floats.data[0].embedding], want[2:3])
@@ -66,6 +72,7 @@ def test_embeddings_equal_sentence_transformers(server, st_encode):
 
 def minilm_tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(encoder_dirs.minilm_dir())
 
 
@@ -90,22 +97,26 @@ def test_dimensions_and_score(server, st_encode):
 
 def test_too_many_tokens_is_400(server):
     client = server.client()
-    long_text = " ".join(f"word{i}" for i in range(200))   # > 256 word pieces
+    long_text = " ".join(f"word{i}" for i in range(200))  # > 256 word pieces
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=MINILM_MODEL, input=long_text)
     assert "maximum context length is 256 tokens" in e.value.message and e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=MINILM_MODEL, input=[[101] * 257])
-    client.embeddings.create(model=MINILM_MODEL, input=[[101] * 256])   # exactly the limit is fine
+    client.embeddings.create(model=MINILM_MODEL, input=[[101] * 256])  # exactly the limit is fine
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=MINILM_MODEL, input=[[30522]])
     assert "[0, 30522)" in e.value.message
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/completions", {"prompt": "hi"}),
-    ("/classify", {"input": "hi"})])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/classify", {"input": "hi"}),
+    ],
+)
 def test_unserved_endpoints_are_400(server, path, body):
     r = httpx.post(server.url + path, json={"model": MINILM_MODEL, **body}, timeout=60)
     assert_error(r, 400, "unsupported_endpoint")

@@ -1,6 +1,7 @@
 """examples/grafana/pagedllm.json queries only series a real server's /metrics has (the shared tiny
 server), and `--metrics-prefix vllm` renames every series to the vllm: names vLLM's dashboards
 query, the rest of each name unchanged."""
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ def test_dashboard_series_exist(tiny_shared_server):
 def test_metrics_prefix():
     from pagedllm.entrypoints.cli import build_parser
     from pagedllm.metrics import EngineMetrics
+
     ours = series_names(generate_latest(EngineMetrics("m").registry).decode())
     theirs = series_names(generate_latest(EngineMetrics("m", prefix="vllm").registry).decode())
     assert theirs == {n.replace("pagedllm:", "vllm:") for n in ours} and "vllm:num_requests_running" in theirs

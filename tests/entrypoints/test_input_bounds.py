@@ -3,6 +3,7 @@ with 413 before it is read whole; a prompt (or chat messages) with more characte
 max_model_len tokens could hold is refused before the tokenizer runs; n, best_of, logprobs, the
 stop list, stop_token_ids and logit_bias are bounded, offline (ValueError naming the field) and
 in the server (400 naming it). A real `pagedllm serve` of the tiny random model on 127.0.0.1."""
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,25 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                      MAX_STOP_TOKEN_IDS, ParamError)
-from server_utils import (TINY, TINY_CHAT_TEMPLATE, TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN,
-                          assert_error)
+from pagedllm.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    ParamError,
+)
+from server_utils import TINY, TINY_CHAT_TEMPLATE, TINY_SERVER_MAX_BODY_BYTES, TINY_SERVER_MAX_MODEL_LEN, assert_error
 
 MODEL = TINY
-MAX_MODEL_LEN = TINY_SERVER_MAX_MODEL_LEN   # the shared tiny server's (conftest.py)
-LIMIT = TINY_SERVER_MAX_BODY_BYTES          # its --max-request-body-bytes
+MAX_MODEL_LEN = TINY_SERVER_MAX_MODEL_LEN  # the shared tiny server's (conftest.py)
+LIMIT = TINY_SERVER_MAX_BODY_BYTES  # its --max-request-body-bytes
 # The tiny model's word-level vocabulary: "w5" ... "w511" and "<unk>": 5 characters at most.
 MAX_CHARS = MAX_MODEL_LEN * 5
 TEMPLATE = TINY_CHAT_TEMPLATE
 
-CLIENT_TIMEOUT = 30   # seconds: the tiny model answers fast
+CLIENT_TIMEOUT = 30  # seconds: the tiny model answers fast
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +73,9 @@ def test_body_over_the_limit_413(server):
     limit, chunked or not, is served."""
     big = json.dumps({"model": MODEL, "prompt": "w5 " * (LIMIT // 3), "max_tokens": 2}).encode()
     assert len(big) > LIMIT
-    r = httpx.post(server.url + "/v1/completions", content=big, headers={"Content-Type": "application/json"},
-                   timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions", content=big, headers={"Content-Type": "application/json"}, timeout=30
+    )
     err = assert_error(r, 413, "request_too_large")
     assert f"({len(big)} bytes)" in err["message"] and "--max-request-body-bytes" in err["message"], err
 
@@ -79,15 +87,17 @@ def test_body_over_the_limit_413(server):
             sent.append(1)
             yield b" " * (64 << 10)
 
-    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"},
-                   timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert_error(r, 413, "request_too_large")
     assert len(sent) < total, "the server read the whole chunked body before refusing it"
 
     ok = json.dumps({"model": MODEL, "prompt": "w5 w6", "max_tokens": 2}).encode()
-    for content in (ok, iter([ok[:7], ok[7:]])):   # bytes: Content-Length; an iterator: chunked
-        r = httpx.post(server.url + "/v1/completions", content=content,
-                       headers={"Content-Type": "application/json"}, timeout=30)
+    for content in (ok, iter([ok[:7], ok[7:]])):  # bytes: Content-Length; an iterator: chunked
+        r = httpx.post(
+            server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}, timeout=30
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
@@ -95,12 +105,13 @@ def test_body_over_the_limit_413(server):
 def test_413_comes_before_the_body(server):
     """Raw sockets: a declared length over the limit is refused with no body sent at all; a
     chunked body is refused once it passes the limit though it never ends."""
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
-    err = _check_413(_raw_exchange(server.port, head + b"Content-Length: %d\r\n\r\n" % (10 ** 12)))
-    assert f"({10 ** 12} bytes)" in err["message"]
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    err = _check_413(_raw_exchange(server.port, head + b"Content-Length: %d\r\n\r\n" % (10**12)))
+    assert f"({10**12} bytes)" in err["message"]
     chunk = b"%x\r\n%s\r\n" % (16 << 10, b"x" * (16 << 10))
-    _check_413(_raw_exchange(server.port, head + b"Transfer-Encoding: chunked\r\n\r\n",
-                             [chunk] * (LIMIT // (16 << 10) + 1)))
+    _check_413(
+        _raw_exchange(server.port, head + b"Transfer-Encoding: chunked\r\n\r\n", [chunk] * (LIMIT // (16 << 10) + 1))
+    )
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
@@ -111,14 +122,21 @@ def test_long_prompt_refused_before_tokenizing_offline():
     llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 << 20)
     assert llm.llm_engine.processor.max_token_chars == 5
     text = "w5 " * (MAX_CHARS // 3 + 1)
-    with pytest.raises(ValueError, match=rf"prompt has {len(text)} characters, more than max_model_len "
-                                         rf"\({MAX_MODEL_LEN}\) tokens of at most 5 characters each can hold "
-                                         rf"\({MAX_CHARS}\)") as e:
+    with pytest.raises(
+        ValueError,
+        match=rf"prompt has {len(text)} characters, more than max_model_len "
+        rf"\({MAX_MODEL_LEN}\) tokens of at most 5 characters each can hold "
+        rf"\({MAX_CHARS}\)",
+    ) as e:
         llm.generate(text, SamplingParams(max_tokens=2), use_tqdm=False)
     assert e.value.param == "prompt"
     with pytest.raises(ValueError, match="messages has .* characters"):
-        llm.chat([{"role": "user", "content": text[: MAX_CHARS // 2]}, {"role": "user", "content": text}],
-                 SamplingParams(max_tokens=2), chat_template=TEMPLATE, use_tqdm=False)
+        llm.chat(
+            [{"role": "user", "content": text[: MAX_CHARS // 2]}, {"role": "user", "content": text}],
+            SamplingParams(max_tokens=2),
+            chat_template=TEMPLATE,
+            use_tqdm=False,
+        )
     # At the bound the tokenizer runs, and the token count decides.
     edge = ("w55 " * (MAX_CHARS // 4))[:MAX_CHARS]
     with pytest.raises(ValueError) as e:
@@ -129,7 +147,11 @@ def test_long_prompt_refused_before_tokenizing_offline():
 @pytest.mark.timeout(60)
 def test_long_prompt_refused_before_tokenizing_server(server, client):
     text = "w5 " * (MAX_CHARS // 3 + 1)
-    for kwargs in ({"prompt": text}, {"prompt": ["w5 w6", text]}, {"prompt": text, "extra_body": {"add_special_tokens": False}}):
+    for kwargs in (
+        {"prompt": text},
+        {"prompt": ["w5 w6", text]},
+        {"prompt": text, "extra_body": {"add_special_tokens": False}},
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, max_tokens=2, **kwargs)
         assert e.value.body["param"] == "prompt" and f"prompt has {len(text)} characters" in e.value.body["message"]
@@ -151,14 +173,30 @@ _BOUNDS = [
     ("n", {"n": MAX_N + 1}, {"n": MAX_N}, f"[1, {MAX_N}]"),
     ("best_of", {"best_of": MAX_N + 1}, {"best_of": MAX_N}, f"[n (1), {MAX_N}]"),
     ("logprobs", {"logprobs": MAX_LOGPROBS + 1}, {"logprobs": MAX_LOGPROBS}, f"[0, {MAX_LOGPROBS}]"),
-    ("stop", {"stop": _stops(MAX_STOP_STRINGS + 1)}, {"stop": _stops(MAX_STOP_STRINGS)},
-     f"at most {MAX_STOP_STRINGS} strings"),
-    ("stop", {"stop": _stops(1, MAX_STOP_STRING_CHARS + 1)}, {"stop": _stops(1, MAX_STOP_STRING_CHARS)},
-     f"at most {MAX_STOP_STRING_CHARS} characters"),
-    ("stop_token_ids", {"stop_token_ids": [3] * (MAX_STOP_TOKEN_IDS + 1)}, {"stop_token_ids": [3] * MAX_STOP_TOKEN_IDS},
-     f"at most {MAX_STOP_TOKEN_IDS} token ids"),
-    ("logit_bias", {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
-     {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS)}}, f"at most {MAX_LOGIT_BIAS} entries"),
+    (
+        "stop",
+        {"stop": _stops(MAX_STOP_STRINGS + 1)},
+        {"stop": _stops(MAX_STOP_STRINGS)},
+        f"at most {MAX_STOP_STRINGS} strings",
+    ),
+    (
+        "stop",
+        {"stop": _stops(1, MAX_STOP_STRING_CHARS + 1)},
+        {"stop": _stops(1, MAX_STOP_STRING_CHARS)},
+        f"at most {MAX_STOP_STRING_CHARS} characters",
+    ),
+    (
+        "stop_token_ids",
+        {"stop_token_ids": [3] * (MAX_STOP_TOKEN_IDS + 1)},
+        {"stop_token_ids": [3] * MAX_STOP_TOKEN_IDS},
+        f"at most {MAX_STOP_TOKEN_IDS} token ids",
+    ),
+    (
+        "logit_bias",
+        {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
+        {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS)}},
+        f"at most {MAX_LOGIT_BIAS} entries",
+    ),
 ]
 
 
@@ -172,7 +210,7 @@ def test_bounds_offline(param, bad, ok, allowed):
     with pytest.raises(ValueError, match=rf"^{param} must be .*{re.escape(allowed)}") as e:
         SamplingParams(**_offline(bad))
     assert isinstance(e.value, ParamError) and e.value.param == param
-    again = pickle.loads(pickle.dumps(e.value))   # it can cross to another process
+    again = pickle.loads(pickle.dumps(e.value))  # it can cross to another process
     assert (again.param, str(again)) == (param, str(e.value))
     SamplingParams(**_offline(ok))
 
@@ -180,7 +218,7 @@ def test_bounds_offline(param, bad, ok, allowed):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("param, bad, ok, allowed", _BOUNDS)
 def test_bounds_server_400(client, param, bad, ok, allowed):
-    own = {k: v for k, v in bad.items() if k != "stop_token_ids"}   # the openai client's own fields
+    own = {k: v for k, v in bad.items() if k != "stop_token_ids"}  # the openai client's own fields
     extra = {k: v for k, v in bad.items() if k == "stop_token_ids"}
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="w5 w6", max_tokens=2, extra_body=extra, **own)
@@ -191,19 +229,33 @@ def test_bounds_server_400(client, param, bad, ok, allowed):
 @pytest.mark.timeout(60)
 def test_chat_and_prompt_list_bounds_server_400(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=2,
-                                       logprobs=True, top_logprobs=MAX_LOGPROBS + 1)
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "w5"}],
+            max_tokens=2,
+            logprobs=True,
+            top_logprobs=MAX_LOGPROBS + 1,
+        )
     assert e.value.body["param"] == "top_logprobs"
     assert e.value.body["message"].startswith(f"top_logprobs must be None or an integer in [0, {MAX_LOGPROBS}]")
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=2,
-                                       n=MAX_N + 1)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=2, n=MAX_N + 1
+        )
     assert e.value.body["param"] == "n"
     from pagedllm.entrypoints.openai.protocol import MAX_PROMPTS
+
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=["w5"] * (MAX_PROMPTS + 1), max_tokens=1)
     assert e.value.body["param"] == "prompt" and f"at most {MAX_PROMPTS} prompts" in e.value.body["message"]
     # within every bound, the server still serves
-    r = client.completions.create(model=MODEL, prompt="w5 w6", max_tokens=2, n=2, best_of=3, logprobs=MAX_LOGPROBS,
-                                  stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)])
+    r = client.completions.create(
+        model=MODEL,
+        prompt="w5 w6",
+        max_tokens=2,
+        n=2,
+        best_of=3,
+        logprobs=MAX_LOGPROBS,
+        stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)],
+    )
     assert len(r.choices) == 2

@@ -1,6 +1,7 @@
 """Every response body of the OpenAI endpoints parsed by the `openai` package's own pydantic types
 in strict mode (the client itself builds them without validation, so a wrong type or a missing
 field would pass through it unseen), and no field the type does not know but vLLM's extras."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ from server_utils import TINY
 from engine.test_logprobs import tiny_dir  # noqa: F401 (fixture)
 
 # Fields pagedllm adds, as vLLM does: not in OpenAI's types.
-VLLM_EXTRAS = {"stop_reason", "prompt_logprobs", "root", "parent", "max_model_len", "reasoning_content",
-               "kv_transfer_params"}
+VLLM_EXTRAS = {
+    "stop_reason",
+    "prompt_logprobs",
+    "root",
+    "parent",
+    "max_model_len",
+    "reasoning_content",
+    "kv_transfer_params",
+}
 MESSAGES = [{"role": "user", "content": "w12 w400 w33"}]
 
 
@@ -75,7 +83,7 @@ def _post(server, path: str, body: dict) -> httpx.Response:
 
 
 def _events(r: httpx.Response) -> list[dict]:
-    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    lines = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]", r.text
     return [json.loads(ln) for ln in lines[:-1]]
 
@@ -84,23 +92,51 @@ def _events(r: httpx.Response) -> list[dict]:
 def test_responses_parse_as_openai_types(server):
     from openai.types import Model
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
     Completion, CompletionChunk = completion_types()
 
-    for body in ({"prompt": "w5 w6", "max_tokens": 3, "n": 2, "logprobs": 2},
-                 {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 1},
-                 {"prompt": [5, 6, 7], "max_tokens": 2, "prompt_logprobs": 1}):
+    for body in (
+        {"prompt": "w5 w6", "max_tokens": 3, "n": 2, "logprobs": 2},
+        {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"prompt": [5, 6, 7], "max_tokens": 2, "prompt_logprobs": 1},
+    ):
         c = parse(Completion, _post(server, "/v1/completions", body).json())
         assert c.usage is not None and c.choices
-    for ev in _events(_post(server, "/v1/completions", {"prompt": "w5", "max_tokens": 3, "stream": True,
-                                                        "echo": True, "logprobs": 1,
-                                                        "stream_options": {"include_usage": True}})):
+    for ev in _events(
+        _post(
+            server,
+            "/v1/completions",
+            {
+                "prompt": "w5",
+                "max_tokens": 3,
+                "stream": True,
+                "echo": True,
+                "logprobs": 1,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    ):
         parse(CompletionChunk, ev)
-    chat = parse(ChatCompletion, _post(server, "/v1/chat/completions", {
-        "messages": MESSAGES, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json())
+    chat = parse(
+        ChatCompletion,
+        _post(
+            server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+        ).json(),
+    )
     assert chat.choices[0].logprobs.content
-    events = _events(_post(server, "/v1/chat/completions", {
-        "messages": MESSAGES, "max_tokens": 3, "stream": True, "logprobs": True,
-        "stream_options": {"include_usage": True}}))
+    events = _events(
+        _post(
+            server,
+            "/v1/chat/completions",
+            {
+                "messages": MESSAGES,
+                "max_tokens": 3,
+                "stream": True,
+                "logprobs": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    )
     for ev in events:
         parse(ChatCompletionChunk, ev)
     assert events[-1]["usage"]["completion_tokens"] == 3

@@ -1,5 +1,6 @@
 """The Responses store's bounds: the oldest entry goes past max_entries, an entry past its time
 is a 404 (the clock is set by hand), a deleted one too, and bad sizes are refused."""
+
 import pytest
 
 from pagedllm.entrypoints.openai import response_store
@@ -19,11 +20,11 @@ def test_bounded_expiring_deletable(monkeypatch):
     store = ResponseStore(max_entries=2, ttl_s=10)
     for i in range(3):
         store.put({"id": f"r{i}"}, [{"role": "user", "content": str(i)}])
-    _missing(store, "r0")   # the oldest went
+    _missing(store, "r0")  # the oldest went
     assert store.get("r2") == ({"id": "r2"}, [{"role": "user", "content": "2"}])
     store.delete("r1")
     _missing(store, "r1")
-    now[0] = 110.5          # past r2's 10 s
+    now[0] = 110.5  # past r2's 10 s
     _missing(store, "r2")
 
 

@@ -3,6 +3,7 @@ lines answer what the offline LLM answers for the same greedy requests, embeddin
 pooling runner) what LLM.embed gives; /v1/rerank and /score lines on an encoder cross-encoder
 what `pagedllm serve` of it answers; malformed lines get an error record in their place and the
 others still run; an API error (a 400) is its line's response body, as in OpenAI's batch output."""
+
 import json
 import subprocess
 import sys
@@ -23,10 +24,15 @@ MESSAGES = [{"role": "user", "content": "w5 w6 w7"}]
 def run_batch(tmp_path, lines: list[str], *args: str, engine: list[str] = ENGINE) -> list[dict]:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i", str(src), "-o", str(dst),
-                        *engine, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i", str(src), "-o", str(dst), *engine, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "Running batch: 100%" in r.stderr   # the progress bar ran to the end
+    assert "Running batch: 100%" in r.stderr  # the progress bar ran to the end
     return [json.loads(line) for line in dst.read_text().splitlines()]
 
 
@@ -35,23 +41,26 @@ def line(custom_id: str, url: str, body: dict, method: str = "POST") -> str:
 
 
 def test_completions_and_chat_equal_offline_greedy_and_bad_lines_get_errors(tmp_path):
-    lines = [line(f"cmpl-{i}", "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0})
-             for i, p in enumerate(PROMPTS)]
-    lines += [line("chat", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}),
-              "{not json",
-              json.dumps(["a", "list"]),
-              line("get", "/v1/completions", {"prompt": "x"}, method="GET"),
-              line("where", "/v1/images", {"prompt": "x"}),
-              line("streamed", "/v1/completions", {"prompt": [5], "stream": True}),
-              line("bad-value", "/v1/completions", {"prompt": [5], "max_tokens": -1}),
-              line("last", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})]
+    lines = [
+        line(f"cmpl-{i}", "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0})
+        for i, p in enumerate(PROMPTS)
+    ]
+    lines += [
+        line("chat", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}),
+        "{not json",
+        json.dumps(["a", "list"]),
+        line("get", "/v1/completions", {"prompt": "x"}, method="GET"),
+        line("where", "/v1/images", {"prompt": "x"}),
+        line("streamed", "/v1/completions", {"prompt": [5], "stream": True}),
+        line("bad-value", "/v1/completions", {"prompt": [5], "max_tokens": -1}),
+        line("last", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}),
+    ]
     out = run_batch(tmp_path, lines, "--chat-template", TINY_CHAT_TEMPLATE)
     assert len(out) == len(lines)
     assert len({r["id"] for r in out}) == len(out)
     llm = LLM(TINY, max_model_len=MAX_MODEL_LEN)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
-    want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy,
-                                                    use_tqdm=False)]
+    want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
     chat = llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=TINY_CHAT_TEMPLATE)[0].outputs[0].text
     for i in range(3):
         rec = out[i]
@@ -87,11 +96,13 @@ def test_rerank_and_score_equal_the_server(tmp_path):
     model = tmp_path / "cross-encoder"
     random_encoder(model, "BertForSequenceClassification", None, num_labels=1, init_range=0.2)
     docs = ["paged attention stores the KV cache in blocks", "a fox", "hi"]
-    requests = [("/v1/rerank", {"query": "what is paged attention?", "documents": docs, "top_n": 2}),
-                ("/rerank", {"query": "a fox", "documents": [{"text": d} for d in docs], "return_documents": False}),
-                ("/score", {"text_1": "a fox", "text_2": docs}),
-                ("/v1/score", {"text_1": docs[:2], "text_2": docs[1:]}),
-                ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 0})]   # a 400, as its body
+    requests = [
+        ("/v1/rerank", {"query": "what is paged attention?", "documents": docs, "top_n": 2}),
+        ("/rerank", {"query": "a fox", "documents": [{"text": d} for d in docs], "return_documents": False}),
+        ("/score", {"text_1": "a fox", "text_2": docs}),
+        ("/v1/score", {"text_1": docs[:2], "text_2": docs[1:]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 0}),
+    ]  # a 400, as its body
     lines = [line(f"req-{i}", url, body) for i, (url, body) in enumerate(requests)]
     out = run_batch(tmp_path, lines + [line("bad", "/v1/classify", {"input": "a"})], engine=["--model", str(model)])
     srv = RemoteServer([str(model)])
@@ -102,9 +113,11 @@ def test_rerank_and_score_equal_the_server(tmp_path):
     for rec, w in zip(out, want):
         got = rec["response"]
         assert got["status_code"] == w.status_code, rec
-        strip = ("id", "created")   # each answer's own
-        assert_same({k: v for k, v in got["body"].items() if k not in strip},
-                    {k: v for k, v in w.json().items() if k not in strip})
+        strip = ("id", "created")  # each answer's own
+        assert_same(
+            {k: v for k, v in got["body"].items() if k not in strip},
+            {k: v for k, v in w.json().items() if k not in strip},
+        )
     assert len(out[0]["response"]["body"]["results"]) == 2 and out[4]["response"]["status_code"] == 400
     assert out[-1]["custom_id"] == "bad" and "url must be one of" in out[-1]["error"]["message"]
 
@@ -115,7 +128,7 @@ def assert_same(got, want):
         assert got == pytest.approx(want, abs=1e-6)
     elif isinstance(want, (list, dict)):
         assert type(got) is type(want) and len(got) == len(want), (got, want)
-        for k in (want if isinstance(want, dict) else range(len(want))):
+        for k in want if isinstance(want, dict) else range(len(want)):
             assert_same(got[k], want[k])
     else:
         assert got == want

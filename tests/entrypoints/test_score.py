@@ -2,6 +2,7 @@
 serve --task embed` of the tiny random model: every score is the cosine of transformers' pooled
 vectors (last token, normalised) of the two texts, within 1e-4; rerank sorts by it in Jina's and
 Cohere's shape with top_n and return_documents; bad fields are 400s naming them."""
+
 from __future__ import annotations
 
 import httpx
@@ -18,8 +19,9 @@ DOCS = ["w5 w17 w34", "w250 w9 w64 w3 w4 w5 w6 w7 w8", "w33 w17 w5", "w100 w101"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer(["--model", TINY, "--task", "embed", "--max-model-len", "64", "--kv-cache-memory", "0.01",
-                        "--block-size", "4"])
+    srv = RemoteServer(
+        ["--model", TINY, "--task", "embed", "--max-model-len", "64", "--kv-cache-memory", "0.01", "--block-size", "4"]
+    )
     yield srv
     srv.close()
 
@@ -30,6 +32,7 @@ def cos(reference):  # noqa: F811
 
     def f(a: str, b: str) -> float:
         return float(F.cosine_similarity(pooled(tok(a)["input_ids"]), pooled(tok(b)["input_ids"]), dim=0))
+
     return f
 
 
@@ -62,8 +65,9 @@ def test_rerank(server, cos, path):
         assert x["document"] == {"text": DOCS[x["index"]]}
     assert r["usage"]["total_tokens"] > 0
     # Cohere's: documents as {"text"} objects, top_n, no documents returned.
-    r = post(server, path, {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 2,
-                            "return_documents": False})
+    r = post(
+        server, path, {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 2, "return_documents": False}
+    )
     assert [x["index"] for x in r["results"]] == want[:2] and all("document" not in x for x in r["results"])
     assert len(post(server, path, {"query": QUERY, "documents": DOCS, "top_n": 99})["results"]) == len(DOCS)
 
@@ -76,17 +80,20 @@ def test_pooling(server, reference):  # noqa: F811
         assert torch.allclose(torch.tensor(d["data"]), pooled(tok(text)["input_ids"]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("path,body,field", [
-    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
-    ("/score", {"text_1": [], "text_2": "a"}, "text_1"),
-    ("/score", {"text_1": "a", "text_2": []}, "text_2"),
-    ("/rerank", {"query": "a", "documents": []}, "documents"),
-    ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
-    ("/v1/rerank", {"query": "a", "documents": [3]}, "documents"),
-    ("/v1/rerank", {"documents": ["b"]}, "query"),
-    ("/pooling", {"input": []}, "input"),
-    ("/classify", {"input": "a"}, "model"),   # a decoder has no classification head
-])
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+        ("/score", {"text_1": [], "text_2": "a"}, "text_1"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+        ("/rerank", {"query": "a", "documents": []}, "documents"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
+        ("/v1/rerank", {"query": "a", "documents": [3]}, "documents"),
+        ("/v1/rerank", {"documents": ["b"]}, "query"),
+        ("/pooling", {"input": []}, "input"),
+        ("/classify", {"input": "a"}, "model"),  # a decoder has no classification head
+    ],
+)
 def test_bad_input(server, path, body, field):
     err = assert_error(httpx.post(server.url + path, json=body), 400)
     assert err["param"] is not None and err["param"].startswith(field), err

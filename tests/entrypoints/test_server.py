@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, end to end: a real `pagedllm serve` subprocess on 127.0.0.1,
 talked to with the official `openai` client and httpx. The session's `default_server` (shared
 with test_server_beam.py); the last test of the session stops it with SIGTERM."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,18 @@ import httpx
 import openai
 import pytest
 
-from server_utils import (DEFAULT_SERVER_MAX_MODEL_LEN, LONG_PROMPT, LONG_STEP_TOKEN, assert_error, core_frozen, disconnect_when, wait_aborted,
-                          wait_idle, wait_metrics, wait_session_gone)
+from server_utils import (
+    DEFAULT_SERVER_MAX_MODEL_LEN,
+    LONG_PROMPT,
+    LONG_STEP_TOKEN,
+    assert_error,
+    core_frozen,
+    disconnect_when,
+    wait_aborted,
+    wait_idle,
+    wait_metrics,
+    wait_session_gone,
+)
 
 pytestmark = pytest.mark.model
 
@@ -56,8 +67,9 @@ def test_tokenize_detokenize(server, tokenizer):
     assert r.json()["max_model_len"] == MAX_MODEL_LEN
     assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == PROMPT
     r = post(server, "/tokenize", {"messages": CHAT})
-    assert r.json()["tokens"] == list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                                    tokenize=True, return_dict=False))
+    assert r.json()["tokens"] == list(
+        tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 # ------------------------------------------------------------------ streaming == non-streaming
@@ -97,8 +109,9 @@ def test_completion_stream_equals_non_stream(client):
 
 @pytest.mark.timeout(60)
 def test_raw_stream_ends_with_done(server):
-    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+    with httpx.stream(
+        "POST", server.base_url + "/completions", timeout=60, json={"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
@@ -109,17 +122,26 @@ def test_raw_stream_ends_with_done(server):
 # ------------------------------------------------------------------ n, logprobs, stop, length, usage
 @pytest.mark.timeout(120)
 def test_n3(client):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, n=3, temperature=1.0, seed=7, max_tokens=6,
-                                       logprobs=True)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=3, temperature=1.0, seed=7, max_tokens=6, logprobs=True
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
-    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], n=3, temperature=0.8,
-                                  seed=1, max_tokens=4, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=[PROMPT, "Once upon a time"],
+        n=3,
+        temperature=0.8,
+        seed=1,
+        max_tokens=4,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in r.choices) == list(range(6))
     assert r.usage.completion_tokens == 6 * 4
     # streamed n=3: every index gets text and a finish reason
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, n=3, temperature=0.8, seed=1,
-                                            max_tokens=4, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, n=3, temperature=0.8, seed=1, max_tokens=4, stream=True)
+    )
     assert {c.choices[0].index for c in chunks if c.choices[0].finish_reason} == {0, 1, 2}
 
 
@@ -131,8 +153,9 @@ def test_logprobs_shapes(client):
     assert "".join(lp.tokens) == r.choices[0].text
     for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert tlp <= 0 and 3 <= len(top) <= 4 and max(top.values()) == pytest.approx(tlp)  # greedy: top-1
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
-                                       top_logprobs=4)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=4
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 5
     for c in content:
@@ -144,8 +167,11 @@ def test_logprobs_shapes(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True)
     assert all(c.top_logprobs == [] for c in r.choices[0].logprobs.content)
     # streamed logprobs come with their tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0,
-                                                 logprobs=True, top_logprobs=2, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True
+        )
+    )
     streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in content]
 
@@ -158,9 +184,10 @@ def test_stop_and_length(client):
     stop = " " + words[2]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "zzzz"])
     c = r.choices[0]
-    assert c.finish_reason == "stop" and c.text == base[:base.index(stop)]
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                            stop=stop, stream=True))
+    assert c.finish_reason == "stop" and c.text == base[: base.index(stop)]
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == c.text
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
@@ -170,8 +197,9 @@ def test_stop_and_length(client):
 
 @pytest.mark.timeout(60)
 def test_usage_is_exact(server, client, tokenizer):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.prompt_tokens == len(tokenizer(PROMPT)["input_ids"])
     assert r.usage.completion_tokens == 7
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
@@ -195,12 +223,14 @@ def test_token_id_prompts(client, tokenizer):
 def offline_reference(model_dir):
     """Greedy outputs of the offline LLM on the concurrency test's prompts (its own engine)."""
     from pagedllm import LLM, SamplingParams
+
     llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20)
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     ref = {p: o.outputs[0].text for p, o in zip(prompts, outs)}
     del llm
     import gc
+
     gc.collect()
     return ref
 
@@ -212,19 +242,20 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 
     async def one(i):
         if i < 8:
-            r = await aclient.completions.create(model=MODEL, prompt=greedy_prompts[i], max_tokens=10,
-                                                 temperature=0)
+            r = await aclient.completions.create(model=MODEL, prompt=greedy_prompts[i], max_tokens=10, temperature=0)
             return "greedy", greedy_prompts[i], r
         if i < 20:  # sampled, streamed
-            stream = await aclient.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=10,
-                                                      temperature=0.9, seed=i, stream=True)
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=f"Story {i}:", max_tokens=10, temperature=0.9, seed=i, stream=True
+            )
             text, fin = "", None
             async for ch in stream:
                 text += ch.choices[0].text
                 fin = ch.choices[0].finish_reason or fin
             return "stream", text, fin
-        r = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Say {i}."}],
-                                                  max_tokens=10, temperature=0.7, seed=i)
+        r = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say {i}."}], max_tokens=10, temperature=0.7, seed=i
+        )
         return "chat", None, r
 
     async def run_all():
@@ -252,8 +283,10 @@ def test_32_concurrent_requests_greedy_equal_offline(server, offline_reference):
 # however fast or slow the machine. Its many slow steps (LONG_PROMPT: server_utils) keep it
 # running until the freeze, through any stall of the client or the API process.
 LONG_TOKENS = MAX_MODEL_LEN - 64
-HOLDS_BLOCKS = (lambda m: m["pagedllm:kv_cache_used_blocks"] > 0 and m["pagedllm:num_requests_running"] == 1,
-                "the request runs and holds KV blocks")
+HOLDS_BLOCKS = (
+    lambda m: m["pagedllm:kv_cache_used_blocks"] > 0 and m["pagedllm:num_requests_running"] == 1,
+    "the request runs and holds KV blocks",
+)
 
 
 def _finished(m, reason):
@@ -279,8 +312,7 @@ def test_long_prompt_holds_the_slow_step_token(tokenizer):
 @pytest.mark.timeout(300)
 def test_stream_disconnect_frees_blocks(server):
     before = wait_idle(server)
-    body = {"prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    body = {"prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "stream": True, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
@@ -289,7 +321,7 @@ def test_stream_disconnect_frees_blocks(server):
             # The stats that came with the first token say it runs; a later message could only
             # say it ended, which the freeze now rules out from here on.
             wait_metrics(server, *HOLDS_BLOCKS)
-            r.close()   # the client goes away
+            r.close()  # the client goes away
             wait_aborted(server, before)
     # the core resumes, gets the abort, the blocks come back
     _assert_aborted_and_freed(server, before)
@@ -313,16 +345,27 @@ def test_metrics_exposed(server):
     second = post(server, "/v1/completions", {**body, "stop": [first["text"]]}).json()["choices"][0]
     assert second["finish_reason"] == "stop"
     m = server.metrics()
-    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert m[f"pagedllm:{name}_count"] > 0, name
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+    ):
         assert f"pagedllm:{name}" in m, name
     assert m['pagedllm:request_success_total{finished_reason="length"}'] > 0
     assert m['pagedllm:request_success_total{finished_reason="stop"}'] > 0
     assert m["pagedllm:generation_tokens_total"] > 0
-    deadline = time.monotonic() + 60   # the periodic stats line (every --log-stats-interval s)
+    deadline = time.monotonic() + 60  # the periodic stats line (every --log-stats-interval s)
     while "Running: " not in server.log_text() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "Running: " in server.log_text()
@@ -333,66 +376,86 @@ LONG = "hello " * 1000  # ~1000 tokens
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {}, "prompt"),
-    ("/v1/completions", {"prompt": 5}, "prompt"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
-    ("/v1/completions", {"prompt": [-1]}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None),
-    ("/v1/completions", {"prompt": "hi", "top_p": 0}, None),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, None),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": "hi", "n": 10 ** 12}, "n"),
-    ("/v1/completions", {"prompt": "hi", "n": "2"}, "n"),
-    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop": [""]}, None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, None),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, None),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, "seed"),
-    ("/v1/completions", {"prompt": "hi", "seed": 1.5}, "seed"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999999": 1}}, None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, None),
-    ("/v1/completions", {"prompt": "hi", "top_k": -5}, None),
-    ("/v1/completions", {"prompt": "hi", "min_p": 2}, None),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, None),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": 10, "max_tokens": 5}, None),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, None),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, None),
-    ("/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, None),
-    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
-    ("/v1/chat/completions", {}, "messages"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
-    # a text-only model: the image part is named
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content[0]"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, None),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": 5}}}}, "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True,
-                              "add_generation_prompt": True, "max_tokens": "x"}, "max_tokens"),
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": 3}, "prompt"),
-    ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, None),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, None),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, None),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 10**12}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": "2"}, "n"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}, None),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 50}, None),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, None),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "seed": 1.5}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, None),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999999": 1}}, None),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, None),
+        ("/v1/completions", {"prompt": "hi", "top_k": -5}, None),
+        ("/v1/completions", {"prompt": "hi", "min_p": 2}, None),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, None),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 10, "max_tokens": 5}, None),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, None),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, None),
+        ("/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, None),
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ("/v1/chat/completions", {}, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+        # a text-only model: the image part is named
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, None),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": CHAT,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+            },
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "assistant", "content": "x"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+                "max_tokens": "x",
+            },
+            "max_tokens",
+        ),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 3}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
 def test_bad_input_400(server, path, body, param):
     err = assert_error(post(server, path, body), 400)
     if param is not None:
@@ -400,25 +463,39 @@ def test_bad_input_400(server, path, body, param):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("messages, param, role", [
-    ([{"role": ""}], "messages[0].role", ""),
-    ([{"role": "", "content": "hi"}], "messages[0].role", ""),
-    ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}], "messages[1].role", "robot"),
-    ([{"role": "User", "content": "hi"}], "messages[0].role", "User"),
-])
+@pytest.mark.parametrize(
+    "messages, param, role",
+    [
+        ([{"role": ""}], "messages[0].role", ""),
+        ([{"role": "", "content": "hi"}], "messages[0].role", ""),
+        ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}], "messages[1].role", "robot"),
+        ([{"role": "User", "content": "hi"}], "messages[0].role", "User"),
+    ],
+)
 def test_unknown_role_400(client, messages, param, role):
     """A role that is not a chat role is refused (as OpenAI and vLLM do), not rendered as text."""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     err = e.value.body
     assert err["param"] == param, err
-    assert f"{param}: {role!r} is not a chat role; allowed: system, developer, user, assistant, tool" \
-        == err["message"], err
+    assert (
+        f"{param}: {role!r} is not a chat role; allowed: system, developer, user, assistant, tool" == err["message"]
+    ), err
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("content", [b"{not json", b"[]", b'"text"', b"", b'{"prompt": "hi", "temperature": NaN}',
-                                     b'{"prompt": "hi", "temperature": Infinity}', b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"[]",
+        b'"text"',
+        b"",
+        b'{"prompt": "hi", "temperature": NaN}',
+        b'{"prompt": "hi", "temperature": Infinity}',
+        b"\xff\xfe",
+    ],
+)
 def test_malformed_bodies_400(server, content):
     assert_error(post(server, "/v1/completions", content=content), 400)
 
@@ -441,14 +518,18 @@ def test_context_length_400_with_numbers(server, client, tokenizer):
     assert err["message"] == (
         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
         f"{n_prompt + 100} tokens ({n_prompt} in the prompt, 100 in the completion). "
-        "Please reduce the length of the prompt or completion."), err
+        "Please reduce the length of the prompt or completion."
+    ), err
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=200)
     msg = e.value.body["message"]
-    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in msg and "in the messages, 200 in the completion" in msg
+    assert (
+        f"maximum context length is {MAX_MODEL_LEN} tokens" in msg and "in the messages, 200 in the completion" in msg
+    )
     # without max_tokens, a prompt that fills the context
-    err = assert_error(post(server, "/v1/completions", {"prompt": LONG * 2, "max_tokens": None}), 400,
-                       "context_length_exceeded")
+    err = assert_error(
+        post(server, "/v1/completions", {"prompt": LONG * 2, "max_tokens": None}), 400, "context_length_exceeded"
+    )
     assert "resulted in" in err["message"]
 
 
@@ -458,8 +539,14 @@ def test_bad_input_does_not_disturb_others(server, client):
     kw = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12)
     expected = client.completions.create(**kw).choices[0].text
     stream = client.completions.create(stream=True, **kw)
-    bad = [{"prompt": 5}, {"prompt": "hi", "top_p": 7}, {"prompt": [10 ** 9]}, {"prompt": LONG, "max_tokens": 500},
-           {"prompt": "hi", "seed": 2 ** 80}, {"model": "x", "prompt": "hi"}]
+    bad = [
+        {"prompt": 5},
+        {"prompt": "hi", "top_p": 7},
+        {"prompt": [10**9]},
+        {"prompt": LONG, "max_tokens": 500},
+        {"prompt": "hi", "seed": 2**80},
+        {"model": "x", "prompt": "hi"},
+    ]
     text = ""
     for i, ch in enumerate(stream):
         text += ch.choices[0].text
@@ -474,17 +561,23 @@ def _fuzz_strategies():
     replaced by junk of any JSON type: the validation of every field and the engine's paths
     are both exercised."""
     from hypothesis import strategies as st
-    junk = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
-                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
-                     st.lists(st.integers(-5, 60000), max_size=3),
-                     st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2))
+
+    junk = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=8),
+        st.lists(st.integers(-5, 60000), max_size=3),
+        st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2),
+    )
     sampling = {
         "model": st.just(MODEL),
         "temperature": st.floats(0, 2),
         "top_p": st.floats(0.01, 1),
         "n": st.integers(1, 3),
         "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2)),
-        "seed": st.integers(-2 ** 63, 2 ** 63 - 1),
+        "seed": st.integers(-(2**63), 2**63 - 1),
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
         "presence_penalty": st.floats(-2, 2),
@@ -499,18 +592,31 @@ def _fuzz_strategies():
         "skip_special_tokens": st.booleans(),
         "user": st.text(max_size=4),
     }
-    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                     "content": st.text(max_size=20)})
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=20)}
+    )
     endpoints = {
         "/v1/completions": (
-            {"prompt": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.integers(0, 49151), min_size=1, max_size=4),
-                                 st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=2)),
-             "max_tokens": st.integers(1, 3)},
-            {**sampling, "logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(3, 4)}),
+            {
+                "prompt": st.one_of(
+                    st.text(min_size=1, max_size=20),
+                    st.lists(st.integers(0, 49151), min_size=1, max_size=4),
+                    st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=2),
+                ),
+                "max_tokens": st.integers(1, 3),
+            },
+            {**sampling, "logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(3, 4)},
+        ),
         "/v1/chat/completions": (
             {"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": st.integers(1, 3)},
-            {**sampling, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
-             "add_generation_prompt": st.booleans(), "max_completion_tokens": st.integers(1, 3)}),
+            {
+                **sampling,
+                "logprobs": st.booleans(),
+                "top_logprobs": st.integers(0, 5),
+                "add_generation_prompt": st.booleans(),
+                "max_completion_tokens": st.integers(1, 3),
+            },
+        ),
         "/tokenize": ({"prompt": st.text(max_size=10)}, {"model": st.just(MODEL), "add_special_tokens": st.booleans()}),
         "/detokenize": ({"tokens": st.lists(st.integers(0, 49151), max_size=4)}, {"model": st.just(MODEL)}),
     }
@@ -543,8 +649,7 @@ def test_fuzz_request_schema_no_5xx(server):
 
     seen = {"ok": 0, "4xx": 0}
 
-    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(_fuzz_strategies())
     def check(case):
         path, body = case
@@ -598,7 +703,7 @@ def test_sigterm_with_request_in_flight_exits_cleanly(server):
         with core_frozen(server):
             server.proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]  # the stream ends (an error event, then [DONE])
-    code = server.proc.wait(120)   # (a second SIGTERM would force uvicorn's exit)
+    code = server.proc.wait(120)  # (a second SIGTERM would force uvicorn's exit)
     assert code == 0, server.log_text()
     # Aborted, not waited for: its 800 tokens did not all come before the end.
     assert rest and rest[-1] == "data: [DONE]", rest
@@ -607,4 +712,3 @@ def test_sigterm_with_request_in_flight_exits_cleanly(server):
     wait_session_gone(server)
     log = server.log_text()
     assert "engine core stopped" in log and "Traceback" not in log, log
-

@@ -2,6 +2,7 @@
 real ZMQ sockets with a real scheduler and a fake model runner, handles add / beam / abort /
 utility / shutdown, reports stats and queue times, frees an aborted request's blocks, and
 ends only the culprit of a step that raises."""
+
 from __future__ import annotations
 
 import threading
@@ -24,7 +25,7 @@ from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.sampling_params import SamplingParams
 
 TOKEN = 1000
-POISON = 666   # a step with a request whose prompt holds it raises
+POISON = 666  # a step with a request whose prompt holds it raises
 
 
 class FakeRunner:
@@ -34,7 +35,7 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def reset(self) -> None:   # no rows to forget
+    def reset(self) -> None:  # no rows to forget
         pass
 
     def execute_model(self, so):
@@ -46,16 +47,21 @@ class FakeRunner:
             r = self.scheduler.requests[rid]
             sampled.append([TOKEN] if r.num_computed_tokens >= r.num_tokens else [])
             k = r.sampling_params.logprobs
-            logprobs.append(None if k is None else [([TOKEN] + [TOKEN + j for j in range(k)],
-                                                     [-0.5] + [-0.5 * (j + 1) for j in range(k)], 1)])
+            logprobs.append(
+                None
+                if k is None
+                else [([TOKEN] + [TOKEN + j for j in range(k)], [-0.5] + [-0.5 * (j + 1) for j in range(k)], 1)]
+            )
         time.sleep(0.002)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
 
 def _fake_core(num_blocks=64, block_size=4) -> EngineCore:
     core = EngineCore.__new__(EngineCore)
-    core.scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256),
-                               KVCacheManager(num_blocks, block_size))
+    core.scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256),
+        KVCacheManager(num_blocks, block_size),
+    )
     core.model_executor = FakeRunner(core.scheduler)
     core.failures = StepFailures(core.scheduler, core.model_executor)
     core.num_blocks = num_blocks
@@ -74,6 +80,7 @@ def proc(tmp_path):
     core_in.connect(f"ipc://{tmp_path}/in")
     core_out.connect(f"ipc://{tmp_path}/out")
     import os
+
     p = EngineCoreProc(_fake_core(), core_in, core_out, os.getppid())
     t = threading.Thread(target=p.run, daemon=True)
     t.start()
@@ -95,8 +102,13 @@ def proc(tmp_path):
 
 
 def _req(rid, n_prompt, max_tokens, first=10):
-    r = Request(rid, list(range(first, first + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                eos_token_id=2, arrival_time=time.time())
+    r = Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        eos_token_id=2,
+        arrival_time=time.time(),
+    )
     r.max_tokens = max_tokens
     return m.EngineCoreRequest.from_request(r)
 
@@ -130,7 +142,7 @@ def test_core_proc_add_step_abort_utility(proc):
     assert "unknown utility" in replies[8].error
     # abort b: its blocks come back, and a stats message says so once the core is idle
     send(m.AbortRequests(["b"]))
-    deadline = time.time() + 60   # generous: a loaded machine is slow, not wrong
+    deadline = time.time() + 60  # generous: a loaded machine is slow, not wrong
     while True:
         stats = recv().scheduler_stats
         if stats.running == 0:
@@ -159,8 +171,13 @@ def test_core_proc_duplicate_id_is_rejected_not_fatal(proc):
 
 
 def _beam_req(rid, n_prompt, width, max_tokens, first=10):
-    r = Request(rid, list(range(first, first + n_prompt)), beam_params(width, max_tokens), eos_token_id=2,
-                arrival_time=time.time())
+    r = Request(
+        rid,
+        list(range(first, first + n_prompt)),
+        beam_params(width, max_tokens),
+        eos_token_id=2,
+        arrival_time=time.time(),
+    )
     r.max_tokens = max_tokens
     return m.BeamSearchStart(m.EngineCoreRequest.from_request(r), width, 1.0, None)
 
@@ -172,7 +189,7 @@ def test_core_proc_beam_search(proc):
     p, send, recv = proc
     send(m.AddRequests([_req("a", 5, 6)]))
     send(_beam_req("s", 6, 2, 4))
-    send(_beam_req("t", 6, 2, 100))   # 2 x 27 of 63 blocks
+    send(_beam_req("t", 6, 2, 100))  # 2 x 27 of 63 blocks
     got, results, n_msgs = [], {}, 0
     while "s" not in results or len(got) < 6:
         msg = recv()
@@ -180,7 +197,7 @@ def test_core_proc_beam_search(proc):
         if n_msgs == 3:
             send(m.AbortRequests(["t"]))
         outs = msg.outputs
-        assert {o.req_id for o in outs} <= {"a"}, outs   # the beams' outputs stay in the core
+        assert {o.req_id for o in outs} <= {"a"}, outs  # the beams' outputs stay in the core
         got += [t for o in outs for t in o.new_token_ids]
         for b in msg.beam_results:
             assert b.error is None
@@ -191,7 +208,7 @@ def test_core_proc_beam_search(proc):
     assert [h.score for h in results["s"].sequences] == [-2.0 / 4, -2.5 / 4]
     assert results["s"].prompt_token_ids == list(range(10, 16)) and "t" not in results
     # The aborted search ends silently and its blocks come back.
-    deadline = time.time() + 60   # generous: a loaded machine is slow, not wrong
+    deadline = time.time() + 60  # generous: a loaded machine is slow, not wrong
     while True:
         send(m.UtilityRequest(0, "get_stats"))
         msg = recv()
@@ -225,7 +242,7 @@ def test_core_proc_failed_step_ends_only_its_culprit(proc):
     while len(finished) < 2 or len(failed) < 2:
         msg = recv()
         n_msgs += 1
-        if n_msgs == 1:   # a and b are running
+        if n_msgs == 1:  # a and b are running
             send(m.AddRequests([_req("x", 4, 12, first=POISON)]))
             send(_beam_req("s", 3, 2, 8, first=POISON - 1))
         assert not msg.beam_results, msg

@@ -4,6 +4,7 @@ does, token for token, and both replicas served some of them (/metrics, per repl
 
 The tiny random model keeps it fast; its word-level tokenizer makes text and token ids one to
 one (with skip_special_tokens off, "<unk>", "<s>" and "</s>" are words too)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,10 @@ NUM_PROMPTS, MAX_TOKENS = 12, 16
 def _prompts() -> list[list[int]]:
     """Unrelated prompts of 3 to 80 tokens (no shared prefix: the router balances them by load)."""
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 512, (int(torch.randint(3, 81, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(NUM_PROMPTS)]
+    return [
+        torch.randint(3, 512, (int(torch.randint(3, 81, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(NUM_PROMPTS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,11 @@ def server():
 def test_dp2_greedy_equals_one_replica(server):
     prompts = _prompts()
     llm = LLM(TINY, max_model_len=256)
-    ref = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    ref = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     ref_ids = [o.outputs[0].token_ids for o in ref]
     tok = llm.get_tokenizer()
     token_id = {tok.decode([i]): i for i in range(len(tok))}
@@ -44,9 +50,18 @@ def test_dp2_greedy_equals_one_replica(server):
     aclient = server.async_client()
 
     async def all_at_once():
-        return await asyncio.gather(*(aclient.completions.create(
-            model=TINY, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True, "skip_special_tokens": False}) for p in prompts))
+        return await asyncio.gather(
+            *(
+                aclient.completions.create(
+                    model=TINY,
+                    prompt=p,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True, "skip_special_tokens": False},
+                )
+                for p in prompts
+            )
+        )
 
     outs = asyncio.run(all_at_once())
     got = [[token_id[w] for w in r.choices[0].text.split()] for r in outs]

@@ -3,6 +3,7 @@ replica's engine-core process is SIGKILLed while both replicas run a request. As
 (engine/dp_client.py), a dead replica takes the server's engine down as one core's death does:
 the requests in flight on either replica end with an error at once, and the server exits 1 by
 itself leaving no process behind. Every wait is bounded and ends on the event it waits for."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import pytest
 from server_utils import RemoteServer, assert_exits, child_pids, wait_metrics, wait_session_gone
 from test_server_engine_failure import SLOW, first_chunk_then_rest
 
-LONG = 900   # tokens, each step slowed 5 ms by the `slow` fault: running for seconds on any machine
+LONG = 900  # tokens, each step slowed 5 ms by the `slow` fault: running for seconds on any machine
 
 
 def core_pids(srv) -> list[int]:
@@ -32,8 +33,9 @@ def test_replica_killed_requests_fail_and_server_exits():
         streams = []
         for prompt in ([5, 6, 7, SLOW], [10, 11, 12, 13, SLOW]):
             started, events = threading.Event(), []
-            t = threading.Thread(target=first_chunk_then_rest,
-                                 args=(srv, {"prompt": prompt, "max_tokens": LONG}, started, events))
+            t = threading.Thread(
+                target=first_chunk_then_rest, args=(srv, {"prompt": prompt, "max_tokens": LONG}, started, events)
+            )
             t.start()
             assert started.wait(60), events
             streams.append((t, events))
@@ -42,7 +44,7 @@ def test_replica_killed_requests_fail_and_server_exits():
         assert [m.get(f'pagedllm:dp_replica_requests_added{{replica="{i}"}}', 0) for i in range(2)] == [1, 1], m
         os.kill(cores[1], signal.SIGKILL)
         for t, events in streams:
-            t.join(60)   # a bound for a hang, not a clock: the stream's end is what is checked
+            t.join(60)  # a bound for a hang, not a clock: the stream's end is what is checked
             assert not t.is_alive(), "a stream hung after a replica died"
             assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
         assert_exits(srv, 1)

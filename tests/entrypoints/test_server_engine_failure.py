@@ -9,6 +9,7 @@ faults injected in the engine core's model runner (PAGEDLLM_FAULT_INJECTION):
   core serves the next requests.
 The same mechanism offline: LLMEngine.step raises RequestFailedError for the culprit alone.
 Every wait is bounded and ends on the event it waits for."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,14 +26,14 @@ import pytest
 
 from server_utils import RemoteServer, assert_error, assert_exits, wait_idle, wait_session_gone
 
-RAISE, REJECT, EXIT, SLOW = 500, 501, 502, 503        # token ids that trigger each injected fault
+RAISE, REJECT, EXIT, SLOW = 500, 501, 502, 503  # token ids that trigger each injected fault
 FAULTS = f"raise:{RAISE},reject:{REJECT},exit:{EXIT},slow:{SLOW}"
 ARGS = ["--model", "random:tiny", "--max-model-len", "1024", "--max-num-seqs", "8"]
 # Each step that holds an innocent sleeps 5 ms (`slow`): a tiny model's request of LONG tokens
 # then runs for seconds on any machine, long enough for the test to act while it runs.
 INNOCENT = [[5, 6, 7, 8, 9, SLOW], [10, 11, 12, SLOW], [13, 14, 15, 16, 17, 18, 19, 20, 21, SLOW]]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-LONG = 900   # tokens: a request still running when the test acts (hundreds of steps)
+LONG = 900  # tokens: a request still running when the test acts (hundreds of steps)
 
 
 def start_server(extra: list[str]) -> RemoteServer:
@@ -58,8 +59,12 @@ def post(server, body: dict, timeout=60) -> httpx.Response:
 
 def first_chunk_then_rest(server, body: dict, started: threading.Event, out: list) -> None:
     """Stream `body`, set `started` at its first token, then collect the remaining events."""
-    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
-                      json={**body, "stream": True, "temperature": 0, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/completions",
+        timeout=60,
+        json={**body, "stream": True, "temperature": 0, "ignore_eos": True},
+    ) as r:
         lines = r.iter_lines()
         for line in lines:
             if line.startswith("data: "):
@@ -95,19 +100,25 @@ def test_poisoned_request_fails_alone(server):
 
     async def together():
         aclient = server.async_client()
-        innocents = [asyncio.ensure_future(aclient.completions.create(
-            model="random:tiny", prompt=p, max_tokens=320, stream=True, **GREEDY)) for p in INNOCENT]
+        innocents = [
+            asyncio.ensure_future(
+                aclient.completions.create(model="random:tiny", prompt=p, max_tokens=320, stream=True, **GREEDY)
+            )
+            for p in INNOCENT
+        ]
         streams = await asyncio.gather(*innocents)
         texts = ["" for _ in streams]
-        firsts = [await s.__anext__() for s in streams]   # all three are running now
+        firsts = [await s.__anext__() for s in streams]  # all three are running now
         for i, chunk in enumerate(firsts):
             texts[i] += chunk.choices[0].text
-        bad = asyncio.ensure_future(aclient.completions.create(
-            model="random:tiny", prompt=[3, RAISE, 4], max_tokens=8, **GREEDY))
+        bad = asyncio.ensure_future(
+            aclient.completions.create(model="random:tiny", prompt=[3, RAISE, 4], max_tokens=8, **GREEDY)
+        )
 
         async def rest(i, s):
             async for chunk in s:
                 texts[i] += chunk.choices[0].text
+
         await asyncio.gather(*(rest(i, s) for i, s in enumerate(streams)))
         with pytest.raises(openai.InternalServerError) as e:
             await bad
@@ -133,11 +144,15 @@ def test_failed_request_error_objects(server):
     assert_error(post(server, {"prompt": [7, RAISE], "n": 3, "temperature": 1.0}), 500, "request_failed")
     assert_error(post(server, {"prompt": [[5, 6], [7, RAISE]]}), 500, "request_failed")
     assert_error(post(server, {"prompt": [7, RAISE], "use_beam_search": True, "n": 3}), 500, "request_failed")
-    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
-                      json={"prompt": [7, RAISE], "max_tokens": 8, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/completions",
+        timeout=60,
+        json={"prompt": [7, RAISE], "max_tokens": 8, "stream": True},
+    ) as r:
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]", events
-    error = json.loads(events[-2][len("data: "):])["error"]
+    error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == "request_failed" and "injected fault" in error["message"], events
     with pytest.raises(openai.BadRequestError):
         complete(server.client(), [7, REJECT])
@@ -155,12 +170,13 @@ def test_core_exit_503_then_restarted(server):
     ref = complete(server.client(), INNOCENT[2], 16).choices[0].text
     old_core = server.core_pid()
     started, events = threading.Event(), []
-    t = threading.Thread(target=first_chunk_then_rest,
-                         args=(server, {"prompt": INNOCENT[0], "max_tokens": LONG}, started, events))
+    t = threading.Thread(
+        target=first_chunk_then_rest, args=(server, {"prompt": INNOCENT[0], "max_tokens": LONG}, started, events)
+    )
     t.start()
     assert started.wait(60), events
     assert_error(post(server, {"prompt": [9, EXIT]}), 503, "engine_dead")
-    t.join(60)   # a bound for a hang, not a clock: the stream's end is what is checked
+    t.join(60)  # a bound for a hang, not a clock: the stream's end is what is checked
     assert not t.is_alive(), "a stream hung after the core died"
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
     wait_until(lambda: health(server) == 200, 120, "serving again")
@@ -177,12 +193,17 @@ def test_core_killed_server_exits_nonzero():
     srv = start_server([])
     try:
         started, events = threading.Event(), []
-        t = threading.Thread(target=first_chunk_then_rest,
-                             args=(srv, {"prompt": INNOCENT[1], "max_tokens": LONG}, started, events))
+        t = threading.Thread(
+            target=first_chunk_then_rest, args=(srv, {"prompt": INNOCENT[1], "max_tokens": LONG}, started, events)
+        )
         t.start()
         assert started.wait(60), events
         result = {}
-        waiter = threading.Thread(target=lambda: result.setdefault("r", post(srv, {"prompt": [5, SLOW], "max_tokens": LONG, "ignore_eos": True})))
+        waiter = threading.Thread(
+            target=lambda: result.setdefault(
+                "r", post(srv, {"prompt": [5, SLOW], "max_tokens": LONG, "ignore_eos": True})
+            )
+        )
         waiter.start()
         wait_until(lambda: srv.metrics()["pagedllm:num_requests_running"] >= 2, 30, "both running")
         os.kill(srv.core_pid(), signal.SIGKILL)
@@ -208,6 +229,7 @@ def test_offline_engine_fails_only_the_culprit(monkeypatch):
     from pagedllm.engine.exceptions import RequestFailedError
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
+
     llm = LLM(model="random:tiny", max_model_len=128, block_size=4, max_num_seqs=8)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in INNOCENT]
@@ -216,8 +238,9 @@ def test_offline_engine_fails_only_the_culprit(monkeypatch):
     for i, p in enumerate(prompts):
         engine.add_request(f"ok{i}", p, sp, kind=OutputKind.FINAL_ONLY)
     engine.add_request("bad", {"prompt_token_ids": [3, RAISE]}, sp, kind=OutputKind.FINAL_ONLY)
-    engine.add_request("bad-n", {"prompt_token_ids": [3, REJECT]}, SamplingParams(n=2, temperature=1.0),
-                       kind=OutputKind.FINAL_ONLY)
+    engine.add_request(
+        "bad-n", {"prompt_token_ids": [3, REJECT]}, SamplingParams(n=2, temperature=1.0), kind=OutputKind.FINAL_ONLY
+    )
     done, errors = {}, {}
     for _ in range(200):
         if not engine.has_unfinished_requests():

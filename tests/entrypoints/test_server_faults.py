@@ -3,6 +3,7 @@
 (the stream in flight ends with an error, no hang, and the server exits 1 leaving no process;
 more in test_server_engine_failure.py). One small server
 (one sequence at a time, one waiting at most), stopped by the last test."""
+
 from __future__ import annotations
 
 import os
@@ -19,15 +20,32 @@ pytestmark = pytest.mark.model
 
 KEY = "sk-pagedllm-test"
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}assistant:{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    srv = RemoteServer(["--max-model-len", "512", "--kv-cache-memory", "0.05", "--max-num-seqs", "1",
-                        "--max-waiting-requests", "1", "--chat-template", TEMPLATE,
-                        "--served-model-name", "my-model", MODEL], api_key=KEY)
+    srv = RemoteServer(
+        [
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "0.05",
+            "--max-num-seqs",
+            "1",
+            "--max-waiting-requests",
+            "1",
+            "--chat-template",
+            TEMPLATE,
+            "--served-model-name",
+            "my-model",
+            MODEL,
+        ],
+        api_key=KEY,
+    )
     yield srv
     srv.close()
 
@@ -67,26 +85,29 @@ def test_overload_503_at_once_admitted_finish(server):
 
     def run_b():
         try:
-            results["B"] = client.completions.create(model="my-model", prompt="Request B:", max_tokens=4,
-                                                     temperature=0, extra_body={"ignore_eos": True})
+            results["B"] = client.completions.create(
+                model="my-model", prompt="Request B:", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            )
         except Exception as e:  # noqa: BLE001 - reported by the asserts below
             results["B"] = e
 
     body = {"model": "my-model", "prompt": "Request A:", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers(),
-                      timeout=60) as a:
+    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers(), timeout=60) as a:
         assert a.status_code == 200
         wait_metrics(server, lambda m: m["pagedllm:num_requests_running"] == 1, "A runs")
         b = threading.Thread(target=run_b)
         b.start()
         wait_metrics(server, lambda m: m["pagedllm:num_requests_waiting"] == 1, "B waits")
-        r = httpx.post(server.base_url + "/completions", headers=server.headers(),
-                       json={"model": "my-model", "prompt": "C", "max_tokens": 4}, timeout=60)
+        r = httpx.post(
+            server.base_url + "/completions",
+            headers=server.headers(),
+            json={"model": "my-model", "prompt": "C", "max_tokens": 4},
+            timeout=60,
+        )
         err = assert_error(r, 503, "server_overloaded")
         assert "max-waiting-requests" in err["message"]
         with pytest.raises(openai.InternalServerError):  # 503 through the client too (no retries)
-            client.chat.completions.create(model="my-model", messages=[{"role": "user", "content": "C"}],
-                                           max_tokens=2)
+            client.chat.completions.create(model="my-model", messages=[{"role": "user", "content": "C"}], max_tokens=2)
         # Refused while A and B were still in flight: not queued behind them.
         m = server.metrics()
         assert m["pagedllm:num_requests_running"] == 1 and m["pagedllm:num_requests_waiting"] == 1, m
@@ -105,14 +126,13 @@ def test_overload_503_at_once_admitted_finish(server):
 def test_core_death_503_and_clean_exit(server):
     core = server.core_pid()
     body = {"model": "my-model", "prompt": "Count slowly:", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers(),
-                      timeout=60) as r:
+    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=server.headers(), timeout=60) as r:
         lines = r.iter_lines()
         for line in lines:
             if line.startswith("data: "):
                 break
         os.kill(core, signal.SIGKILL)
-        rest = [line for line in lines if line]   # the stream ends (a hang: the read timeout above)
+        rest = [line for line in lines if line]  # the stream ends (a hang: the read timeout above)
     assert rest[-1] == "data: [DONE]" and any('"error"' in line for line in rest), rest
     # The server exits 1 by itself, for a supervisor to restart it.
     assert server.proc.wait(30) == 1

@@ -9,6 +9,7 @@ to max_model_len, and client disconnects mid-request or mid-stream. Afterwards: 
 than overload 503s, every 200 well formed, greedy and seeded requests' texts equal to the same
 request run alone offline, no KV block in use (`/metrics`), `/health` 200.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,34 +30,43 @@ from server_utils import RemoteServer, wait_idle
 from engine.test_engine_fuzz import TIE_EPS, Reference, one_thread, reference  # noqa: F401 (fixtures)
 
 NAME = "fuzz"
-CI_REQUESTS = 1000       # about 20-30 s on a 2-core machine
+CI_REQUESTS = 1000  # about 20-30 s on a 2-core machine
 CONCURRENCY = 8
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"   # "w5 w17" -> [5, 17]
-COMPLETIONS_MAX_TOKENS = 16   # /v1/completions' max_tokens when none is sent
-TICK_S = 0.02            # a disconnect after k ticks (non-streamed) or k chunks (streamed)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # "w5 w17" -> [5, 17]
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions' max_tokens when none is sent
+TICK_S = 0.02  # a disconnect after k ticks (non-streamed) or k chunks (streamed)
 
 
 def server_spec(seed: int) -> EngineSpec:
     """Room for a few full-length sequences only: preemption and overload are the normal case."""
     rng = random.Random(f"server-{seed}")
     mode = rng.choice(["recompute", "swap"])
-    return EngineSpec(block_size=4, max_model_len=48, max_num_seqs=4, num_gpu_blocks=2 * 12 + 1,
-                      max_num_batched_tokens=rng.choice([8, 16, 64]), enable_chunked_prefill=True,
-                      enable_prefix_caching=rng.random() < 0.7, preemption_mode=mode, num_cpu_blocks=None,
-                      scheduling_policy=rng.choice(["fcfs", "priority"]))
+    return EngineSpec(
+        block_size=4,
+        max_model_len=48,
+        max_num_seqs=4,
+        num_gpu_blocks=2 * 12 + 1,
+        max_num_batched_tokens=rng.choice([8, 16, 64]),
+        enable_chunked_prefill=True,
+        enable_prefix_caching=rng.random() < 0.7,
+        preemption_mode=mode,
+        num_cpu_blocks=None,
+        scheduling_policy=rng.choice(["fcfs", "priority"]),
+    )
 
 
 def kv_bytes_per_block(block_size: int) -> int:
     from pagedllm.models.random_model import random_model_dir
+
     cfg = json.loads((Path(random_model_dir(MODEL)) / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 4   # float32
+    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 4  # float32
 
 
 def workload(seed: int):
     """An endless stream of the fuzzer's requests, case after case."""
     spec = server_spec(seed)
-    for case in range(10 ** 9):
+    for case in range(10**9):
         yield from draw_requests(random.Random(f"server-{seed}-{case}"), spec, prefix=f"s{case}")
 
 
@@ -140,7 +150,7 @@ async def send(client: openai.AsyncOpenAI, req: RequestSpec) -> tuple[str, dict[
     except openai.APIStatusError as e:
         code = e.code or (e.body.get("code") if isinstance(e.body, dict) else None)
         return (f"{e.status_code} {code}" if e.status_code >= 500 else str(e.status_code)), {}
-    except openai.APIError as e:   # an error event inside a stream, or the connection broke
+    except openai.APIError as e:  # an error event inside a stream, or the connection broke
         return f"broken: {type(e).__name__}: {e}", {}
 
 
@@ -157,7 +167,7 @@ def compare_alone(served: list, reference: Reference, max_model_len: int) -> lis
     """Greedy and seeded requests' texts against the same request run alone offline."""
     bad = []
     for req, texts in served:
-        if req.max_tokens is None and not req.chat:   # what the server takes (OpenAI's default)
+        if req.max_tokens is None and not req.chat:  # what the server takes (OpenAI's default)
             req = dataclasses.replace(req, max_tokens=COMPLETIONS_MAX_TOKENS)
         ref = reference.run(req, max_model_len)
         for i, text in texts.items():
@@ -166,8 +176,7 @@ def compare_alone(served: list, reference: Reference, max_model_len: int) -> lis
     return bad
 
 
-async def run_clients(server: RemoteServer, seed: int, seconds: Optional[float]
-                      ) -> tuple[Counter, list[str], list]:
+async def run_clients(server: RemoteServer, seed: int, seconds: Optional[float]) -> tuple[Counter, list[str], list]:
     """CI_REQUESTS requests (or as many as `seconds` allow) -> outcomes by kind, the failures,
     and (request, texts) of the reproducible 200s."""
     client = server.async_client(timeout=60)
@@ -205,12 +214,26 @@ async def run_clients(server: RemoteServer, seed: int, seconds: Optional[float]
 def fuzz_server(request):
     seed = request.config.getoption("--fuzz-seed")
     spec = server_spec(seed)
-    kv_gib = spec.num_gpu_blocks * kv_bytes_per_block(spec.block_size) / 2 ** 30
+    kv_gib = spec.num_gpu_blocks * kv_bytes_per_block(spec.block_size) / 2**30
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")   # see one_thread: a second thread only spins
-        srv = RemoteServer(["--model", MODEL, "--served-model-name", NAME, "--chat-template", CHAT_TEMPLATE,
-                            "--kv-cache-memory", repr(kv_gib), "--swap-space", "0.0001",
-                            "--max-waiting-requests", "12", *spec.server_args()])
+        mp.setenv("OMP_NUM_THREADS", "1")  # see one_thread: a second thread only spins
+        srv = RemoteServer(
+            [
+                "--model",
+                MODEL,
+                "--served-model-name",
+                NAME,
+                "--chat-template",
+                CHAT_TEMPLATE,
+                "--kv-cache-memory",
+                repr(kv_gib),
+                "--swap-space",
+                "0.0001",
+                "--max-waiting-requests",
+                "12",
+                *spec.server_args(),
+            ]
+        )
     yield srv, seed, spec
     srv.close()
 
@@ -223,16 +246,21 @@ def test_server_fuzz(request, fuzz_server, reference):
     t0 = time.monotonic()
     outcomes, bad, served = asyncio.run(run_clients(server, seed, seconds))
     bad += compare_alone(served, reference, spec.max_model_len)
-    print(f"\nserver fuzz, seed {seed}, {spec}: {sum(outcomes.values())} requests in "
-          f"{time.monotonic() - t0:.1f} s: {dict(outcomes)}")
+    print(
+        f"\nserver fuzz, seed {seed}, {spec}: {sum(outcomes.values())} requests in "
+        f"{time.monotonic() - t0:.1f} s: {dict(outcomes)}"
+    )
     log = "\n".join(line for line in server.log_text().splitlines() if "Running:" not in line)
-    assert not bad, (f"seed {seed} (rerun: PYTHONPATH=$PWD python -m pytest -q -s tests/entrypoints/test_server_fuzz.py "
-                     f"--fuzz-seed {seed}): {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
-                     + "\n".join(bad[:12]) + f"\nserver log (tail, stats lines left out):\n{log[-4000:]}")
+    assert not bad, (
+        f"seed {seed} (rerun: PYTHONPATH=$PWD python -m pytest -q -s tests/entrypoints/test_server_fuzz.py "
+        f"--fuzz-seed {seed}): {len(bad)} requests failed ({dict(outcomes)}); the first:\n"
+        + "\n".join(bad[:12])
+        + f"\nserver log (tail, stats lines left out):\n{log[-4000:]}"
+    )
     assert seconds or sum(outcomes.values()) == CI_REQUESTS, outcomes
     assert outcomes["200"] >= 10, outcomes
     assert server.proc.poll() is None, f"the server exited ({server.proc.returncode}):\n{log[-4000:]}"
-    m = wait_idle(server, timeout=60)   # every block back once nothing runs
+    m = wait_idle(server, timeout=60)  # every block back once nothing runs
     assert m["pagedllm:kv_cache_usage_perc"] == 0, m
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     r = server.client().completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0)

@@ -4,6 +4,7 @@ processor expands to the image's soft tokens): the chat's tokens are transformer
 the template renders, and the server (official openai client, image_url as a data URL, streamed
 and not) gives them too, with a token budget of one image (each image prefilled whole in its
 step) and text-only requests beside it."""
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -27,11 +28,14 @@ def chat(vlm_dir):
     """-> (LLM.chat's output about PICTURE, the LLM, the prompt Gemma 3's template renders for the
     same message with the image part as {"type": "image"})."""
     from pagedllm.entrypoints.llm import LLM
+
     llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=IMAGE_TOKENS)
     out = llm.chat(_messages(_data_url(PICTURE)), _greedy(), use_tqdm=False)[0]
     prompt = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, {"type": "image"}]}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     return out, llm, prompt
 
 
@@ -50,16 +54,33 @@ def test_chat_gives_transformers_tokens(vlm_dir, chat):
 def test_server_gives_offline_tokens(vlm_dir, chat):
     """Streamed and not, and text-only chats at the same time: the image chat's text and prompt
     length are LLM.chat's every time."""
-    s = RemoteServer(["--model", vlm_dir, "--dtype", "float32", "--max-model-len", "512",
-                      "--kv-cache-memory", "0.01", "--max-num-batched-tokens", str(IMAGE_TOKENS),
-                      "--block-size", "4", "--served-model-name", MODEL])
+    s = RemoteServer(
+        [
+            "--model",
+            vlm_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "0.01",
+            "--max-num-batched-tokens",
+            str(IMAGE_TOKENS),
+            "--block-size",
+            "4",
+            "--served-model-name",
+            MODEL,
+        ]
+    )
     offline = chat[0]
     try:
         client = s.client()
         messages = _messages(_data_url(PICTURE))
         r = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
-        assert (r.choices[0].message.content, r.usage.prompt_tokens) == (offline.outputs[0].text,
-                                                                         len(offline.prompt_token_ids))
+        assert (r.choices[0].message.content, r.usage.prompt_tokens) == (
+            offline.outputs[0].text,
+            len(offline.prompt_token_ids),
+        )
         assert streamed_text(client, MODEL, messages) == offline.outputs[0].text
         assert image_chats_beside_text(s, MODEL, messages) == [offline.outputs[0].text] * 2
     finally:

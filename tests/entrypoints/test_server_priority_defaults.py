@@ -4,6 +4,7 @@ leaves unset, and a request's own values override them, in completions and chat;
 `priority` field reaches the scheduler (--scheduling-policy priority takes it, an FCFS server
 refuses a nonzero one with a 400 naming it). Expected texts come from the offline LLM on the
 same folder (top_k 1 makes the defaults an argmax, so they are deterministic)."""
+
 import httpx
 import pytest
 
@@ -37,10 +38,12 @@ def offline(model_dir):
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     text = lambda outs: outs[0].outputs[0].text  # noqa: E731
     prompt = [{"prompt_token_ids": PROMPT}]
-    return {"penalised": text(llm.generate(prompt, penalised, use_tqdm=False)),
-            "greedy": text(llm.generate(prompt, greedy, use_tqdm=False)),
-            "chat penalised": text(llm.chat(MESSAGES, penalised, use_tqdm=False, chat_template=TINY_CHAT_TEMPLATE)),
-            "chat greedy": text(llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=TINY_CHAT_TEMPLATE))}
+    return {
+        "penalised": text(llm.generate(prompt, penalised, use_tqdm=False)),
+        "greedy": text(llm.generate(prompt, greedy, use_tqdm=False)),
+        "chat penalised": text(llm.chat(MESSAGES, penalised, use_tqdm=False, chat_template=TINY_CHAT_TEMPLATE)),
+        "chat greedy": text(llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=TINY_CHAT_TEMPLATE)),
+    }
 
 
 def model(server) -> str:
@@ -49,31 +52,35 @@ def model(server) -> str:
 
 @pytest.mark.parametrize("extra, want", [({}, "penalised"), (OVERRIDE, "greedy")])
 def test_completions_take_the_model_defaults_unless_set(server, offline, extra, want):
-    assert offline["penalised"] != offline["greedy"]   # the penalty shows on this prompt
-    out = server.client().completions.create(model=model(server), prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                             extra_body=extra or None)
+    assert offline["penalised"] != offline["greedy"]  # the penalty shows on this prompt
+    out = server.client().completions.create(
+        model=model(server), prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body=extra or None
+    )
     assert out.choices[0].text == offline[want]
 
 
 @pytest.mark.parametrize("extra, want", [({}, "chat penalised"), (OVERRIDE, "chat greedy")])
 def test_chat_takes_the_model_defaults_unless_set(server, offline, extra, want):
     assert offline["chat penalised"] != offline["chat greedy"]
-    out = server.client().chat.completions.create(model=model(server), messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                  extra_body=extra or None)
+    out = server.client().chat.completions.create(
+        model=model(server), messages=MESSAGES, max_tokens=MAX_TOKENS, extra_body=extra or None
+    )
     assert out.choices[0].message.content == offline[want]
 
 
 def test_a_priority_is_taken_by_the_priority_server(server, offline):
     for priority in (-3, 0, 7):
-        out = server.client().completions.create(model=model(server), prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                                 extra_body={"priority": priority})
+        out = server.client().completions.create(
+            model=model(server), prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body={"priority": priority}
+        )
         assert out.choices[0].text == offline["penalised"]
     r = httpx.post(server.base_url + "/completions", json={"prompt": PROMPT, "priority": 1.5}, timeout=60)
     assert "priority" in assert_error(r, 400)["message"]
 
 
-@pytest.mark.parametrize("path, body", [("/completions", {"prompt": PROMPT}),
-                                        ("/chat/completions", {"messages": MESSAGES})])
+@pytest.mark.parametrize(
+    "path, body", [("/completions", {"prompt": PROMPT}), ("/chat/completions", {"messages": MESSAGES})]
+)
 def test_an_fcfs_server_refuses_a_priority(tiny_shared_server, path, body):
     r = httpx.post(tiny_shared_server.base_url + path, json={**body, "max_tokens": 2, "priority": 2}, timeout=60)
     assert "priority 2 needs --scheduling-policy priority" in assert_error(r, 400)["message"]

@@ -7,6 +7,7 @@ same request without it, in the way the field means (top_k: every token within t
 The tiny random model (random:tiny): its near-uniform distributions make a seeded sample differ
 as soon as anything in the sampling changes, and its greedy output repeats tokens, which every
 penalty visibly ends. A real `pagedllm serve` on 127.0.0.1, the official openai client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,17 +19,27 @@ from pagedllm import LLM, SamplingParams
 from server_utils import TINY, TINY_CHAT_TEMPLATE, TINY_SERVER_MAX_MODEL_LEN
 
 MODEL = TINY
-MAX_MODEL_LEN = TINY_SERVER_MAX_MODEL_LEN   # the offline LLM as the shared server
+MAX_MODEL_LEN = TINY_SERVER_MAX_MODEL_LEN  # the offline LLM as the shared server
 MAX_TOKENS = 16
 TEMPLATE = TINY_CHAT_TEMPLATE
 PROMPTS = [[5, 17, 33, 99, 100, 7], [300, 301, 302], [9, 9, 9, 9]]
 SAMPLED = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # Fields the openai client takes as its own arguments; the rest (vLLM's) go in extra_body.
-OPENAI_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "n",
-                 "best_of", "logprobs"}
+OPENAI_FIELDS = {
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "n",
+    "best_of",
+    "logprobs",
+}
 
-CLIENT_TIMEOUT = 30   # seconds: the tiny model answers fast
+CLIENT_TIMEOUT = 30  # seconds: the tiny model answers fast
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +86,10 @@ def _top_k_holds(out, k) -> bool:
 
 def _min_p_holds(out, p) -> bool:
     """Every sampled token's probability is at least p times the most likely one's (temperature 1)."""
-    return all(pos[t].logprob >= max(lp.logprob for lp in pos.values()) + math.log(p) - 1e-5
-               for t, pos in zip(out.token_ids, out.logprobs))
+    return all(
+        pos[t].logprob >= max(lp.logprob for lp in pos.values()) + math.log(p) - 1e-5
+        for t, pos in zip(out.token_ids, out.logprobs)
+    )
 
 
 # (base request, the field, does the output show the field's meaning?)
@@ -127,8 +140,8 @@ def test_stop_token_ids_and_min_tokens_equal_offline(llm, client):
         assert served(client, prompt, **SAMPLED, stop_token_ids=[stop_id]) == as_served([with_stop]), prompt
         # min_tokens masks the stop id for the first end + 1 tokens: the same sample up to it, then past it
         (held,) = offline(llm, prompt, **SAMPLED, stop_token_ids=[stop_id], min_tokens=end + 1)
-        assert held.token_ids[:end - 1] == without.token_ids[:end - 1]
-        assert stop_id not in held.token_ids[:end + 1] and len(held.token_ids) > end + 1
+        assert held.token_ids[: end - 1] == without.token_ids[: end - 1]
+        assert stop_id not in held.token_ids[: end + 1] and len(held.token_ids) > end + 1
         assert served(client, prompt, **SAMPLED, stop_token_ids=[stop_id], min_tokens=end + 1) == as_served([held])
 
 
@@ -139,13 +152,19 @@ def test_seed_equals_offline_alone_in_a_batch_and_per_sample(llm, server, client
     ref = {s: as_served(offline(llm, prompt, seed=s, **sampled)) for s in range(4)}
     assert len({tuple(v) for v in ref.values()}) == 4, "different seeds gave the same sample"
     assert served(client, prompt, seed=0, **sampled) == ref[0]
-    assert served(client, prompt, seed=0, **sampled) == ref[0]   # again: the seed, not the server's state
+    assert served(client, prompt, seed=0, **sampled) == ref[0]  # again: the seed, not the server's state
 
-    async def concurrently():   # one batch on the server: each seeded request as it is alone
+    async def concurrently():  # one batch on the server: each seeded request as it is alone
         aclient = server.async_client(timeout=60)
         own, extra = _split(sampled)
-        rs = await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                               seed=s, extra_body=extra, **own) for s in range(4)))
+        rs = await asyncio.gather(
+            *(
+                aclient.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, seed=s, extra_body=extra, **own
+                )
+                for s in range(4)
+            )
+        )
         await aclient.close()
         return [[(c.text, c.finish_reason, c.stop_reason) for c in r.choices] for r in rs]
 
@@ -159,17 +178,33 @@ def test_seed_equals_offline_alone_in_a_batch_and_per_sample(llm, server, client
 @pytest.mark.timeout(120)
 def test_chat_with_every_field_equals_offline(llm, client):
     messages = [{"role": "user", "content": "w5 w17 w33 w99"}]
-    fields = {"temperature": 0.9, "seed": 99, "top_k": 50, "min_p": 0.05, "presence_penalty": 0.3,
-              "frequency_penalty": 0.2, "repetition_penalty": 1.1, "logit_bias": {7: -100.0, 8: 3.0},
-              "stop_token_ids": [11], "ignore_eos": True}
-    (ref,) = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, **fields), chat_template=TEMPLATE,
-                      use_tqdm=False)
-    (plain,) = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=99, ignore_eos=True),
-                        chat_template=TEMPLATE, use_tqdm=False)
+    fields = {
+        "temperature": 0.9,
+        "seed": 99,
+        "top_k": 50,
+        "min_p": 0.05,
+        "presence_penalty": 0.3,
+        "frequency_penalty": 0.2,
+        "repetition_penalty": 1.1,
+        "logit_bias": {7: -100.0, 8: 3.0},
+        "stop_token_ids": [11],
+        "ignore_eos": True,
+    }
+    (ref,) = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, **fields), chat_template=TEMPLATE, use_tqdm=False)
+    (plain,) = llm.chat(
+        messages,
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=99, ignore_eos=True),
+        chat_template=TEMPLATE,
+        use_tqdm=False,
+    )
     assert ref.outputs[0].token_ids != plain.outputs[0].token_ids
     own, extra = _split(fields)
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, extra_body=extra,
-                                       user="tester", **own)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, extra_body=extra, user="tester", **own
+    )
     c = r.choices[0]
-    assert (c.message.content, c.finish_reason, c.stop_reason) == (ref.outputs[0].text, ref.outputs[0].finish_reason,
-                                                                   ref.outputs[0].stop_reason)
+    assert (c.message.content, c.finish_reason, c.stop_reason) == (
+        ref.outputs[0].text,
+        ref.outputs[0].finish_reason,
+        ref.outputs[0].stop_reason,
+    )

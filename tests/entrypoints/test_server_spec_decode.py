@@ -2,6 +2,7 @@
 the official openai client, the same greedy completions as the shared server without speculation
 (same weights: random:tiny; the engine without speculation equals transformers elsewhere), and
 /metrics counts the drafts with vLLM's names; the stats log line reports the acceptance."""
+
 import json
 import time
 
@@ -21,8 +22,14 @@ def server():
 
 def streamed(srv, prompt) -> str:
     client = srv.client()
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=40,
-                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=40,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     return "".join(chunk.choices[0].text for chunk in stream)
 
 
@@ -32,8 +39,9 @@ def test_streamed_greedy_equals_the_server_without_speculation(server, tiny_shar
     m = wait_metrics(server, lambda m: m.get("pagedllm:spec_decode_num_drafts_total", 0) > 0, "drafts counted")
     assert m["pagedllm:spec_decode_num_accepted_tokens_total"] > 0
     assert m['pagedllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
-    assert wait_metrics(tiny_shared_server, lambda m: True, "metrics").get(
-        "pagedllm:spec_decode_num_drafts_total", 0) == 0
+    assert (
+        wait_metrics(tiny_shared_server, lambda m: True, "metrics").get("pagedllm:spec_decode_num_drafts_total", 0) == 0
+    )
     # The stats line is logged on the server's stats interval, which can lag the metrics under load.
     deadline = time.monotonic() + 60
     while "SpecDecoding: acceptance rate" not in server.log_text() and time.monotonic() < deadline:

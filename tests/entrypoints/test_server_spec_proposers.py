@@ -8,6 +8,7 @@
   mostly right (spec_decode/test_mtp_proposer.py's `predictable_dir`): the streamed text equals
   the engine's without speculation, whose tokens equal transformers' greedy.
 """
+
 import json
 
 import pytest
@@ -22,14 +23,21 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [40, 41, 40, 41, 40], [300, 12, 77, 300, 12]]
 
 def streamed(srv, prompt, max_tokens: int, **extra) -> str:
     client = srv.client()
-    stream = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens,
-                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True, **extra})
+    stream = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True, **extra},
+    )
     return "".join(chunk.choices[0].text for chunk in stream)
 
 
 @pytest.fixture(scope="module")
 def draft_dir_server():
     from pagedllm.models.random_model import random_model_dir
+
     spec = json.dumps({"model": str(random_model_dir("random:tiny")), "num_speculative_tokens": 3})
     srv = tiny_server(TINY_SERVER_MAX_MODEL_LEN, "--speculative-config", spec)
     yield srv
@@ -39,10 +47,13 @@ def draft_dir_server():
 def test_draft_directory_streams_the_greedy_text(draft_dir_server, tiny_shared_server):
     for prompt in PROMPTS:
         assert streamed(draft_dir_server, prompt, 40) == streamed(tiny_shared_server, prompt, 40)
-    m = wait_metrics(draft_dir_server, lambda m: m.get("pagedllm:spec_decode_num_drafts_total", 0) > 0,
-                     "drafts counted")
-    drafted, accepted = (m["pagedllm:spec_decode_num_draft_tokens_total"],
-                         m["pagedllm:spec_decode_num_accepted_tokens_total"])
+    m = wait_metrics(
+        draft_dir_server, lambda m: m.get("pagedllm:spec_decode_num_drafts_total", 0) > 0, "drafts counted"
+    )
+    drafted, accepted = (
+        m["pagedllm:spec_decode_num_draft_tokens_total"],
+        m["pagedllm:spec_decode_num_accepted_tokens_total"],
+    )
     assert drafted > 0 and accepted >= 0.9 * drafted, (drafted, accepted)
 
 
@@ -53,18 +64,34 @@ def test_mtp_streams_the_greedy_text(predictable_dir):  # noqa: F811 (the import
     # The reference: transformers' greedy tokens = the engine's without speculation, whose text the
     # server with MTP must stream (EOS masked on both sides: min_tokens = max_tokens).
     llm = LLM(str(path), dtype="float32", max_model_len=64)
-    offline = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n), use_tqdm=False)
+    offline = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n),
+        use_tqdm=False,
+    )
     del llm
     assert [o.outputs[0].token_ids for o in offline] == hf_greedy(model, prompts)
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
-    srv = RemoteServer(["--model", str(path), "--dtype", "float32", "--max-model-len", "64",
-                        "--kv-cache-memory", "0.01", "--speculative-config", spec])
+    srv = RemoteServer(
+        [
+            "--model",
+            str(path),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "64",
+            "--kv-cache-memory",
+            "0.01",
+            "--speculative-config",
+            spec,
+        ]
+    )
     try:
         for p, ref in zip(prompts, offline):
             assert streamed(srv, p, n, min_tokens=n) == ref.outputs[0].text
-        m = wait_metrics(srv, lambda m: m.get("pagedllm:spec_decode_num_accepted_tokens_total", 0) > 0,
-                         "accepted drafts counted")
+        m = wait_metrics(
+            srv, lambda m: m.get("pagedllm:spec_decode_num_accepted_tokens_total", 0) > 0, "accepted drafts counted"
+        )
         assert m["pagedllm:spec_decode_num_drafts_total"] > 0
     finally:
         srv.close()

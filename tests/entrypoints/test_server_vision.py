@@ -4,6 +4,7 @@ a tiny random-weight Idefics3, streamed and not, give the tokens of offline LLM.
 transformers' on the same prompt); bad images, too many images and a text-only model get 400s
 naming the part, and do not disturb a good request beside them; the encoder cache's counters
 (vLLM's mm_cache_queries / mm_cache_hits) on /metrics."""
+
 import asyncio
 import base64
 import http.server
@@ -52,9 +53,24 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(vlm_dir, media_dir):
-    s = RemoteServer(["--model", vlm_dir, "--dtype", "float32", "--max-model-len", "512",
-                      "--kv-cache-memory", "0.01", "--limit-mm-per-prompt", '{"image": 2}',
-                      "--allowed-local-media-path", str(media_dir), "--served-model-name", MODEL])
+    s = RemoteServer(
+        [
+            "--model",
+            vlm_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "0.01",
+            "--limit-mm-per-prompt",
+            '{"image": 2}',
+            "--allowed-local-media-path",
+            str(media_dir),
+            "--served-model-name",
+            MODEL,
+        ]
+    )
     yield s
     s.close()
 
@@ -66,11 +82,14 @@ def offline(vlm_dir):
 
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
+
     llm = LLM(vlm_dir, dtype="float32")
-    out = llm.chat(_messages(_data_url(image(5))), SamplingParams(max_tokens=N, temperature=0, ignore_eos=True),
-                   use_tqdm=False)[0].outputs[0]
+    out = llm.chat(
+        _messages(_data_url(image(5))), SamplingParams(max_tokens=N, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     prompt = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
-        [{"role": "user", "content": QUESTION + "\n<image>"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": QUESTION + "\n<image>"}], add_generation_prompt=True, tokenize=False
+    )
     assert list(out.token_ids) == hf_greedy(vlm_dir, prompt, [image(5)], N)
     return out.text
 
@@ -79,8 +98,7 @@ def offline(vlm_dir):
 def loopback(media_dir):
     """An http server on 127.0.0.1 serving media_dir; -> its base URL."""
     handler = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                            lambda *a: handler(*a, directory=str(media_dir)))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(media_dir)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
@@ -94,29 +112,32 @@ def test_image_url_gives_offline_tokens(server, offline, media_dir, loopback):
         r = client.chat.completions.create(model=MODEL, messages=_messages(url), **GREEDY)
         assert r.choices[0].message.content == offline, url
         assert r.usage.completion_tokens == N
-    stream = client.chat.completions.create(model=MODEL, messages=_messages(_data_url(image(5))),
-                                            stream=True, **GREEDY)
+    stream = client.chat.completions.create(model=MODEL, messages=_messages(_data_url(image(5))), stream=True, **GREEDY)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == offline
-    other = client.chat.completions.create(model=MODEL, messages=_messages(_data_url(image(4))),
-                                           **GREEDY)
-    assert other.choices[0].message.content != offline   # the image decides the answer
+    other = client.chat.completions.create(model=MODEL, messages=_messages(_data_url(image(4))), **GREEDY)
+    assert other.choices[0].message.content != offline  # the image decides the answer
 
 
 def _post(server, messages):
-    return httpx.post(server.base_url + "/chat/completions", timeout=60,
-                      json={"messages": messages, "max_tokens": 2})
+    return httpx.post(server.base_url + "/chat/completions", timeout=60, json={"messages": messages, "max_tokens": 2})
 
 
-@pytest.mark.parametrize("url, param, words", [
-    ("data:image/png;base64,@@@notbase64", "messages[0].content[1].image_url.url", "base64"),
-    ("data:image/png;base64," + base64.b64encode(b"plain text").decode(), "messages[0].content[1].image_url.url",
-     "not an image"),
-    ("data:text/plain,hello", "messages[0].content[1].image_url.url", "data:image/"),
-    ("ftp://example.com/a.png", "messages[0].content[1].image_url.url", "not supported"),
-    ("file:///etc/hostname", "messages[0].content[1].image_url.url", "outside --allowed-local-media-path"),
-    ("BROKEN", "messages[0].content[1].image_url.url", "not an image"),
-    ("MISSING", "messages[0].content[1].image_url.url", "HTTP 404"),
-])
+@pytest.mark.parametrize(
+    "url, param, words",
+    [
+        ("data:image/png;base64,@@@notbase64", "messages[0].content[1].image_url.url", "base64"),
+        (
+            "data:image/png;base64," + base64.b64encode(b"plain text").decode(),
+            "messages[0].content[1].image_url.url",
+            "not an image",
+        ),
+        ("data:text/plain,hello", "messages[0].content[1].image_url.url", "data:image/"),
+        ("ftp://example.com/a.png", "messages[0].content[1].image_url.url", "not supported"),
+        ("file:///etc/hostname", "messages[0].content[1].image_url.url", "outside --allowed-local-media-path"),
+        ("BROKEN", "messages[0].content[1].image_url.url", "not an image"),
+        ("MISSING", "messages[0].content[1].image_url.url", "HTTP 404"),
+    ],
+)
 def test_bad_image_is_400_naming_the_part(server, media_dir, loopback, url, param, words):
     url = {"BROKEN": f"file://{media_dir}/broken.png", "MISSING": f"{loopback}/missing.png"}.get(url, url)
     err = assert_error(_post(server, _messages(url)), 400)
@@ -138,18 +159,20 @@ def test_bad_request_beside_good_ones(server, offline):
     client = server.async_client()
 
     async def good():
-        r = await client.chat.completions.create(model=MODEL,
-                                                 messages=_messages(_data_url(image(5))), **GREEDY)
+        r = await client.chat.completions.create(model=MODEL, messages=_messages(_data_url(image(5))), **GREEDY)
         return r.choices[0].message.content
 
     async def bad():
         import openai
+
         with pytest.raises(openai.BadRequestError):
-            await client.chat.completions.create(model=MODEL,
-                                                 messages=_messages("data:image/png;base64,AAAA"), **GREEDY)
+            await client.chat.completions.create(
+                model=MODEL, messages=_messages("data:image/png;base64,AAAA"), **GREEDY
+            )
 
     async def run():
         return await asyncio.gather(good(), bad(), good(), bad())
+
     results = asyncio.run(run())
     assert results[0] == results[2] == offline
 
@@ -170,15 +193,34 @@ def test_template_that_takes_parts(vlm_dir, tmp_path):
     tests/models/test_idefics3.py)."""
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
+
     template = tmp_path / "smolvlm.jinja"
     template.write_text(SMOLVLM_TEMPLATE)
     messages = _messages(_data_url(image(6)))
     llm = LLM(vlm_dir, dtype="float32")
-    ref = llm.chat(messages, SamplingParams(max_tokens=N, temperature=0, ignore_eos=True), use_tqdm=False,
-                   chat_template=SMOLVLM_TEMPLATE)[0]
+    ref = llm.chat(
+        messages,
+        SamplingParams(max_tokens=N, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+        chat_template=SMOLVLM_TEMPLATE,
+    )[0]
     assert "<image>" in ref.prompt and "'type'" not in ref.prompt
-    s = RemoteServer(["--model", vlm_dir, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "0.01",
-                      "--served-model-name", MODEL, "--chat-template", str(template)])
+    s = RemoteServer(
+        [
+            "--model",
+            vlm_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "0.01",
+            "--served-model-name",
+            MODEL,
+            "--chat-template",
+            str(template),
+        ]
+    )
     try:
         r = s.client().chat.completions.create(model=MODEL, messages=messages, **GREEDY)
         assert r.choices[0].message.content == ref.outputs[0].text

@@ -3,6 +3,7 @@ chat template writes calls, with the expected content and calls by hand: whole, 
 through the real streaming code (ChatOutputParser.delta) one character at a time, one token at a
 time (the default model's tokenizer, decoded incrementally as the detokenizer does) and in
 random pieces; the streamed fragments must add up to the whole message."""
+
 import json
 import random
 
@@ -13,38 +14,88 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers.streaming import ChatOutputParser
 from pagedllm.models.download import resolve_model
 
-WEATHER_TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"}, "verbose": {"type": "boolean"},
-    "ratio": {"type": "number"}, "filters": {"type": "object"}}}}, {"name": "noop", "parameters": {}}]
+WEATHER_TOOLS = [
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "verbose": {"type": "boolean"},
+                "ratio": {"type": "number"},
+                "filters": {"type": "object"},
+            },
+        },
+    },
+    {"name": "noop", "parameters": {}},
+]
 
-QWEN3_CALLS = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
-               "<parameter=days>\n3\n</parameter>\n<parameter=verbose>\ntrue\n</parameter>\n<parameter=ratio>\n"
-               "0.25\n</parameter>\n<parameter=filters>\n{\"min\": 1.5, \"tags\": [\"a\", \"b\"]}\n</parameter>\n"
-               "</function>\n</tool_call>\n<tool_call>\n<function=noop>\n</function>\n</tool_call>")
-WEATHER = {"city": "San Francisco", "days": 3, "verbose": True, "ratio": 0.25, "filters": {"min": 1.5, "tags": ["a", "b"]}}
+QWEN3_CALLS = (
+    "I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=verbose>\ntrue\n</parameter>\n<parameter=ratio>\n"
+    "0.25\n</parameter>\n<parameter=filters>\n{\"min\": 1.5, \"tags\": [\"a\", \"b\"]}\n</parameter>\n"
+    "</function>\n</tool_call>\n<tool_call>\n<function=noop>\n</function>\n</tool_call>"
+)
+WEATHER = {
+    "city": "San Francisco",
+    "days": 3,
+    "verbose": True,
+    "ratio": 0.25,
+    "filters": {"min": 1.5, "tags": ["a", "b"]},
+}
 
 # (parser, tools, output text, content, [(name, arguments)])
 CASES = [
-    ("mistral", None, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-                      '{"name": "get_time", "arguments": {"tz": "CET"}}]', None,
-     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"tz": "CET"})]),
-    ("mistral", None, 'Let me check.[TOOL_CALLS]get_weather{"city": "Paris", "days": [1, 2]}[TOOL_CALLS]noop{}',
-     "Let me check.", [("get_weather", {"city": "Paris", "days": [1, 2]}), ("noop", {})]),
-    ("mistral", None, '[TOOL_CALLS]get_weather[ARGS]{"city": "Par}is", "n": null}', None,
-     [("get_weather", {"city": "Par}is", "n": None})]),
+    (
+        "mistral",
+        None,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "arguments": {"tz": "CET"}}]',
+        None,
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"tz": "CET"})],
+    ),
+    (
+        "mistral",
+        None,
+        'Let me check.[TOOL_CALLS]get_weather{"city": "Paris", "days": [1, 2]}[TOOL_CALLS]noop{}',
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "days": [1, 2]}), ("noop", {})],
+    ),
+    (
+        "mistral",
+        None,
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Par}is", "n": null}',
+        None,
+        [("get_weather", {"city": "Par}is", "n": None})],
+    ),
     ("mistral", None, "No call, just [TOOL talk.", "No call, just [TOOL talk.", []),
-    ("pythonic", None, "[get_weather(city='San Francisco, CA', days=3, opts={'a': [1, 2.5], 'b': None}), noop()]",
-     None, [("get_weather", {"city": "San Francisco, CA", "days": 3, "opts": {"a": [1, 2.5], "b": None}}),
-            ("noop", {})]),
-    ("pythonic", None, '<|python_start|>[search(q="a, (b)]", exact=True)]<|python_end|>', None,
-     [("search", {"q": "a, (b)]", "exact": True})]),
+    (
+        "pythonic",
+        None,
+        "[get_weather(city='San Francisco, CA', days=3, opts={'a': [1, 2.5], 'b': None}), noop()]",
+        None,
+        [("get_weather", {"city": "San Francisco, CA", "days": 3, "opts": {"a": [1, 2.5], "b": None}}), ("noop", {})],
+    ),
+    (
+        "pythonic",
+        None,
+        '<|python_start|>[search(q="a, (b)]", exact=True)]<|python_end|>',
+        None,
+        [("search", {"q": "a, (b)]", "exact": True})],
+    ),
     ("pythonic", None, "[1, 2] is a list.", "[1, 2] is a list.", []),
     ("pythonic", None, "The answer is 4.", "The answer is 4.", []),
     ("qwen3_xml", WEATHER_TOOLS, QWEN3_CALLS, "I will check.", [("get_weather", WEATHER), ("noop", {})]),
     # No schema: every value stays text (as vLLM); a value keeps its inner newlines.
-    ("qwen3_xml", None, "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=body>\n"
-                        "x = 1\nif x < 2:\n    y = 3\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>",
-     None, [("write", {"path": "a.py", "body": "x = 1\nif x < 2:\n    y = 3", "n": "3"})]),
+    (
+        "qwen3_xml",
+        None,
+        "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=body>\n"
+        "x = 1\nif x < 2:\n    y = 3\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [("write", {"path": "a.py", "body": "x = 1\nif x < 2:\n    y = 3", "n": "3"})],
+    ),
     ("qwen3_xml", None, "A plain answer <b>bold</b>.", "A plain answer <b>bold</b>.", []),
 ]
 
@@ -75,7 +126,7 @@ def token_pieces(tokenizer, text: str) -> list[str]:
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text
     texts = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
-    return [b[len(a):] for a, b in zip(texts, texts[1:]) if b != a]
+    return [b[len(a) :] for a, b in zip(texts, texts[1:]) if b != a]
 
 
 @pytest.mark.parametrize("name, tools, text, content, calls", CASES)
@@ -104,8 +155,13 @@ CUT = [
     ("pythonic", None, "[f(a=1, b='x", None, [("f", '{"a": 1')]),
     ("pythonic", None, "[f(a=[1, 2]), g(", None, [("f", '{"a": [1, 2]}'), ("g", "{")]),
     ("mistral", None, 'Hi.[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g{"b": "x', "Hi.", [("f", '{"a": 1}'), ("g", "{")]),
-    ("qwen3_xml", WEATHER_TOOLS, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                                 "<parameter=days>\n3", None, [("get_weather", '{"city": "Paris"')]),
+    (
+        "qwen3_xml",
+        WEATHER_TOOLS,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3",
+        None,
+        [("get_weather", '{"city": "Paris"')],
+    ),
 ]
 
 

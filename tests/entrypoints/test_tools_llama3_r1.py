@@ -3,6 +3,7 @@
 the tiny random chat model, its output forced by a regex into DeepSeek-R1's shape (thinking up
 to `</think>`, no opening tag) followed by a Llama 3 JSON call; the official client gets the
 reasoning, the call and finish_reason "tool_calls", and the stream's deltas add up to the same."""
+
 import json
 import re
 import sys
@@ -14,8 +15,15 @@ from server_utils import RemoteServer
 sys.path.insert(0, str(Path(__file__).parent.parent / "structured_output"))
 from tiny_chat_model import make_tiny_chat_model  # noqa: E402
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 MSG = [{"role": "user", "content": "What is the weather in Oslo?"}]
 THINKING = r"hmm[a-z ]{0,8}"
 CITY = r"[A-Z][a-z]{2,6}"
@@ -25,17 +33,34 @@ FORCED = THINKING + r'</think>\{"name": "get_weather", "parameters": \{"city": "
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    srv = RemoteServer(["--model", str(model), "--max-model-len", "512", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1"])
+    srv = RemoteServer(
+        [
+            "--model",
+            str(model),
+            "--max-model-len",
+            "512",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "llama3_json",
+            "--reasoning-parser",
+            "deepseek_r1",
+        ]
+    )
     yield srv
     srv.close()
 
 
-@pytest.mark.timeout(300)   # the first to run starts the server
+@pytest.mark.timeout(300)  # the first to run starts the server
 def test_llama3_json_call_after_deepseek_r1_thinking(client):
     model = client.models.list().data[0].id
-    kw = dict(model=model, messages=MSG, tools=TOOLS, max_tokens=120, temperature=1.0,
-              extra_body={"structured_outputs": {"regex": FORCED}})
+    kw = dict(
+        model=model,
+        messages=MSG,
+        tools=TOOLS,
+        max_tokens=120,
+        temperature=1.0,
+        extra_body={"structured_outputs": {"regex": FORCED}},
+    )
     for seed in range(3):
         c = client.chat.completions.create(seed=seed, **kw).choices[0]
         m = c.message

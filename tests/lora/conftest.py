@@ -1,11 +1,13 @@
 """The LoRA tests' models and adapters: a tiny random-weight Llama (transformers' classes) and
 adapters made by peft on it, once per session."""
+
 import pytest
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from pagedllm.models.random_model import make_random_model
+
     return str(make_random_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", initializer_range=0.2))
 
 
@@ -26,9 +28,12 @@ def tiny_adapters(tiny_dir, tmp_path_factory):
     from lora_utils import make_adapter
 
     from pagedllm.lora import LoRARequest
+
     root = tmp_path_factory.mktemp("adapters")
-    return [LoRARequest(name, i + 1, make_adapter(tiny_dir, str(root / name), seed=i + 1, **kw))
-            for i, (name, kw) in enumerate(ADAPTERS)]
+    return [
+        LoRARequest(name, i + 1, make_adapter(tiny_dir, str(root / name), seed=i + 1, **kw))
+        for i, (name, kw) in enumerate(ADAPTERS)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +42,7 @@ def tiny_references(tiny_dir, tiny_adapters):
     import torch
     from lora_utils import merged_model
     from transformers import AutoModelForCausalLM
+
     refs = {0: AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()}
     refs.update({a.lora_int_id: merged_model(tiny_dir, a.lora_path) for a in tiny_adapters})
     return refs

@@ -2,6 +2,7 @@
 equals transformers' model with its adapter merged by PEFT (merge_and_unload), token for token,
 in mixed batches (adapters and base interleaved, chunked prefill, preemption), with more
 adapters than slots, and the prefix cache kept apart per adapter."""
+
 import pytest
 from greedy_utils import assert_greedy_equal, hf_greedy
 from kernel_utils import decode_loop_off_reason, require_decode_loop
@@ -9,8 +10,9 @@ from kernel_utils import decode_loop_off_reason, require_decode_loop
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.llm import LLM
 
-PROMPTS = [[5 + i, 17, 3 * i + 40, 9, 200 + i, 33, 71, 8 + 2 * i, 120, 64 + i, 11, 300 - i][: 6 + i % 7]
-           for i in range(12)]
+PROMPTS = [
+    [5 + i, 17, 3 * i + 40, 9, 200 + i, 33, 71, 8 + 2 * i, 120, 64 + i, 11, 300 - i][: 6 + i % 7] for i in range(12)
+]
 
 
 def _runner(llm):
@@ -19,6 +21,7 @@ def _runner(llm):
 
 class _LoopSpy:
     """The runner's C++ decode loop, recording whether an adapter was active at each call."""
+
     def __init__(self, runner):
         self.loop, self.mapping, self.active_at_call = runner.decode_loop, runner.lora_manager.mapping, []
         self.applies = self.loop.applies
@@ -29,8 +32,9 @@ class _LoopSpy:
 
 
 def _check(llm, prompts, loras, refs, max_tokens, label):
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False,
-                        lora_request=loras)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False, lora_request=loras
+    )
     for i, (p, lora, out) in enumerate(zip(prompts, loras, outs)):
         ref = hf_greedy(refs[lora.lora_int_id if lora else 0], [p], max_tokens)
         assert_greedy_equal([out], ref, f"{label} #{i} {lora.lora_name if lora else 'base'}")
@@ -40,22 +44,32 @@ def _check(llm, prompts, loras, refs, max_tokens, label):
 def test_mixed_batch_chunked_prefill_preemption(tiny_dir, tiny_adapters, tiny_references):
     """Three adapters and the base interleaved; the base requests decode longest, alone, so the
     C++ decode loop runs its base-only steps (and never a step with an adapter)."""
-    llm = LLM(tiny_dir, enable_lora=True, max_loras=3, max_lora_rank=16, block_size=4,
-              max_num_batched_tokens=16, num_gpu_blocks=24, max_model_len=128)
+    llm = LLM(
+        tiny_dir,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        block_size=4,
+        max_num_batched_tokens=16,
+        num_gpu_blocks=24,
+        max_model_len=128,
+    )
     runner = _runner(llm)
     spy = None
-    if decode_loop_off_reason() is None:   # else the greedy checks still run, without the loop
+    if decode_loop_off_reason() is None:  # else the greedy checks still run, without the loop
         require_decode_loop(runner)
         runner.decode_loop = spy = _LoopSpy(runner)
-    loras = [tiny_adapters[i % 4 - 1] if i % 4 else None for i in range(8)]   # base, a1, a2, a3, base, ...
-    outs = llm.generate(PROMPTS[:8], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False,
-                        lora_request=loras)
+    loras = [tiny_adapters[i % 4 - 1] if i % 4 else None for i in range(8)]  # base, a1, a2, a3, base, ...
+    outs = llm.generate(PROMPTS[:8], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False, lora_request=loras)
     base_outs = llm.generate(PROMPTS[:8], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     changed = sum(o.outputs[0].token_ids != b.outputs[0].token_ids for o, b, l in zip(outs, base_outs, loras) if l)
     assert changed >= 5, "the adapters should change the greedy output"
     for i, (p, lora, out) in enumerate(zip(PROMPTS, loras, outs)):
-        assert_greedy_equal([out], hf_greedy(tiny_references[lora.lora_int_id if lora else 0], [p], 10),
-                            f"mixed #{i} {lora.lora_name if lora else 'base'}")
+        assert_greedy_equal(
+            [out],
+            hf_greedy(tiny_references[lora.lora_int_id if lora else 0], [p], 10),
+            f"mixed #{i} {lora.lora_name if lora else 'base'}",
+        )
     assert llm.llm_engine.num_preemptions > 0, "the small cache should have forced preemption"
     # Base alone decoding long after the adapters finished: the loop's steps.
     _check(llm, PROMPTS[:3], [tiny_adapters[0], None, None], tiny_references, 10, "tail")
@@ -69,6 +83,7 @@ def test_more_adapters_than_slots(tiny_dir, tiny_adapters, tiny_references, monk
     (through the per-slot segments: the masked dense path is turned off here; the other tests
     run it)."""
     from pagedllm.lora import punica
+
     monkeypatch.setattr(punica, "DENSE_MAX_TOKENS", 0)
     llm = LLM(tiny_dir, enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=16, max_model_len=128)
     loras = [tiny_adapters[i % 6] for i in range(12)]
@@ -91,12 +106,13 @@ def test_prefix_cache_is_per_adapter(tiny_dir, tiny_adapters):
 
 def test_bad_lora_requests_are_refused(tiny_dir, tiny_adapters, tmp_path):
     from pagedllm.lora import LoRARequest
+
     llm = LLM(tiny_dir, max_model_len=64)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([[5, 6]], lora_request=tiny_adapters[0], use_tqdm=False)
     llm = LLM(tiny_dir, enable_lora=True, max_lora_rank=8, max_model_len=64)
     with pytest.raises(ValueError, match="max_lora_rank"):
-        llm.generate([[5, 6]], lora_request=tiny_adapters[2], use_tqdm=False)   # r 16
+        llm.generate([[5, 6]], lora_request=tiny_adapters[2], use_tqdm=False)  # r 16
     with pytest.raises(ValueError, match="not a directory"):
         llm.generate([[5, 6]], lora_request=LoRARequest("x", 9, str(tmp_path / "none")), use_tqdm=False)
     llm.generate([[5, 6]], lora_request=tiny_adapters[0], use_tqdm=False)

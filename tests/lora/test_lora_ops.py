@@ -1,6 +1,7 @@
 """Batched LoRA arithmetic: the torch shrink / expand (punica.py: per-slot segments and the
 masked all-slot form over the compute layout) against a per-row dense reference, the Triton kernels under TRITON_INTERPRET=1 against the torch path, and a fused layer
 wrapped by LoRALinearMethod against its merged weight, base rows exactly the base method's."""
+
 import numpy as np
 import pytest
 import torch
@@ -34,11 +35,11 @@ def _mapping(scale: int, use_triton=False):
 def test_torch_path_equals_dense_per_row(scale, dense):
     m = _mapping(scale)
     assert m.dense == (scale == 1)
-    assert any(not isinstance(rows, slice) for _, rows in m.segments)   # a gather runs
+    assert any(not isinstance(rows, slice) for _, rows in m.segments)  # a gather runs
     slots = m.token_slots.tolist()
     x, a, b, y0 = _case(torch.float32, len(slots))
     y = y0.clone()
-    if dense:   # the compute layout, written slot by slot as set_lora does
+    if dense:  # the compute layout, written slot by slot as set_lora does
         L, R, K = a.shape
         a_t, b_t = torch.full((K, L * R), float("nan")), torch.full((L * R, b.shape[0]), float("nan"))
         for s in range(L):
@@ -49,9 +50,9 @@ def test_torch_path_equals_dense_per_row(scale, dense):
     R = a.shape[1]
     for t, s in enumerate(slots):
         if s < 0:
-            assert torch.equal(y[t], y0[t])                                 # base rows unchanged
+            assert torch.equal(y[t], y0[t])  # base rows unchanged
         else:
-            want = y0[t] + b[:, s * R:(s + 1) * R] @ (a[s] @ x[t])
+            want = y0[t] + b[:, s * R : (s + 1) * R] @ (a[s] @ x[t])
             torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-5)
 
 
@@ -59,9 +60,10 @@ def test_torch_path_equals_dense_per_row(scale, dense):
 def test_triton_kernels_equal_torch_path(dtype):
     pytest.importorskip("triton")
     from pagedllm.lora.triton_ops import add_lora_triton
+
     m = _mapping(1)
     L, R, N = 3, 24, 70
-    x, a, b, y0 = _case(dtype, len(m.token_slots), K=300, N=N, R=R, L=L)   # K over several tiles, R padded
+    x, a, b, y0 = _case(dtype, len(m.token_slots), K=300, N=N, R=R, L=L)  # K over several tiles, R padded
     want, got = y0.clone(), y0.clone()
     add_lora_torch(want, x, a, b, m)
     add_lora_triton(got, x, a, b.view(N, L, R).permute(1, 0, 2), m.token_slots)
@@ -75,8 +77,9 @@ def test_wrapped_fused_layer_equals_merged_weight():
     """QKV with adapters of different ranks on q and v only: the block-diagonal slot gives
     x (W + B A)^T for the adapter's rows; base rows equal the unwrapped packed method exactly."""
     from pagedllm.models.layers.linear import QKVParallelLinear
+
     torch.manual_seed(0)
-    layer = QKVParallelLinear(32, 8, range(0, 4), range(0, 2), bias=True)   # q 32, k 16, v 16 -> 64
+    layer = QKVParallelLinear(32, 8, range(0, 4), range(0, 2), bias=True)  # q 32, k 16, v 16 -> 64
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     layer.linear_method.process_weights_after_loading(layer)

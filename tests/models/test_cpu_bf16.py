@@ -7,18 +7,20 @@ it and one step (ulp) is 2^-8..2^-7 of it. A kernel that sums in float32 and rou
 within BF16_REL of the float32 result; an op that rounds where torch rounds is within one step
 of torch (the order of a float32 sum can flip a rounding). Greedy: two bfloat16 implementations
 round differently, so exact equality is not the bar (see test_engine_greedy_bf16_...)."""
+
 import numpy as np
 import pytest
 import torch
 
 from kernel_utils import check_rope_in_place, require_built, shuffled_block_table
 
-BF16_REL = 2 ** -8      # rounding once to bfloat16 (half a step) plus float32 summation noise
-BF16_STEP = 2 ** -7     # one bfloat16 step, relative, at worst
+BF16_REL = 2**-8  # rounding once to bfloat16 (half a step) plus float32 summation noise
+BF16_STEP = 2**-7  # one bfloat16 step, relative, at worst
 
 
 def _ops():
     from pagedllm.models.cpu_ops import cpu_ops
+
     return require_built(cpu_ops())
 
 
@@ -26,7 +28,7 @@ def _bf16(*shape, scale=1.0):
     return (torch.randn(*shape) * scale).bfloat16()
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("in_features", [576, 1536, 100, 40])
 def test_bf16_linear_small_matches_float32_reference(rows, in_features):
@@ -42,13 +44,14 @@ def test_bf16_linear_small_matches_float32_reference(rows, in_features):
         torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("rows", [1, 3, 7, 128])
 def test_bf16_packed_linear_matches_float32_reference(rows):
     """The CPU packed linear method in bfloat16: the kernel at 1-3 rows, oneDNN's bf16 linear
     above (which also sums in float32)."""
     from kernel_utils import packed_linear
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
+
     if not packed_linear_supported(torch.bfloat16):
         pytest.skip("oneDNN bf16 linear not available here")
     torch.manual_seed(rows)
@@ -56,20 +59,21 @@ def test_bf16_packed_linear_matches_float32_reference(rows):
     x = _bf16(rows, 576)
     with torch.inference_mode():
         packed = packed_linear(lin, _ops())
-        assert packed.weight is not None   # bf16 keeps the plain weight for the kernel
+        assert packed.weight is not None  # bf16 keeps the plain weight for the kernel
         ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
         out = packed(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_bf16_fused_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE in bfloat16 (strided q/k views of a fused QKV output, a
     partial rotary dim, the RoPE tables cast with the model): the fused ops equal the bfloat16
     torch code of models/layers/ (transformers' arithmetic) to one bfloat16 step."""
     from pagedllm.models.layers.activation import SiluAndMul
     from pagedllm.models.layers.layernorm import RMSNorm
+
     ops = _ops()
     torch.manual_seed(0)
     close = dict(rtol=BF16_STEP, atol=1e-6)
@@ -77,7 +81,7 @@ def test_bf16_fused_ops_match_the_torch_layers():
         norm = RMSNorm(576, 1e-5)
         norm.weight.uniform_(0.5, 1.5)
         norm = norm.bfloat16()
-        x = _bf16(37, 1200, scale=3)[:, :576]          # rows strided, as a residual view can be
+        x = _bf16(37, 1200, scale=3)[:, :576]  # rows strided, as a residual view can be
         norm.ops = None
         ref = norm(x)
         norm.ops = ops
@@ -86,7 +90,7 @@ def test_bf16_fused_ops_match_the_torch_layers():
         torch.testing.assert_close(out.float(), ref.float(), **close)
 
         act = SiluAndMul()
-        x = _bf16(5, 192, scale=2)                      # the gate_up output of an MLP, [T, 2I]
+        x = _bf16(5, 192, scale=2)  # the gate_up output of an MLP, [T, 2I]
         act.ops = None
         ref = act(x)
         act.ops = ops
@@ -95,7 +99,7 @@ def test_bf16_fused_ops_match_the_torch_layers():
         check_rope_in_place(ops, _bf16, lambda m: m.bfloat16(), **close)
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("H, Hkv, D, bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 4)])
 def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     """The decode kernel on a bfloat16 paged cache (through paged_attention, as the runner calls
@@ -104,10 +108,11 @@ def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     from pagedllm.attention.backends.cpu_attn.kernels import cpu_decode_supported, decode_kernel
     from pagedllm.attention.backends.cpu_attn.paged_attention import paged_attention
     from pagedllm.attention.backends.torch_sdpa.metadata import build_attention_metadata
+
     require_built(decode_kernel())
     assert cpu_decode_supported(torch.bfloat16) and not cpu_decode_supported(torch.float64)
     rng = np.random.default_rng(H * 100 + bs)
-    seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1, 300], dtype=np.int32)   # decodes only
+    seq_lens = np.array([1, 37, 20, bs, 3 * bs + 1, 300], dtype=np.int32)  # decodes only
     table, S = shuffled_block_table(seq_lens, bs, rng)
     qsl = np.arange(len(seq_lens) + 1, dtype=np.int32)
     pos = seq_lens - 1
@@ -119,14 +124,14 @@ def test_bf16_decode_kernel_matches_float32_reference(H, Hkv, D, bs):
     outs = {}
     for dtype, by_pages in ((torch.float32, False), (torch.bfloat16, True)):
         meta = build_attention_metadata(qsl, seq_lens, table, bs, slots, decode_by_pages=by_pages)
-        outs[dtype] = paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), kc.to(dtype), vc.to(dtype),
-                                      meta, D ** -0.5)
+        outs[dtype] = paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), kc.to(dtype), vc.to(dtype), meta, D**-0.5)
     assert outs[torch.bfloat16].dtype == torch.bfloat16
     torch.testing.assert_close(outs[torch.bfloat16].float(), outs[torch.float32], rtol=BF16_REL, atol=1e-5)
 
 
 def test_perplexity_windows_score_each_token_once():
     from pagedllm.benchmarks.perplexity import windows
+
     for n, w, s in ((10, 4, 2), (2059, 1024, 512), (7, 16, 8), (100, 10, 9)):
         scored = [t for _, end, first in windows(n, w, s) for t in range(first, end)]
         assert scored == list(range(1, n))
@@ -138,13 +143,22 @@ def test_perplexity_windows_score_each_token_once():
 
 # ---------------------------------------------------------------- on the real model
 
+
 @pytest.mark.model
 def test_perplexity_float32_equals_transformers(model_dir, tokenizer, hf_model):
     """The benchmark's pagedllm float32 perplexity equals transformers' on the same windows to
     1e-4 relative; bfloat16's is within 1 % of float32's (README: no measurable cost; measured
     here -0.5 %, transformers' own bfloat16 -0.2 %)."""
-    from pagedllm.benchmarks.perplexity import (DEFAULT_TEXT, hf_window_logits, load_pagedllm,
-                                                pagedllm_window_logits, perplexity, text_ids, windows)
+    from pagedllm.benchmarks.perplexity import (
+        DEFAULT_TEXT,
+        hf_window_logits,
+        load_pagedllm,
+        pagedllm_window_logits,
+        perplexity,
+        text_ids,
+        windows,
+    )
+
     ids = text_ids(tokenizer, DEFAULT_TEXT, 200)
     spans = windows(len(ids), 96, 48)
     ref = perplexity(lambda w, f: hf_window_logits(hf_model, w, f), ids, spans)
@@ -158,8 +172,8 @@ def test_perplexity_float32_equals_transformers(model_dir, tokenizer, hf_model):
 
 
 GREEDY_TOKENS = 32
-MIN_AGREEMENT = 0.90    # of the engine's tokens that are transformers' bf16 argmax
-TIE = 0.25              # logits: 2 bfloat16 steps at 16-32 (the top logits' range here)
+MIN_AGREEMENT = 0.90  # of the engine's tokens that are transformers' bf16 argmax
+TIE = 0.25  # logits: 2 bfloat16 steps at 16-32 (the top logits' range here)
 
 
 @pytest.mark.model
@@ -176,10 +190,11 @@ def test_engine_greedy_bf16_matches_transformers_bf16(model_dir, tokenizer):
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.perplexity import DEFAULT_TEXT, text_ids
+
     ids = text_ids(tokenizer, DEFAULT_TEXT, None)
     # transformers' bfloat16 forward is slow without AVX512-BF16 (~25 ms a token here): prompts
     # of 5-128 tokens, one of them alone.
-    prompts = [ids[o:o + n] for o, n in ((0, 5), (40, 17), (300, 64), (700, 128), (1200, 33))]
+    prompts = [ids[o : o + n] for o, n in ((0, 5), (40, 17), (300, 64), (700, 128), (1200, 33))]
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -192,14 +207,16 @@ def test_engine_greedy_bf16_matches_transformers_bf16(model_dir, tokenizer):
             for out in outs:
                 p, ours = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
                 assert len(ours) == GREEDY_TOKENS
-                logits = hf(torch.tensor([p + ours])).logits[0, len(p) - 1:-1].float()   # [N, V]
+                logits = hf(torch.tensor([p + ours])).logits[0, len(p) - 1 : -1].float()  # [N, V]
                 for j, tok in enumerate(ours):
                     total += 1
                     if int(logits[j].argmax()) == tok:
                         agree += 1
                         continue
                     deficit = float(logits[j].max() - logits[j, tok])
-                    assert deficit <= TIE, (f"[{label}] prompt of {len(p)} tokens, token {j}: engine {tok}, "
-                                            f"transformers {int(logits[j].argmax())}, whose logit is "
-                                            f"{deficit:.3g} higher: no tie")
+                    assert deficit <= TIE, (
+                        f"[{label}] prompt of {len(p)} tokens, token {j}: engine {tok}, "
+                        f"transformers {int(logits[j].argmax())}, whose logit is "
+                        f"{deficit:.3g} higher: no tie"
+                    )
     assert agree / total >= MIN_AGREEMENT, f"top-1 agreement {agree}/{total}"

@@ -2,6 +2,7 @@
 greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests
 (and at 1-8 rows of verification steps, tests/engine/test_spec_decode.py);
 a step of more requests, or with a prefill, takes the eager path."""
+
 import pytest
 from kernel_utils import require_built
 
@@ -14,6 +15,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 class _Counting:
     """The loop, recording the rows of each call."""
+
     def __init__(self, loop, calls):
         self.loop, self.calls, self.applies = loop, calls, loop.applies
 
@@ -29,9 +31,10 @@ def _decode_loop(llm):
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops
+
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     model = runner.model
-    if not envs.PAGEDLLM_CPU_DECODE_LOOP:   # as the engine reads it
+    if not envs.PAGEDLLM_CPU_DECODE_LOOP:  # as the engine reads it
         pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
     dtype = model.norm.weight.dtype
     if not packed_linear_supported(dtype):
@@ -45,8 +48,9 @@ def _decode_loop(llm):
 def _run(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -55,7 +59,7 @@ def test_decode_loop_equals_eager_layers(model_dir, dtype):
     runner = _decode_loop(llm)
     calls, loop = [], runner.decode_loop
     runner.decode_loop = _Counting(loop, calls)
-    for prompts in (PROMPTS[:1], PROMPTS):           # batch 1 and batch 3
+    for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 and batch 3
         calls.clear()
         with_loop = _run(llm, prompts)
         assert calls and set(calls) <= {1, 2, 3}, calls

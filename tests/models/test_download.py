@@ -19,7 +19,12 @@ import pytest
 
 from pagedllm.models import download
 from pagedllm.models.download import (
-    DEFAULT_MODEL, default_model_dir, ensure_default_model, pagedllm_home, resolve_model)
+    DEFAULT_MODEL,
+    default_model_dir,
+    ensure_default_model,
+    pagedllm_home,
+    resolve_model,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,13 +74,12 @@ def test_tokenizer_and_chat_template(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert tok.eos_token_id == 2
     assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nHi<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.model   # reads the default model's GGUF
+@pytest.mark.model  # reads the default model's GGUF
 def test_gguf_chat_template_fallback():
     # The fallback used when transformers does not carry the template over.
     template = download.gguf_chat_template(download.find_gguf())
@@ -84,8 +88,10 @@ def test_gguf_chat_template_fallback():
 
 def test_second_call_neither_builds_nor_locks(model_dir, monkeypatch):
     """Once built, the model is found without building or even taking the build lock."""
+
     def no(*args, **kwargs):
         raise AssertionError("a complete model was built or locked again")
+
     monkeypatch.setattr(download, "_build_lock", no)
     monkeypatch.setattr(download, "_build", no)
     assert ensure_default_model() == model_dir
@@ -106,8 +112,11 @@ def test_transformers_loads_and_runs(model_dir):
 
 def test_resolve_model_errors(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(ValueError, match="does not exist; pass an HF-format model directory "
-                                         r"or omit --model for the default \(SmolLM2-135M-Instruct\)"):
+    with pytest.raises(
+        ValueError,
+        match="does not exist; pass an HF-format model directory "
+        r"or omit --model for the default \(SmolLM2-135M-Instruct\)",
+    ):
         resolve_model(str(missing))
     with pytest.raises(ValueError, match="config.json") as e:
         resolve_model(str(tmp_path))
@@ -125,7 +134,7 @@ def _wait_for_file(path: Path, proc, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.model   # reads the default model's GGUF
+@pytest.mark.model  # reads the default model's GGUF
 def test_killed_build_leaves_no_target(tmp_path):
     """SIGKILL in the middle of a real build (under the lock, in its temp dir, the GGUF found):
     the target never appears half made."""
@@ -133,17 +142,24 @@ def test_killed_build_leaves_no_target(tmp_path):
     started = tmp_path / "build-started"
     # The build announces it is under way and stays there until killed: the kill lands
     # mid-build on any machine (a fixed sleep could land after the end on a fast one).
-    code = (f"from pagedllm.models import download; import pathlib, time\n"
-            f"find = download.find_gguf\n"
-            f"def find_and_stay():\n"
-            f"    path = find(); pathlib.Path({str(started)!r}).touch(); time.sleep(600); return path\n"
-            f"download.find_gguf = find_and_stay\n"
-            f"download.ensure_default_model()\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=_subprocess_env(tmp_path), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        f"from pagedllm.models import download; import pathlib, time\n"
+        f"find = download.find_gguf\n"
+        f"def find_and_stay():\n"
+        f"    path = find(); pathlib.Path({str(started)!r}).touch(); time.sleep(600); return path\n"
+        f"download.find_gguf = find_and_stay\n"
+        f"download.ensure_default_model()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=_subprocess_env(tmp_path),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_file(started, proc, "the build started")
-        assert list(target.parent.glob(download._TMP_PREFIX + "*"))   # building in its temp dir
+        assert list(target.parent.glob(download._TMP_PREFIX + "*"))  # building in its temp dir
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -154,7 +170,7 @@ def test_killed_build_leaves_no_target(tmp_path):
     assert not list(target.parent.glob(download._TMP_PREFIX + "*"))
 
 
-@pytest.mark.timeout(180)   # bounds the reads of the subprocess's output below
+@pytest.mark.timeout(180)  # bounds the reads of the subprocess's output below
 def test_second_process_waits_for_lock(tmp_path):
     # Hold the build lock as a first builder would; the second process must wait (it says so
     # before it blocks), then find the directory complete and return it without building.
@@ -162,20 +178,26 @@ def test_second_process_waits_for_lock(tmp_path):
     lock = open(tmp_path / f".{DEFAULT_MODEL}.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
     proc = subprocess.Popen(
-        [sys.executable, "-c",
-         "from pagedllm.models.download import ensure_default_model; "
-         "print(ensure_default_model(progress=True))"],
-        env=_subprocess_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "from pagedllm.models.download import ensure_default_model; print(ensure_default_model(progress=True))",
+        ],
+        env=_subprocess_env(tmp_path),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        for line in iter(proc.stderr.readline, ""):   # up to the line saying it waits
+        for line in iter(proc.stderr.readline, ""):  # up to the line saying it waits
             if "another process is preparing" in line:
                 break
         else:
             raise AssertionError("the second process did not wait for the lock")
         assert proc.poll() is None
         target.mkdir(parents=True)  # "the first builder finished"
-        for f in ("config.json", "model.safetensors", "tokenizer.json",
-                  "tokenizer_config.json", download.MARKER):
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", download.MARKER):
             (target / f).write_text("")
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
@@ -183,7 +205,7 @@ def test_second_process_waits_for_lock(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert out.strip() == str(target)
-    assert "preparing the default model" not in err   # it did not build
+    assert "preparing the default model" not in err  # it did not build
 
 
 def test_missing_gguf_package_message(monkeypatch):
@@ -195,6 +217,9 @@ def test_missing_gguf_package_message(monkeypatch):
 def test_ready_model_names():
     """gemma3-270m is a ready model name; an unknown one is a ValueError naming the known."""
     from pagedllm.models.download import GEMMA3_MODEL, READY_MODELS, ensure_ready_model, ready_model_dir
+
     assert GEMMA3_MODEL in READY_MODELS and ready_model_dir(GEMMA3_MODEL).name == GEMMA3_MODEL
-    with pytest.raises(ValueError, match="unknown ready model 'nope'; ready models: SmolLM2-135M-Instruct, gemma3-270m"):
+    with pytest.raises(
+        ValueError, match="unknown ready model 'nope'; ready models: SmolLM2-135M-Instruct, gemma3-270m"
+    ):
         ensure_ready_model("nope")

@@ -4,12 +4,13 @@ Triton's interpreter on the CPU, against float64 math on the weight dequantized 
 [64, 32], float32, float16 and bfloat16 activations: bf16 only on a GPU, the 3.9 interpreter
 multiplies bf16's raw bits), the method on a layer (load float, quantize, apply), and the kernel
 compiled for sm_90 (no spills) in a subprocess without the interpreter."""
+
 import os
 
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported anywhere (as conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere (as conftest.py)
 
 import pytest  # noqa: E402
 from fp8_reference import dequantize_blocks  # noqa: E402
@@ -17,19 +18,25 @@ from kernel_utils import run_aot_script  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): GPU kernels untested")
 
-from pagedllm.models.layers.fp8_linear import (Fp8LinearMethod, block_fp8_linear,  # noqa: E402
-                                               quantize_block_fp8)
+from pagedllm.models.layers.fp8_linear import (
+    Fp8LinearMethod,
+    block_fp8_linear,  # noqa: E402
+    quantize_block_fp8,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("M,N,K,block,dtype", [
-    (1, 200, 300, (128, 128), torch.float32),     # a decode row; partial blocks on both axes
-    (37, 96, 160, (64, 32), torch.float32),
-    (19, 130, 256, (128, 128), torch.float16),
-    (19, 130, 256, (128, 128), torch.bfloat16),
-    (1, 200, 300, (128, 128), torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "M,N,K,block,dtype",
+    [
+        (1, 200, 300, (128, 128), torch.float32),  # a decode row; partial blocks on both axes
+        (37, 96, 160, (64, 32), torch.float32),
+        (19, 130, 256, (128, 128), torch.float16),
+        (19, 130, 256, (128, 128), torch.bfloat16),
+        (1, 200, 300, (128, 128), torch.bfloat16),
+    ],
+)
 def test_block_fp8_matmul_matches_dequantized_reference(M, N, K, block, dtype):
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("no CUDA device (the CPU interpreter cannot run bf16 tl.dot)")

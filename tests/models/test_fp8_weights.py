@@ -3,6 +3,7 @@ per [128, 128] block, `quantization_config` quant_method fp8): a tiny random Lla
 here block-wise (k/v projections and the MLP's 256 rows leave partial blocks), written as
 DeepSeek writes it, loaded by the engine (upcast at load on the CPU) and compared with
 transformers running the same weights dequantized: greedy token for token."""
+
 import json
 
 import pytest
@@ -22,6 +23,7 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 def fp8_model(tmp_path_factory):
     """(the FP8 checkpoint's directory, the same model dequantized as a plain directory)."""
     from pagedllm.models.random_model import make_random_model
+
     root = tmp_path_factory.mktemp("fp8")
     plain = make_random_model(root / "plain", "tiny", seed=3, initializer_range=0.2)
     fp8 = make_random_model(root / "fp8", "tiny", seed=3, initializer_range=0.2)
@@ -31,14 +33,18 @@ def fp8_model(tmp_path_factory):
         if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
             q, s = quantize_block_fp8(t, BLOCK)
             quantized[name], quantized[name + "_scale_inv"] = q, s
-            dequantized[name] = dequantize_blocks(q, s, BLOCK).float()   # independent of the loader
+            dequantized[name] = dequantize_blocks(q, s, BLOCK).float()  # independent of the loader
         else:
             quantized[name] = dequantized[name] = t
     save_file(quantized, fp8 / "model.safetensors")
     save_file(dequantized, plain / "model.safetensors")
     cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK)}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
     (fp8 / "config.json").write_text(json.dumps(cfg))
     return fp8, plain
 
@@ -49,7 +55,7 @@ def test_dequantize_matches_the_blocks():
     back = dequantize_block_fp8(q, s, BLOCK, torch.float32)
     assert back.shape == w.shape
     # e4m3 keeps 3 mantissa bits: within 2^-4 of each value (or of the block's smallest normal)
-    assert torch.all((back - w).abs() <= w.abs() * 2 ** -4 + s.max() * 2 ** -6)
+    assert torch.all((back - w).abs() <= w.abs() * 2**-4 + s.max() * 2**-6)
     assert torch.equal(back, dequantize_blocks(q, s, BLOCK).float())
     with pytest.raises(ValueError, match="weight_scale_inv"):
         dequantize_block_fp8(q, s[:1], BLOCK, torch.float32)
@@ -75,11 +81,15 @@ def test_fp8_checkpoint_greedy_equals_transformers_on_dequantized_weights(fp8_mo
     from transformers import AutoModelForCausalLM
 
     from pagedllm import LLM, SamplingParams
+
     fp8, plain = fp8_model
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (4, 33, 17)]
     llm = LLM(str(fp8), max_model_len=128)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     hf = AutoModelForCausalLM.from_pretrained(plain).eval()
     assert_greedy_equal(outs, hf_greedy(hf, prompts, 10), "fp8 checkpoint")

@@ -2,10 +2,13 @@
 transformers' own torch implementations (Qwen3-Next's): the chunked prefill (chunks shorter than,
 equal to and across the prompt, continued from a carried state, bf16 inputs) and the batched
 one-token decode."""
+
 import pytest
 import torch
-from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
-                                                               torch_recurrent_gated_delta_rule)
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
 
 from pagedllm.models.layers.mamba.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 
@@ -16,13 +19,13 @@ def inputs(T, seed, n=None):
     """q, k (unit rows, as the models normalise them), v, g (log decay <= 0), beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (T, H) if n is None else (n, H)
-    r = lambda *s: torch.randn(*shape, *s, generator=gen, dtype=torch.float64)   # noqa: E731
+    r = lambda *s: torch.randn(*shape, *s, generator=gen, dtype=torch.float64)  # noqa: E731
     q, k = (torch.nn.functional.normalize(r(DK), dim=-1) for _ in range(2))
     g = -torch.nn.functional.softplus(r()) * 0.5
     return q, k, r(DV), g, torch.sigmoid(r()), torch.randn(H, DK, DV, generator=gen, dtype=torch.float64)
 
 
-def recurrence(q, k, v, g, beta, state, scale=DK ** -0.5):
+def recurrence(q, k, v, g, beta, state, scale=DK**-0.5):
     """The definition, one token and one head at a time."""
     state, out = state.clone(), torch.empty(q.shape[0], H, DV, dtype=torch.float64)
     for t in range(q.shape[0]):
@@ -81,7 +84,9 @@ def test_decode_step_of_several_requests():
     n = 4
     q, k, v, g, beta, _ = inputs(0, seed=11, n=n)
     states = torch.randn(n, H, DK, DV, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
-    want = [recurrence(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], states[i]) for i in range(n)]
+    want = [
+        recurrence(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], states[i]) for i in range(n)
+    ]
     cache = states.float()
     got = gated_delta_rule_step(*(t.float() for t in (q, k, v, g, beta)), cache)
     torch.testing.assert_close(got.double(), torch.cat([o for o, _ in want]), atol=1e-5, rtol=1e-4)
@@ -104,15 +109,24 @@ def test_equals_transformers_torch_implementations(T):
     """Qwen3-Next's torch fallbacks in transformers ([batch, T, heads, dim] layout) on the same
     inputs: the chunked one for prefill, the recurrent one for a decode token."""
     q, k, v, g, beta, s0 = (t.float() for t in inputs(T, seed=T + 1))
-    ref, ref_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], chunk_size=64,
-                                                  initial_state=s0[None].clone(), output_final_state=True)
+    ref, ref_state = torch_chunk_gated_delta_rule(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        chunk_size=64,
+        initial_state=s0[None].clone(),
+        output_final_state=True,
+    )
     state = s0.clone()
     got = chunk_gated_delta_rule(q, k, v, g, beta, state)
     torch.testing.assert_close(got, ref[0].float(), atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(state, ref_state[0].float(), atol=1e-4, rtol=1e-3)
     q1, k1, v1, g1, b1, _ = (t.float() for t in inputs(1, seed=T + 2))
-    ref1, ref1_state = torch_recurrent_gated_delta_rule(q1[None], k1[None], v1[None], g1[None], b1[None],
-                                                        initial_state=state[None].clone(), output_final_state=True)
+    ref1, ref1_state = torch_recurrent_gated_delta_rule(
+        q1[None], k1[None], v1[None], g1[None], b1[None], initial_state=state[None].clone(), output_final_state=True
+    )
     got1 = gated_delta_rule_step(q1, k1, v1, g1, b1, state[None])
     torch.testing.assert_close(got1, ref1[0].float(), atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(state, ref1_state[0].float(), atol=1e-4, rtol=1e-3)

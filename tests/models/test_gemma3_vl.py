@@ -4,6 +4,7 @@ prompt, with a token budget of one image (each
 image prefilled whole in its step), with preemption by recompute, and after a prefix-cache hit
 that ends inside an image. The bidirectional block mask among an image's tokens decides the
 tokens (transformers without it gives others)."""
+
 import pytest
 
 from pagedllm.entrypoints.llm import LLM
@@ -37,8 +38,7 @@ def test_the_image_and_its_mask_decide_the_tokens(vlm_dir, refs):
 def test_greedy_matches_transformers(vlm_dir, refs, budget):
     """A budget of one image's tokens: the prompts are prefilled in chunks, none ends inside an
     image (the runner refuses a step that would split one)."""
-    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget,
-              enable_prefix_caching=False)
+    llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     generate_checked(llm, _cases(), refs, N)
 
 
@@ -47,8 +47,14 @@ def test_preemption(vlm_dir):
     recomputed, their images' tokens again bidirectional, with transformers' tokens."""
     prompts = [(TWO, [image(s), image(s + 1)]) for s in (1, 4, 6)]
     refs = [hf_greedy(vlm_dir, t, imgs, 40) for t, imgs in prompts]
-    llm = LLM(vlm_dir, dtype="float32", num_gpu_blocks=28, block_size=8, max_num_batched_tokens=32,
-              enable_prefix_caching=False)
+    llm = LLM(
+        vlm_dir,
+        dtype="float32",
+        num_gpu_blocks=28,
+        block_size=8,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
     outs = llm.generate([mm_prompt(t, imgs) for t, imgs in prompts], greedy(40), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     assert llm.llm_engine.num_preemptions > 0
@@ -62,7 +68,7 @@ def test_prefix_hit_inside_an_image(vlm_dir):
     prompt_ids = llm.llm_engine.processor.process_images(mm_prompt(text, [image(1)])).token_ids
     first = prompt_ids.index(llm.llm_engine.processor.load_mm_processor().soft_token_id)
     hit = (len(prompt_ids) - 1) // 8 * 8
-    assert first < hit < first + IMAGE_TOKENS   # the prompt is such that the hit ends inside the image
+    assert first < hit < first + IMAGE_TOKENS  # the prompt is such that the hit ends inside the image
     kv = llm.llm_engine.core.scheduler.kv_cache_manager
     ref = hf_greedy(vlm_dir, text, [image(1)], N)
     assert list(llm.generate(mm_prompt(text, [image(1)]), greedy(N), use_tqdm=False)[0].outputs[0].token_ids) == ref

@@ -4,6 +4,7 @@ run once per file); files written by the make-gguf writer (its tensor names are 
 package's table, not the loader's) load and agree greedily with transformers on the same file's
 dequantised weights; the 5-bit blocks repack exactly against the gguf package's dequantisation;
 a file the engine cannot serve is refused before any weight is read."""
+
 from __future__ import annotations
 
 import subprocess
@@ -16,13 +17,35 @@ from pagedllm.benchmarks.llama_cpp_tools import missing_tools, tool_path
 from pagedllm.models.gguf.writer import write_gguf
 from pagedllm.models.layers.quantization.gguf import gguf_model_dir
 
-TEXTS = ["Hello world, <|im_start|>user\nhi<|im_end|>", "  two  spaces\tand\ttabs\n\n",
-         "naïve café 日本語 🙂 1234567", "<start_of_turn>user\nWhat is 2+2?<end_of_turn>", "<bos>x</s><eos>",
-         "def f(x):\n    return x**2  # comment", "The capital of France is"]
-CONFIG_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "vocab_size", "sliding_window",
-                 "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters",
-                 "layer_types", "query_pre_attn_scalar", "hidden_activation")
+TEXTS = [
+    "Hello world, <|im_start|>user\nhi<|im_end|>",
+    "  two  spaces\tand\ttabs\n\n",
+    "naïve café 日本語 🙂 1234567",
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>",
+    "<bos>x</s><eos>",
+    "def f(x):\n    return x**2  # comment",
+    "The capital of France is",
+]
+CONFIG_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "vocab_size",
+    "sliding_window",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "rope_parameters",
+    "layer_types",
+    "query_pre_attn_scalar",
+    "hidden_activation",
+)
 GREEDY_TOKENS = 16
 
 
@@ -37,6 +60,7 @@ def _int16_activations(monkeypatch):
 
 def _real_file(which):
     from pagedllm.models.download import find_gemma3_gguf, find_gguf
+
     return find_gguf() if which == "smollm2-q4_1" else find_gemma3_gguf(progress=False)
 
 
@@ -55,7 +79,7 @@ def _hf_greedy(model, prompts, n):
             ids = list(p)
             for _ in range(n):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(p):])
+            outs.append(ids[len(p) :])
     return outs
 
 
@@ -74,9 +98,13 @@ def _divergence_gaps(model, prompts, ours, ref) -> list[float]:
 
 def _engine_greedy(model, prompts, n, **kw):
     from pagedllm import LLM, SamplingParams
+
     llm = LLM(str(model), enable_prefix_caching=False, kv_cache_memory=2**27, max_num_seqs=8, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -84,6 +112,7 @@ def _engine_greedy(model, prompts, n, **kw):
 @pytest.mark.parametrize("which", ["smollm2-q4_1", "gemma3-q4_k_m"])
 def test_config_and_tokenizer_match_transformers_reader(which, tmp_path):
     from transformers import AutoConfig
+
     path = _real_file(which)
     model_dir = gguf_model_dir(path, tmp_path)
     _check_config(AutoConfig.from_pretrained(model_dir), AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
@@ -96,6 +125,7 @@ def test_written_files_config_matches_the_source_model(model_type, tmp_path):
     reader is no reference here: it drops Qwen3's head_dim, Qwen3-MoE's expert size, Gemma 3's
     attention scale and reads Mixtral as Llama); its tokenizer is transformers' reading."""
     from transformers import AutoConfig
+
     source = _tiny_hf(model_type)
     path = write_gguf(source, tmp_path / "m.gguf", "Q8_0")
     model_dir = gguf_model_dir(path, tmp_path)
@@ -107,18 +137,24 @@ def test_written_files_config_matches_the_source_model(model_type, tmp_path):
 
 
 def _check_config(ours, ref, skip=()):
-    fields = CONFIG_FIELDS + ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                              "norm_topk_prob")
+    fields = CONFIG_FIELDS + (
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+    )
     for field in fields:
         if field not in skip:
             a, b = getattr(ours, field, None), getattr(ref, field, None)
-            assert a == (pytest.approx(b, rel=1e-7) if isinstance(b, float) else b), field   # GGUF floats: float32
+            assert a == (pytest.approx(b, rel=1e-7) if isinstance(b, float) else b), field  # GGUF floats: float32
     head_dim = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
     assert head_dim(ours) == head_dim(ref)
 
 
 def _check_tokenizer(model_dir, path):
     from transformers import AutoTokenizer
+
     ours = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
@@ -128,24 +164,39 @@ def _check_tokenizer(model_dir, path):
 
 # What each architecture's tiny model sets beyond TINY (llama.cpp's assumptions included: Qwen3-MoE
 # renormalises its top-k, Gemma 3 has a global layer every 6th and scales attention by head_dim).
-TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.1,
-            tie_word_embeddings=True)
-TINY_ARCH = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": dict(tie_word_embeddings=False, sliding_window=None),
-             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-                             tie_word_embeddings=False),
-             "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
-             "gemma3_text": dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=64)}
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,
+    tie_word_embeddings=True,
+)
+TINY_ARCH = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "mistral": dict(tie_word_embeddings=False, sliding_window=None),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+    "gemma3_text": dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=64),
+}
 
 
 def _tiny_hf(model_type, seed=0):
     """A tiny transformers model of the architecture, weights wide enough (std 0.1) that the
     greedy choice is rarely a near tie."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     kw = {**TINY, **TINY_ARCH[model_type]}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
-    if model_type == "qwen2":   # q/k/v biases are zeros at init: make them count
+    if model_type == "qwen2":  # q/k/v biases are zeros at init: make them count
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
@@ -166,12 +217,14 @@ def _check_written_file(path, ref, what):
     assert agree >= 0.75 and all(g < 0.05 for g in gaps)
 
 
-@pytest.mark.parametrize("model_type,qtype", [("qwen2", "Q8_0"), ("mistral", "Q4_0"), ("mistral", "Q5_0"),
-                                              ("qwen2", "Q4_1")])
+@pytest.mark.parametrize(
+    "model_type,qtype", [("qwen2", "Q8_0"), ("mistral", "Q4_0"), ("mistral", "Q5_0"), ("qwen2", "Q4_1")]
+)
 def test_written_file_agrees_with_transformers(model_type, qtype, tmp_path, monkeypatch):
     """The writer's file as transformers reads it (gguf_file=: its own dequantisation and Q/K
     un-permutation) against the engine serving it."""
     from transformers import AutoModelForCausalLM
+
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
     path = write_gguf(_tiny_hf(model_type), tmp_path / f"{model_type}.gguf", qtype)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
@@ -185,23 +238,32 @@ def _quantize_like_the_file(model, file_type):
     from gguf.quants import dequantize
     from pagedllm.models.gguf.file_types import tensor_type
     from pagedllm.models.gguf.writer import GGUF_ARCH, quantize_rows
+
     cfg = model.config
     arch = next(a for a in MODEL_ARCH if MODEL_ARCH_NAMES[a] == GGUF_ARCH[cfg.model_type])
     names = get_tensor_name_map(arch, cfg.num_hidden_layers)
     with torch.no_grad():
-        for name, p in model.named_parameters():   # tied weights once
+        for name, p in model.named_parameters():  # tied weights once
             gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias")) or "experts"
-            t = tensor_type(file_type, gguf_name, tuple(p.shape), cfg.num_hidden_layers,
-                            not cfg.tie_word_embeddings)
+            t = tensor_type(file_type, gguf_name, tuple(p.shape), cfg.num_hidden_layers, not cfg.tie_word_embeddings)
             if t != "F32":
                 w = dequantize(quantize_rows(p.float().numpy(), t), GGMLQuantizationType[t])
                 p.copy_(torch.from_numpy(w.reshape(p.shape)))
     return model
 
 
-@pytest.mark.parametrize("model_type,qtype", [("llama", "Q4_0"), ("llama", "Q4_K_M"), ("qwen3", "Q8_0"),
-                                              ("qwen3", "Q5_K"), ("qwen3_moe", "Q4_1"), ("mixtral", "Q5_0"),
-                                              ("gemma3_text", "Q4_K_M")])
+@pytest.mark.parametrize(
+    "model_type,qtype",
+    [
+        ("llama", "Q4_0"),
+        ("llama", "Q4_K_M"),
+        ("qwen3", "Q8_0"),
+        ("qwen3", "Q5_K"),
+        ("qwen3_moe", "Q4_1"),
+        ("mixtral", "Q5_0"),
+        ("gemma3_text", "Q4_K_M"),
+    ],
+)
 def test_every_architecture_agrees_with_its_dequantised_hf_model(model_type, qtype, tmp_path, monkeypatch):
     """Each registered architecture's file (llama.cpp's names, Q/K order, Gemma's norm + 1,
     stacked experts) against transformers' own class holding the same dequantised weights."""
@@ -212,7 +274,6 @@ def test_every_architecture_agrees_with_its_dequantised_hf_model(model_type, qty
     _check_written_file(path, ref, f"{model_type} {qtype}")
 
 
-
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quantizers_decode_with_the_gguf_package(type_name):
     """The writer's K-type bytes, decoded by the gguf package, are each value to within half a
@@ -220,15 +281,16 @@ def test_k_quantizers_decode_with_the_gguf_package(type_name):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from pagedllm.models.gguf.kquants import K_QUANTIZERS
+
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
-    x[0, :40], x[1] = 0, np.abs(x[1])   # an all-zero sub-block; a row without negatives
+    x[0, :40], x[1] = 0, np.abs(x[1])  # an all-zero sub-block; a row without negatives
     err = np.abs(dequantize(K_QUANTIZERS[type_name](x), GGMLQuantizationType[type_name]) - x)
     sub, levels = (16, 63) if type_name == "Q6_K" else (32, 15 if type_name == "Q4_K" else 31)
     g = x.reshape(6, -1, sub)
     span = np.maximum(g.max(-1), 0) - np.minimum(g.min(-1), 0) if type_name != "Q6_K" else 2 * np.abs(g).max(-1)
-    step = span / levels                                                     # [6, groups]
-    unit = step.reshape(6, -1, 256 // sub).max(-1, keepdims=True) / 60       # one 6-bit scale unit
+    step = span / levels  # [6, groups]
+    unit = step.reshape(6, -1, 256 // sub).max(-1, keepdims=True) / 60  # one 6-bit scale unit
     bound = 0.5 * (step.reshape(6, -1, 256 // sub) + 2 * unit) + 1e-6
     assert (err.reshape(6, -1, 256 // sub, sub) <= bound[..., None]).all()
 
@@ -240,9 +302,14 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs():
     from pagedllm.models.gguf.writer import llama3_rope_factors
     from pagedllm.models.layers.rotary_embedding import rope_inv_freq
     from pagedllm.models.random_model import SHAPES
+
     spec = SHAPES["llama-3.2-1b"]
-    scaling = llama3_scaling_from_factors(llama3_rope_factors(spec["rope_scaling"], spec["rope_theta"], 64).astype(
-        np.float64), spec["rope_theta"], 64, "test")
+    scaling = llama3_scaling_from_factors(
+        llama3_rope_factors(spec["rope_scaling"], spec["rope_theta"], 64).astype(np.float64),
+        spec["rope_theta"],
+        64,
+        "test",
+    )
     assert scaling == {**spec["rope_scaling"], "low_freq_factor": 1.0}
     ours, _ = rope_inv_freq({"rope_theta": spec["rope_theta"], "rope_scaling": scaling}, 64)
     ref, _ = rope_inv_freq({"rope_theta": spec["rope_theta"], "rope_scaling": spec["rope_scaling"]}, 64)
@@ -251,6 +318,7 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs():
 
 def test_unservable_files_refused_before_loading(tmp_path):
     from gguf import GGUFWriter
+
     f16 = write_gguf(_tiny_hf("qwen2"), tmp_path / "f16.gguf", "F16")
     with pytest.raises(ValueError, match=r"tensor blk\.0\.attn_\w+\.weight has type F16"):
         gguf_model_dir(f16, tmp_path / "home")
@@ -268,13 +336,25 @@ def test_gemma3_own_file_served_as_it_is_agrees_with_transformers():
     linears); transformers runs the float32 directory dequantised from that very file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from pagedllm.models.download import GEMMA3_MODEL, ensure_ready_model, resolve_model
+
     served = resolve_model(GEMMA3_MODEL, quantization="gguf")
     tok = AutoTokenizer.from_pretrained(served)
-    prompts = [tok(t).input_ids for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time",
-                                          "The three primary colors are", "import numpy as np\n",
-                                          "Water boils at", "My favourite book is", "1, 2, 3, 5, 8,")]
-    ref = AutoModelForCausalLM.from_pretrained(ensure_ready_model(GEMMA3_MODEL, progress=False),
-                                               dtype=torch.float32).eval()
+    prompts = [
+        tok(t).input_ids
+        for t in (
+            "The capital of France is",
+            "def fibonacci(n):",
+            "Once upon a time",
+            "The three primary colors are",
+            "import numpy as np\n",
+            "Water boils at",
+            "My favourite book is",
+            "1, 2, 3, 5, 8,",
+        )
+    ]
+    ref = AutoModelForCausalLM.from_pretrained(
+        ensure_ready_model(GEMMA3_MODEL, progress=False), dtype=torch.float32
+    ).eval()
     ref_out = _hf_greedy(ref, prompts, GREEDY_TOKENS)
     agree = _greedy_agreement(_engine_greedy(served, prompts, GREEDY_TOKENS, quantization="gguf"), ref_out)
     print(f"gemma3-270m Q4_K_M as it is: {agree:.1%} of transformers' greedy tokens")
@@ -287,34 +367,43 @@ def test_make_gguf_cli_writes_the_shape(tmp_path, monkeypatch):
     from gguf import GGUFReader
     from pagedllm.entrypoints.cli import main
     from pagedllm.models.random_model import SHAPES
+
     out = tmp_path / "tiny.gguf"
     assert main(["make-gguf", "--shape", "tiny", "--type", "Q8_0", "--out", str(out)]) == 0
     reader = GGUFReader(str(out))
     meta = {k: f.contents() for k, f in reader.fields.items()}
     spec = SHAPES["tiny"]
-    assert (meta["general.architecture"], meta["llama.embedding_length"], meta["llama.block_count"],
-            meta["llama.attention.head_count_kv"], len(meta["tokenizer.ggml.tokens"])) == (
-        "llama", spec["hidden_size"], spec["num_hidden_layers"], spec["num_key_value_heads"], spec["vocab_size"])
+    assert (
+        meta["general.architecture"],
+        meta["llama.embedding_length"],
+        meta["llama.block_count"],
+        meta["llama.attention.head_count_kv"],
+        len(meta["tokenizer.ggml.tokens"]),
+    ) == ("llama", spec["hidden_size"], spec["num_hidden_layers"], spec["num_key_value_heads"], spec["vocab_size"])
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.attn_q.weight"] == types["output.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"
 
 
-@pytest.mark.skipif(bool(missing_tools(["llama-quantize"])),
-                    reason=f"llama.cpp's llama-quantize is not built on this machine (looked for "
-                           f"{tool_path('llama-quantize')}); `make llama-cpp` builds it (~15 min on 2 cores), "
-                           "which CI does not do")
+@pytest.mark.skipif(
+    bool(missing_tools(["llama-quantize"])),
+    reason=f"llama.cpp's llama-quantize is not built on this machine (looked for "
+    f"{tool_path('llama-quantize')}); `make llama-cpp` builds it (~15 min on 2 cores), "
+    "which CI does not do",
+)
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q4_0", "Q8_0"])
 def test_llama_quantize_files_agree_with_transformers(qtype, tmp_path, monkeypatch):
     """The writer's F16 file quantized by llama.cpp's own llama-quantize (its type per tensor:
     Q4_K_M's Q4_K and Q6_K, Q4_0's Q6_K embedding), as transformers reads it, against the engine."""
     from transformers import AutoModelForCausalLM
+
     quantize = str(tool_path("llama-quantize"))
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
-    (tmp_path / "src").mkdir()   # kept apart: transformers reads the one file in tmp_path
+    (tmp_path / "src").mkdir()  # kept apart: transformers reads the one file in tmp_path
     f16 = write_gguf(_tiny_hf("llama"), tmp_path / "src" / "f16.gguf", "F16")
     path = tmp_path / f"llama.{qtype}.gguf"
     subprocess.run([quantize, str(f16), str(path), qtype], check=True, capture_output=True, timeout=300)
     from gguf import GGUFReader
+
     types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors}
     assert types == {"F32", *{"Q4_K_M": ["Q4_K", "Q6_K"], "Q4_0": ["Q4_0", "Q6_K"], "Q8_0": ["Q8_0"]}[qtype]}, types
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()

@@ -2,6 +2,7 @@
 default block size (16): a prompt that repeats an earlier one's first blocks resumes from the
 state kept at their last boundary, and its greedy tokens equal transformers' (no cache) and the
 same engine's with prefix caching off. The hits are the engine's prefix-cache counters."""
+
 import pytest
 from engine.test_greedy_equality import assert_greedy_equal
 from models.hybrid_utils import GREEDY, make_hf_model, prompts
@@ -16,11 +17,14 @@ from pagedllm import LLM
 def build(kind, path):
     if kind == "mamba2":
         from transformers import Mamba2Config, Mamba2ForCausalLM
+
         return make_hf_model(path, Mamba2Config, Mamba2ForCausalLM, **MAMBA2_CONFIG)
     if kind == "lfm2":
         from transformers import Lfm2Config, Lfm2ForCausalLM
+
         return make_hf_model(path, Lfm2Config, Lfm2ForCausalLM, **LFM2_CONFIG)
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
     config = {k: v for k, v in QWEN3_NEXT_CONFIG.items() if "expert" not in k}
     return make_hf_model(path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, **config)
 
@@ -32,7 +36,7 @@ def one_by_one(llm, ids):
     for p in ids:
         outs += llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
         hits.append(manager.stats.hits)
-    assert manager.num_free_blocks() == manager.block_pool.num_blocks - 1   # nothing left held
+    assert manager.num_free_blocks() == manager.block_pool.num_blocks - 1  # nothing left held
     return outs, hits
 
 

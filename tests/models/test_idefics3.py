@@ -3,6 +3,7 @@ random-weight checkpoint: greedy tokens with one and two images, an image split 
 chunked-prefill steps, a batch mixed with text-only prompts, preemption by recompute, LLM.chat
 with image parts; and the prefix cache keyed by the
 images' content hashes (a repeated image + prompt runs no encoder, another image gets no hit)."""
+
 import pytest
 
 from pagedllm.entrypoints.llm import LLM
@@ -41,7 +42,7 @@ def test_greedy_matches_transformers(vlm_dir, budget):
     """One image, two images and a text-only prompt in one batch; budget below an image's token
     count splits each image across prefill steps (the encoder cache holds it between them)."""
     refs = [hf_greedy(vlm_dir, t, imgs, N) for t, imgs in _cases()]
-    assert refs[0] != hf_greedy(vlm_dir, ONE, [image(4)], N)   # the image decides the tokens
+    assert refs[0] != hf_greedy(vlm_dir, ONE, [image(4)], N)  # the image decides the tokens
     llm = LLM(vlm_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     generate_checked(llm, _cases(), refs, N)
 
@@ -52,8 +53,8 @@ def test_prefix_cache_keys_blocks_with_image_hashes(vlm_dir):
     first = llm.generate(_prompt(ONE, [image(1)]), _greedy(), use_tqdm=False)
     hits = kv.stats.hits
     again = llm.generate(_prompt(ONE, [image(1)]), _greedy(), use_tqdm=False)
-    assert kv.stats.hits - hits >= 32          # the blocks over the image are reused ...
-    assert cache.images_encoded == 1           # ... and the encoder does not run again
+    assert kv.stats.hits - hits >= 32  # the blocks over the image are reused ...
+    assert cache.images_encoded == 1  # ... and the encoder does not run again
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     hits = kv.stats.hits
     other = llm.generate(_prompt(ONE, [image(4)]), _greedy(), use_tqdm=False)
@@ -79,20 +80,44 @@ def test_chat_with_image_parts(vlm_dir):
     import io
 
     from transformers import AutoTokenizer
+
     text = AutoTokenizer.from_pretrained(vlm_dir).apply_chat_template(
-        [{"role": "user", "content": "What is in\n<image>\n?"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "What is in\n<image>\n?"}], add_generation_prompt=True, tokenize=False
+    )
     ref = hf_greedy(vlm_dir, text, [image(5)], N)
     llm = LLM(vlm_dir, dtype="float32")
-    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in"},
-                                                 {"type": "image_pil", "image_pil": image(5)},
-                                                 {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
+    out = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in"},
+                    {"type": "image_pil", "image_pil": image(5)},
+                    {"type": "text", "text": "?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert list(out[0].outputs[0].token_ids) == ref
     png = io.BytesIO()
     image(5).save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in"},
-                                                 {"type": "image_url", "image_url": {"url": url}},
-                                                 {"type": "text", "text": "?"}]}], _greedy(), use_tqdm=False)
+    out = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert list(out[0].outputs[0].token_ids) == ref
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: type 'audio' is not supported"):
         llm.chat([{"role": "user", "content": [{"type": "audio"}, {"type": "image", "image": image(5)}]}])
@@ -123,6 +148,7 @@ def test_images_cross_to_the_core_process(vlm_dir):
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.messages import AddRequests, EngineCoreRequest, decode_request, encode_request
+
     ref = hf_greedy(vlm_dir, TWO, [image(2), image(3, (64, 40))], N)
 
     async def run():
@@ -140,6 +166,7 @@ def test_images_cross_to_the_core_process(vlm_dir):
             return tokens
         finally:
             await engine.shutdown()
+
     assert asyncio.run(run()) == ref
 
 
@@ -148,8 +175,15 @@ def test_second_chat_turn_does_not_reencode(vlm_dir):
     the prefix cache, so the encoder does not run again."""
     llm = LLM(vlm_dir, dtype="float32", enable_prefix_caching=True)
     cache = _runner(llm).encoder_cache
-    turn = [{"role": "user", "content": [{"type": "image", "image": image(7)},
-                                         {"type": "text", "text": "Describe this picture in a few words."}]}]
+    turn = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image(7)},
+                {"type": "text", "text": "Describe this picture in a few words."},
+            ],
+        }
+    ]
     answer = llm.chat(turn, _greedy(), use_tqdm=False)[0].outputs[0].text
     assert cache.images_encoded == 1
     turn2 = turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the colours?"}]
@@ -167,7 +201,7 @@ def test_same_image_twice_in_one_prompt(vlm_dir, budget):
     assert list(out[0].outputs[0].token_ids) == hf_greedy(vlm_dir, TWO, images, N)
     cache = _runner(llm).encoder_cache
     assert cache.images_encoded == 1 and cache.features == {} and cache.users == {}
-    assert cache.take_step_stats() == (0, 0)   # taken by every step: (2 queries, 1 hit) went to the scheduler
+    assert cache.take_step_stats() == (0, 0)  # taken by every step: (2 queries, 1 hit) went to the scheduler
     assert (llm.llm_engine.core.scheduler.mm_cache_queries, llm.llm_engine.core.scheduler.mm_cache_hits) == (2, 1)
 
 
@@ -186,10 +220,11 @@ def test_split_images_match_transformers(split_dir, budget):
     llm = LLM(split_dir, dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     _, request = llm.llm_engine.processor.process("probe", _prompt(*cases[0]), _greedy())
     (img,) = request.mm_inputs
-    assert img.pixel_values.shape[0] == 5 and len(img.runs) == 5   # 4 tiles + the whole image
+    assert img.pixel_values.shape[0] == 5 and len(img.runs) == 5  # 4 tiles + the whole image
     from pagedllm.engine.messages import AddRequests, EngineCoreRequest, decode_request, encode_request
+
     back = decode_request(encode_request(AddRequests([EngineCoreRequest.from_request(request)])))
-    assert back.requests[0].to_request().mm_inputs[0].runs == img.runs   # as the core process gets it
+    assert back.requests[0].to_request().mm_inputs[0].runs == img.runs  # as the core process gets it
     outs = llm.generate([_prompt(t, imgs) for t, imgs in cases], _greedy(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
     cache = _runner(llm).encoder_cache
@@ -203,21 +238,28 @@ def test_chat_with_a_template_that_takes_parts(vlm_dir):
     from transformers import AutoProcessor
 
     from pagedllm.multimodal.chat import template_takes_parts
-    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
-                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
-                   {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image"}]}]
+
+    hf_messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image"}]},
+    ]
     text = AutoProcessor.from_pretrained(vlm_dir).apply_chat_template(
-        hf_messages, chat_template=SMOLVLM_TEMPLATE, add_generation_prompt=True, tokenize=False)
+        hf_messages, chat_template=SMOLVLM_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
     assert text.count("<image>") == 2 and "'type'" not in text
     ref = hf_greedy(vlm_dir, text, [image(5), image(6)], N)
     llm = LLM(vlm_dir, dtype="float32")
-    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image(5)},
-                                             {"type": "text", "text": "Describe it."}]},
-                {"role": "assistant", "content": "A cat."},
-                {"role": "user", "content": [{"type": "text", "text": "And this?"},
-                                             {"type": "image", "image": image(6)}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_pil", "image_pil": image(5)}, {"type": "text", "text": "Describe it."}],
+        },
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image", "image": image(6)}]},
+    ]
     out = llm.chat(messages, _greedy(), use_tqdm=False, chat_template=SMOLVLM_TEMPLATE)
     assert list(out[0].outputs[0].token_ids) == ref
     tok = llm.get_tokenizer()
     assert template_takes_parts(lambda m: tok.apply_chat_template(m, chat_template=SMOLVLM_TEMPLATE, tokenize=False))
-    assert not template_takes_parts(lambda m: tok.apply_chat_template(m, tokenize=False))   # SmolLM2's ChatML
+    assert not template_takes_parts(lambda m: tok.apply_chat_template(m, tokenize=False))  # SmolLM2's ChatML

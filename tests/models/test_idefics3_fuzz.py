@@ -7,6 +7,7 @@ cache (preemption) and prefix caching on or off. After each case: no block in us
 queue holds every block, the encoder cache holds nothing, and every request that finished gives
 the greedy tokens of the same prompts run together on a roomy engine (itself equal to
 transformers in test_idefics3.py)."""
+
 import random
 from typing import NamedTuple
 
@@ -19,15 +20,20 @@ from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
-TEXTS = ["Look <image> and say", "Compare <image> with <image> now", "The capital of France is",
-         "<image> what is this", "Tell me about <image> and then <image> please"]
+TEXTS = [
+    "Look <image> and say",
+    "Compare <image> with <image> now",
+    "The capital of France is",
+    "<image> what is this",
+    "Tell me about <image> and then <image> please",
+]
 
 
 class Vlm(NamedTuple):
     path: str
-    placeholder: str        # the text a prompt writes for one image
-    min_budget: int = 1     # Gemma 3 prefills an image in one step: its budget holds one image's tokens
-    kv_groups: int = 1      # KV-cache groups (Gemma 3: one full, two sliding): the blocks scale with them
+    placeholder: str  # the text a prompt writes for one image
+    min_budget: int = 1  # Gemma 3 prefills an image in one step: its budget holds one image's tokens
+    kv_groups: int = 1  # KV-cache groups (Gemma 3: one full, two sliding): the blocks scale with them
 
 
 @pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl", "gemma3"])
@@ -63,8 +69,13 @@ def _draw(rng: random.Random, k: int, placeholder: str) -> list[tuple[dict | str
 @pytest.mark.parametrize("seed", [*range(6), 7, 10])
 def test_image_workload_fuzz(vlm, roomy, seed):
     rng = random.Random(f"vlm-{seed}")
-    llm = LLM(vlm.path, dtype="float32", max_num_batched_tokens=max(rng.choice([8, 24, 64, 2048]), vlm.min_budget),
-              num_gpu_blocks=rng.choice([8, 10, 64]) * vlm.kv_groups, enable_prefix_caching=rng.random() < 0.7)
+    llm = LLM(
+        vlm.path,
+        dtype="float32",
+        max_num_batched_tokens=max(rng.choice([8, 24, 64, 2048]), vlm.min_budget),
+        num_gpu_blocks=rng.choice([8, 10, 64]) * vlm.kv_groups,
+        enable_prefix_caching=rng.random() < 0.7,
+    )
     engine = llm.llm_engine
     requests = _draw(rng, rng.randint(3, 7), vlm.placeholder)
     done, step = {}, 0
@@ -83,8 +94,7 @@ def test_image_workload_fuzz(vlm, roomy, seed):
     assert pool.get_num_free_blocks() == pool.num_blocks - 1, f"seed {seed}: blocks in use"
     cache = engine.core.model_executor.driver_worker.model_runner.encoder_cache
     assert cache.features == {} and cache.users == {}, f"seed {seed}: encoder cache entries left"
-    kept = [i for i in range(len(requests))
-            if f"r{i}" in done and done[f"r{i}"].outputs[0].finish_reason == "length"]
+    kept = [i for i in range(len(requests)) if f"r{i}" in done and done[f"r{i}"].outputs[0].finish_reason == "length"]
     refs = roomy.generate([requests[i][0] for i in kept], [requests[i][1] for i in kept], use_tqdm=False)
     for i, ref in zip(kept, refs):
         assert done[f"r{i}"].outputs[0].token_ids == ref.outputs[0].token_ids, f"seed {seed}: request {i}"

@@ -6,6 +6,7 @@ a scale (max - min) / 15 and a min per group, q = round((w - min) / scale) in 0.
 + min; the LM head symmetric int8 in groups of 32 (scale amax / 127, q in -127..127). Those float
 weights go into transformers, whose greedy tokens the engine's int4 model must give.
 """
+
 import torch
 
 from greedy_utils import assert_greedy_equal, hf_greedy
@@ -15,10 +16,10 @@ GROUP = 32
 
 
 def _int4_by_hand(w: torch.Tensor) -> torch.Tensor:
-    n, k = w.shape                                     # [N, K] -> groups [N, K/32, 32]
+    n, k = w.shape  # [N, K] -> groups [N, K/32, 32]
     g = w.double().view(n, k // GROUP, GROUP)
     lo, hi = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
-    scale = ((hi - lo) / 15).float().double()          # the engine holds scales and mins in float32
+    scale = ((hi - lo) / 15).float().double()  # the engine holds scales and mins in float32
     lo = lo.float().double()
     q = torch.round((g - lo) / scale).clamp(0, 15)
     return (q * scale + lo).view(n, k).float()
@@ -36,12 +37,16 @@ def test_int4_engine_greedy_equals_transformers_on_hand_quantised_weights():
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.models.random_model import random_model_dir
+
     path = str(random_model_dir("random:tiny"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 23, 70)]
     llm = LLM(path, quantization="int4", max_model_len=256, kv_cache_memory=2**20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     del llm
 
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()

@@ -3,21 +3,40 @@ Mamba2ForCausalLM on the same random weights, token for token, for a batch of mi
 chunked prefill with a small token budget (prompts cut into chunks that continue from the state
 the last chunk left, across SSD chunk boundaries), and when late requests of a higher priority
 preempt running ones (their state recomputed from the first token)."""
+
 import pytest
 from engine.test_greedy_equality import assert_greedy_equal
-from models.hybrid_utils import (MAX_TOKENS, check_batch_against_transformers, check_late_arrivals_preempt,
-                                 make_hf_model, prompts, run_with_late_arrival)
+from models.hybrid_utils import (
+    MAX_TOKENS,
+    check_batch_against_transformers,
+    check_late_arrivals_preempt,
+    make_hf_model,
+    prompts,
+    run_with_late_arrival,
+)
 from models.test_qwen3 import hf_reference
 
 from pagedllm import LLM
 
 # conv_dim = 128 + 2 * 2 * 16 = 192; SSD chunks of 8 tokens, so a prompt spans several.
-CONFIG = dict(hidden_size=64, expand=2, num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
-              chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False, use_conv_bias=True)
+CONFIG = dict(
+    hidden_size=64,
+    expand=2,
+    num_heads=8,
+    head_dim=16,
+    state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=8,
+    num_hidden_layers=2,
+    tie_word_embeddings=False,
+    use_conv_bias=True,
+)
 
 
 def mamba2(tmp_path):
     from transformers import Mamba2Config, Mamba2ForCausalLM
+
     return make_hf_model(tmp_path, Mamba2Config, Mamba2ForCausalLM, **CONFIG)
 
 
@@ -31,8 +50,14 @@ def test_mamba2_state_after_preemption(tmp_path, mode):
     """Two state blocks: two early requests hold both; two late ones of a higher priority
     preempt them, and the early ones start again from a zero state (recompute) or from their
     state swapped out to CPU blocks and back into the other state block."""
-    outs = check_late_arrivals_preempt(*mamba2(tmp_path), f"Mamba2 preempted ({mode})", block_size=4,
-                                       num_gpu_blocks=3, preemption_mode=mode, num_cpu_blocks=8)
+    outs = check_late_arrivals_preempt(
+        *mamba2(tmp_path),
+        f"Mamba2 preempted ({mode})",
+        block_size=4,
+        num_gpu_blocks=3,
+        preemption_mode=mode,
+        num_cpu_blocks=8,
+    )
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs.values())
 
 
@@ -45,8 +70,9 @@ def test_a_failed_step_recomputes_the_states(tmp_path, monkeypatch):
     model_dir, model = mamba2(tmp_path)
     early = prompts([41, 33])
     # Three state blocks, all used before the failure: the recomputed requests get used ones.
-    outs, _, failed = run_with_late_arrival(model_dir, early, [[5, 2, 7]], block_size=4,
-                                            max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=4)
+    outs, _, failed = run_with_late_arrival(
+        model_dir, early, [[5, 2, 7]], block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=4
+    )
     assert failed == ["l0"]
     assert_greedy_equal([outs[r] for r in ("e0", "e1")], hf_reference(model, early), "Mamba2 after a failed step")
 
@@ -56,6 +82,7 @@ def test_parallel_samples_fork_the_state_where_there_is_room(tmp_path):
     but its last token, then one sibling gets a copy of its state (the only free block) and the
     other two start over from the prompt; all three equal transformers' greedy output."""
     from pagedllm import SamplingParams
+
     model_dir, model = mamba2(tmp_path)
     (prompt,) = prompts([23])
     (ref,) = hf_reference(model, [prompt])
@@ -72,11 +99,13 @@ def test_what_a_recurrent_state_cannot_do_is_refused(tmp_path, caplog):
     model loads, a quantized KV cache once the runner sees the layers; prefix caching stays on
     (state snapshots: test_hybrid_prefix_cache.py); swap preemption moves the states."""
     from pagedllm.engine.arg_utils import EngineArgs
+
     model_dir, _ = mamba2(tmp_path)
     with pytest.raises(ValueError, match="speculative_config is not supported for a model with recurrent layers"):
         EngineArgs(model=model_dir, speculative_config={"method": "ngram"}).create_engine_config()
-    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1 for a model "
-                                         "with recurrent layers"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1 for a model with recurrent layers"
+    ):
         EngineArgs(model=model_dir, tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' for a model with recurrent layers"):
         LLM(model_dir, kv_cache_dtype="int8")

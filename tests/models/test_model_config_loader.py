@@ -1,6 +1,7 @@
 """A model directory -> its ModelConfig (models/model_config_loader.py): the values read from a
 config.json written here by hand, a vision-language config flattened to its text model, and a
 ValueError naming the field for each bad input (messages written out by hand)."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,15 @@ import pytest
 
 from pagedllm.models.model_config_loader import model_config_from_dir, set_quantization
 
-LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "hidden_size": 64, "vocab_size": 100, "max_position_embeddings": 128}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_size": 64,
+    "vocab_size": 100,
+    "max_position_embeddings": 128,
+}
 
 
 def _dir(tmp_path, config, *extra_files):
@@ -34,21 +42,31 @@ def test_max_model_len_defaults_to_2048_without_max_position_embeddings(tmp_path
 
 
 def test_a_vision_language_config_reads_as_its_text_model(tmp_path):
-    config = {"architectures": ["Idefics3ForConditionalGeneration"], "vision_config": {"hidden_size": 8},
-              "text_config": {**LLAMA, "architectures": ["LlamaForCausalLM"]}}
+    config = {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "vision_config": {"hidden_size": 8},
+        "text_config": {**LLAMA, "architectures": ["LlamaForCausalLM"]},
+    }
     mc = model_config_from_dir(_dir(tmp_path, config))
     assert mc.hf_config["architectures"] == ["Idefics3ForConditionalGeneration"]
     assert mc.hf_config["multimodal_config"] == config
     assert (mc.num_layers, mc.hidden_size, mc.max_model_len) == (2, 64, 128)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"dtype": "float64"}, "dtype must be one of auto, float32, bfloat16, float16, got 'float64'"),
-    ({"max_model_len": 129},
-     "max_model_len must be an integer in [1, 128] (the model's max_position_embeddings), got 129"),
-    ({"max_model_len": 0},
-     "max_model_len must be an integer in [1, 128] (the model's max_position_embeddings), got 0"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"dtype": "float64"}, "dtype must be one of auto, float32, bfloat16, float16, got 'float64'"),
+        (
+            {"max_model_len": 129},
+            "max_model_len must be an integer in [1, 128] (the model's max_position_embeddings), got 129",
+        ),
+        (
+            {"max_model_len": 0},
+            "max_model_len must be an integer in [1, 128] (the model's max_position_embeddings), got 0",
+        ),
+    ],
+)
 def test_a_bad_argument_is_refused(tmp_path, kw, message):
     with pytest.raises(ValueError) as e:
         model_config_from_dir(_dir(tmp_path, LLAMA), **kw)
@@ -57,8 +75,11 @@ def test_a_bad_argument_is_refused(tmp_path, kw, message):
 
 def test_an_unknown_architecture_is_refused(tmp_path):
     path = _dir(tmp_path, {**LLAMA, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] in '.*config.json' is not "
-                                         r"supported; supported: LlamaForCausalLM, "):
+    with pytest.raises(
+        ValueError,
+        match=r"architecture \['GPT2LMHeadModel'\] in '.*config.json' is not "
+        r"supported; supported: LlamaForCausalLM, ",
+    ):
         model_config_from_dir(path)
 
 
@@ -68,8 +89,9 @@ def test_a_missing_directory_or_config_json_is_refused(tmp_path):
     assert str(e.value) == f"model path '{tmp_path / 'none'}' does not exist or is not a directory"
     with pytest.raises(ValueError) as e:
         model_config_from_dir(str(tmp_path))
-    assert str(e.value) == (f"model directory '{tmp_path}' has no config.json; "
-                            "an HF-format model directory is required")
+    assert str(e.value) == (
+        f"model directory '{tmp_path}' has no config.json; an HF-format model directory is required"
+    )
 
 
 def test_quantization_is_checked_and_a_gguf_directory_is_served_as_gguf(tmp_path):

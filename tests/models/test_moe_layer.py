@@ -4,6 +4,7 @@ bias-corrected, group-limited top-k), FusedMoE against a per-token loop over its
 experts, its tensor-parallel slices (two ranks' outputs sum to the whole layer's), its weight
 loader, and the grouped Triton kernel (under TRITON_INTERPRET=1 on the CPU) against the torch
 path."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ def ref_deepseek_topk(logits, k, n_group, topk_group, bias, scale):
     for row in logits.tolist():
         s = [1 / (1 + pow(2.718281828459045, -x)) for x in row]
         c = [x + b for x, b in zip(s, bias.tolist())]
-        group_score = [sum(sorted(c[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
+        group_score = [sum(sorted(c[g * size : (g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
         groups = sorted(range(n_group), key=lambda g: -group_score[g])[:topk_group]
         allowed = [e for g in groups for e in range(g * size, (g + 1) * size)]
         top = sorted(allowed, key=lambda e: -c[e])[:k]
@@ -83,9 +84,9 @@ def test_grouped_topk_deepseek_v3():
 def make_moe(intermediate=range(I), **kw):
     moe = FusedMoE(E, K, H, intermediate, **kw)
     g = torch.Generator().manual_seed(0)
-    full13 = torch.randn(E, 2 * I, H, generator=g) * 0.2   # per expert: gate rows, then up rows
+    full13 = torch.randn(E, 2 * I, H, generator=g) * 0.2  # per expert: gate rows, then up rows
     full2 = torch.randn(E, H, I, generator=g) * 0.2
-    for e in range(E):   # through the checkpoint's per-expert matrices
+    for e in range(E):  # through the checkpoint's per-expert matrices
         moe.weight_loader(moe.w13_weight, full13[e, :I], (e, "w1"))
         moe.weight_loader(moe.w13_weight, full13[e, I:], (e, "w3"))
         moe.weight_loader(moe.w2_weight, full2[e], (e, "w2"))
@@ -94,7 +95,7 @@ def make_moe(intermediate=range(I), **kw):
 
 def ref_moe(x, full13, full2, weights, ids):
     out = torch.zeros_like(x)
-    for t in range(x.shape[0]):        # the test's plain per-token loop
+    for t in range(x.shape[0]):  # the test's plain per-token loop
         for w, e in zip(weights[t].tolist(), ids[t].tolist()):
             gate, up = full13[e, :I] @ x[t], full13[e, I:] @ x[t]
             out[t] += w * (full2[e] @ (F.silu(gate) * up))
@@ -110,8 +111,9 @@ def test_fused_moe_equals_per_token_reference():
     # with only some experts active, and no tokens at all
     ids1 = torch.zeros(5, K, dtype=torch.long)
     ids1[:, 1] = 3
-    torch.testing.assert_close(moe.apply_experts(x[:5], w[:5], ids1), ref_moe(x[:5], full13, full2, w[:5], ids1),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        moe.apply_experts(x[:5], w[:5], ids1), ref_moe(x[:5], full13, full2, w[:5], ids1), rtol=1e-5, atol=1e-5
+    )
     assert moe(x[:0], logits[:0]).shape == (0, H)
 
 
@@ -119,11 +121,10 @@ def test_tensor_parallel_slices_sum_to_the_whole():
     """Rank r holds intermediate columns [r*I/2, (r+1)*I/2) of every expert (uneven: 20 -> 10/10
     here, 25 -> 12/13 in test_moe_models.py); the all-reduce sums the partial outputs."""
     whole, _, _ = make_moe()
-    halves = [make_moe(intermediate=r)[0] for r in (range(0, 9), range(9, I))]   # uneven 9 / 11
+    halves = [make_moe(intermediate=r)[0] for r in (range(0, 9), range(9, I))]  # uneven 9 / 11
     g = torch.Generator().manual_seed(2)
     x, logits = torch.randn(23, H, generator=g), torch.randn(23, E, generator=g)
-    torch.testing.assert_close(halves[0](x, logits) + halves[1](x, logits), whole(x, logits),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(halves[0](x, logits) + halves[1](x, logits), whole(x, logits), rtol=1e-5, atol=1e-5)
 
 
 def test_weight_loader_refuses_bad_shards():
@@ -133,7 +134,7 @@ def test_weight_loader_refuses_bad_shards():
     with pytest.raises(ValueError, match="expert shard"):
         moe.weight_loader(moe.w13_weight, full13[0, :I], "w1")
     with pytest.raises(ValueError, match="does not fit"):
-        moe.weight_loader(moe.w13_weight, full13[0, :I, :H - 1], (0, "w1"))
+        moe.weight_loader(moe.w13_weight, full13[0, :I, : H - 1], (0, "w1"))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         FusedMoE(E, E + 1, H, range(I))
     with pytest.raises(ValueError, match="n_group"):
@@ -144,8 +145,18 @@ def test_grouped_routing_in_the_layer_uses_the_gates_bias():
     """DeepSeek's gate owns e_score_correction_bias; FusedMoE routes with it but does not
     register it as its own parameter (it would be named, and loaded, twice)."""
     bias = torch.nn.Parameter(torch.randn(E), requires_grad=False)
-    moe = FusedMoE(E, K, H, range(I), use_grouped_topk=True, num_expert_group=4, topk_group=2,
-                   scoring_func="sigmoid", e_score_correction_bias=bias, routed_scaling_factor=2.0)
+    moe = FusedMoE(
+        E,
+        K,
+        H,
+        range(I),
+        use_grouped_topk=True,
+        num_expert_group=4,
+        topk_group=2,
+        scoring_func="sigmoid",
+        e_score_correction_bias=bias,
+        routed_scaling_factor=2.0,
+    )
     assert {n for n, _ in moe.named_parameters()} == {"w13_weight", "w2_weight"}
     logits = torch.randn(9, E)
     w, ids = moe.select_experts(logits)
@@ -166,29 +177,32 @@ def test_triton_grouped_kernel_equals_torch_path(dtype):
     than a BLOCK_M of tokens."""
     pytest.importorskip("triton")
     import os
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and dtype == torch.bfloat16:
         # Triton 3.9's interpreter keeps bf16 as uint16 and its tl.dot miscomputes; a GPU runs it.
         pytest.skip("no CUDA device (the CPU interpreter cannot run bf16 tl.dot)")
     assert device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets it without CUDA"
     from pagedllm.models.layers.fused_moe_triton import align_block_size, fused_experts_triton
+
     moe, _, _ = make_moe(renormalize=True)
     moe = moe.to(device, dtype)
     g = torch.Generator().manual_seed(3)
     T = 21
     x = torch.randn(T, H, generator=g).to(device, dtype)
-    ids = torch.randint(0, 5, (T, K), generator=g)        # experts 5..7 get no token
-    ids[:, 0] = torch.where(torch.arange(T) < 18, 0, ids[:, 0])   # expert 0: 18 rows > BLOCK_M 16
-    ids[0, 1], ids[1:, 1] = 6, ids[1:, 1].clamp(1, 4)     # expert 6: one token
+    ids = torch.randint(0, 5, (T, K), generator=g)  # experts 5..7 get no token
+    ids[:, 0] = torch.where(torch.arange(T) < 18, 0, ids[:, 0])  # expert 0: 18 rows > BLOCK_M 16
+    ids[0, 1], ids[1:, 1] = 6, ids[1:, 1].clamp(1, 4)  # expert 6: one token
     ids, w = ids.to(device), torch.rand(T, K, generator=g).to(device)
     sorted_ids, expert_ids = align_block_size(ids, E, 16)
     valid = sorted_ids[sorted_ids < T * K]
-    assert sorted(valid.tolist()) == list(range(T * K))                       # every assignment once
+    assert sorted(valid.tolist()) == list(range(T * K))  # every assignment once
     assert torch.equal(ids.reshape(-1)[valid.long()], expert_ids.repeat_interleave(16)[sorted_ids < T * K].long())
     # the reference in float32 from the same (rounded) weights
-    ref = fused_experts_torch(x.float(), moe.w13_weight.float(), moe.w2_weight.float(), w, ids,
-                              lambda h: F.silu(h[:, :I]) * h[:, I:])
+    ref = fused_experts_torch(
+        x.float(), moe.w13_weight.float(), moe.w2_weight.float(), w, ids, lambda h: F.silu(h[:, :I]) * h[:, I:]
+    )
     ours = fused_experts_triton(x, moe.w13_weight, moe.w2_weight, w, ids)
     assert ours.dtype == dtype
-    tol = 1e-4 if dtype == torch.float32 else 3e-2   # 16-bit: activations rounded between the matmuls
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # 16-bit: activations rounded between the matmuls
     torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol)

@@ -5,6 +5,7 @@ token, down with the routing weight), through kernels/triton_aot.py: the launch
 descriptions the layer makes, specialised as Triton's launcher would on a GPU, compiled to
 cubins with Triton's ptxas; shared memory within the architecture's limit and no register
 spills. Runs in a subprocess without TRITON_INTERPRET (interpreted kernels do not compile)."""
+
 import pytest
 from kernel_utils import run_aot_script
 

@@ -5,6 +5,7 @@ integer sums, and against the float one within the activations' rounding bound);
 exact; GGUF blocks repacked exactly into the engine's layouts (equal to the gguf package's own
 dequantisation); the default model's GGUF file and int8 weights against float32 greedy output
 on the greedy-equality prompts; bad flags are ValueErrors."""
+
 import numpy as np
 import pytest
 import torch
@@ -15,19 +16,33 @@ from kernel_utils import require_built
 from pagedllm.models.cpu_ops import cpu_ops
 from pagedllm.models.layers.quantization.registry import validate_quantization
 from pagedllm.models.layers.quantization.gguf_repack import pack_segments
-from pagedllm.models.layers.quantization.layouts import (dequantize_reference, pack_int4, quantize_int4,
-                                                         quantize_int8, quantize_int8_offset, unpack_int4)
+from pagedllm.models.layers.quantization.layouts import (
+    dequantize_reference,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_offset,
+    unpack_int4,
+)
 
-ROWS = (1, 2, 3, 4, 5, 8, 9, 19, 300)   # 1-8: the register kernels; then dequantised tiles; 256+: one GEMM
-CASES = [("int4", 37, 96, 32), ("int4", 35, 256, 64), ("int4", 33, 384, 128),
-         ("int8", 29, 77, 77), ("int8", 31, 64, 16), ("int8", 41, 160, 32), ("int8", 43, 192, 192),
-         ("int8+offset", 39, 160, 32), ("int8+offset", 27, 77, 77)]
-MAX_TOKENS = 32   # greedy tokens per agreement prompt
-DECODE_ROWS = 8   # the integer kernel's most rows
-QBLOCK = 32   # input features per activation scale of the integer kernel
-QMAX = 32767   # its activations are int16: d = amax / QMAX
-INT8_ACTIVATIONS_AGREEMENT = 0.40   # GGUF with int8 activations: see test_gguf_int8_activations_greedy_agreement
-HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")   # the extension: -march=native
+ROWS = (1, 2, 3, 4, 5, 8, 9, 19, 300)  # 1-8: the register kernels; then dequantised tiles; 256+: one GEMM
+CASES = [
+    ("int4", 37, 96, 32),
+    ("int4", 35, 256, 64),
+    ("int4", 33, 384, 128),
+    ("int8", 29, 77, 77),
+    ("int8", 31, 64, 16),
+    ("int8", 41, 160, 32),
+    ("int8", 43, 192, 192),
+    ("int8+offset", 39, 160, 32),
+    ("int8+offset", 27, 77, 77),
+]
+MAX_TOKENS = 32  # greedy tokens per agreement prompt
+DECODE_ROWS = 8  # the integer kernel's most rows
+QBLOCK = 32  # input features per activation scale of the integer kernel
+QMAX = 32767  # its activations are int16: d = amax / QMAX
+INT8_ACTIVATIONS_AGREEMENT = 0.40  # GGUF with int8 activations: see test_gguf_int8_activations_greedy_agreement
+HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")  # the extension: -march=native
 
 
 def _integer_kernel(rows, g):
@@ -45,7 +60,7 @@ def _quantized(kind, n, k, g, gen):
     return q, s, torch.empty(0)
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("kind,n,k,g", CASES)
 def test_quant_linear_matches_float_reference(kind, n, k, g):
     ops = require_built(cpu_ops())
@@ -72,13 +87,13 @@ def _check_integer_kernel(ops, x, q, s, m, bias, out, ref, msg):
     the activations' rounding: |x - q d| <= d / 2 per feature, so |dy_n| <= sum_k |w_nk| d_k / 2."""
     rows, k = x.shape
     xq, xd = ops.quant_activations(x)
-    step = xd.double().repeat_interleave(QBLOCK, dim=1)                      # [rows, k]
+    step = xd.double().repeat_interleave(QBLOCK, dim=1)  # [rows, k]
     # d = amax / QMAX (one ulp: the compiler may multiply by 1 / QMAX)
     assert xq.dtype == torch.int16
     torch.testing.assert_close(xd, x.view(rows, -1, QBLOCK).abs().amax(2) / QMAX, rtol=2**-23, atol=0)
     # x / d in float32 (perhaps x * (1 / d)): a few roundings of a value up to QMAX
     assert ((x.double() / step - xq.double()).abs() <= 0.5 + QMAX * 2**-22).all(), msg
-    w_q = dequantize_reference(q, s, torch.empty(0)).double()                  # q s (no mins)
+    w_q = dequantize_reference(q, s, torch.empty(0)).double()  # q s (no mins)
     exact = F.linear(xq.double() * step, w_q, bias.double())
     # float32 accumulation of the scaled block sums and group sums: a few dozen roundings of
     # terms up to the sum of the absolute products, so the error is relative to that sum
@@ -91,7 +106,7 @@ def _check_integer_kernel(ops, x, q, s, m, bias, out, ref, msg):
     assert ((out.double() - ref).abs() <= bound + 2e-5 + 1e-5 * ref.abs()).all(), msg
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_tile_path_under_inference_mode_in_threads():
     """The runner calls the kernel under inference_mode; the dequantised-tile path writes from the
     thread pool, whose threads must see that mode (they refused the write: a crash at prefill)."""
@@ -109,7 +124,7 @@ def test_tile_path_under_inference_mode_in_threads():
     assert out.shape == (37, 96) and torch.isfinite(out).all()
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_integer_sums_exact(kind):
     """Integer inputs, unit scales, zero mins: every sum is an exact float32 integer (below 2^24)."""
@@ -118,13 +133,13 @@ def test_integer_sums_exact(kind):
     n, k, g = 45, 224, 32
     lo, hi = (0, 16) if kind == "int4" else (-128, 128)
     qi = torch.randint(lo, hi, (n, k), generator=gen)
-    qi[:, ::QBLOCK] = torch.randint(0, 3, (n, k // QBLOCK), generator=gen)   # times QMAX: sums stay < 2^24
+    qi[:, ::QBLOCK] = torch.randint(0, 3, (n, k // QBLOCK), generator=gen)  # times QMAX: sums stay < 2^24
     q = pack_int4(qi) if kind == "int4" else qi.to(torch.int8)
     s = torch.ones(n, k // g)
     for rows in (1, 3, 8):
-        x = torch.randint(-QMAX, QMAX + 1, (rows, k), generator=gen).float() / 64   # -512..512
+        x = torch.randint(-QMAX, QMAX + 1, (rows, k), generator=gen).float() / 64  # -512..512
         x = torch.round(x)
-        x[:, ::QBLOCK] = QMAX   # each block's step d = QMAX / QMAX: the integer kernel's int16 x is x
+        x[:, ::QBLOCK] = QMAX  # each block's step d = QMAX / QMAX: the integer kernel's int16 x is x
         exact = x.long() @ qi.T
         assert torch.equal(ops.quant_linear(x, q, s, torch.zeros_like(s), None).long(), exact)
         assert torch.equal(ops.quant_linear(x, q, s, torch.empty(0), None).long(), exact)
@@ -137,10 +152,10 @@ def test_int4_pack_roundtrip_and_quantize_error():
     w = torch.randn(7, 96, generator=gen)
     qw, s, m = quantize_int4(w, 32)
     err = (dequantize_reference(qw, s, m) - w).abs()
-    assert (err <= s.repeat_interleave(32, dim=1) / 2 + 1e-6).all()   # within half a step
+    assert (err <= s.repeat_interleave(32, dim=1) / 2 + 1e-6).all()  # within half a step
     q8, s8 = quantize_int8(w, 96)
     assert ((dequantize_reference(q8, s8, torch.empty(0)) - w).abs() <= s8 / 2 + 1e-6).all()
-    shifted = w + 3   # off zero: the offset keeps the steps over the group's own range
+    shifted = w + 3  # off zero: the offset keeps the steps over the group's own range
     q8, s8, m8 = quantize_int8_offset(shifted, 32)
     err = (dequantize_reference(q8, s8, m8) - shifted).abs()
     assert (err <= s8.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
@@ -152,6 +167,7 @@ def _random_blocks(type_name, rows, k, rng):
     with finite float16 scales (every bit pattern of the integers is a valid block)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
+
     qtype = GGMLQuantizationType[type_name]
     try:
         return quantize(rng.standard_normal((rows, k)).astype(np.float32), qtype)
@@ -160,7 +176,7 @@ def _random_blocks(type_name, rows, k, rng):
         data = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
         f16 = lambda n: rng.uniform(0.001, 0.1, (rows, k // block, n)).astype(np.float16).view(np.uint8)  # noqa: E731
         if type_name in ("Q4_K", "Q5_K"):
-            data[:, :, 0:4] = f16(2)      # d, dmin
+            data[:, :, 0:4] = f16(2)  # d, dmin
         else:
             data[:, :, 208:210] = f16(1)  # Q6_K's d
         return data.reshape(rows, -1)
@@ -169,7 +185,7 @@ def _random_blocks(type_name, rows, k, rng):
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
-GGUF_ACTIVATIONS = {"int8": 127, "int16": 32767}   # the kernel's activation codes -> QMAX (d = amax / QMAX)
+GGUF_ACTIVATIONS = {"int8": 127, "int16": 32767}  # the kernel's activation codes -> QMAX (d = amax / QMAX)
 
 
 def _gguf_weight(type_name, rng, activations="int8"):
@@ -178,6 +194,7 @@ def _gguf_weight(type_name, rng, activations="int8"):
     activations -> (packed, meta, float32 [42, K] as the gguf package dequantises it)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
     k = 512 if type_name.endswith("_K") else 96
     segments = [(type_name, _random_blocks(type_name, 37, k, rng)), ("Q8_0", _random_blocks("Q8_0", 5, k, rng))]
     packed, meta = pack_segments(segments, activations)
@@ -185,7 +202,7 @@ def _gguf_weight(type_name, rng, activations="int8"):
     return packed, meta, torch.from_numpy(w)
 
 
-@pytest.mark.usefixtures("cpu_isa")   # every build of the kernels this CPU runs
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("activations", GGUF_ACTIVATIONS)
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_gguf_blocks_repack_exactly(type_name, activations):
@@ -199,6 +216,7 @@ def test_gguf_blocks_repack_exactly(type_name, activations):
     # a row holds the file's bytes (Q4_K / Q5_K: their 6-bit scales as bytes, 4 more a block); each
     # segment is padded to whole groups of 16 rows (37 -> 48, 5 -> 16)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     row = w.shape[1] // block * (nbytes + 4 if type_name in ("Q4_K", "Q5_K") else nbytes)
     assert packed.numel() == 48 * row + 16 * (w.shape[1] // 32 * 34)
@@ -220,7 +238,7 @@ def test_gguf_linear_matches_float_reference(type_name, activations):
     bias = torch.randn(42, generator=gen)
     for rows in (1, 2, 3, 5, 8, 9, 17, 64):
         x = torch.randn(rows, w.shape[1], generator=gen)
-        x[0, :40] *= 100   # blocks of very different steps
+        x[0, :40] *= 100  # blocks of very different steps
         ref = x.double() @ w.T + bias.double()
         out = ops.gguf_linear(x, packed, meta, bias).double()
         step = x.view(rows, -1, QBLOCK).abs().amax(2).double().repeat_interleave(QBLOCK, dim=1) / qmax
@@ -257,6 +275,7 @@ def test_gguf_layer_without_the_extension_holds_the_dequantised_weight():
 
     from pagedllm.models.layers.linear import ReplicatedLinear
     from pagedllm.models.layers.quantization.gguf_method import GGUFLinearMethod, row_blob
+
     data = _random_blocks("Q4_K", 20, 256, np.random.default_rng(3))
     method = GGUFLinearMethod(["Q4_K", "Q6_K"], {})
     method.ops = None
@@ -270,9 +289,11 @@ def test_gguf_layer_without_the_extension_holds_the_dequantised_weight():
 
 def test_gguf_types_without_a_kernel_are_refused_by_name():
     from pagedllm.models.layers.quantization.gguf import GGUFConfig
+
     with pytest.raises(ValueError, match="linear weights of type IQ2_XS are not served"):
         GGUFConfig("m.gguf", {"blk.0.attn_q.weight": "IQ2_XS", "blk.0.attn_k.weight": "Q4_K"})
     from pagedllm.models.layers.quantization.gguf_repack import row_bytes
+
     with pytest.raises(ValueError, match="a Q4_K row of 576 features is not whole blocks of 256"):
         row_bytes("Q4_K", 576)
     with pytest.raises(ValueError, match="GGUF activations must be one of int8, int16, not 'int4'"):
@@ -281,8 +302,9 @@ def test_gguf_types_without_a_kernel_are_refused_by_name():
 
 def test_gguf_activations_variable_is_checked(monkeypatch):
     from pagedllm import envs
+
     monkeypatch.delenv("PAGEDLLM_GGUF_ACTIVATIONS", raising=False)
-    assert envs.PAGEDLLM_GGUF_ACTIVATIONS == "int8"   # the default
+    assert envs.PAGEDLLM_GGUF_ACTIVATIONS == "int8"  # the default
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "fp8")
     with pytest.raises(ValueError, match="PAGEDLLM_GGUF_ACTIVATIONS='fp8' is not valid"):
         envs.PAGEDLLM_GGUF_ACTIVATIONS
@@ -296,18 +318,20 @@ def test_bad_flags_are_value_errors():
     with pytest.raises(ValueError, match="quantization_group_size"):
         validate_quantization("int8", 48, "cpu", "float32")
     with pytest.raises(ValueError, match="quantization_group_size"):
-        validate_quantization("int4", -1, "cpu", "float32")   # per channel: int8 only
+        validate_quantization("int4", -1, "cpu", "float32")  # per channel: int8 only
     with pytest.raises(ValueError, match="quantization_group_size"):
         validate_quantization("gguf", 32, "cpu", "float32")
     with pytest.raises(ValueError, match="runs on the CPU in float32"):
         validate_quantization("int8", None, "cpu", "bfloat16")
     with pytest.raises(ValueError, match="is not a GGUF file"):
         from pagedllm.models.download import resolve_model
+
         resolve_model("/nonexistent/model.gguf")
 
 
 def _greedy(llm, prompts):
     from pagedllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -327,17 +351,18 @@ def agreement_prompts(tokenizer):
 @pytest.fixture(scope="module")
 def float32_greedy(model_dir, agreement_prompts):
     from pagedllm import LLM
+
     return _greedy(LLM(model_dir, enable_prefix_caching=False, kv_cache_memory=2**28), agreement_prompts)
 
 
 def _quantized_agreement(model, quant, prompts, ref):
     """-> (share of float32's greedy tokens before the first divergence, the engine's model)"""
     from pagedllm import LLM
+
     require_built(cpu_ops())
     # 8 requests at a time: the decode steps have 8 rows, the int8 layout's integer kernel's (int16
     # activations); 16 would take its dequantised tiles (float activations) and leave it unmeasured.
-    llm = LLM(model, quantization=quant, enable_prefix_caching=False, kv_cache_memory=2**28,
-              max_num_seqs=DECODE_ROWS)
+    llm = LLM(model, quantization=quant, enable_prefix_caching=False, kv_cache_memory=2**28, max_num_seqs=DECODE_ROWS)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     assert runner.decode_loop is not None, "the C++ decode loop runs quantized linears"
     agree = _agreement(_greedy(llm, prompts), ref)
@@ -355,11 +380,12 @@ def test_gguf_greedy_agrees_with_float32(agreement_prompts, float32_greedy, monk
 
     from pagedllm.models.download import find_gguf
     from pagedllm.models.layers.quantization.layouts import weight_bytes
+
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "int16")
     agree, model = _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy)
-    assert agree == 1.0   # README: 100 %
+    assert agree == 1.0  # README: 100 %
     assert model.embed_tokens.weight is None and model.lm_head.qweight is model.embed_tokens.qweight
-    assert (model.lm_head.scales[:, 1] < 256).all()   # codes in pairs: the int16 kernels
+    assert (model.lm_head.scales[:, 1] < 256).all()  # codes in pairs: the int16 kernels
     held, file_bytes = weight_bytes(model), os.path.getsize(find_gguf())
     print(f"gguf: weights held {held / 1e6:.1f} MB, file {file_bytes / 1e6:.1f} MB")
     assert held <= 1.1 * file_bytes
@@ -374,7 +400,7 @@ def test_gguf_int8_activations_greedy_agreement(agreement_prompts, float32_greed
     is the measurement less a margin for the batches' composition; the quality proof is
     perplexity within 1 % of llama.cpp's on the same file (tests/benchmarks/test_llama_cpp_perplexity.py)."""
     agree, model = _quantized_agreement(None, "gguf", agreement_prompts, float32_greedy)
-    assert (model.lm_head.scales[:, 1] >= 256).all()   # codes in quads: the int8 kernels
+    assert (model.lm_head.scales[:, 1] >= 256).all()  # codes in quads: the int8 kernels
     assert agree >= INT8_ACTIVATIONS_AGREEMENT
 
 
@@ -384,4 +410,4 @@ def test_int8_greedy_agrees_with_float32(model_dir, agreement_prompts, float32_g
     default model's weights are Q4_1 values, 16 evenly spaced levels, which 255 = 15 x 17 steps
     hold exactly (symmetric scales over [-amax, amax] blur them; 254 steps from the midpoint
     agreed on 80 %)."""
-    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy)[0] == 1.0   # README: 100 %
+    assert _quantized_agreement(model_dir, "int8", agreement_prompts, float32_greedy)[0] == 1.0  # README: 100 %

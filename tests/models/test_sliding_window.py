@@ -4,6 +4,7 @@ prefill with tiny blocks, a tight token budget and a cache small enough to preem
 prompts longer than the window. A Mistral with a window frees its blocks behind the window
 while it runs; a Gemma 3 (global and local layers) frees them in its local layers' KV cache
 groups (core/kv_cache_utils.py)."""
+
 import numpy as np
 import pytest
 import torch
@@ -37,24 +38,49 @@ def _init(model, std=0.2):
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory):
     from transformers import MistralConfig, MistralForCausalLM
-    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-                        sliding_window=WINDOW, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=UNK)
+
+    cfg = MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=UNK,
+    )
     return _save(_init(MistralForCausalLM(cfg)), tmp_path_factory.mktemp("mistral-sw"))
 
 
 def _gemma(out, window, layer_types):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=VOCAB,
-                           max_position_embeddings=256, sliding_window=window, layer_types=layer_types,
-                           query_pre_attn_scalar=24, final_logit_softcapping=30.0,
-                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                               "rope_theta": 50000.0},
-                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
-                           bos_token_id=BOS, eos_token_id=EOS, pad_token_id=UNK)
+
+    cfg = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        sliding_window=window,
+        layer_types=layer_types,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=UNK,
+    )
     model = _init(Gemma3ForCausalLM(cfg))
-    with torch.no_grad():   # Gemma's norms scale by (1 + weight): make them matter
+    with torch.no_grad():  # Gemma's norms scale by (1 + weight): make them matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0, 0.3)
@@ -63,8 +89,9 @@ def _gemma(out, window, layer_types):
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
-    return _gemma(tmp_path_factory.mktemp("gemma3"), WINDOW,
-                  ["sliding_attention", "full_attention", "sliding_attention"])
+    return _gemma(
+        tmp_path_factory.mktemp("gemma3"), WINDOW, ["sliding_attention", "full_attention", "sliding_attention"]
+    )
 
 
 def _prompts(seed=0):
@@ -75,6 +102,7 @@ def _prompts(seed=0):
 def _reference(model_dir, prompts):
     """transformers' greedy, EOS held back for MAX_TOKENS (min_new_tokens = our min_tokens)."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return hf_greedy(model, prompts, MAX_TOKENS, min_new_tokens=MAX_TOKENS)
 
@@ -96,15 +124,15 @@ def mistral_reference(mistral_dir):
 
 
 @pytest.mark.parametrize("decode_by_pages", [True, False], ids=["cpu-kernel", "sdpa"])
-def test_mistral_sliding_window_equals_transformers(mistral_dir, mistral_reference, decode_by_pages,
-                                                    monkeypatch):
+def test_mistral_sliding_window_equals_transformers(mistral_dir, mistral_reference, decode_by_pages, monkeypatch):
     """Every layer slides: blocks behind the window are freed as the requests run, a cache of
     about one long request preempts, and a second pass over the same prompts hits the prefix
     cache."""
     from pagedllm.attention.backends.cpu_attn import kernels as cpu_kernels
+
     if decode_by_pages:
         require_built(cpu_kernels.decode_kernel())
-    else:   # the SDPA backend: decodes gather the window's slots
+    else:  # the SDPA backend: decodes gather the window's slots
         monkeypatch.setattr(cpu_kernels, "cpu_decode_supported", lambda dtype: False)
     prompts, refs = _prompts(), mistral_reference
     llm = LLM(str(mistral_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=32)
@@ -130,8 +158,7 @@ def test_gemma3_equals_transformers(gemma_dir, gemma_reference, tp, monkeypatch)
     monkeypatch.setenv("PAGEDLLM_WORKER_THREADS", "1")
     # KV cache groups: a block is one layer's page (one global, two local groups of one layer),
     # so 120 blocks are the memory 40 blocks of all three layers were.
-    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=120,
-              tensor_parallel_size=tp)
+    llm = LLM(str(gemma_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=120, tensor_parallel_size=tp)
     try:
         kv = llm.llm_engine.core.scheduler.kv_cache_manager
         assert kv.sliding_window is None and [m.sliding_window for m in kv.managers] == [None, WINDOW, WINDOW]
@@ -162,21 +189,27 @@ def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir, mode):
     group: all of them); a second pass hits the prefix cache (the local groups only inside the
     window) and gives the same tokens."""
     from transformers import AutoModelForCausalLM
+
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 40, 61, 20)]
     lengths = [MAX_TOKENS] * 4 + [LONG_TOKENS]
     hf = AutoModelForCausalLM.from_pretrained(gemma_groups_dir, dtype=torch.float32).eval()
     refs = [hf_greedy(hf, [p], n, min_new_tokens=n)[0] for p, n in zip(prompts, lengths)]
-    llm = LLM(str(gemma_groups_dir), block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60,
-              preemption_mode=mode, num_cpu_blocks=128)
+    llm = LLM(
+        str(gemma_groups_dir),
+        block_size=4,
+        max_num_batched_tokens=16,
+        num_gpu_blocks=60,
+        preemption_mode=mode,
+        num_cpu_blocks=128,
+    )
     engine = llm.llm_engine
     kv = engine.core.scheduler.kv_cache_manager
     assert [m.sliding_window for m in kv.managers] == [None, GROUPS_WINDOW, GROUPS_WINDOW]
     runner = engine.core.model_executor.driver_worker.model_runner
-    assert len(runner.kv_caches) == 2   # tensors shared by one layer of each group
+    assert len(runner.kv_caches) == 2  # tensors shared by one layer of each group
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=n,
-                                                                            min_tokens=n))
+        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n))
     outs, most_full = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -184,17 +217,17 @@ def test_gemma3_kv_cache_groups_free_local_blocks(gemma_groups_dir, mode):
                 outs[out.request_id] = out
         for r in engine.core.scheduler.running:
             full, *local = kv.get_num_blocks_by_group(r.request_id)
-            if r.num_computed_tokens > r.num_prompt_tokens:   # decoding
+            if r.num_computed_tokens > r.num_prompt_tokens:  # decoding
                 assert max(local) <= 3, (r.request_id, r.num_computed_tokens, local)
                 assert full == -(r.num_computed_tokens // -4)
                 most_full = max(most_full, full)
-    assert most_full == -((20 + LONG_TOKENS - 1) // -4)   # the long request reached its end in full
+    assert most_full == -((20 + LONG_TOKENS - 1) // -4)  # the long request reached its end in full
     assert engine.num_preemptions > 0
     assert engine.core.scheduler.num_swaps == (engine.num_preemptions if mode == "swap" else 0)
     _assert_equal([outs[str(i)] for i in range(5)], refs, "gemma3 kv cache groups")
-    for _ in range(2):   # the first pass caches the prompt (the long generation evicted it)
+    for _ in range(2):  # the first pass caches the prompt (the long generation evicted it)
         again = llm.generate([{"prompt_token_ids": prompts[3]}], GREEDY, use_tqdm=False)
-    assert again[0].num_cached_tokens == 60   # the last prompt token is always computed
+    assert again[0].num_cached_tokens == 60  # the last prompt token is always computed
     _assert_equal(again, refs[3:4], "gemma3 kv cache groups, prefix cache")
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks - 1
     assert len(kv.free_cpu_blocks) == (127 if mode == "swap" else 0) and not kv.req_to_cpu_blocks
@@ -204,9 +237,13 @@ def test_several_groups_refuse_what_reads_one_block_table(gemma_groups_dir):
     """P/D transfer and a self-draft move / reuse one block table's K/V: refused for a hybrid
     model rather than run on group 0's table only."""
     from pagedllm.engine.arg_utils import EngineArgs
+
     with pytest.raises(ValueError, match="several KV cache groups"):
-        EngineArgs(model=str(gemma_groups_dir), speculative_config={"method": "draft_model", "model": "self:1",
-                                                               "num_speculative_tokens": 2}).create_engine_config()
+        EngineArgs(
+            model=str(gemma_groups_dir),
+            speculative_config={"method": "draft_model", "model": "self:1", "num_speculative_tokens": 2},
+        ).create_engine_config()
     with pytest.raises(ValueError, match="several KV cache groups"):
-        EngineArgs(model=str(gemma_groups_dir), kv_transfer_config={"kv_connector": "ZmqConnector",
-                                                               "kv_role": "kv_producer"}).create_engine_config()
+        EngineArgs(
+            model=str(gemma_groups_dir), kv_transfer_config={"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}
+        ).create_engine_config()

@@ -1,6 +1,7 @@
 """Mamba2's selective scan against its recurrence written out token by token in float64:
 the chunked prefill (chunks shorter than, equal to and across the prompt, continued from a
 carried state) and the batched one-token decode."""
+
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ H, P, G, N = 4, 3, 2, 5
 
 def inputs(T, seed):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)   # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     dt = torch.nn.functional.softplus(r(T, H))
     A = -torch.rand(H, generator=g, dtype=torch.float64) * 2
     return r(T, H, P), dt, A, r(T, G, N), r(T, G, N), r(H)
@@ -36,8 +37,10 @@ def test_chunked_prefill_equals_the_recurrence(chunk_size, splits):
     start = torch.randn(H, P, N, dtype=torch.float64)
     want_y, want_state = recurrence(x, dt, A, B, C, D, start)
     state, ys, at = start.clone(), [], 0
-    for n in splits:   # a request's prefill chunks, the state carried between them
-        ys.append(ssd_chunk_scan(x[at:at + n], dt[at:at + n], A, B[at:at + n], C[at:at + n], D, state, chunk_size))
+    for n in splits:  # a request's prefill chunks, the state carried between them
+        ys.append(
+            ssd_chunk_scan(x[at : at + n], dt[at : at + n], A, B[at : at + n], C[at : at + n], D, state, chunk_size)
+        )
         at += n
     torch.testing.assert_close(torch.cat(ys), want_y)
     torch.testing.assert_close(state, want_state)
@@ -50,6 +53,6 @@ def test_decode_step_of_several_requests():
     state = start.clone()
     y = ssd_decode_step(x, dt, A, B, C, D, state)
     for r in range(R):
-        want_y, want_state = recurrence(x[r:r + 1], dt[r:r + 1], A, B[r:r + 1], C[r:r + 1], D, start[r])
+        want_y, want_state = recurrence(x[r : r + 1], dt[r : r + 1], A, B[r : r + 1], C[r : r + 1], D, start[r])
         torch.testing.assert_close(y[r], want_y[0])
         torch.testing.assert_close(state[r], want_state)

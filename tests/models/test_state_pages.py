@@ -1,6 +1,7 @@
 """A recurrent state spread over several blocks' pages (models/layers/mamba/state_pages.py):
 the pieces laid out as written by hand, and gather / scatter / zero checked against a page
 layout built element by element in plain Python."""
+
 import pytest
 import torch
 
@@ -15,10 +16,13 @@ def test_pieces_fill_k_then_v_rows_block_after_block():
     assert blocks_needed(rows, shapes) == 2
     assert state_pieces(rows, shapes) == [
         [Piece(0, 0, 0, 0, 6)],
-        [Piece(0, 1, 0, 0, 4), Piece(1, 0, 0, 4, 6), Piece(1, 1, 0, 10, 2)]]
+        [Piece(0, 1, 0, 0, 4), Piece(1, 0, 0, 4, 6), Piece(1, 1, 0, 10, 2)],
+    ]
     # A tensor that starts mid-row: 4 elements, then 9 over rows of 5 (both K and V).
     assert state_pieces([5, 5], [(4,), (9,)]) == [
-        [Piece(0, 0, 0, 0, 4)], [Piece(0, 0, 4, 0, 1), Piece(0, 1, 0, 1, 5), Piece(1, 0, 0, 6, 3)]]
+        [Piece(0, 0, 0, 0, 4)],
+        [Piece(0, 0, 4, 0, 1), Piece(0, 1, 0, 1, 5), Piece(1, 0, 0, 6, 3)],
+    ]
     assert blocks_needed([5, 5], [(4,), (9,)]) == 2 and blocks_needed([5, 5], [(10,)]) == 1
 
 
@@ -27,26 +31,34 @@ def _reference_layout(pages, blocks, shapes, row_elems):
     to end over (block, row) in order."""
     out = []
     for r in range(blocks.shape[0]):
-        stream = [pages[j][int(blocks[r, k]), c].item() for k in range(blocks.shape[1])
-                  for j in range(len(row_elems)) for c in range(row_elems[j])]
+        stream = [
+            pages[j][int(blocks[r, k]), c].item()
+            for k in range(blocks.shape[1])
+            for j in range(len(row_elems))
+            for c in range(row_elems[j])
+        ]
         tensors, at = [], 0
         for shape in shapes:
             n = torch.Size(shape).numel()
-            tensors.append(torch.tensor(stream[at:at + n]).view(shape))
+            tensors.append(torch.tensor(stream[at : at + n]).view(shape))
             at += n
         out.append(tensors)
     return out
 
 
-@pytest.mark.parametrize("shapes, blocks", [
-    ([(2, 3), (3, 4)], [[5, 2], [1, 6]]),        # the second tensor over 3 rows of 2 blocks, none whole
-    ([(2, 3), (4, 5)], [[5, 2, 4], [1, 6, 3]]),  # the second fills block 1 whole: moved as one page
-    ([(5,), (5,)], [[5], [1]])])                 # the second straddling K and V of one block
+@pytest.mark.parametrize(
+    "shapes, blocks",
+    [
+        ([(2, 3), (3, 4)], [[5, 2], [1, 6]]),  # the second tensor over 3 rows of 2 blocks, none whole
+        ([(2, 3), (4, 5)], [[5, 2, 4], [1, 6, 3]]),  # the second fills block 1 whole: moved as one page
+        ([(5,), (5,)], [[5], [1]]),
+    ],
+)  # the second straddling K and V of one block
 def test_gather_scatter_and_zero_against_the_layout(shapes, blocks):
     row_elems, num_blocks = [6, 4], 7
     k, v = torch.arange(num_blocks * 6.0).view(num_blocks, 6), 100 + torch.arange(num_blocks * 4.0).view(num_blocks, 4)
     pages = StatePages([k, v], shapes)
-    blocks = torch.tensor(blocks)   # two requests' blocks, in no order
+    blocks = torch.tensor(blocks)  # two requests' blocks, in no order
     assert pages.num_blocks == blocks.shape[1]
     ref = _reference_layout([k, v], blocks, shapes, row_elems)
     for i in range(2):
@@ -59,7 +71,7 @@ def test_gather_scatter_and_zero_against_the_layout(shapes, blocks):
         pages.scatter(i, blocks[1:], new[i])
     back = _reference_layout([k, v], blocks, shapes, row_elems)
     assert torch.equal(back[1][0], new[0][0]) and torch.equal(back[1][1], new[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(back[0], ref[0]))   # request 0 untouched
+    assert all(torch.equal(a, b) for a, b in zip(back[0], ref[0]))  # request 0 untouched
     pages.zero(blocks[:1])
     assert all(t.eq(0).all() for t in _reference_layout([k, v], blocks[:1], shapes, row_elems)[0])
     # The tail of the last block's page past the state is no piece of it: left as it was.

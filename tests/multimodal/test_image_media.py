@@ -1,6 +1,7 @@
 """image_url loading (multimodal/media.py) and --limit-mm-per-prompt (multimodal/limits.py), without
 a model: what loads gives PIL's own decoding of the bytes, and every refusal is a ParamError naming
 the part."""
+
 import base64
 import http.server
 import io
@@ -33,7 +34,7 @@ def _refused(url, words, allowed=""):
 
 
 def test_data_url_decodes_as_pil_does():
-    data = _png(mode="L")   # a grey image comes back as RGB
+    data = _png(mode="L")  # a grey image comes back as RGB
     img = load_image_url("data:image/png;base64," + base64.b64encode(data).decode(), WHERE)
     assert img.mode == "RGB" and img.size == (6, 4)
     assert img.tobytes() == Image.open(io.BytesIO(data)).convert("RGB").tobytes()
@@ -55,9 +56,9 @@ def test_file_urls_only_under_the_allowed_folder(tmp_path):
     outside.mkdir()
     (inside / "a.png").write_bytes(_png())
     (outside / "b.png").write_bytes(_png())
-    os.symlink(outside / "b.png", inside / "link.png")   # a link out of the folder is outside
+    os.symlink(outside / "b.png", inside / "link.png")  # a link out of the folder is outside
     assert load_image_url(f"file://{inside}/a.png", WHERE, str(inside)).size == (6, 4)
-    _refused(f"file://{inside}/a.png", "--allowed-local-media-path DIR")            # no folder allowed
+    _refused(f"file://{inside}/a.png", "--allowed-local-media-path DIR")  # no folder allowed
     _refused(f"file://{outside}/b.png", "outside --allowed-local-media-path", str(inside))
     _refused(f"file://{inside}/../other/b.png", "outside --allowed-local-media-path", str(inside))
     _refused(f"file://{inside}/link.png", "outside --allowed-local-media-path", str(inside))
@@ -73,7 +74,7 @@ def test_size_and_pixel_limits(tmp_path, monkeypatch):
     _refused("data:image/png;base64," + base64.b64encode(data + b"padding!").decode(), "PAGEDLLM_MAX_IMAGE_BYTES")
     monkeypatch.delenv("PAGEDLLM_MAX_IMAGE_BYTES")
     big = io.BytesIO()
-    Image.new("1", (9000, 8000)).save(big, format="PNG")   # a few KB, 72 M pixels decoded
+    Image.new("1", (9000, 8000)).save(big, format="PNG")  # a few KB, 72 M pixels decoded
     _refused("data:image/png;base64," + base64.b64encode(big.getvalue()).decode(), "9000x8000 pixels")
 
 
@@ -96,7 +97,7 @@ def loopback():
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):   # the client gave up (timeout, size limit)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout, size limit)
                 pass
 
         def log_message(self, *a):
@@ -115,24 +116,28 @@ def test_http_fetch_is_bounded(loopback, monkeypatch):
     _refused(f"{loopback}/big.png", "PAGEDLLM_MAX_IMAGE_BYTES")
     monkeypatch.setenv("PAGEDLLM_IMAGE_FETCH_TIMEOUT", "0.5")
     _refused(f"{loopback}/slow.png", "timed out")
-    _refused("http://127.0.0.1:1/a.png", "fetching the image failed")   # nothing listens
+    _refused("http://127.0.0.1:1/a.png", "fetching the image failed")  # nothing listens
 
 
 def test_limit_mm_per_prompt():
     assert parse_limit_mm_per_prompt('{"image": 2}') == {"image": 2}
     assert parse_limit_mm_per_prompt(None) == {}
-    for bad, words in (('{"video": 1}', "unknown modality 'video'"), ('{"image": -1}', "integer >= 0"),
-                       ('{"image": true}', "integer >= 0"), ("[1]", "JSON object"), ("{image: 2}", "not valid JSON")):
+    for bad, words in (
+        ('{"video": 1}', "unknown modality 'video'"),
+        ('{"image": -1}', "integer >= 0"),
+        ('{"image": true}', "integer >= 0"),
+        ("[1]", "JSON object"),
+        ("{image: 2}", "not valid JSON"),
+    ):
         with pytest.raises(ValueError, match=words):
             parse_limit_mm_per_prompt(bad)
     check_item_count({"image": 2}, "image", 2, "messages")
-    check_item_count({}, "image", 999, "messages")   # vLLM's default
+    check_item_count({}, "image", 999, "messages")  # vLLM's default
     with pytest.raises(ParamError, match=r"at most 2 image\(s\)") as e:
         check_item_count({"image": 2}, "image", 3, "messages")
     assert e.value.param == "messages"
     with pytest.raises(ParamError, match=r"at most 0 image\(s\)"):
         check_item_count({"image": 0}, "image", 1, "multi_modal_data")
-
 
 
 def test_allowed_local_media_path(tmp_path):

@@ -10,6 +10,7 @@ model.layers.{num_hidden_layers} (models/test_deepseek_mtp.py) and loaded by the
   forced, drafts were accepted, and no block is left in use;
 - a checkpoint without next-n layers is a ValueError naming num_nextn_predict_layers.
 """
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,8 +30,9 @@ def mtp_dir(tmp_path_factory):
     # (RMSNorm is scale-free): random weights, so that feeding the normed state fails.
     tensors = load_file(out / "model.safetensors")
     with torch.no_grad():
-        model.model.norm.weight.copy_(1 + 0.5 * torch.randn(model.config.hidden_size,
-                                                            generator=torch.Generator().manual_seed(5)))
+        model.model.norm.weight.copy_(
+            1 + 0.5 * torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+        )
     tensors["model.norm.weight"] = model.model.norm.weight.detach().clone()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     extra, block = add_mtp_layer(out, model)
@@ -38,8 +40,9 @@ def mtp_dir(tmp_path_factory):
 
 
 def engine(path, **kw):
-    return LLM(str(path), device="cpu", block_size=4, max_num_batched_tokens=8, dtype="float32",
-               speculative_config=MTP, **kw)
+    return LLM(
+        str(path), device="cpu", block_size=4, max_num_batched_tokens=8, dtype="float32", speculative_config=MTP, **kw
+    )
 
 
 @pytest.mark.parametrize("checkpoint", ["random", "bigram"])
@@ -52,24 +55,26 @@ def test_draft_distribution_equals_the_mtp_equations(request, checkpoint):
     seen = []
     original = proposer.propose
 
-    def propose(batch, rows, ks):   # the first draft's logits, from the caught-up output of each row
+    def propose(batch, rows, ks):  # the first draft's logits, from the caught-up output of each row
         for r in rows:
             if r in proposer.last:
                 n = int(batch.num_tokens[r])
                 seen.append((batch.token_ids_np[r, :n].tolist(), proposer._logits(proposer.last[r][None])[0]))
         return original(batch, rows, ks)
+
     proposer.propose = propose
-    prompt = prompts_with_shared_prefix()[0][0][:13]   # 13 tokens: chunks of 8 + 5
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-                 use_tqdm=False)
+    prompt = prompts_with_shared_prefix()[0][0][:13]  # 13 tokens: chunks of 8 + 5
+    llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     stats = llm.llm_engine.core.scheduler.spec_decoding_stats
     assert len(seen) >= 4 and stats.num_drafts >= 3, (len(seen), stats)
     if checkpoint == "random":
-        assert stats.num_accepted_tokens < stats.num_draft_tokens / 2, stats   # steps rolled back
+        assert stats.num_accepted_tokens < stats.num_draft_tokens / 2, stats  # steps rolled back
     else:
-        assert stats.num_accepted_tokens_per_pos[1] >= 1, stats   # a step accepted both drafts
+        assert stats.num_accepted_tokens_per_pos[1] >= 1, stats  # a step accepted both drafts
     for tokens, logits in seen:
-        ref, _ = reference_logits(model, block, extra, tokens)   # row i predicts token i + 2
+        ref, _ = reference_logits(model, block, extra, tokens)  # row i predicts token i + 2
         torch.testing.assert_close(logits, ref[-1], atol=1e-4, rtol=1e-4)
 
 
@@ -93,9 +98,14 @@ def predictable_dir(tmp_path_factory):
         for name, p in block.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.mul_(0.05)
-    extra.update({"eh_proj.weight": torch.cat((torch.eye(H), torch.zeros(H, H)), dim=1),
-                  "enorm.weight": torch.ones(H), "shared_head.head.weight": model.lm_head.weight.detach().clone(),
-                  "shared_head.norm.weight": model.model.norm.weight.detach().clone()})
+    extra.update(
+        {
+            "eh_proj.weight": torch.cat((torch.eye(H), torch.zeros(H, H)), dim=1),
+            "enorm.weight": torch.ones(H),
+            "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+            "shared_head.norm.weight": model.model.norm.weight.detach().clone(),
+        }
+    )
     tensors = load_file(out / "model.safetensors")
     mtp = f"model.layers.{n}."
     for name in tensors:
@@ -111,8 +121,11 @@ def test_greedy_with_mtp_equals_transformers(predictable_dir, mode):
     path, model, _, _ = predictable_dir
     prompts = prompts_with_shared_prefix()[0]
     llm = engine(path, num_gpu_blocks=14, preemption_mode=mode, num_cpu_blocks=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     core = llm.llm_engine.core
     stats = core.scheduler.spec_decoding_stats
     assert llm.llm_engine.num_preemptions > 0 and stats.num_accepted_tokens > 10, stats

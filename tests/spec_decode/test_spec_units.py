@@ -2,6 +2,7 @@
 naming the field), the n-gram proposer, the length policy, and the scheduler's part (drafts in
 the budget and the block table, rejected drafts rolled back, never hashed into the prefix cache,
 stop / max_tokens inside a multi-token step)."""
+
 import argparse
 
 import numpy as np
@@ -18,18 +19,21 @@ from pagedllm.spec_decode.length_policy import SpecLengthPolicy
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"method": "medusa"}, "method"),
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"num_speculative_tokens": "3"}, "num_speculative_tokens"),
-    ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
-    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
-    ({"method": "draft_model"}, "model"),
-    ({"method": "draft_model", "model": "self:x"}, "model"),
-    ({"method": "draft_model", "model": "/no/such/dir"}, "model"),
-    ({"length_policy": "smart"}, "length_policy"),
-    ({"k": 3}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"method": "medusa"}, "method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": "3"}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+        ({"method": "draft_model"}, "model"),
+        ({"method": "draft_model", "model": "self:x"}, "model"),
+        ({"method": "draft_model", "model": "/no/such/dir"}, "model"),
+        ({"length_policy": "smart"}, "length_policy"),
+        ({"k": 3}, "unknown field"),
+    ],
+)
 def test_bad_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_dict(bad)
@@ -43,6 +47,7 @@ def test_config_from_json_and_engine_checks():
     with pytest.raises(ValueError, match="JSON"):
         SpeculativeConfig.from_dict("{method: ngram}")
     from pagedllm import LLM
+
     with pytest.raises(ValueError, match="runner 'generate'"):
         LLM("random:tiny", runner="pooling", speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
@@ -60,11 +65,10 @@ def test_ngram_proposer_follows_the_longest_most_recent_match():
     assert p.propose_one(np.array([3, 4, 6, 1, 5, 9, 3, 4]), 8) == [6, 1]
     # A longer match wins over a more recent shorter one.
     assert NgramProposer(1, 8).propose_one(np.array([7, 1, 2, 3, 0, 2, 3, 5, 7, 1, 2, 3]), 8) == [0, 2, 3, 5, 7, 1]
-    assert p.propose_one(np.array([1, 2, 3, 1]), 5) == [2]          # a 1-gram: one token
-    assert p.propose_one(np.array([1, 2, 3]), 3) == []              # nothing recurs
-    assert NgramProposer(2, 2).propose_one(np.array([5, 1, 7, 1]), 2) == []   # a 1-gram is too short
+    assert p.propose_one(np.array([1, 2, 3, 1]), 5) == [2]  # a 1-gram: one token
+    assert p.propose_one(np.array([1, 2, 3]), 3) == []  # nothing recurs
+    assert NgramProposer(2, 2).propose_one(np.array([5, 1, 7, 1]), 2) == []  # a 1-gram is too short
     assert SpeculativeConfig.from_dict({"prompt_lookup_max": 1}).prompt_lookup_min == 1
-
 
 
 def test_adaptive_policy_speculates_less_as_acceptance_falls_and_the_batch_grows():
@@ -78,7 +82,7 @@ def test_adaptive_policy_speculates_less_as_acceptance_falls_and_the_batch_grows
     for _ in range(80):
         p.observe(4, 0)
     picks = [p.num_spec_tokens(1) for _ in range(32)]
-    assert picks.count(0) >= 30 and max(picks) == 1   # off, but probing now and then
+    assert picks.count(0) >= 30 and max(picks) == 1  # off, but probing now and then
 
 
 def test_adaptive_policy_follows_the_measured_step_cost():
@@ -88,8 +92,8 @@ def test_adaptive_policy_follows_the_measured_step_cost():
     flat, linear = SpecLengthPolicy(4, adaptive=True), SpecLengthPolicy(4, adaptive=True)
     for p in (flat, linear):
         for _ in range(40):
-            p.observe(4, 3)                                   # acceptance -> 0.75
-    assert linear.num_spec_tokens(1) == 4                     # the prior: every draft pays
+            p.observe(4, 3)  # acceptance -> 0.75
+    assert linear.num_spec_tokens(1) == 4  # the prior: every draft pays
     for n in range(1, 6):
         flat.cost.observe_step(n, 0.040 + 0.001 * n)
         linear.cost.observe_step(n, 0.040 * n)
@@ -111,8 +115,9 @@ def make(num_blocks=32, budget=64, caching=True):
 def step(sched, tokens_for, drafts_for):
     so = sched.schedule()
     ids = list(so.num_scheduled_tokens)
-    out = ModelRunnerOutput(req_ids=ids, sampled_token_ids=[tokens_for(r, so) for r in ids],
-                            spec_token_ids=[drafts_for(r) for r in ids])
+    out = ModelRunnerOutput(
+        req_ids=ids, sampled_token_ids=[tokens_for(r, so) for r in ids], spec_token_ids=[drafts_for(r) for r in ids]
+    )
     return so, sched.update_from_output(so, out)
 
 
@@ -120,15 +125,15 @@ def test_drafts_are_budgeted_rolled_back_and_never_hashed():
     sched = make()
     req = Request("a", list(range(10, 17)), SamplingParams(max_tokens=20), eos_token_id=EOS)
     sched.add_request(req)
-    so, _ = step(sched, lambda r, so: [100], lambda r: [101, 102, 103, 104])   # the prompt, drafts proposed
+    so, _ = step(sched, lambda r, so: [100], lambda r: [101, 102, 103, 104])  # the prompt, drafts proposed
     assert req.num_computed_tokens == 7 and req.spec_token_ids == [101, 102, 103, 104]
     # 1 real token + 4 drafts scheduled; 1 accepted + the target's token -> 2 rejected slots rolled back.
     so, outs = step(sched, lambda r, so: [101, 50], lambda r: [])
     assert so.num_scheduled_tokens["a"] == 5 and so.scheduled_spec_decode_tokens == {"a": [101, 102, 103, 104]}
     assert outs[0].new_token_ids == [101, 50]
-    assert req.num_computed_tokens == 9 and req.num_tokens == 10   # the last token is not computed yet
+    assert req.num_computed_tokens == 9 and req.num_tokens == 10  # the last token is not computed yet
     blocks = sched.kv_cache_manager.req_to_blocks["a"]
-    assert len(blocks) == 3                                         # slots for the drafts were given
+    assert len(blocks) == 3  # slots for the drafts were given
     # Only blocks full of accepted tokens are hashed: 8 tokens -> 2 blocks, never the drafts' block.
     assert [b.block_hash is not None for b in blocks] == [True, True, False]
     assert sched.spec_decoding_stats.as_dict()["spec_decode_num_accepted_tokens_per_pos"] == [1, 0, 0, 0]
@@ -140,7 +145,7 @@ def test_budget_trims_drafts_and_stop_cuts_a_multi_token_step():
     sched.add_request(req)
     step(sched, lambda r, so: [20], lambda r: [21, 22, 23, 24])
     so, _ = step(sched, lambda r, so: [21, 22, 23], lambda r: [24, 25, 26])
-    assert so.scheduled_spec_decode_tokens == {"a": [21, 22]}          # budget 3 = 1 + 2 drafts
+    assert so.scheduled_spec_decode_tokens == {"a": [21, 22]}  # budget 3 = 1 + 2 drafts
     # max_tokens 6 with 4 out: one more draft at most (the bonus makes the sixth), and an EOS
     # inside the step ends the request there: the tokens after it never reach the client.
     assert req.spec_token_ids == [24]

@@ -2,6 +2,7 @@
 fields) for the structured-output tests. Strings and arrays are bounded: a random-weight model
 samples almost uniformly among the tokens the grammar allows, and an unbounded string would
 close only by chance."""
+
 from __future__ import annotations
 
 from enum import Enum
@@ -118,6 +119,26 @@ class Empty(BaseModel):
     pass
 
 
-MODELS = [Point, Person, Flags, Address, WithAddress, Tags, Scores, Paint, Mode, MaybeNote, Polygon, Team,
-          Measurement, Deep, Deeper, Order, Event, Matrix, Review, Empty]
+MODELS = [
+    Point,
+    Person,
+    Flags,
+    Address,
+    WithAddress,
+    Tags,
+    Scores,
+    Paint,
+    Mode,
+    MaybeNote,
+    Polygon,
+    Team,
+    Measurement,
+    Deep,
+    Deeper,
+    Order,
+    Event,
+    Matrix,
+    Review,
+    Empty,
+]
 assert len(MODELS) == 20

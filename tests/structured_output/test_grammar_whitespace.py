@@ -3,6 +3,7 @@
 max_tokens on them and be cut before it wrote anything useful. Checked on the grammars the
 server compiles (the tool-call grammars of tool_choice required / a named function, a
 json_schema and response_format json_object) with xgrammar's matcher over the tiny tokenizer."""
+
 import json
 
 import pytest
@@ -11,12 +12,16 @@ from tiny_chat_model import VOCAB_SIZE, make_tiny_chat_model
 from pagedllm.entrypoints.openai.tool_parsers.forced import required_schema
 from pagedllm.sampling_params import StructuredOutputsParams as SO
 
-TOOL = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                              "required": ["city"]}}
-FREE = {"name": "free"}   # no parameters schema: any object
+TOOL = {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+FREE = {"name": "free"}  # no parameters schema: any object
 SPECS = {
-    "required": (SO(json=required_schema([TOOL, FREE], parallel=True)),
-                 '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "free", "parameters": {"a": [1, {}]}}]'),
+    "required": (
+        SO(json=required_schema([TOOL, FREE], parallel=True)),
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "free", "parameters": {"a": [1, {}]}}]',
+    ),
     "named": (SO(json=TOOL["parameters"]), '{"city": "Paris"}'),
     "json_object": (SO(json_object=True), '{"a": [1, {"b": null}], "c": "x y"}'),
 }
@@ -27,6 +32,7 @@ def backend(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+
     tok = AutoTokenizer.from_pretrained(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
     return XgrammarBackend(tok, VOCAB_SIZE, [tok.eos_token_id])
 

@@ -1,4 +1,5 @@
 """The test-only fault spec (PAGEDLLM_FAULT_INJECTION): its parse, and the sleeps of `slow`."""
+
 import time
 from types import SimpleNamespace
 
@@ -28,7 +29,7 @@ def test_bad_spec_names_the_variable(monkeypatch, spec):
 def test_slow_sleeps_the_longest_held(monkeypatch):
     f = FaultInjector({500: "raise", 503: "slow", 504: "slow"}, {504: 0.2})
     t0 = time.perf_counter()
-    f.check([state(7, 8)])              # no trigger in a prompt: no sleep
+    f.check([state(7, 8)])  # no trigger in a prompt: no sleep
     assert time.perf_counter() - t0 < 0.1
     t0 = time.perf_counter()
     f.check([state(503), state(9, 504)])

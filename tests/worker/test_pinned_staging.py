@@ -1,6 +1,7 @@
 """PinnedStaging without a GPU: `upload` hands the sources over as tensors (nothing to copy on the
 CPU), and the staged copies alternate between the two buffer sets (so a step's copies never
 overwrite the previous step's, which may still be queued on a GPU's stream)."""
+
 import numpy as np
 import torch
 
@@ -15,7 +16,7 @@ def test_upload_on_the_cpu_returns_the_sources():
     b = torch.tensor([7, 9])
     ta, tb = st.upload(a=a, b=b)
     assert tb is b
-    a[0] = 5   # the same memory: no copy was made
+    a[0] = 5  # the same memory: no copy was made
     assert ta.tolist() == [5, 1, 2]
 
 
@@ -29,6 +30,6 @@ def test_staged_copies_alternate_between_the_two_sets():
     st.end()
     assert first.tolist() == [1, 2] and second.tolist() == [3, 4, 5]
     assert first.data_ptr() != second.data_ptr()
-    st.begin()   # the first set again, refilled
+    st.begin()  # the first set again, refilled
     third = st.to_device("a", np.array([6], dtype=np.int64), CPU)
     assert third.data_ptr() == first.data_ptr() and first.tolist() == [6, 2]

@@ -1,12 +1,12 @@
 """Sampler unit tests: no model, small vocabularies, fixed seeds (nothing can flake)."""
+
 import math
 
 import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import (Sampler, SamplingMetadata, apply_min_p,
-                                     apply_top_k_top_p)
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
 
 V = 32
 NEG = float("-inf")
@@ -42,10 +42,14 @@ def test_greedy_is_argmax_and_does_not_touch_logits():
 
 def test_greedy_rows_in_mixed_batch_are_exact_argmax():
     logits = rand_logits(6, seed=1)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, repetition_penalty=1.3,
-                                                              presence_penalty=0.5),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, min_p=0.2, top_k=4)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.2, top_k=4),
+    ]
     out = Sampler()(logits, md_for(params, outputs=[[1, 2]] * 6, prompts=[[3]] * 6))
     for i in (0, 2, 4):
         assert out.sampled_token_ids[i] == logits[i].argmax()
@@ -55,8 +59,11 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     torch.manual_seed(0)
     logits = rand_logits(8, seed=2)
     # top_p=1e-9: 1 - p rounds to 1.0 in float32, so only the keep-one rule saves the top token.
-    for p in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6),
-              SamplingParams(temperature=1.5, top_p=1e-9)):
+    for p in (
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-6),
+        SamplingParams(temperature=1.5, top_p=1e-9),
+    ):
         md = md_for([p] * 8)
         assert md.all_random
         for _ in range(5):
@@ -95,8 +102,13 @@ def test_top_k_top_p_masks_match_reference():
                 out = apply_top_k_top_p(rows.clone(), kt, pt)
                 for r in range(4):
                     kept = {i for i in range(8) if out[r, i] != NEG}
-                    assert kept == _ref_keep(rows[r].tolist(), k if use_k else None,
-                                             p if use_p else None), (k, p, use_k, use_p, r)
+                    assert kept == _ref_keep(rows[r].tolist(), k if use_k else None, p if use_p else None), (
+                        k,
+                        p,
+                        use_k,
+                        use_p,
+                        r,
+                    )
                     # Survivors keep their values.
                     assert torch.equal(out[r][out[r] != NEG], rows[r][out[r] != NEG])
 
@@ -119,7 +131,7 @@ def _ref_keep_fast(row, k, p):
     probs = torch.softmax(vals, 0)
     above = probs.cumsum(0) - probs
     n = int((above < p).sum()) if p is not None else len(idx)
-    return set(idx[:max(n, 1)].tolist())
+    return set(idx[: max(n, 1)].tolist())
 
 
 def test_top_p_wide_vocab_widens_candidates():
@@ -127,8 +139,14 @@ def test_top_p_wide_vocab_widens_candidates():
     # >1024 tokens) and a top-k row; each must match a full-sort reference.
     vocab = 4096
     g = torch.Generator().manual_seed(11)
-    logits = torch.stack([torch.randn(vocab, generator=g) * 4, torch.randn(vocab, generator=g) * 0.05,
-                          torch.randn(vocab, generator=g), torch.randn(vocab, generator=g)])
+    logits = torch.stack(
+        [
+            torch.randn(vocab, generator=g) * 4,
+            torch.randn(vocab, generator=g) * 0.05,
+            torch.randn(vocab, generator=g),
+            torch.randn(vocab, generator=g),
+        ]
+    )
     k = torch.tensor([vocab, vocab, 200, vocab])
     p = torch.tensor([0.9, 0.95, 0.8, 1.0])
     out = apply_top_k_top_p(logits, k, p)
@@ -139,11 +157,10 @@ def test_top_p_wide_vocab_widens_candidates():
     assert len(set((out[1] != NEG).nonzero()[:, 0].tolist())) > 1024
     # A row's mask does not depend on its neighbours (which decide the candidate width).
     for r in range(4):
-        alone = apply_top_k_top_p(logits[r:r + 1], k[r:r + 1], p[r:r + 1])
+        alone = apply_top_k_top_p(logits[r : r + 1], k[r : r + 1], p[r : r + 1])
         assert torch.equal(alone[0], out[r])
     # Explicit max_k and the k-only path agree with the combined path on rows with p = 1.
-    assert torch.equal(apply_top_k_top_p(logits, k, None, max_k=200),
-                       apply_top_k_top_p(logits, k, torch.ones(4)))
+    assert torch.equal(apply_top_k_top_p(logits, k, None, max_k=200), apply_top_k_top_p(logits, k, torch.ones(4)))
 
 
 def test_min_p_filters():
@@ -160,12 +177,15 @@ def test_min_p_filters():
 
 def test_penalties_hand_computed():
     from pagedllm.worker.sampler import apply_logits_processors
-    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0],
-                           [2.0, -1.0, 0.5, -3.0, 1.0, 0.0],
-                           [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
-    params = [SamplingParams(repetition_penalty=2.0),
-              SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
-              SamplingParams()]
+
+    logits = torch.tensor(
+        [[2.0, -1.0, 0.5, -3.0, 1.0, 0.0], [2.0, -1.0, 0.5, -3.0, 1.0, 0.0], [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]]
+    )
+    params = [
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(),
+    ]
     prompts = [[0, 1], [0, 1], [0, 1]]
     outputs = [[3, 3], [2, 2, 2, 5], [2]]
     md = md_for(params, vocab=6, prompts=prompts, outputs=outputs)
@@ -174,22 +194,23 @@ def test_penalties_hand_computed():
     # row 0: seen {0,1,3}: 2/2, -1*2, -3*2 (prompt-only and output-only both count)
     # row 1: output counts {2:3, 5:1}: 0.5 - 0.5 - 0.75 ; 0 - 0.5 - 0.25 (prompt ignored)
     # row 2: no penalties, unchanged bit for bit
-    want = torch.tensor([[1.0, -2.0, 0.5, -6.0, 1.0, 0.0],
-                         [2.0, -1.0, -0.75, -3.0, 1.0, -0.75],
-                         [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    want = torch.tensor(
+        [[1.0, -2.0, 0.5, -6.0, 1.0, 0.0], [2.0, -1.0, -0.75, -3.0, 1.0, -0.75], [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]]
+    )
     assert torch.equal(got, want)
     # Greedy with repetition penalty moves argmax off the repeated token.
-    g = md_for([SamplingParams(temperature=0, repetition_penalty=4.0)], vocab=6, prompts=[[0]],
-               outputs=[[]])
+    g = md_for([SamplingParams(temperature=0, repetition_penalty=4.0)], vocab=6, prompts=[[0]], outputs=[[]])
     assert Sampler()(logits[:1], g).sampled_token_ids.item() == 4
 
 
 def test_logit_bias_forces_token():
     logits = rand_logits(4, seed=5)
-    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}),
-              SamplingParams(temperature=1.0, logit_bias={9: 100.0, 999: 5.0}),  # 999: out of vocab
-              SamplingParams(temperature=0),
-              SamplingParams(temperature=0, logit_bias={int(logits[3].argmax()): -100.0})]
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=1.0, logit_bias={9: 100.0, 999: 5.0}),  # 999: out of vocab
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias={int(logits[3].argmax()): -100.0}),
+    ]
     md = md_for(params)
     assert not md.no_logit_bias
     out = Sampler()(logits, md).sampled_token_ids
@@ -199,12 +220,12 @@ def test_logit_bias_forces_token():
 
 def test_min_tokens_masks_stop_ids():
     logits = torch.zeros(3, V)
-    logits[:, 2] = 10.0   # EOS, most likely
-    logits[:, 5] = 9.0    # a stop id
+    logits[:, 2] = 10.0  # EOS, most likely
+    logits[:, 5] = 9.0  # a stop id
     logits[:, 7] = 8.0
     params = [SamplingParams(temperature=0, min_tokens=3)] * 3
     stops = [{2, 5}] * 3
-    outputs = [[1], [1, 1, 1], [1, 1]]   # row 1 has reached min_tokens
+    outputs = [[1], [1, 1, 1], [1, 1]]  # row 1 has reached min_tokens
     out = Sampler()(logits, md_for(params, outputs=outputs, stops=stops)).sampled_token_ids
     assert out.tolist() == [7, 2, 7]
     # Random rows too: the stop ids get no probability at all.
@@ -233,12 +254,16 @@ def test_seeded_rows_reproducible_and_independent_of_batch():
         return [p], [gen], logits[None], 0
 
     def in_batch(p, gen, logits, step):
-        others = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=3),
-                  SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.2, min_p=0.1),
-                  SamplingParams(temperature=1.0, repetition_penalty=1.2),
-                  SamplingParams(temperature=0.5, top_p=0.3, logprobs=2),
-                  SamplingParams(temperature=1.0, logit_bias={3: 2.0})]
-        row = (step * 3) % 8   # a different position each step
+        others = [
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.8, top_k=3),
+            SamplingParams(temperature=1.0, seed=7),
+            SamplingParams(temperature=1.2, min_p=0.1),
+            SamplingParams(temperature=1.0, repetition_penalty=1.2),
+            SamplingParams(temperature=0.5, top_p=0.3, logprobs=2),
+            SamplingParams(temperature=1.0, logit_bias={3: 2.0}),
+        ]
+        row = (step * 3) % 8  # a different position each step
         params = others[:row] + [p] + others[row:]
         gens = [None] * 8
         gens[row] = gen
@@ -285,22 +310,24 @@ def test_empirical_distribution_matches_softmax(temperature, top_k):
 def test_logprobs_shape_values_ranks():
     B = 4
     logits = rand_logits(B, seed=9)
-    params = [SamplingParams(temperature=0, logprobs=3),
-              SamplingParams(temperature=1.0, logprobs=0, repetition_penalty=1.5),
-              SamplingParams(temperature=0.0, logit_bias={0: 100.0}),   # no logprobs of its own
-              SamplingParams(temperature=2.0, top_k=10)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=1.0, logprobs=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, logit_bias={0: 100.0}),  # no logprobs of its own
+        SamplingParams(temperature=2.0, top_k=10),
+    ]
     out = Sampler()(logits, md_for(params, prompts=[[1, 2, 3]] * B))
     k = 3
     assert out.logprob_token_ids.shape == (B, k + 1) and out.logprobs.shape == (B, k + 1)
     assert out.logprob_token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
-    raw = torch.log_softmax(logits, -1)   # from the raw logits, before bias/penalties/temperature
+    raw = torch.log_softmax(logits, -1)  # from the raw logits, before bias/penalties/temperature
     s = out.sampled_token_ids
     assert torch.equal(out.logprob_token_ids[:, 0], s)
     assert torch.allclose(out.logprobs[:, 0], raw.gather(1, s[:, None])[:, 0])
     top = raw.topk(k, -1)
     assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
     assert torch.allclose(out.logprobs[:, 1:], top.values)
-    assert (out.logprobs[:, 1:-1] >= out.logprobs[:, 2:]).all()   # sorted descending
+    assert (out.logprobs[:, 1:-1] >= out.logprobs[:, 2:]).all()  # sorted descending
     for r in range(B):
         order = raw[r].argsort(descending=True).tolist()
         assert out.sampled_token_ranks[r].item() == order.index(s[r].item()) + 1
@@ -314,8 +341,7 @@ def test_logprobs_k0_shape():
 
 
 def test_flags_for_unused_features():
-    md = md_for([SamplingParams(temperature=0, top_k=3, top_p=0.5, min_p=0.3),
-                 SamplingParams(temperature=1.0)])
+    md = md_for([SamplingParams(temperature=0, top_k=3, top_p=0.5, min_p=0.3), SamplingParams(temperature=1.0)])
     # Sampling knobs on greedy rows do not switch the features on for the batch.
     assert md.no_top_k and md.no_top_p and md.no_min_p and md.no_penalties
     assert md.prompt_token_ids is None and md.max_num_logprobs is None

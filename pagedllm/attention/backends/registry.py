@@ -2,6 +2,7 @@
 the CLI's --attention-backend choices read. A backend is one folder, backends/<name>/, and one line here
 naming its class; the class is imported only when a model is built with it (the Triton one
 imports triton), so this module stays torch-free for the CLI and EngineArgs."""
+
 from __future__ import annotations
 
 import importlib
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AttentionBackendEntry:
-    backend_class: str        # "module:Class", an AttentionBackend (backends/abstract.py)
+    backend_class: str  # "module:Class", an AttentionBackend (backends/abstract.py)
     # Offered by --attention-backend; False: only the selector picks it ("cpu" is what "torch"
     # becomes on a CPU where the C++ decode kernel builds for the cache's dtype).
     selectable: bool = True

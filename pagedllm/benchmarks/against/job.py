@@ -1,6 +1,7 @@
 """The job both engines run: one JSON file (model, dtype, scheduler budget, the requests) read by
 a runner process on each side, so the two get the very same prompt token ids and output lengths.
 Stdlib only: the vLLM side imports it from its own venv, where pagedllm is not installed."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,30 @@ WARMUP_PROMPT_LEN = 16
 WARMUP_OUTPUT_LEN = 4
 
 
-def write_job(path: str, *, model: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-              max_model_len: int | None, seed: int, requests) -> dict:
+def write_job(
+    path: str,
+    *,
+    model: str,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int | None,
+    seed: int,
+    requests,
+) -> dict:
     """requests: objects with .prompt_token_ids (list[int]) and .output_len (int)."""
-    job = {"model": model, "dtype": dtype, "max_num_seqs": max_num_seqs,
-           "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len, "seed": seed,
-           "requests": [{"prompt_token_ids": [int(t) for t in r.prompt_token_ids], "output_len": int(r.output_len)}
-                        for r in requests]}
+    job = {
+        "model": model,
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_model_len": max_model_len,
+        "seed": seed,
+        "requests": [
+            {"prompt_token_ids": [int(t) for t in r.prompt_token_ids], "output_len": int(r.output_len)}
+            for r in requests
+        ],
+    }
     with open(path, "w") as f:
         json.dump(job, f)
     return job
@@ -34,13 +52,16 @@ def read_job(path: str) -> dict:
 
 def prompts_and_lengths(job: dict) -> tuple[list[dict], list[int]]:
     """What each runner hands its engine: token-id prompts (no tokenization) and output lengths."""
-    return ([{"prompt_token_ids": r["prompt_token_ids"]} for r in job["requests"]],
-            [r["output_len"] for r in job["requests"]])
+    return (
+        [{"prompt_token_ids": r["prompt_token_ids"]} for r in job["requests"]],
+        [r["output_len"] for r in job["requests"]],
+    )
 
 
 def warmup_prompts(job: dict) -> list[dict]:
-    return [{"prompt_token_ids": [r["prompt_token_ids"][-1]] * WARMUP_PROMPT_LEN}
-            for r in job["requests"][:WARMUP_REQUESTS]]
+    return [
+        {"prompt_token_ids": [r["prompt_token_ids"][-1]] * WARMUP_PROMPT_LEN} for r in job["requests"][:WARMUP_REQUESTS]
+    ]
 
 
 def run_job(job: dict, generate, sampling_params, before_timed=None) -> tuple[list, float, float]:
@@ -69,10 +90,19 @@ def result(system: str, version: str, outs, elapsed: float, cpu: float, load_s: 
     in_toks = sum(len(o.prompt_token_ids) for o in outs)
     out_ids = [list(o.outputs[0].token_ids) for o in outs]
     out_toks = sum(len(t) for t in out_ids)
-    return {"system": system, "version": version, "requests": len(outs), "input_tokens": in_toks,
-            "output_tokens": out_toks, "elapsed_s": elapsed, "output_tok_s": out_toks / elapsed,
-            "total_tok_s": (in_toks + out_toks) / elapsed, "process_cpu_s": cpu, "load_s": load_s,
-            "output_token_ids": out_ids}
+    return {
+        "system": system,
+        "version": version,
+        "requests": len(outs),
+        "input_tokens": in_toks,
+        "output_tokens": out_toks,
+        "elapsed_s": elapsed,
+        "output_tok_s": out_toks / elapsed,
+        "total_tok_s": (in_toks + out_toks) / elapsed,
+        "process_cpu_s": cpu,
+        "load_s": load_s,
+        "output_token_ids": out_ids,
+    }
 
 
 def write_result(path: str, row: dict) -> None:

@@ -6,6 +6,7 @@ ignore_eos, prefix caching off, the same dtype, max_num_seqs and max_num_batched
 engine is timed over one generate call of all requests after the same warm-up; model loading and
 compilation are outside the figure (and printed apart).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ from pagedllm.benchmarks.against import job as J
 from pagedllm.benchmarks.against import venv as V
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, workload_requests, write_json
 
-DTYPES = ("bfloat16", "float32")   # what vLLM's CPU backend runs
+DTYPES = ("bfloat16", "float32")  # what vLLM's CPU backend runs
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -56,8 +57,22 @@ def _run(cmd: list, env: dict | None, result_path: Path, label: str, py_spy: Pat
     for line in proc.stderr:
         sys.stderr.write(line)
         if py_spy is not None and spy is None and line.startswith("timed run starts"):
-            spy = subprocess.Popen([_py_spy(), "record", "--pid", str(proc.pid), "--subprocesses", "--nonblocking",
-                                    "--format", "raw", "--output", str(py_spy)], stdout=sys.stderr, stderr=sys.stderr)
+            spy = subprocess.Popen(
+                [
+                    _py_spy(),
+                    "record",
+                    "--pid",
+                    str(proc.pid),
+                    "--subprocesses",
+                    "--nonblocking",
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(py_spy),
+                ],
+                stdout=sys.stderr,
+                stderr=sys.stderr,
+            )
     rc = proc.wait()
     if spy is not None:
         spy.wait()
@@ -80,12 +95,17 @@ def summarize(runs: list[dict]) -> dict:
     """Median and spread (min, max) of one system's runs."""
     rates = [r["output_tok_s"] for r in runs]
     times = [r["elapsed_s"] for r in runs]
-    return {**{k: runs[0][k] for k in ("system", "version", "requests", "input_tokens", "output_tokens")},
-            "runs": len(runs), "elapsed_s": statistics.median(times), "output_tok_s": statistics.median(rates),
-            "total_tok_s": statistics.median(r["total_tok_s"] for r in runs),
-            "min_tok_s": min(rates), "max_tok_s": max(rates),
-            "spread_pct": 100 * (max(rates) - min(rates)) / statistics.median(rates),
-            "load_s": statistics.median(r["load_s"] for r in runs)}
+    return {
+        **{k: runs[0][k] for k in ("system", "version", "requests", "input_tokens", "output_tokens")},
+        "runs": len(runs),
+        "elapsed_s": statistics.median(times),
+        "output_tok_s": statistics.median(rates),
+        "total_tok_s": statistics.median(r["total_tok_s"] for r in runs),
+        "min_tok_s": min(rates),
+        "max_tok_s": max(rates),
+        "spread_pct": 100 * (max(rates) - min(rates)) / statistics.median(rates),
+        "load_s": statistics.median(r["load_s"] for r in runs),
+    }
 
 
 def same_outputs(a: dict, b: dict) -> int:
@@ -115,45 +135,89 @@ def main(ns: argparse.Namespace) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     machine = machine_info()
     print(f"command: {command_line()}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores; pagedllm torch {machine['torch']} with "
-          f"{machine['torch_threads']} threads, vLLM OpenMP bound to CPUs {V.cpu_list(cpus)}")
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores; pagedllm torch {machine['torch']} with "
+        f"{machine['torch_threads']} threads, vLLM OpenMP bound to CPUs {V.cpu_list(cpus)}"
+    )
     print(f"model: {model_dir} ({dtype}, greedy, ignore_eos, prefix caching off on both)")
-    print(f"requests: {len(requests)}, input {ns.min_input_len}-{ns.max_input_len}, output "
-          f"{ns.min_output_len}-{ns.max_output_len}, seed {ns.dataset_seed}; both: max_num_seqs "
-          f"{eargs.max_num_seqs}, max_num_batched_tokens {eargs.max_num_batched_tokens}; "
-          f"vLLM KV cache {V.KV_CACHE_SPACE_GIB} GiB; {ns.repeat} interleaved run(s) each")
+    print(
+        f"requests: {len(requests)}, input {ns.min_input_len}-{ns.max_input_len}, output "
+        f"{ns.min_output_len}-{ns.max_output_len}, seed {ns.dataset_seed}; both: max_num_seqs "
+        f"{eargs.max_num_seqs}, max_num_batched_tokens {eargs.max_num_batched_tokens}; "
+        f"vLLM KV cache {V.KV_CACHE_SPACE_GIB} GiB; {ns.repeat} interleaved run(s) each"
+    )
 
     with tempfile.TemporaryDirectory(prefix="pagedllm-against-") as tmp:
         tmp = Path(tmp)
-        J.write_job(str(tmp / "job.json"), model=model_dir, dtype=dtype, max_num_seqs=eargs.max_num_seqs,
-                    max_num_batched_tokens=eargs.max_num_batched_tokens, max_model_len=eargs.max_model_len,
-                    seed=eargs.seed, requests=requests)
+        J.write_job(
+            str(tmp / "job.json"),
+            model=model_dir,
+            dtype=dtype,
+            max_num_seqs=eargs.max_num_seqs,
+            max_num_batched_tokens=eargs.max_num_batched_tokens,
+            max_model_len=eargs.max_model_len,
+            seed=eargs.seed,
+            requests=requests,
+        )
         engine_kwargs = {k: v for k, v in vars(eargs).items() if isinstance(v, (str, int, float, bool, type(None)))}
         (tmp / "engine.json").write_text(json.dumps(engine_kwargs))
         runs = {"pagedllm": [], "vllm": []}
         for i in range(ns.repeat):
             profile = ["--profile"] if ns.profile and i == 0 else []
             spy = Path(ns.py_spy) if ns.py_spy and i == 0 else None
-            runs["pagedllm"].append(_run([sys.executable, "-m", "pagedllm.benchmarks.against.pagedllm_offline",
-                                          tmp / "job.json", tmp / "p.json", tmp / "engine.json"] + profile,
-                                         None, tmp / "p.json", f"pagedllm ({i + 1}/{ns.repeat})",
-                                         spy and spy / "pagedllm.txt"))
-            runs["vllm"].append(_run([vllm_py, Path(__file__).parent / "vllm_offline.py", tmp / "job.json",
-                                      tmp / "v.json"], V.vllm_env(venv_dir, cpus), tmp / "v.json",
-                                     f"vLLM ({i + 1}/{ns.repeat})", spy and spy / "vllm.txt"))
+            runs["pagedllm"].append(
+                _run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pagedllm.benchmarks.against.pagedllm_offline",
+                        tmp / "job.json",
+                        tmp / "p.json",
+                        tmp / "engine.json",
+                    ]
+                    + profile,
+                    None,
+                    tmp / "p.json",
+                    f"pagedllm ({i + 1}/{ns.repeat})",
+                    spy and spy / "pagedllm.txt",
+                )
+            )
+            runs["vllm"].append(
+                _run(
+                    [vllm_py, Path(__file__).parent / "vllm_offline.py", tmp / "job.json", tmp / "v.json"],
+                    V.vllm_env(venv_dir, cpus),
+                    tmp / "v.json",
+                    f"vLLM ({i + 1}/{ns.repeat})",
+                    spy and spy / "vllm.txt",
+                )
+            )
 
     rows = [summarize(runs["pagedllm"]), summarize(runs["vllm"])]
     print()
-    print_table(rows, [("system", "system", ""), ("version", "version", ""), ("output_tokens", "output tokens", "d"),
-                       ("elapsed_s", "median s", ".2f"), ("output_tok_s", "median out tok/s", ".1f"),
-                       ("min_tok_s", "min", ".1f"), ("max_tok_s", "max", ".1f"),
-                       ("spread_pct", "spread %", ".1f"), ("load_s", "load s", ".1f")])
+    print_table(
+        rows,
+        [
+            ("system", "system", ""),
+            ("version", "version", ""),
+            ("output_tokens", "output tokens", "d"),
+            ("elapsed_s", "median s", ".2f"),
+            ("output_tok_s", "median out tok/s", ".1f"),
+            ("min_tok_s", "min", ".1f"),
+            ("max_tok_s", "max", ".1f"),
+            ("spread_pct", "spread %", ".1f"),
+            ("load_s", "load s", ".1f"),
+        ],
+    )
     ratio = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
     per_run = [p["output_tok_s"] / v["output_tok_s"] for p, v in zip(runs["pagedllm"], runs["vllm"])]
-    print(f"ratio (pagedllm / vLLM, medians): {ratio:.2f}× (per interleaved pair: "
-          + ", ".join(f"{r:.2f}" for r in per_run) + ")")
+    print(
+        f"ratio (pagedllm / vLLM, medians): {ratio:.2f}× (per interleaved pair: "
+        + ", ".join(f"{r:.2f}" for r in per_run)
+        + ")"
+    )
     if ns.profile:
         from pagedllm.benchmarks.latency import print_profile
+
         prof = runs["pagedllm"][0]["profile"]
         print_profile("pagedllm, first run, decode-only steps", prof["decode"])
         print_profile("pagedllm, first run, steps with a prefill", prof["with_prefill"])
@@ -163,8 +227,19 @@ def main(ns: argparse.Namespace) -> int:
         for rs in runs.values():
             for r in rs:
                 r.pop("output_token_ids", None)
-        write_json(ns.output_json, {"command": command_line(), "machine": machine, "model": model_dir, "dtype": dtype,
-                                    "vllm_cpus": V.cpu_list(cpus), "summary": rows, "runs": runs, "ratio": ratio,
-                                    "ratios_per_pair": per_run})
+        write_json(
+            ns.output_json,
+            {
+                "command": command_line(),
+                "machine": machine,
+                "model": model_dir,
+                "dtype": dtype,
+                "vllm_cpus": V.cpu_list(cpus),
+                "summary": rows,
+                "runs": runs,
+                "ratio": ratio,
+                "ratios_per_pair": per_run,
+            },
+        )
         print(f"saved {ns.output_json}")
     return 0

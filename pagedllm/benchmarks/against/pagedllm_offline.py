@@ -4,6 +4,7 @@
 [--profile]`: the engine flags of the bench command, with the job's model, dtype and budget over
 them; --profile adds the per-phase step profile of the timed run to the result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,20 +23,29 @@ def main(job_path: str, result_path: str, engine_args_path: str, profile: bool =
     job = J.read_job(job_path)
     with open(engine_args_path) as f:
         kwargs = json.load(f)
-    kwargs.update(model=job["model"], dtype=job["dtype"], seed=job["seed"], enable_prefix_caching=False,
-                  max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                  max_model_len=job["max_model_len"])
+    kwargs.update(
+        model=job["model"],
+        dtype=job["dtype"],
+        seed=job["seed"],
+        enable_prefix_caching=False,
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        max_model_len=job["max_model_len"],
+    )
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
-    outs, elapsed, cpu = J.run_job(job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams,
-                                   PROFILER.start if profile else None)
+    outs, elapsed, cpu = J.run_job(
+        job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams, PROFILER.start if profile else None
+    )
     row = J.result("pagedllm", getattr(pagedllm, "__version__", "dev"), outs, elapsed, cpu, load_s)
     if profile:
         steps = PROFILER.stop()
-        row["profile"] = {"all": summarize(steps),
-                          "decode": summarize([s for s in steps if s["num_tokens"] == s["num_reqs"]]),
-                          "with_prefill": summarize([s for s in steps if s["num_tokens"] != s["num_reqs"]])}
+        row["profile"] = {
+            "all": summarize(steps),
+            "decode": summarize([s for s in steps if s["num_tokens"] == s["num_reqs"]]),
+            "with_prefill": summarize([s for s in steps if s["num_tokens"] != s["num_reqs"]]),
+        }
     J.write_result(result_path, row)
 
 

@@ -7,6 +7,7 @@ interpreter with no extras, so optional groups (bench, audio, zen, ...) stay out
 
 `python requirements.py [DIST]` prints one requirement per line; importing it gives the function.
 """
+
 from __future__ import annotations
 
 import sys
@@ -47,6 +48,7 @@ def requirements_from_metadata(metadata_text: str, environment: dict | None = No
 
 def installed_metadata(dist: str) -> str:
     from importlib.metadata import distribution
+
     return distribution(dist).read_text("METADATA") or ""
 
 

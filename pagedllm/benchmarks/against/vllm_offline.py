@@ -3,6 +3,7 @@
 `python vllm_offline.py JOB.json RESULT.json`. The `__main__` guard is required: vLLM spawns its
 engine core as a separate process that re-imports this file.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,15 @@ def main(job_path: str, result_path: str) -> None:
 
     job = J.read_job(job_path)
     t0 = time.perf_counter()
-    llm = LLM(model=job["model"], dtype=job["dtype"], seed=job["seed"], enable_prefix_caching=False,
-              max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-              max_model_len=job["max_model_len"])
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        seed=job["seed"],
+        enable_prefix_caching=False,
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        max_model_len=job["max_model_len"],
+    )
     load_s = time.perf_counter() - t0
     outs, elapsed, cpu = J.run_job(job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams)
     J.write_result(result_path, J.result("vllm", vllm.__version__, outs, elapsed, cpu, load_s))

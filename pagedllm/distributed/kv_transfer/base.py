@@ -9,6 +9,7 @@ cache) moves the bytes: `start_load_kv` before the forward, `wait_for_layer_load
 `save_kv_layer` around each attention layer, `wait_for_save` after it, and `get_finished`
 reports which transfers ended (their blocks can be freed, or their requests scheduled).
 """
+
 from __future__ import annotations
 
 import enum
@@ -26,6 +27,7 @@ class KVConnectorRole(enum.Enum):
 @dataclass
 class KVConnectorMetadata:
     """What one step's workers do: loads {req id: LoadSpec}, saves {req id: block ids}."""
+
     reqs_to_load: dict[str, Any] = field(default_factory=dict)
     reqs_to_save: dict[str, list[int]] = field(default_factory=dict)
 
@@ -33,9 +35,10 @@ class KVConnectorMetadata:
 @dataclass
 class KVConnectorOutput:
     """What the worker side reports after a step (ModelRunnerOutput.kv_connector_output)."""
-    finished_sending: set[str] = field(default_factory=set)   # producer: blocks may be freed
-    finished_recving: set[str] = field(default_factory=set)   # consumer: the request may run
-    failed_recving: dict[str, str] = field(default_factory=dict)   # consumer: req id -> why
+
+    finished_sending: set[str] = field(default_factory=set)  # producer: blocks may be freed
+    finished_recving: set[str] = field(default_factory=set)  # consumer: the request may run
+    failed_recving: dict[str, str] = field(default_factory=dict)  # consumer: req id -> why
     bytes_sent: int = 0
     bytes_recved: int = 0
 
@@ -54,8 +57,9 @@ class KVConnectorBase:
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         raise NotImplementedError
 
-    def build_connector_meta(self, scheduler_output, requests: dict,
-                             get_block_ids: Callable[[str], list[int]]) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output, requests: dict, get_block_ids: Callable[[str], list[int]]
+    ) -> KVConnectorMetadata:
         raise NotImplementedError
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:

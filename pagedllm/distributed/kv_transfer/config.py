@@ -1,5 +1,6 @@
 """KVTransferConfig: vLLM's `--kv-transfer-config` JSON (kv_connector, kv_role, kv_ip, kv_port,
 kv_connector_extra_config), validated here so that a bad value is a ValueError naming the field."""
+
 from __future__ import annotations
 
 import socket
@@ -16,8 +17,8 @@ KV_CONNECTORS = ("ZmqConnector",)
 class KVTransferConfig:
     kv_connector: str = "ZmqConnector"
     kv_role: str = "kv_both"
-    kv_ip: str = "127.0.0.1"      # where this instance serves its KV (a producer), as peers reach it
-    kv_port: int = 0              # 0: a free port, chosen at start
+    kv_ip: str = "127.0.0.1"  # where this instance serves its KV (a producer), as peers reach it
+    kv_port: int = 0  # 0: a free port, chosen at start
     # timeout_s: a consumer gives up on a silent producer, a producer frees blocks nobody fetched;
     # use_shm: same-host transfers through shared memory (else always TCP).
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
@@ -33,7 +34,9 @@ class KVTransferConfig:
 
     def validate(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
-            raise ValueError(f"kv_transfer_config.kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
+            raise ValueError(
+                f"kv_transfer_config.kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}"
+            )
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
@@ -84,7 +87,9 @@ def validate_kv_transfer_params(params) -> None:
         for key, typ in need.items():
             v = params.get(key)
             if not isinstance(v, typ) or isinstance(v, bool):
-                raise ValueError(f"kv_transfer_params.{key} must be a {typ.__name__} (pass back the prefill "
-                                 f"response's kv_transfer_params), got {v!r}")
+                raise ValueError(
+                    f"kv_transfer_params.{key} must be a {typ.__name__} (pass back the prefill "
+                    f"response's kv_transfer_params), got {v!r}"
+                )
         if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in params["remote_block_ids"]):
             raise ValueError("kv_transfer_params.remote_block_ids must be block ids (integers > 0)")

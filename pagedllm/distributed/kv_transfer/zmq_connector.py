@@ -11,6 +11,7 @@ hits, allocates blocks for the rest of the prompt and waits (WAITING_FOR_REMOTE_
 worker thread pulls the remote blocks into them; then it computes only its last prompt token
 (as vLLM: the logits to sample from) and decodes on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pagedllm.distributed.kv_transfer.base import (
-    KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole)
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from pagedllm.distributed.kv_transfer.config import KVTransferConfig
 from pagedllm.request import RequestStatus
 
@@ -38,7 +43,7 @@ class LoadSpec:
     host: str
     port: int
     remote_request_id: str
-    first_block: int                 # the remote blocks from here on (the local hits cover the rest)
+    first_block: int  # the remote blocks from here on (the local hits cover the rest)
     local_block_ids: list[int]
     use_shm: bool
 
@@ -51,7 +56,7 @@ class ZmqConnector(KVConnectorBase):
         self._loads: dict[str, LoadSpec] = {}
         # worker side
         self.server = None
-        self._saving: list[str] = []        # this step's requests served as their layers finish
+        self._saving: list[str] = []  # this step's requests served as their layers finish
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -64,27 +69,33 @@ class ZmqConnector(KVConnectorBase):
         if not (self.config.is_consumer and params and params.get("do_remote_prefill")):
             return 0, False
         if request.sampling_params.num_samples > 1 or request.group_id is not None:
-            return 0, False   # siblings and beams compute their prompt here
+            return 0, False  # siblings and beams compute their prompt here
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        params["do_remote_prefill"] = False   # once: a preempted request recomputes locally
+        params["do_remote_prefill"] = False  # once: a preempted request recomputes locally
         if num_external_tokens <= 0:
             return
         first = (request.num_prompt_tokens - num_external_tokens) // self._block_size
         remote = params["remote_block_ids"]
         same_host = params.get("remote_hostname") == self.hostname and self.config.use_shm
         self._loads[request.request_id] = LoadSpec(
-            params["remote_host"], params["remote_port"], params["remote_request_id"], first,
-            block_ids[first:len(remote)], same_host)
+            params["remote_host"],
+            params["remote_port"],
+            params["remote_request_id"],
+            first,
+            block_ids[first : len(remote)],
+            same_host,
+        )
 
     def bind_block_size(self, block_size: int) -> None:
         self._block_size = block_size
 
-    def build_connector_meta(self, scheduler_output, requests: dict,
-                             get_block_ids: Callable[[str], list[int]]) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output, requests: dict, get_block_ids: Callable[[str], list[int]]
+    ) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(reqs_to_load=self._loads)
         self._loads = {}
         if self.config.is_producer:
@@ -92,8 +103,11 @@ class ZmqConnector(KVConnectorBase):
                 r = requests[req_id]
                 params = r.kv_transfer_params
                 # num_computed_tokens is from before this step: the step completes the prompt.
-                if (params and params.get("do_remote_decode") and r.num_computed_tokens < r.num_prompt_tokens
-                        <= r.num_computed_tokens + n):
+                if (
+                    params
+                    and params.get("do_remote_decode")
+                    and r.num_computed_tokens < r.num_prompt_tokens <= r.num_computed_tokens + n
+                ):
                     meta.reqs_to_save[req_id] = get_block_ids(req_id)
         return meta
 
@@ -102,22 +116,27 @@ class ZmqConnector(KVConnectorBase):
         if not (self.config.is_producer and params and params.get("do_remote_decode")):
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED or request.num_computed_tokens < request.num_prompt_tokens:
-            return False, None   # never served: nothing to hold
+            return False, None  # never served: nothing to hold
         n = -(request.num_prompt_tokens // -self._block_size)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_host": self.config.kv_ip, "remote_port": self.config.kv_port,
-                      "remote_hostname": self.hostname, "remote_request_id": request.request_id,
-                      "remote_block_ids": block_ids[:n]}
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_host": self.config.kv_ip,
+            "remote_port": self.config.kv_port,
+            "remote_hostname": self.hostname,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": block_ids[:n],
+        }
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: list[tuple], block_size: int) -> None:
         from pagedllm.distributed.kv_transfer.zmq_transport import KVServer
         import zmq
+
         self.kv_caches, self._block_size = kv_caches, block_size
         self._ctx = zmq.Context()
         if self.config.is_producer:
-            self.server = KVServer(self.config.kv_ip, self.config.kv_port, kv_caches, block_size,
-                                   self.config.timeout_s)
+            self.server = KVServer(self.config.kv_ip, self.config.kv_port, kv_caches, block_size, self.config.timeout_s)
         if self.config.is_consumer:
             self._pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="kv-pull")
 
@@ -131,10 +150,20 @@ class ZmqConnector(KVConnectorBase):
 
     def _load(self, req_id: str, spec: LoadSpec) -> None:
         from pagedllm.distributed.kv_transfer.zmq_transport import pull_kv
+
         try:
-            n = pull_kv(self._ctx, spec.host, spec.port, spec.remote_request_id, spec.first_block,
-                        spec.local_block_ids, self.kv_caches, self._block_size, self.config.timeout_s,
-                        spec.use_shm)
+            n = pull_kv(
+                self._ctx,
+                spec.host,
+                spec.port,
+                spec.remote_request_id,
+                spec.first_block,
+                spec.local_block_ids,
+                self.kv_caches,
+                self._block_size,
+                self.config.timeout_s,
+                spec.use_shm,
+            )
         except Exception as e:
             logger.warning("KV load of %s failed: %s", req_id, e)
             with self._lock:

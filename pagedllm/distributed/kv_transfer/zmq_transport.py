@@ -10,6 +10,7 @@ segment per pull instead (the header names it and the offsets), and the consumer
 lets the producer unlink it. The consumer (`pull_kv`) writes each layer into its own blocks
 as it arrives and gives up after `timeout_s` of silence (a dead or stopped producer).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,10 +43,11 @@ def layer_bytes(layer: tuple[torch.Tensor, ...], rows: torch.Tensor) -> list[tor
 @dataclass
 class _Saved:
     """A request whose blocks the producer serves until they are fetched or time out."""
+
     block_ids: list[int]
     deadline: float
     layers_ready: int = 0
-    pulls: list = field(default_factory=list)   # _Pull
+    pulls: list = field(default_factory=list)  # _Pull
 
 
 @dataclass
@@ -62,12 +64,13 @@ class KVServer:
     """The producer's side: a thread that owns the ROUTER socket (ZMQ sockets are not thread
     safe); the runner's thread only updates `_saved` under the lock."""
 
-    def __init__(self, host: str, port: int, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, host: str, port: int, kv_caches: list[tuple[torch.Tensor, ...]], block_size: int, timeout_s: float
+    ) -> None:
         self.kv_caches, self.block_size, self.timeout_s = kv_caches, block_size, timeout_s
         self.lock = threading.Lock()
         self._saved: dict[str, _Saved] = {}
-        self._pulling: set[str] = set()   # saved requests with a pull under way: the loop's work
+        self._pulling: set[str] = set()  # saved requests with a pull under way: the loop's work
         self._next_expiry = 0.0
         self._finished: set[str] = set()
         self.bytes_sent = 0
@@ -111,7 +114,7 @@ class KVServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop:
             if poller.poll(1):
-                while True:   # every message waiting, not one a turn
+                while True:  # every message waiting, not one a turn
                     try:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -119,7 +122,7 @@ class KVServer:
                     self._on_message(frames)
             try:
                 self._serve_ready()
-            except Exception:   # never let the thread die: the engine would hold blocks forever
+            except Exception:  # never let the thread die: the engine would hold blocks forever
                 logger.exception("kv server: serving a pull failed")
 
     def _on_message(self, frames: list[bytes]) -> None:
@@ -127,20 +130,29 @@ class KVServer:
         req_id = body.get("req_id")
         with self.lock:
             saved = self._saved.get(req_id)
-            if kind == b"done":   # a shared-memory pull was copied: unlink, free the blocks
+            if kind == b"done":  # a shared-memory pull was copied: unlink, free the blocks
                 if saved is not None:
                     self._end(req_id, saved)
                 return
             if saved is None:
-                self._sock.send_multipart([identity, json.dumps(
-                    {"error": f"request {req_id!r} holds no KV here (fetched already, timed out, "
-                              "or never prefilled with do_remote_decode)"}).encode()])
+                self._sock.send_multipart(
+                    [
+                        identity,
+                        json.dumps(
+                            {
+                                "error": f"request {req_id!r} holds no KV here (fetched already, timed out, "
+                                "or never prefilled with do_remote_decode)"
+                            }
+                        ).encode(),
+                    ]
+                )
                 return
             pull = _Pull(identity, req_id, int(body.get("first_block", 0)))
             if body.get("shm"):
                 n = len(saved.block_ids) - pull.first_block
-                size = sum(t[0].numel() * t.element_size() * self.block_size * n
-                           for layer in self.kv_caches for t in layer)
+                size = sum(
+                    t[0].numel() * t.element_size() * self.block_size * n for layer in self.kv_caches for t in layer
+                )
                 pull.shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
             saved.pulls.append(pull)
             self._pulling.add(req_id)
@@ -161,28 +173,36 @@ class KVServer:
                 self._next_expiry = now + 0.1
                 for req_id, saved in list(self._saved.items()):
                     if now > saved.deadline:
-                        logger.warning("kv server: request %s's KV was not fetched within %.0f s: freeing it",
-                                       req_id, self.timeout_s)
+                        logger.warning(
+                            "kv server: request %s's KV was not fetched within %.0f s: freeing it",
+                            req_id,
+                            self.timeout_s,
+                        )
                         self._end(req_id, saved)
 
     def _send_layers(self, saved: _Saved, pull: _Pull) -> None:
         rows = None
         while pull.next_layer < saved.layers_ready:
             if rows is None:
-                rows = block_rows(saved.block_ids[pull.first_block:], self.block_size, self.kv_caches[0][0].device)
+                rows = block_rows(saved.block_ids[pull.first_block :], self.block_size, self.kv_caches[0][0].device)
             layer = self.kv_caches[pull.next_layer]
             parts = layer_bytes(layer, rows)
-            header = {"layer": pull.next_layer, "num_layers": len(self.kv_caches),
-                      "nbytes": [p.numel() for p in parts], "dtype": str(layer[0].dtype)}
+            header = {
+                "layer": pull.next_layer,
+                "num_layers": len(self.kv_caches),
+                "nbytes": [p.numel() for p in parts],
+                "dtype": str(layer[0].dtype),
+            }
             if pull.shm is not None:
                 header["shm"], header["offset"], header["pid"] = pull.shm.name, pull.offset, os.getpid()
                 for p in parts:
-                    pull.shm.buf[pull.offset:pull.offset + p.numel()] = p.numpy().data
+                    pull.shm.buf[pull.offset : pull.offset + p.numel()] = p.numpy().data
                     pull.offset += p.numel()
                 self._sock.send_multipart([pull.identity, json.dumps(header).encode()])
             else:
-                self._sock.send_multipart([pull.identity, json.dumps(header).encode()]
-                                          + [p.numpy().data for p in parts], copy=True)
+                self._sock.send_multipart(
+                    [pull.identity, json.dumps(header).encode()] + [p.numpy().data for p in parts], copy=True
+                )
             self.bytes_sent += sum(p.numel() for p in parts)
             pull.next_layer += 1
         if pull.next_layer == len(self.kv_caches) and pull.shm is None:
@@ -199,9 +219,18 @@ class KVServer:
             self._finished.add(req_id)
 
 
-def pull_kv(ctx: zmq.Context, host: str, port: int, req_id: str, first_block: int,
-            local_block_ids: list[int], kv_caches: list[tuple[torch.Tensor, ...]], block_size: int,
-            timeout_s: float, use_shm: bool) -> int:
+def pull_kv(
+    ctx: zmq.Context,
+    host: str,
+    port: int,
+    req_id: str,
+    first_block: int,
+    local_block_ids: list[int],
+    kv_caches: list[tuple[torch.Tensor, ...]],
+    block_size: int,
+    timeout_s: float,
+    use_shm: bool,
+) -> int:
     """Fetch `req_id`'s blocks from `first_block` on into `local_block_ids`, layer by layer ->
     bytes received. RuntimeError when the producer refuses, sends what does not fit this
     cache, or stays silent for timeout_s."""
@@ -211,12 +240,15 @@ def pull_kv(ctx: zmq.Context, host: str, port: int, req_id: str, first_block: in
     rows = block_rows(local_block_ids, block_size, kv_caches[0][0].device)
     shm, total = None, 0
     try:
-        sock.send_multipart([b"pull", json.dumps({"req_id": req_id, "first_block": first_block,
-                                                  "shm": use_shm}).encode()])
+        sock.send_multipart(
+            [b"pull", json.dumps({"req_id": req_id, "first_block": first_block, "shm": use_shm}).encode()]
+        )
         for expected in range(len(kv_caches)):
             if not sock.poll(int(timeout_s * 1000)):
-                raise RuntimeError(f"KV transfer of {req_id} from {host}:{port}: no answer within "
-                                   f"{timeout_s:g} s (layer {expected} of {len(kv_caches)})")
+                raise RuntimeError(
+                    f"KV transfer of {req_id} from {host}:{port}: no answer within "
+                    f"{timeout_s:g} s (layer {expected} of {len(kv_caches)})"
+                )
             frames = sock.recv_multipart()
             header = json.loads(frames[0])
             if "error" in header:
@@ -224,20 +256,22 @@ def pull_kv(ctx: zmq.Context, host: str, port: int, req_id: str, first_block: in
             layer = kv_caches[expected]
             want = [rows.numel() * t[0].numel() * t.element_size() for t in layer]
             if header["layer"] != expected or header["num_layers"] != len(kv_caches) or header["nbytes"] != want:
-                raise RuntimeError(f"KV transfer of {req_id} from {host}:{port}: the producer's cache does not "
-                                   f"match this one (layer {header['layer']}/{header['num_layers']}, "
-                                   f"{header['nbytes']} bytes, expected {expected}/{len(kv_caches)}, {want})")
+                raise RuntimeError(
+                    f"KV transfer of {req_id} from {host}:{port}: the producer's cache does not "
+                    f"match this one (layer {header['layer']}/{header['num_layers']}, "
+                    f"{header['nbytes']} bytes, expected {expected}/{len(kv_caches)}, {want})"
+                )
             if "shm" in header and shm is None:
                 shm = shared_memory.SharedMemory(name=header["shm"])
-                if header["pid"] != os.getpid():   # the producer unlinks it (one tracker per process)
+                if header["pid"] != os.getpid():  # the producer unlinks it (one tracker per process)
                     resource_tracker.unregister(shm._name, "shared_memory")
             off = header.get("offset", 0)
             for i, (t, n) in enumerate(zip(layer, want)):
                 if shm is not None:
-                    src, off = shm.buf[off:off + n], off + n
+                    src, off = shm.buf[off : off + n], off + n
                 else:
                     src = frames[1 + i]
-                with warnings.catch_warnings():   # read-only buffer: only read from
+                with warnings.catch_warnings():  # read-only buffer: only read from
                     warnings.simplefilter("ignore")
                     data = torch.frombuffer(src, dtype=torch.uint8)
                 t[rows] = data.view(t.dtype).view(-1, *t.shape[1:]).to(t.device)

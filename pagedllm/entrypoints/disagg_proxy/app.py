@@ -5,6 +5,7 @@ client's. Refused at once with 503 when the predicted TTFT or TBT misses the SLO
 `SloFeedback`'s target: the SLO lowered while the admitted requests' measured p99 passes it).
 `trace`: one JSON line per admitted streamed request, the prediction by part beside what was
 measured (debugging the predictor: where the admitted TTFT goes)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pagedllm.entrypoints.disagg_proxy.decode_queue import DEFAULT_MAX_NUM_SEQS
 from pagedllm.entrypoints.disagg_proxy.fit import TailMargin
 from pagedllm.entrypoints.disagg_proxy.predictor import (
-    Admission, DecodeInstance, PrefillInstance, chunk_hashes, now, plan)
+    Admission,
+    DecodeInstance,
+    PrefillInstance,
+    chunk_hashes,
+    now,
+    plan,
+)
 from pagedllm.entrypoints.disagg_proxy.slo_feedback import SloFeedback
 
 logger = logging.getLogger(__name__)
@@ -38,20 +45,42 @@ def _error(status: int, message: str, type_: str, code: Optional[str] = None) ->
     return JSONResponse(status_code=status, content=_error_body(message, type_, code))
 
 
-def _trace_record(a: Admission, position: int, t0: float, t_planned: float, t_prefilled: float, t_sent: float,
-                  t_first: float, target: Optional[float]) -> dict:
+def _trace_record(
+    a: Admission,
+    position: int,
+    t0: float,
+    t_planned: float,
+    t_prefilled: float,
+    t_sent: float,
+    t_first: float,
+    target: Optional[float],
+) -> dict:
     """Predicted beside measured, in seconds: the prefill's queue and work against its answer, the
     decode side's transfer + slot wait + steps against its first token; `front`: from the request's
     arrival in the app to its admission (the body read, the route, the plan)."""
-    return {"t0": round(t0, 4), "position": position, "pending": a.decode.pending,
-            "pred_queue": a.queue, "pred_prefill": a.seconds, "pred_transfer": a.first.transfer,
-            "pred_slot_wait": a.first.slot_wait, "pred_step": a.first.step, "pred_ttft": a.ttft,
-            "margin": a.margin, "load_margin": a.load_margin, "load": a.load, "target": target,
-            "limit": a.decode.limit.limit, "front": t_planned - t0,
-            "prefill": t_prefilled - t0, "decode_first": t_first - t_sent, "ttft": t_first - t0}
+    return {
+        "t0": round(t0, 4),
+        "position": position,
+        "pending": a.decode.pending,
+        "pred_queue": a.queue,
+        "pred_prefill": a.seconds,
+        "pred_transfer": a.first.transfer,
+        "pred_slot_wait": a.first.slot_wait,
+        "pred_step": a.first.step,
+        "pred_ttft": a.ttft,
+        "margin": a.margin,
+        "load_margin": a.load_margin,
+        "load": a.load,
+        "target": target,
+        "limit": a.decode.limit.limit,
+        "front": t_planned - t0,
+        "prefill": t_prefilled - t0,
+        "decode_first": t_first - t_sent,
+        "ttft": t_first - t0,
+    }
 
 
-ARRIVAL = "pagedllm.arrival"   # the ASGI scope's key for _Arrival's stamp
+ARRIVAL = "pagedllm.arrival"  # the ASGI scope's key for _Arrival's stamp
 
 
 class _Arrival:
@@ -80,28 +109,59 @@ class _Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pagedllm_proxy:requests", "Requests by outcome.", ["outcome"], registry=r)
-        self.predicted_ttft = Histogram("pagedllm_proxy:predicted_ttft_seconds", "Predicted TTFT of admitted requests.",
-                                        registry=r, buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30))
-        self.ttft = Histogram("pagedllm_proxy:ttft_seconds", "Observed TTFT (streamed requests).",
-                              registry=r, buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30))
-        self.kv_blocks = Counter("pagedllm_proxy:kv_blocks_moved", "KV blocks handed from prefill to decode.",
-                                registry=r)
-        self.queue = Gauge("pagedllm_proxy:prefill_queue_seconds", "Booked prefill work ahead.", ["instance"],
-                           registry=r)
+        self.predicted_ttft = Histogram(
+            "pagedllm_proxy:predicted_ttft_seconds",
+            "Predicted TTFT of admitted requests.",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.ttft = Histogram(
+            "pagedllm_proxy:ttft_seconds",
+            "Observed TTFT (streamed requests).",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.kv_blocks = Counter(
+            "pagedllm_proxy:kv_blocks_moved", "KV blocks handed from prefill to decode.", registry=r
+        )
+        self.queue = Gauge(
+            "pagedllm_proxy:prefill_queue_seconds", "Booked prefill work ahead.", ["instance"], registry=r
+        )
         self.streams = Gauge("pagedllm_proxy:decode_streams", "Requests decoding.", ["instance"], registry=r)
-        self.load_limit = Gauge("pagedllm_proxy:decode_load_limit", "The most streams + pending a decode "
-                                 "instance is admitted (with --ttft-slo; load_limit.py).", ["instance"], registry=r)
-        self.pending = Gauge("pagedllm_proxy:decode_pending", "Requests admitted to a decode instance, "
-                             "still prefilling.", ["instance"], registry=r)
-        self.margin = Gauge("pagedllm_proxy:ttft_margin_seconds", "What recent TTFT predictions missed by "
-                            "at the lowest load (the tail added before the SLO check).", registry=r)
-        self.target = Gauge("pagedllm_proxy:ttft_target_seconds", "The TTFT the admission holds predictions "
-                            "to: the SLO lowered while the admitted requests' measured p99 passes it.", registry=r)
+        self.load_limit = Gauge(
+            "pagedllm_proxy:decode_load_limit",
+            "The most streams + pending a decode instance is admitted (with --ttft-slo; load_limit.py).",
+            ["instance"],
+            registry=r,
+        )
+        self.pending = Gauge(
+            "pagedllm_proxy:decode_pending",
+            "Requests admitted to a decode instance, still prefilling.",
+            ["instance"],
+            registry=r,
+        )
+        self.margin = Gauge(
+            "pagedllm_proxy:ttft_margin_seconds",
+            "What recent TTFT predictions missed by at the lowest load (the tail added before the SLO check).",
+            registry=r,
+        )
+        self.target = Gauge(
+            "pagedllm_proxy:ttft_target_seconds",
+            "The TTFT the admission holds predictions "
+            "to: the SLO lowered while the admitted requests' measured p99 passes it.",
+            registry=r,
+        )
 
 
-def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optional[float] = None,
-              tbt_slo: Optional[float] = None, timeout: float = 600.0, trace: Optional[str] = None,
-              decode_max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> FastAPI:
+def build_app(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    ttft_slo: Optional[float] = None,
+    tbt_slo: Optional[float] = None,
+    timeout: float = 600.0,
+    trace: Optional[str] = None,
+    decode_max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+) -> FastAPI:
     session: Optional[aiohttp.ClientSession] = None
 
     @contextlib.asynccontextmanager
@@ -121,7 +181,8 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         if session is None:
             session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=timeout),
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0))
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0),
+            )
         return session
 
     app = FastAPI(lifespan=lifespan)
@@ -171,11 +232,14 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         target = feedback.target if feedback is not None else None
         if a.misses(target, tbt_slo, limited=bool(body.get("stream"))):
             metrics.requests.labels("rejected").inc()
-            return _error(503, f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} + "
-                               f"{a.load_margin:.3f} s at load {a.load} (limit {decode.limit.limit:.0f}; SLO "
-                               f"{ttft_slo}, held to {target or 0:.3f} s), TBT {a.tbt:.4f} s (SLO {tbt_slo})",
-                          "service_unavailable",
-                          "server_overloaded")
+            return _error(
+                503,
+                f"overloaded: predicted TTFT {a.ttft:.3f} s + margin {a.margin:.3f} + "
+                f"{a.load_margin:.3f} s at load {a.load} (limit {decode.limit.limit:.0f}; SLO "
+                f"{ttft_slo}, held to {target or 0:.3f} s), TBT {a.tbt:.4f} s (SLO {tbt_slo})",
+                "service_unavailable",
+                "server_overloaded",
+            )
         metrics.predicted_ttft.observe(a.ttft)
         prefill.book(seconds, t0)
         decode.admit()
@@ -201,8 +265,12 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
             kvp = pre.get("kv_transfer_params")
             if not kvp:
                 metrics.requests.labels("prefill_error").inc()
-                return _error(502, f"the prefill instance {prefill.url} returned no kv_transfer_params "
-                                   "(is it started with --kv-transfer-config kv_producer?)", "upstream_error")
+                return _error(
+                    502,
+                    f"the prefill instance {prefill.url} returned no kv_transfer_params "
+                    "(is it started with --kv-transfer-config kv_producer?)",
+                    "upstream_error",
+                )
             metrics.kv_blocks.inc(len(kvp.get("remote_block_ids", ())))
         except _UPSTREAM_ERRORS as e:
             metrics.requests.labels("prefill_error").inc()
@@ -210,7 +278,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
         finally:
             if booked:
                 prefill.done([], seconds, t0, None)
-            if not kvp:   # no decode request will go out
+            if not kvp:  # no decode request will go out
                 decode.cancel()
         return await _decode(path, dict(body, kv_transfer_params=kvp), a, headers, t0, t_planned, finish)
 
@@ -223,7 +291,9 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                     status, ctype, content = r.status, r.headers.get("content-type"), await r.read()
             except _UPSTREAM_ERRORS as e:
                 metrics.requests.labels("decode_error").inc()
-                return _error(502, f"the decode instance {decode.url} failed: {type(e).__name__}: {e}", "upstream_error")
+                return _error(
+                    502, f"the decode instance {decode.url} failed: {type(e).__name__}: {e}", "upstream_error"
+                )
             finally:
                 decode.end()
             metrics.requests.labels("ok" if status == 200 else "decode_error").inc()
@@ -258,8 +328,14 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                             feedback.add(t, t0, t - t0)
                         metrics.ttft.observe(t - t0)
                         if trace_f is not None:
-                            trace_f.write(json.dumps(_trace_record(
-                                a, position, t0, t_planned, t_prefilled, t1, t, feedback and feedback.target)) + "\n")
+                            trace_f.write(
+                                json.dumps(
+                                    _trace_record(
+                                        a, position, t0, t_planned, t_prefilled, t1, t, feedback and feedback.target
+                                    )
+                                )
+                                + "\n"
+                            )
                     else:
                         decode.gap(t, t - last)
                     last = t
@@ -269,12 +345,20 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], ttft_slo: Optiona
                 # The decode instance died mid-stream: say so in the stream (as the server does
                 # for an error after the stream began) rather than just cutting it.
                 metrics.requests.labels("decode_error").inc()
-                yield ("data: " + json.dumps(_error_body(
-                    f"the decode instance {decode.url} failed mid-stream: {type(e).__name__}: {e}",
-                    "upstream_error")) + "\n\ndata: [DONE]\n\n").encode()
+                yield (
+                    "data: "
+                    + json.dumps(
+                        _error_body(
+                            f"the decode instance {decode.url} failed mid-stream: {type(e).__name__}: {e}",
+                            "upstream_error",
+                        )
+                    )
+                    + "\n\ndata: [DONE]\n\n"
+                ).encode()
             finally:
                 decode.end(None if first is None else last - first)
-                r.release()   # back to the pool once read to the end; closed (aborting the decode) if cut
+                r.release()  # back to the pool once read to the end; closed (aborting the decode) if cut
+
         return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
 
     @app.post("/v1/completions")

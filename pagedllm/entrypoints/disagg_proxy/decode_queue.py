@@ -8,6 +8,7 @@ stream duration), then for the steps of a batch of L streams. The first-token de
 a + b * L over recent requests (least squares: `a` the transfer and fixed costs, `b` the measured
 cost per stream); the time between tokens as a + b * streams over recent gaps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,15 +16,16 @@ from dataclasses import dataclass
 from pagedllm.entrypoints.disagg_proxy.fit import Ewma, LinearFit
 from pagedllm.entrypoints.disagg_proxy.load_limit import LoadLimit
 
-DEFAULT_MAX_NUM_SEQS = 128   # the engine's default --max-num-seqs
+DEFAULT_MAX_NUM_SEQS = 128  # the engine's default --max-num-seqs
 
 
 @dataclass
 class FirstTokenForecast:
     """Seconds from the decode request to its first token, by cause."""
-    transfer: float     # the fit's intercept: KV pull and fixed costs
-    slot_wait: float    # waiting for one of max_num_seqs slots
-    step: float         # the steps of a batch of this many streams (per-stream cost * load)
+
+    transfer: float  # the fit's intercept: KV pull and fixed costs
+    slot_wait: float  # waiting for one of max_num_seqs slots
+    step: float  # the steps of a batch of this many streams (per-stream cost * load)
 
     @property
     def total(self) -> float:
@@ -34,11 +36,11 @@ class DecodeInstance:
     def __init__(self, url: str, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> None:
         self.url = url
         self.max_num_seqs = max_num_seqs
-        self.streams = 0                  # sent to it, not ended
-        self.pending = 0                  # admitted to it, still prefilling
-        self.gaps = LinearFit(512)        # (streams, seconds between tokens)
-        self.first = LinearFit(256, default=0.01)   # (load at send, seconds to the first token)
-        self.duration = Ewma(1.0)         # seconds a stream holds its slot (first token to end)
+        self.streams = 0  # sent to it, not ended
+        self.pending = 0  # admitted to it, still prefilling
+        self.gaps = LinearFit(512)  # (streams, seconds between tokens)
+        self.first = LinearFit(256, default=0.01)  # (load at send, seconds to the first token)
+        self.duration = Ewma(1.0)  # seconds a stream holds its slot (first token to end)
         # The most streams + pending it is admitted (with a TTFT SLO); slow start to half its slots.
         self.limit = LoadLimit(ssthresh=max(max_num_seqs // 2, 1))
 
@@ -76,7 +78,7 @@ class DecodeInstance:
         return self.streams
 
     def first_token(self, t: float, position: int, seconds: float) -> None:
-        if position <= self.max_num_seqs:   # beyond, the slot wait is modelled apart
+        if position <= self.max_num_seqs:  # beyond, the slot wait is modelled apart
             self.first.add(t, position, seconds)
 
     def gap(self, t: float, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """Small online estimators the proxy's predictions are made of. The windowed ones forget what is
 older than `max_age` seconds: when everything is refused no new observation comes, and a window
 of stale bad ones must not refuse everything for good."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -54,8 +55,8 @@ class LinearFit(_Window):
     def __init__(self, maxlen: int, default: float = 0.0, max_age: float = MAX_AGE_S) -> None:
         super().__init__(maxlen, max_age)
         self.default = default
-        self._sums = np.zeros(4)                 # x, y, x * x, x * y
-        self._coef = (default, 0.0, default)     # (a, b, least y)
+        self._sums = np.zeros(4)  # x, y, x * x, x * y
+        self._coef = (default, 0.0, default)  # (a, b, least y)
 
     def add(self, t: float, x: float, y: float) -> None:
         self._sums += (x, y, x * x, x * y)
@@ -65,7 +66,7 @@ class LinearFit(_Window):
         _, x, y = item
         self._sums -= (x, y, x * x, x * y)
         if not self.obs:
-            self._sums[:] = 0.0   # no rounding left over
+            self._sums[:] = 0.0  # no rounding left over
 
     def _fit(self) -> tuple[float, float, float]:
         if self._stale:
@@ -77,7 +78,7 @@ class LinearFit(_Window):
                 sx, sy, sxx, sxy = self._sums
                 a, b = sy / n, 0.0
                 var = sxx - sx * sx / n
-                if n >= 4 and var > 1e-9 * max(sxx, 1.0):   # not all at one x
+                if n >= 4 and var > 1e-9 * max(sxx, 1.0):  # not all at one x
                     slope = (sxy - sx * sy / n) / var
                     if slope > 0:
                         a, b = (sy - slope * sx) / n, slope
@@ -96,7 +97,7 @@ class LinearFit(_Window):
 def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The non-decreasing sequence nearest `values` in weighted least squares (pool adjacent
     violators: a run that falls is replaced by its weighted mean)."""
-    blocks: list[list[float]] = []   # [mean, weight, count of values]
+    blocks: list[list[float]] = []  # [mean, weight, count of values]
     for v, w in zip(values.tolist(), weights.tolist()):
         blocks.append([v, w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
@@ -121,13 +122,19 @@ class TailMargin(_Window):
     requests or when they were over-predicted), `extra` how much more it is at `load`'s group (the
     highest group's beyond it)."""
 
-    def __init__(self, quantile: float = 0.99, maxlen: int = 2048, min_count: int = 32,
-                 max_age: float = MAX_AGE_S, bin_width: int = 16) -> None:
+    def __init__(
+        self,
+        quantile: float = 0.99,
+        maxlen: int = 2048,
+        min_count: int = 32,
+        max_age: float = MAX_AGE_S,
+        bin_width: int = 16,
+    ) -> None:
         super().__init__(maxlen, max_age)
         self.quantile, self.min_count, self.bin_width = quantile, min_count, bin_width
         self._base = 0.0
-        self._bins = np.zeros(0, np.int64)    # each group's lowest bin, ascending
-        self._extra = np.zeros(0)             # each group's tail above `_base`, non-decreasing
+        self._bins = np.zeros(0, np.int64)  # each group's lowest bin, ascending
+        self._extra = np.zeros(0)  # each group's tail above `_base`, non-decreasing
         # The window's errors and loads beside `obs` (oldest first, dropped with it): read into
         # arrays without a generator, the refit runs once per first token in the proxy's loop.
         self._errors: deque[float] = deque()
@@ -149,7 +156,7 @@ class TailMargin(_Window):
             return
         bins = np.fromiter(self._loads, np.int64, n) // self.bin_width
         errors = np.fromiter(self._errors, np.float64, n)
-        order = np.lexsort((errors, bins))   # by bin, then error
+        order = np.lexsort((errors, bins))  # by bin, then error
         errors = errors[order]
         uniq, start = np.unique(bins[order], return_index=True)
         # Groups of adjacent bins of min_count requests or more, closed from the top down (the

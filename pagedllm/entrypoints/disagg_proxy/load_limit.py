@@ -24,21 +24,32 @@ about it), all within `low` x the target: it rises (slow start: x 2, up to `ssth
 misses and the next burst met it there). Admission refuses a request that would take the
 instance's load above it.
 """
+
 from __future__ import annotations
 
 
 class LoadLimit:
-    def __init__(self, start: int = 16, ssthresh: int = 64, count: int = 32, misses: int = 2,
-                 near: float = 0.75, high: float = 0.9, low: float = 0.7, decrease: float = 0.8,
-                 increase: float = 4.0, floor: int = 4) -> None:
+    def __init__(
+        self,
+        start: int = 16,
+        ssthresh: int = 64,
+        count: int = 32,
+        misses: int = 2,
+        near: float = 0.75,
+        high: float = 0.9,
+        low: float = 0.7,
+        decrease: float = 0.8,
+        increase: float = 4.0,
+        floor: int = 4,
+    ) -> None:
         self.limit, self.ssthresh = float(start), float(ssthresh)
         self.slow_start = start < ssthresh
         self.count, self.misses, self.near, self.high, self.low = count, misses, near, high, low
         self.decrease, self.increase, self.floor = decrease, increase, floor
-        self._since = float("-inf")   # requests admitted from then on count for the next decision
+        self._since = float("-inf")  # requests admitted from then on count for the next decision
         self._missed: list[int] = []  # loads of those over high x the target
-        self._n = 0                   # of those near the limit
-        self._worst = 0.0             # their longest TTFT
+        self._n = 0  # of those near the limit
+        self._worst = 0.0  # their longest TTFT
 
     def allows(self, load: int) -> bool:
         """`load`: the instance's streams + pending, the request itself included."""

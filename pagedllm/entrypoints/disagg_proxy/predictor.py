@@ -13,6 +13,7 @@ between all and none; the recent tail of the prediction errors at the decode loa
 would join is added before the SLO check (`TailMargin`) so that the SLO holds for the admitted
 requests' p99, not their mean.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,15 +24,15 @@ from typing import Optional
 from pagedllm.entrypoints.disagg_proxy.decode_queue import DecodeInstance, FirstTokenForecast
 from pagedllm.entrypoints.disagg_proxy.fit import Ewma, TailMargin
 
-CHUNK_CHARS = 64          # text per prefix hash (about a KV block of English text)
-MAX_PREFIXES = 100_000    # hashes remembered per prefill instance (LRU)
-RATE_DECAY = 0.8          # weight of the past in the measured prefill rate, per answer
+CHUNK_CHARS = 64  # text per prefix hash (about a KV block of English text)
+MAX_PREFIXES = 100_000  # hashes remembered per prefill instance (LRU)
+RATE_DECAY = 0.8  # weight of the past in the measured prefill rate, per answer
 
 
 def chunk_hashes(text: str) -> list[int]:
     out, parent = [], None
     for i in range(len(text) // CHUNK_CHARS):
-        parent = hash((parent, text[i * CHUNK_CHARS:(i + 1) * CHUNK_CHARS]))
+        parent = hash((parent, text[i * CHUNK_CHARS : (i + 1) * CHUNK_CHARS]))
         out.append(parent)
     return out
 
@@ -70,8 +71,16 @@ class PrefillInstance:
         self.busy_until = max(self.busy_until, now) + seconds
         self.in_flight += 1
 
-    def done(self, hashes: list[int], booked: float, start: float, finish: Optional[float],
-             uncached_tokens: int = 0, prompt_tokens: int = 0, text_len: int = 0) -> None:
+    def done(
+        self,
+        hashes: list[int],
+        booked: float,
+        start: float,
+        finish: Optional[float],
+        uncached_tokens: int = 0,
+        prompt_tokens: int = 0,
+        text_len: int = 0,
+    ) -> None:
         """A prefill booked at `start` answered at `finish` (None: it failed). Its busy time is
         from when the instance was last seen free (its previous answer) or `start`, whichever
         is later, so that waiting in the queue is not counted as work; the booked queue is
@@ -112,8 +121,9 @@ def pick_decode(instances: list[DecodeInstance], t: float) -> tuple[DecodeInstan
     return best[1], best[2]
 
 
-def pick_prefill(instances: list[PrefillInstance], hashes: list[int], text_len: int,
-                 t: float) -> tuple[PrefillInstance, float, float]:
+def pick_prefill(
+    instances: list[PrefillInstance], hashes: list[int], text_len: int, t: float
+) -> tuple[PrefillInstance, float, float]:
     """-> (instance, its queue seconds, this prefill's seconds) of the lowest predicted TTFT."""
     best: Optional[tuple] = None
     for inst in instances:
@@ -126,17 +136,18 @@ def pick_prefill(instances: list[PrefillInstance], hashes: list[int], text_len: 
 @dataclass
 class Admission:
     """Where a request would go and what it is predicted to see there."""
+
     prefill: PrefillInstance
     decode: DecodeInstance
-    queue: float        # seconds of prefill work booked ahead of it
-    seconds: float      # seconds of its own prefill
-    first: FirstTokenForecast   # the decode side's part of the TTFT
+    queue: float  # seconds of prefill work booked ahead of it
+    seconds: float  # seconds of its own prefill
+    first: FirstTokenForecast  # the decode side's part of the TTFT
     ttft: float
     tbt: float
-    margin: float = 0.0        # what recent predictions missed by at the lowest load (TailMargin.at)
-    load_margin: float = 0.0   # and how much more at the load this request joins
-    load: int = 1              # that load: the decode instance's streams + pending, itself included
-    idle: bool = False         # nothing booked on its prefill instance, nothing on its decode instance
+    margin: float = 0.0  # what recent predictions missed by at the lowest load (TailMargin.at)
+    load_margin: float = 0.0  # and how much more at the load this request joins
+    load: int = 1  # that load: the decode instance's streams + pending, itself included
+    idle: bool = False  # nothing booked on its prefill instance, nothing on its decode instance
 
     def misses(self, ttft_slo: Optional[float], tbt_slo: Optional[float], limited: bool = True) -> bool:
         """`ttft_slo`: the target the admission holds (the SLO, or SloFeedback's lower target).
@@ -156,12 +167,17 @@ class Admission:
         if ttft_slo is not None and limited and not self.decode.limit.allows(self.load):
             return True
         margin = min(self.margin, ttft_slo / 2) + self.load_margin if ttft_slo is not None else 0.0
-        return ((ttft_slo is not None and self.ttft + margin > ttft_slo)
-                or (tbt_slo is not None and self.tbt > tbt_slo))
+        return (ttft_slo is not None and self.ttft + margin > ttft_slo) or (tbt_slo is not None and self.tbt > tbt_slo)
 
 
-def plan(prefills: list[PrefillInstance], decodes: list[DecodeInstance], hashes: list[int], text_len: int,
-         t: float, margin: Optional[TailMargin] = None) -> Admission:
+def plan(
+    prefills: list[PrefillInstance],
+    decodes: list[DecodeInstance],
+    hashes: list[int],
+    text_len: int,
+    t: float,
+    margin: Optional[TailMargin] = None,
+) -> Admission:
     """The prefill instance of the lowest predicted TTFT and the decode instance of the soonest
     first token; TTFT = prefill queue + prefill + the decode side's first-token delay; the recent
     tail of the errors at the load the request would join there (`margin`)."""
@@ -169,5 +185,16 @@ def plan(prefills: list[PrefillInstance], decodes: list[DecodeInstance], hashes:
     decode, first = pick_decode(decodes, t)
     load = decode.load() + 1
     base, extra = margin.at(t, load) if margin is not None else (0.0, 0.0)
-    return Admission(prefill, decode, queue, seconds, first, queue + seconds + first.total,
-                     decode.tbt(load, t), base, extra, load, idle=load == 1 and queue <= 0.0)
+    return Admission(
+        prefill,
+        decode,
+        queue,
+        seconds,
+        first,
+        queue + seconds + first.total,
+        decode.tbt(load, t),
+        base,
+        extra,
+        load,
+        idle=load == 1 and queue <= 0.0,
+    )

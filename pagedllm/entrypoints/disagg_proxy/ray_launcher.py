@@ -8,6 +8,7 @@ prefill's answer carries its address in `kv_transfer_params`. The actors are own
 (Ray kills them if the proxy dies) and each server dies with its actor (PR_SET_PDEATHSIG);
 `RayInstances.shutdown` stops the servers, then the actors. pagedllm must be importable on every
 node (the same install, or PYTHONPATH)."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ from pagedllm.json_config import fields_from_json
 
 logger = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "pagedllm"      # the actors are named pagedllm-proxy-{port}-{role}-{i} there
+RAY_NAMESPACE = "pagedllm"  # the actors are named pagedllm-proxy-{port}-{role}-{i} there
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -30,8 +31,8 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 class LaunchSpec:
     prefill: int = 1
     decode: int = 1
-    num_cpus: float = 1.0                  # Ray CPUs reserved per instance
-    start_timeout_s: float = 300.0         # an instance not answering /health by then fails the launch
+    num_cpus: float = 1.0  # Ray CPUs reserved per instance
+    start_timeout_s: float = 300.0  # an instance not answering /health by then fails the launch
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -63,20 +64,40 @@ class InstanceActor:
 
     def __init__(self, role: str, serve_args: list[str], extra: dict, start_timeout_s: float) -> None:
         import ray
+
         self.ip = _node_address(ray)
         self.port = free_port(self.ip)
-        kv = {"kv_connector": "ZmqConnector", "kv_role": ROLES[role], "kv_ip": self.ip,
-              "kv_connector_extra_config": extra}
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", self.ip,
-               "--port", str(self.port), "--kv-transfer-config", json.dumps(kv), *serve_args]
+        kv = {
+            "kv_connector": "ZmqConnector",
+            "kv_role": ROLES[role],
+            "kv_ip": self.ip,
+            "kv_connector_extra_config": extra,
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            "--host",
+            self.ip,
+            "--port",
+            str(self.port),
+            "--kv-transfer-config",
+            json.dumps(kv),
+            *serve_args,
+        ]
         self.server = ServerProcess(cmd, f"http://{self.ip}:{self.port}", name=role, die_with_parent=True)
         self.start_timeout_s = start_timeout_s
 
     def wait_ready(self) -> dict:
         """{url, pid} once the server answers /health; RuntimeError with its log if it cannot."""
         self.server.wait_ready(self.start_timeout_s)
-        return {"url": self.server.url, "pid": self.server.proc.pid, "actor_pid": os.getpid(),
-                "log": self.server.log.name}
+        return {
+            "url": self.server.url,
+            "pid": self.server.proc.pid,
+            "actor_pid": os.getpid(),
+            "log": self.server.log.name,
+        }
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM to the server's session (the server and its engine core), SIGKILL after
@@ -89,6 +110,7 @@ class RayInstances:
 
     def __init__(self, spec: LaunchSpec, serve_args: list[str], name_prefix: str) -> None:
         from pagedllm.executor.ray_utils import import_ray, init_ray
+
         self.ray = ray = import_ray()
         self.owns_ray = init_ray(int(max(spec.num_cpus * (spec.prefill + spec.decode), os.cpu_count() or 1)))
         actor_cls = ray.remote(InstanceActor)
@@ -97,21 +119,35 @@ class RayInstances:
         try:
             for role in ("prefill", "decode"):
                 for i in range(getattr(spec, role)):
-                    self.actors.append((role, actor_cls.options(
-                        name=f"{name_prefix}-{role}-{i}", namespace=RAY_NAMESPACE, num_cpus=spec.num_cpus,
-                        scheduling_strategy="SPREAD").remote(
-                        role, serve_args, spec.kv_connector_extra_config, spec.start_timeout_s)))
+                    self.actors.append(
+                        (
+                            role,
+                            actor_cls.options(
+                                name=f"{name_prefix}-{role}-{i}",
+                                namespace=RAY_NAMESPACE,
+                                num_cpus=spec.num_cpus,
+                                scheduling_strategy="SPREAD",
+                            ).remote(role, serve_args, spec.kv_connector_extra_config, spec.start_timeout_s),
+                        )
+                    )
             # Bounded twice: each actor gives up after start_timeout_s, Ray's wait a little later
             # (an actor that cannot be placed never answers).
             refs = [a.wait_ready.remote() for _, a in self.actors]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=spec.start_timeout_s + 30)
             if len(ready) < len(refs):
-                raise RuntimeError(f"Ray started {len(ready)} of {len(refs)} instances within "
-                                   f"{spec.start_timeout_s + 30:.0f} s (cluster resources: {ray.cluster_resources()})")
+                raise RuntimeError(
+                    f"Ray started {len(ready)} of {len(refs)} instances within "
+                    f"{spec.start_timeout_s + 30:.0f} s (cluster resources: {ray.cluster_resources()})"
+                )
             for (role, _), info in zip(self.actors, ray.get(refs)):
                 self.info[role].append(info)
-                logger.warning("%s instance at %s (server pid %d, Ray actor pid %d)", role, info["url"],
-                               info["pid"], info["actor_pid"])
+                logger.warning(
+                    "%s instance at %s (server pid %d, Ray actor pid %d)",
+                    role,
+                    info["url"],
+                    info["pid"],
+                    info["actor_pid"],
+                )
         except BaseException:
             self.shutdown()
             raise

@@ -18,18 +18,28 @@ pause while the queue drains to the new depth: small steps keep it a small dent)
 measured requests, each decided on requests admitted under the current target only; the dead
 band keeps it from stepping both ways around one operating point.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
 class SloFeedback:
-    def __init__(self, slo: float, count: int = 64, quantile: float = 0.99, decrease: float = 0.85,
-                 increase: float = 0.02, high: float = 0.9, low: float = 0.7, floor: float = 0.3) -> None:
+    def __init__(
+        self,
+        slo: float,
+        count: int = 64,
+        quantile: float = 0.99,
+        decrease: float = 0.85,
+        increase: float = 0.02,
+        high: float = 0.9,
+        low: float = 0.7,
+        floor: float = 0.3,
+    ) -> None:
         self.slo, self.count, self.quantile = slo, count, quantile
         self.decrease, self.increase, self.high, self.low, self.floor = decrease, increase, high, low, floor
         self.factor = 1.0
-        self._since = float("-inf")   # requests admitted from then on count for the next decision
+        self._since = float("-inf")  # requests admitted from then on count for the next decision
         self._ttfts: list[float] = []
 
     @property

@@ -13,6 +13,7 @@ in flight, stop the core process, exit 0. When the core process dies, the reques
 get 503 and the server exits 1 (for a supervisor to restart it), unless
 --restart-engine-on-failure: then a new core serves the next requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,11 +48,16 @@ from pagedllm.gc_heap import freeze_gc_heap
 logger = logging.getLogger("pagedllm.server")
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
-              chat_template: Optional[str] = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              lora_modules: Sequence[tuple[str, str]] = (), allow_runtime_lora_updating: bool = False,
-              **chat_options) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    api_key: Optional[str] = None,
+    chat_template: Optional[str] = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    lora_modules: Sequence[tuple[str, str]] = (),
+    allow_runtime_lora_updating: bool = False,
+    **chat_options,
+) -> FastAPI:
     """The FastAPI app: routes (routes.py) reading what they serve from `app.state`, error
     handlers (errors.py), and the body-size limit and API key as the outermost middleware."""
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None)
@@ -69,8 +75,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.openai_serving_classify = OpenAIServingClassify(engine, served_model_names)
     # The base model's names and the LoRA adapters' (serving_models.py), shared by every endpoint.
     state.models = OpenAIServingModels(engine, served_model_names, lora_modules, allow_runtime_lora_updating)
-    for serving in (state.openai_serving_completion, state.openai_serving_chat, state.openai_serving_embedding,
-                    state.openai_serving_score, state.openai_serving_classify):
+    for serving in (
+        state.openai_serving_completion,
+        state.openai_serving_chat,
+        state.openai_serving_embedding,
+        state.openai_serving_score,
+        state.openai_serving_classify,
+    ):
         serving.models = state.models
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
@@ -98,8 +109,10 @@ class _Server(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.engine.stop_accepting)
 
     def on_engine_dead(self) -> None:
-        logger.error("the engine core is gone: exiting with code 1 for a supervisor to restart the "
-                     "server (--restart-engine-on-failure restarts the core instead)")
+        logger.error(
+            "the engine core is gone: exiting with code 1 for a supervisor to restart the "
+            "server (--restart-engine-on-failure restarts the core instead)"
+        )
         self.exit_code = 1
         self.should_exit = True
 
@@ -139,12 +152,20 @@ def _hand_signals_to_uvicorn(loop: asyncio.AbstractEventLoop) -> None:
 
 def _make_server(app: FastAPI, ns: FrontendArgs, engine: AsyncLLM) -> _Server:
     level = ns.serve_log_level.lower()
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=level, access_log=level == "debug",
-                            lifespan="off", timeout_graceful_shutdown=10, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=level,
+        access_log=level == "debug",
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=5,
+    )
     server = _Server(config, engine, asyncio.get_running_loop())
     engine.on_engine_dead = server.on_engine_dead
     if engine.errored is not None and not engine.restart_engine_on_failure:
-        server.on_engine_dead()   # it died while the app was being built
+        server.on_engine_dead()  # it died while the app was being built
     return server
 
 
@@ -155,13 +176,21 @@ async def _run(server: _Server, sock: socket.socket, ns: FrontendArgs, name: str
         await asyncio.sleep(0.05)
     if server.started:
         host = f"[{ns.host}]" if ":" in ns.host else ns.host
-        logger.info("pagedllm %s ready: http://%s:%d (model %s, max_model_len %d, %d KV blocks)",
-                    __version__, host, sock.getsockname()[1], name, engine.max_model_len, engine.num_blocks)
+        logger.info(
+            "pagedllm %s ready: http://%s:%d (model %s, max_model_len %d, %d KV blocks)",
+            __version__,
+            host,
+            sock.getsockname()[1],
+            name,
+            engine.max_model_len,
+            engine.num_blocks,
+        )
     await serve_task
 
 
 async def serve(ns: FrontendArgs, engine_args) -> int:
     from pagedllm.models.download import DEFAULT_MODEL, DEFAULT_MODEL_ALIASES
+
     loop = asyncio.get_running_loop()
     stop_during_start = _cancel_on_signal(loop)
     chat_template = _load_chat_template(ns.chat_template)
@@ -171,20 +200,35 @@ async def serve(ns: FrontendArgs, engine_args) -> int:
     names = ns.served_model_name or [DEFAULT_MODEL if model is None or model in DEFAULT_MODEL_ALIASES else model]
     engine = None
     try:
-        engine = make_async_engine(engine_args, names[0], max_waiting_requests=ns.max_waiting_requests,
-                                   log_level=ns.serve_log_level.upper(), log_stats_interval=ns.log_stats_interval,
-                                   restart_engine_on_failure=ns.restart_engine_on_failure,
-                                   metrics_prefix=ns.metrics_prefix)
+        engine = make_async_engine(
+            engine_args,
+            names[0],
+            max_waiting_requests=ns.max_waiting_requests,
+            log_level=ns.serve_log_level.upper(),
+            log_stats_interval=ns.log_stats_interval,
+            restart_engine_on_failure=ns.restart_engine_on_failure,
+            metrics_prefix=ns.metrics_prefix,
+        )
         logger.info("starting the engine (model %s)", engine.config.model_config.model)
         await engine.start()
-        if engine.config.model_config.runner == "generate" and chat_template is None \
-                and engine.tokenizer.chat_template is None:
+        if (
+            engine.config.model_config.runner == "generate"
+            and chat_template is None
+            and engine.tokenizer.chat_template is None
+        ):
             logger.warning("the model has no chat template: /v1/chat/completions needs --chat-template")
-        app = build_app(engine, names, ns.api_key, chat_template, ns.max_request_body_bytes,
-                        lora_modules=parse_lora_modules(ns.lora_modules),
-                        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                        reasoning_parser=ns.reasoning_parser)
+        app = build_app(
+            engine,
+            names,
+            ns.api_key,
+            chat_template,
+            ns.max_request_body_bytes,
+            lora_modules=parse_lora_modules(ns.lora_modules),
+            allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
+            enable_auto_tool_choice=ns.enable_auto_tool_choice,
+            tool_call_parser=ns.tool_call_parser,
+            reasoning_parser=ns.reasoning_parser,
+        )
         server = _make_server(app, ns, engine)
         freeze_gc_heap("API server")
         _hand_signals_to_uvicorn(loop)
@@ -221,15 +265,18 @@ def _event_loop_runner():
     httptools: 4.3-4.9 ms a 32-token stream against 6.2 on asyncio + h11, BENCHMARKS.md)."""
     try:
         import uvloop
-    except ImportError:   # not on Windows
+    except ImportError:  # not on Windows
         return asyncio.run
     return uvloop.run
 
 
 def run_server(ns: FrontendArgs, engine_args) -> int:
     level = ns.serve_log_level.upper()
-    logging.basicConfig(level=min(logging.WARNING, logging.getLevelName(level)),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=min(logging.WARNING, logging.getLevelName(level)),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
     logging.getLogger().setLevel(max(logging.WARNING, logging.getLevelName(level)))
     logging.getLogger("pagedllm").setLevel(level)
     try:
@@ -241,4 +288,3 @@ def run_server(ns: FrontendArgs, engine_args) -> int:
     except RuntimeError as e:  # the engine core could not start (its log says why)
         logger.error("%s", e)
         return 1
-

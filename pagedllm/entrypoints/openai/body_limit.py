@@ -6,6 +6,7 @@ soon as it passes the limit, so the server never holds more than the limit (plus
 read) of one request's body. A body within the limit is handed to the app in one message, and
 later messages (the client's disconnect) pass through.
 """
+
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
@@ -54,8 +55,12 @@ class BodySizeLimitMiddleware:
 
     async def _refuse(self, declared, scope, receive, send) -> None:
         size = f" ({declared} bytes)" if declared is not None else ""
-        err = OpenAIError(f"the request body{size} is larger than the server's limit of {self.max_bytes} bytes "
-                          "(--max-request-body-bytes)", status=413, code="request_too_large")
+        err = OpenAIError(
+            f"the request body{size} is larger than the server's limit of {self.max_bytes} bytes "
+            "(--max-request-body-bytes)",
+            status=413,
+            code="request_too_large",
+        )
         # The rest of the body is never read: the connection cannot carry another request.
         resp = JSONResponse(status_code=413, content=err.body(), headers={"Connection": "close"})
         await resp(scope, receive, send)

@@ -3,6 +3,7 @@
 a stack trace: FastAPI's own errors (validation 400, unknown route 404, ...) are
 rewritten into one here, an OpenAIError raised by a route is rendered as it says, anything else
 is a logged 500."""
+
 from __future__ import annotations
 
 import json
@@ -20,23 +21,39 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 
 logger = logging.getLogger("pagedllm.server")
 
-_STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                 503: "service_unavailable"}
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 
 # Anthropic's error types by HTTP status (/v1/messages)
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    500: "api_error", 503: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def anthropic_error_body(message: str, status_or_type=400) -> dict:
     kind = status_or_type if isinstance(status_or_type, str) else _ANTHROPIC_TYPES.get(status_or_type, "api_error")
-    if kind not in _ANTHROPIC_TYPES.values():   # an OpenAI error type
-        kind = {"service_unavailable": "overloaded_error", "internal_error": "api_error",
-                "server_error": "api_error"}.get(kind, "invalid_request_error")
+    if kind not in _ANTHROPIC_TYPES.values():  # an OpenAI error type
+        kind = {
+            "service_unavailable": "overloaded_error",
+            "internal_error": "api_error",
+            "server_error": "api_error",
+        }.get(kind, "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
@@ -49,10 +66,15 @@ def _shaped(request: Request, response: JSONResponse) -> JSONResponse:
     return JSONResponse(status_code=status, content=anthropic_error_body(err["message"], status))
 
 
-def error_response(status: int, message: str, type: Optional[str] = None, param: Optional[str] = None,
-                   code: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=OpenAIError(
-        message, status, type or _STATUS_TYPES.get(status, "invalid_request_error"), param, code).body())
+def error_response(
+    status: int, message: str, type: Optional[str] = None, param: Optional[str] = None, code: Optional[str] = None
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content=OpenAIError(
+            message, status, type or _STATUS_TYPES.get(status, "invalid_request_error"), param, code
+        ).body(),
+    )
 
 
 def engine_error(e: Exception) -> JSONResponse:

@@ -3,6 +3,7 @@ image blocks) as chat's image_url parts: one loader (multimodal/media.py), one i
 one set of 400s for all of them. Those 400s name chat's paths (`messages[i].content[j]`, and
 `.image_url.url` for the URL); the paths recorded here turn them into the API's own
 (serving_engine.renamed_error)."""
+
 from __future__ import annotations
 
 

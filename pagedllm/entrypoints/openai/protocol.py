@@ -5,6 +5,7 @@ infinity, as OpenAI does; unknown fields are ignored, as vLLM does. Range checks
 engine also makes (SamplingParams) are left to it, so that there is one source of truth and
 one wording; the few here guard what would otherwise reach the engine unchecked.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,13 +20,27 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PROMPTS = 2048  # prompts in one completion request (the sampling fields' bounds: SamplingParams)
 # Beam search is deterministic and ends on EOS or max_tokens alone: a field that would change
 # the result is refused (400 naming it) unless it has one of these neutral values.
-_BEAM_NEUTRAL = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
-                 "repetition_penalty": (None, 1), "presence_penalty": (None, 0),
-                 "frequency_penalty": (None, 0), "logit_bias": (None, {}), "stop": (None, []),
-                 "stop_token_ids": (None, []), "min_tokens": (0,), "best_of": (None,),
-                 "top_logprobs": (None, 0), "response_format": (None,), "structured_outputs": (None,),
-                 "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-                 "guided_grammar": (None,)}
+_BEAM_NEUTRAL = {
+    "temperature": (None, 0),
+    "top_p": (None, 1),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "stop": (None, []),
+    "stop_token_ids": (None, []),
+    "min_tokens": (0,),
+    "best_of": (None,),
+    "top_logprobs": (None, 0),
+    "response_format": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -74,12 +89,14 @@ class JsonSchemaFormat(OpenAIBaseModel):
 
 class ResponseFormat(OpenAIBaseModel):
     """OpenAI's response_format."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
 class StructuredOutputsField(OpenAIBaseModel):
     """vLLM's structured_outputs: exactly one of these."""
+
     json_: Optional[Union[StrictStr, dict[str, Any]]] = Field(default=None, alias="json")
     regex: Optional[StrictStr] = None
     choice: Optional[list[StrictStr]] = None
@@ -92,6 +109,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions (OpenAI's and the vLLM extras)."""
+
     model: Optional[StrictStr] = None
     temperature: Optional[Number] = None
     top_p: Optional[Number] = None
@@ -141,40 +159,52 @@ class _SamplingFields(OpenAIBaseModel):
             specs.append(("response_format", {"json_object": True}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise ParamError("response_format", "response_format of type json_schema needs "
-                                                    "json_schema.schema (a JSON schema object)")
+                raise ParamError(
+                    "response_format",
+                    "response_format of type json_schema needs json_schema.schema (a JSON schema object)",
+                )
             specs.append(("response_format", {"json": rf.json_schema.json_schema}))
         if self.structured_outputs is not None:
             kw = self.structured_outputs.model_dump(exclude_none=True)
             specs.append(("structured_outputs", {("json" if k == "json_" else k): v for k, v in kw.items()}))
-        specs += [(name, {kind: getattr(self, name)}) for name, kind in _GUIDED.items()
-                  if getattr(self, name) is not None]
+        specs += [
+            (name, {kind: getattr(self, name)}) for name, kind in _GUIDED.items() if getattr(self, name) is not None
+        ]
         if not specs:
             return None
         if len(specs) > 1:
-            raise ParamError(specs[1][0], f"only one of response_format, structured_outputs and guided_* may "
-                                          f"constrain the output; got {specs[0][0]} and {specs[1][0]}")
+            raise ParamError(
+                specs[1][0],
+                f"only one of response_format, structured_outputs and guided_* may "
+                f"constrain the output; got {specs[0][0]} and {specs[1][0]}",
+            )
         param, kw = specs[0]
         try:
             params = StructuredOutputsParams(**kw)
         except ParamError as e:
             raise ParamError(param, f"{param}: {e}") from None
         from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
+
         validate_structured_outputs(params, param)
         return params
 
     def beam_search_conflict(self) -> Optional[str]:
         """The first field set to a value that beam search cannot honour, if any."""
         logprobs = getattr(self, "logprobs", None)
-        if not isinstance(logprobs, bool) and logprobs not in (None, 0):   # chat's is a flag
-            return "logprobs"   # a search reports its chosen tokens' logprobs only
+        if not isinstance(logprobs, bool) and logprobs not in (None, 0):  # chat's is a flag
+            return "logprobs"  # a search reports its chosen tokens' logprobs only
         for name, neutral in _BEAM_NEUTRAL.items():
             if name in type(self).model_fields and getattr(self, name) not in neutral:
                 return name
         return None
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: Optional[int],
+        logprobs: Optional[int],
+        prompt_logprobs: Optional[int] = None,
+        defaults: Optional[dict] = None,
+    ) -> SamplingParams:
         """ValueError (from SamplingParams) on an out-of-range value. `defaults`: the model's
         sampling defaults (--generation-config) for the fields the request leaves unset."""
         d = defaults or {}
@@ -182,6 +212,7 @@ class _SamplingFields(OpenAIBaseModel):
         def pick(name: str, neutral):
             value = getattr(self, name)
             return d.get(name, neutral) if value is None else value
+
         top_k = pick("top_k", -1)
         return SamplingParams(
             prompt_logprobs=prompt_logprobs,
@@ -240,9 +271,15 @@ def prompt_logprobs_json(plps) -> PromptLogprobsJSON:
     """RequestOutput.prompt_logprobs as vLLM's server writes them."""
     if plps is None:
         return None
-    return [None if pos is None else
-            {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for t, lp in pos.items()} for pos in plps]
+    return [
+        None
+        if pos is None
+        else {
+            str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in pos.items()
+        }
+        for pos in plps
+    ]
 
 
 class CompletionChoice(OpenAIBaseModel):
@@ -262,24 +299,24 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
     system_fingerprint: Optional[str] = None
-    kv_transfer_params: Optional[dict[str, Any]] = None   # vLLM's: a prefill's KV, for the decode instance
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM's: a prefill's KV, for the decode instance
 
 
 # ------------------------------------------------------------------ chat
 class ImageURL(OpenAIBaseModel):
     url: StrictStr
-    detail: Optional[StrictStr] = None   # OpenAI's "auto" / "low" / "high": the model's processor decides
+    detail: Optional[StrictStr] = None  # OpenAI's "auto" / "low" / "high": the model's processor decides
 
 
 class ContentPart(OpenAIBaseModel):
     type: StrictStr
     text: Optional[StrictStr] = None
-    image_url: Optional[ImageURL] = None   # type "image_url": multimodal/media.py loads it
+    image_url: Optional[ImageURL] = None  # type "image_url": multimodal/media.py loads it
 
 
 class FunctionCall(OpenAIBaseModel):
     name: StrictStr
-    arguments: StrictStr     # JSON text, as OpenAI sends it
+    arguments: StrictStr  # JSON text, as OpenAI sends it
 
 
 class ToolCall(OpenAIBaseModel):
@@ -292,8 +329,8 @@ class ChatMessage(OpenAIBaseModel):
     role: StrictStr
     content: Optional[Union[StrictStr, list[ContentPart]]] = None
     name: Optional[StrictStr] = None
-    tool_calls: Optional[list[ToolCall]] = None     # an assistant's calls, back in the history
-    tool_call_id: Optional[StrictStr] = None        # a tool message: the call it answers
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls, back in the history
+    tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
 
     def text(self) -> Optional[str]:
         if self.content is None or isinstance(self.content, str):
@@ -381,8 +418,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
-    prompt_logprobs: PromptLogprobsJSON = None   # vLLM's extra (the request's prompt_logprobs)
-    kv_transfer_params: Optional[dict[str, Any]] = None   # vLLM's: a prefill's KV, for the decode instance
+    prompt_logprobs: PromptLogprobsJSON = None  # vLLM's extra (the request's prompt_logprobs)
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM's: a prefill's KV, for the decode instance
 
 
 # ------------------------------------------------------------------ tokenizer endpoints
@@ -406,4 +443,4 @@ class EmbeddingRequest(OpenAIBaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[StrictInt] = None
     user: Optional[StrictStr] = None
-    add_special_tokens: StrictBool = True   # vLLM's extra
+    add_special_tokens: StrictBool = True  # vLLM's extra

@@ -2,6 +2,7 @@
 strict types as the OpenAI models (protocol.py), unknown fields ignored. `max_tokens` is
 required, as Anthropic has it; /v1/messages/count_tokens takes the same body without it. The
 answer's head and stop reason are built here too (whole and streamed answers share them)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
@@ -19,6 +20,7 @@ class TextBlock(OpenAIBaseModel):
 class BlockSource(OpenAIBaseModel):
     """An image block's source: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
     (checked in serving_messages.py, naming the field)."""
+
     type: StrictStr
     media_type: Optional[StrictStr] = None
     data: Optional[StrictStr] = None
@@ -28,15 +30,16 @@ class BlockSource(OpenAIBaseModel):
 class ContentBlock(OpenAIBaseModel):
     """One block of a message: text, a user's image, an assistant's tool_use, a user's tool_result
     (thinking blocks of an earlier assistant turn are accepted and dropped, as templates drop them)."""
+
     type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
     text: Optional[StrictStr] = None
-    id: Optional[StrictStr] = None                  # tool_use
+    id: Optional[StrictStr] = None  # tool_use
     name: Optional[StrictStr] = None
     input: Optional[dict[str, Any]] = None
-    tool_use_id: Optional[StrictStr] = None         # tool_result
+    tool_use_id: Optional[StrictStr] = None  # tool_result
     content: Optional[Union[StrictStr, list[TextBlock]]] = None
     is_error: Optional[StrictBool] = None
-    source: Optional[BlockSource] = None            # image
+    source: Optional[BlockSource] = None  # image
 
 
 class AnthropicMessage(OpenAIBaseModel):
@@ -87,6 +90,13 @@ def stop_reason(finish_reason: Optional[str], matched) -> tuple[str, Optional[st
 
 
 def message_head(msg_id: str, model: str, input_tokens: int) -> dict:
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+    }

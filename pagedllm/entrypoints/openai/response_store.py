@@ -1,6 +1,7 @@
 """The Responses API's memory: responses made with `store: true`, each with the conversation
 that led to it (so previous_response_id can carry it into the next turn), bounded in number
 (the oldest are dropped) and in time (expired entries are dropped when met)."""
+
 from __future__ import annotations
 
 import time
@@ -29,9 +30,13 @@ class ResponseStore:
             del self._items[response_id]
             item = None
         if item is None:
-            raise OpenAIError(f"no stored response with id {response_id!r} (unknown, expired or deleted; "
-                              "only responses made with store: true are kept)", status=404, param=param,
-                              code="response_not_found")
+            raise OpenAIError(
+                f"no stored response with id {response_id!r} (unknown, expired or deleted; "
+                "only responses made with store: true are kept)",
+                status=404,
+                param=param,
+                code="response_not_found",
+            )
         return item[1], item[2]
 
     def delete(self, response_id: str) -> None:

@@ -2,6 +2,7 @@
 (/v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages, /v1/embeddings, /v1/models), tokenisation (/tokenize, /detokenize) and
 the server's own (/health, /version, /metrics). A route finds the engine and the serving objects
 on `app.state` (set by `build_app`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,12 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.entrypoints.openai.errors import engine_error
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest)
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -27,7 +33,12 @@ from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessage
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, bad_input_is_400, invalid_request, request_failed_error
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    bad_input_is_400,
+    invalid_request,
+    request_failed_error,
+)
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -104,17 +115,24 @@ def _check_runner(raw_request: Request, runner: str) -> None:
     serve is a 400 listing those it does."""
     mc = engine(raw_request).config.model_config
     path = raw_request.url.path
-    endpoints = getattr(mc, "endpoints", None)   # an encoder model (engine/async_encoder.py)
+    endpoints = getattr(mc, "endpoints", None)  # an encoder model (engine/async_encoder.py)
     if endpoints is not None:
         if _ALIASES.get(path, path) not in endpoints:
-            raise OpenAIError(f"{path} is not served for this model: {raw_request.app.state.served_model_names[0]} "
-                              f"({mc.architecture}) is {mc.kind} encoder model, which serves "
-                              f"{', '.join(endpoints)}", param="model", code="unsupported_endpoint")
+            raise OpenAIError(
+                f"{path} is not served for this model: {raw_request.app.state.served_model_names[0]} "
+                f"({mc.architecture}) is {mc.kind} encoder model, which serves "
+                f"{', '.join(endpoints)}",
+                param="model",
+                code="unsupported_endpoint",
+            )
         return
     have = mc.runner
     if have != runner:
-        raise OpenAIError(f"{raw_request.url.path} needs a server started with --runner {runner}; "
-                          f"this one runs --runner {have}", param="model", code="wrong_runner")
+        raise OpenAIError(
+            f"{raw_request.url.path} needs a server started with --runner {runner}; this one runs --runner {have}",
+            param="model",
+            code="wrong_runner",
+        )
 
 
 async def _respond(create, req, raw_request: Request, runner: str = "generate"):
@@ -123,14 +141,15 @@ async def _respond(create, req, raw_request: Request, runner: str = "generate"):
     _check_runner(raw_request, runner)
     try:
         if getattr(req, "stream", False):  # errors before the first chunk are plain HTTP errors
-            return StreamingResponse(await create(req, raw_request), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                await create(req, raw_request), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         result = await _run_until_disconnect(create(req, raw_request), raw_request)
     except (EngineDeadError, EngineOverloadedError) as e:
         return engine_error(e)
-    except RequestFailedError as e:   # rendered by the OpenAIError handler
+    except RequestFailedError as e:  # rendered by the OpenAIError handler
         raise request_failed_error(e) from None
-    except ValueError as e:   # the engine's validation: a 400 naming the field where it can
+    except ValueError as e:  # the engine's validation: a 400 naming the field where it can
         raise invalid_request(e) from None
     if result is None:  # the client is gone
         return Response(status_code=499)
@@ -276,4 +295,5 @@ async def version():
 @server_router.get("/metrics")
 async def metrics(raw_request: Request):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
     return Response(generate_latest(engine(raw_request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,6 +1,7 @@
 """POST /classify (vLLM's shape) on a sequence-classification model served as an encoder: each
 input -> its class probabilities (softmax over the labels; the sigmoid of a one-label head, as
 vLLM does), the most probable label's name (config id2label) and the number of classes."""
+
 from __future__ import annotations
 
 import time
@@ -26,16 +27,27 @@ class OpenAIServingClassify(OpenAIServingEmbedding):
         self.check_model(req.model)
         mc = self.engine.config.model_config
         if not (self.is_encoder and mc.is_classifier):
-            raise OpenAIError("/classify needs a sequence-classification model (an encoder "
-                              "*ForSequenceClassification); this model has no classification head", param="model")
+            raise OpenAIError(
+                "/classify needs a sequence-classification model (an encoder "
+                "*ForSequenceClassification); this model has no classification head",
+                param="model",
+            )
         prompts = self.tokenize_prompts(req.input, req.add_special_tokens, "input")
         for _, ids in prompts:
             self.check_encoder_len(len(ids), "input")
         logits = await self.engine.classify([(ids, [0] * len(ids)) for _, ids in prompts])
-        probs = class_probs(np.asarray(logits, dtype=np.float64))                            # [N, num_labels]
+        probs = class_probs(np.asarray(logits, dtype=np.float64))  # [N, num_labels]
         n = sum(len(ids) for _, ids in prompts)
-        return JSONBody({"id": random_id("classify"), "object": "list", "created": int(time.time()),
-                         "model": self.model_name,
-                         "data": [{"index": i, "label": mc.label(int(p.argmax())), "probs": p.tolist(),
-                                   "num_classes": len(p)} for i, p in enumerate(probs)],
-                         "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
+        return JSONBody(
+            {
+                "id": random_id("classify"),
+                "object": "list",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "data": [
+                    {"index": i, "label": mc.label(int(p.argmax())), "probs": p.tolist(), "num_classes": len(p)}
+                    for i, p in enumerate(probs)
+                ],
+                "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0},
+            }
+        )

@@ -1,6 +1,7 @@
 """POST /v1/completions: a prompt (string, list of strings, token ids or lists of them) ->
 choices (prompt i, sample j has index i * n + j), streamed or not. With use_beam_search, one
 search of width n per prompt: its n best hypotheses are the choices, best first."""
+
 from __future__ import annotations
 
 import time
@@ -8,10 +9,25 @@ from typing import AsyncIterator, Optional
 
 from pagedllm.engine.output_processor import OutputKind
 from pagedllm.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails,
-    UsageInfo, prompt_logprobs_json, usage_dict, random_id)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing, bad_input_is_400, sse,
-                                                      stream_error, stream_final)
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    UsageInfo,
+    prompt_logprobs_json,
+    usage_dict,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    bad_input_is_400,
+    sse,
+    stream_error,
+    stream_final,
+)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -28,8 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens 0: the prompt alone (OpenAI, vLLM); one token is generated and dropped.
         echo_only = req.echo and req.max_tokens == 0
         if req.max_tokens is not None and req.max_tokens < 1 and not echo_only:
-            raise OpenAIError(f"max_tokens must be an integer >= 1 (or 0 with echo), got {req.max_tokens}",
-                              param="max_tokens")
+            raise OpenAIError(
+                f"max_tokens must be an integer >= 1 (or 0 with echo), got {req.max_tokens}", param="max_tokens"
+            )
         max_tokens = 1 if echo_only else req.max_tokens
         # echo with logprobs: the prompt's tokens come with their logprobs and top k too.
         prompt_logprobs = req.prompt_logprobs
@@ -38,19 +55,33 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.use_beam_search:
             self.check_beam_search(req)
             if echo_only or prompt_logprobs is not None:
-                raise OpenAIError("echo with logprobs or max_tokens 0 is not supported with use_beam_search",
-                                  param="echo")
-        with bad_input_is_400():   # the values, first
-            req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                                defaults=self.sampling_defaults)
+                raise OpenAIError(
+                    "echo with logprobs or max_tokens 0 is not supported with use_beam_search", param="echo"
+                )
+        with bad_input_is_400():  # the values, first
+            req.sampling_params(
+                max_tokens=max_tokens,
+                logprobs=req.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                defaults=self.sampling_defaults,
+            )
         prompts = self._prompts(req)
         per_prompt = []
         with bad_input_is_400():
             for text, ids in prompts:
                 n_tokens = self.check_context(len(ids), max_tokens, "prompt")
-                per_prompt.append((text, ids, req.sampling_params(max_tokens=n_tokens, logprobs=req.logprobs,
-                                                                  prompt_logprobs=prompt_logprobs,
-                                                                  defaults=self.sampling_defaults)))
+                per_prompt.append(
+                    (
+                        text,
+                        ids,
+                        req.sampling_params(
+                            max_tokens=n_tokens,
+                            logprobs=req.logprobs,
+                            prompt_logprobs=prompt_logprobs,
+                            defaults=self.sampling_defaults,
+                        ),
+                    )
+                )
 
         request_id = random_id("cmpl")
         created = int(time.time())
@@ -65,9 +96,16 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = []
         try:
             for i, (_text, ids, params) in enumerate(per_prompt):
-                streams.append(self.engine.add_request({"prompt_token_ids": ids}, params,
-                                                       f"{request_id}-{i}", kind,
-                                                       lora_request=self.lora_request(req.model), priority=req.priority))
+                streams.append(
+                    self.engine.add_request(
+                        {"prompt_token_ids": ids},
+                        params,
+                        f"{request_id}-{i}",
+                        kind,
+                        lora_request=self.lora_request(req.model),
+                        priority=req.priority,
+                    )
+                )
         except BaseException:
             for s in streams:
                 s.close()
@@ -112,21 +150,35 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = None
                 if req.logprobs is not None and lps is not None:
                     lp, _ = self._logprobs(ids, lps, 0)
-                choices.append(CompletionChoice(
-                    index=i * n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    prompt_logprobs=(prompt_logprobs_json(finals[i].prompt_logprobs)
-                                     if req.prompt_logprobs is not None else None)))
+                choices.append(
+                    CompletionChoice(
+                        index=i * n + c.index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=(
+                            prompt_logprobs_json(finals[i].prompt_logprobs) if req.prompt_logprobs is not None else None
+                        ),
+                    )
+                )
                 num_gen += generated
         choices.sort(key=lambda ch: ch.index)
         cached = sum(f.num_cached_tokens for f in finals.values())
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen,
-                          total_tokens=num_prompt_tokens + num_gen,
-                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-        return CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                  choices=choices, usage=usage,
-                                  kv_transfer_params=next((f.kv_transfer_params for f in finals.values()
-                                                           if f.kv_transfer_params), None))
+        usage = UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_gen,
+            total_tokens=num_prompt_tokens + num_gen,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=next((f.kv_transfer_params for f in finals.values() if f.kv_transfer_params), None),
+        )
 
     # ------------------------------------------------------------ beam search
     async def _beam_full(self, req, request_id, created, handles, texts, num_prompt_tokens) -> CompletionResponse:
@@ -139,22 +191,27 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = None
                 if req.logprobs is not None:
                     lp, _ = self._logprobs(h.tokens, self.beam_logprobs(h), len(prefix))
-                choices.append(CompletionChoice(index=i * n + j, text=prefix + h.text, logprobs=lp,
-                                                finish_reason=h.finish_reason))
+                choices.append(
+                    CompletionChoice(index=i * n + j, text=prefix + h.text, logprobs=lp, finish_reason=h.finish_reason)
+                )
                 num_gen += len(h.tokens)
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_gen,
-                          total_tokens=num_prompt_tokens + num_gen,
-                          prompt_tokens_details=PromptTokensDetails(
-                              cached_tokens=sum(r.num_cached_tokens for r in results)))
-        return CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                  choices=choices, usage=usage)
+        usage = UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_gen,
+            total_tokens=num_prompt_tokens + num_gen,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens for r in results)),
+        )
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage)
 
     def _beam_stream(self, req, request_id, created, handles, texts, num_prompt_tokens) -> AsyncIterator[str]:
         """Beam search has no partial output: the final choices, one chunk each, then [DONE]."""
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        return stream_final(lambda: self._beam_full(req, request_id, created, handles, texts, num_prompt_tokens),
-                            head, lambda c: c.model_dump(),
-                            bool(req.stream_options and req.stream_options.include_usage))
+        return stream_final(
+            lambda: self._beam_full(req, request_id, created, handles, texts, num_prompt_tokens),
+            head,
+            lambda c: c.model_dump(),
+            bool(req.stream_options and req.stream_options.include_usage),
+        )
 
     # ------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, created, streams, echo: "_Echo", num_prompt_tokens) -> AsyncIterator[str]:
@@ -175,7 +232,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = idx not in started
                     started.add(idx)
                     text, ids, lps, generated = echo.parts(i, c, out.prompt_logprobs, first)
-                    if first:   # an echoed prompt's tokens are at the start of the text too
+                    if first:  # an echoed prompt's tokens are at the start of the text too
                         offsets[idx] = 0
                     num_gen += generated
                     lp = None
@@ -183,18 +240,35 @@ class OpenAIServingCompletion(OpenAIServing):
                         lp, offsets[idx] = self._logprobs(ids, lps, offsets[idx])
                     if not text and lp is None and c.finish_reason is None:
                         continue
-                    chunk = {"id": request_id, "object": "text_completion", "created": created,
-                             "model": self.model_name,
-                             "choices": [{"index": idx, "text": text,
-                                          "logprobs": lp.model_dump() if lp is not None else None,
-                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    chunk = {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [
+                            {
+                                "index": idx,
+                                "text": text,
+                                "logprobs": lp.model_dump() if lp is not None else None,
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                        ],
+                    }
                     if include_usage:
-                        chunk["usage"] = (usage_dict(num_prompt_tokens, num_gen) if continuous else None)
+                        chunk["usage"] = usage_dict(num_prompt_tokens, num_gen) if continuous else None
                     yield sse(chunk)
             if include_usage:
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [],
-                           "usage": usage_dict(num_prompt_tokens, num_gen, sum(cached))})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": usage_dict(num_prompt_tokens, num_gen, sum(cached)),
+                    }
+                )
         except Exception as e:  # the engine died or the server is stopping
             yield sse(stream_error(e).body())
         finally:

@@ -3,6 +3,7 @@ or lists of them) -> its pooled vector, as floats or base64 (little-endian float
 sends it), with the prompt tokens counted in usage. The inputs run as one batch of requests.
 `dimensions` keeps a vector's first n values, L2-normalised again when the model's vectors are
 (Matryoshka truncation, as OpenAI's text-embedding-3 and vLLM do it)."""
+
 from __future__ import annotations
 
 import base64
@@ -36,9 +37,12 @@ class OpenAIServingEmbedding(OpenAIServing):
     def check_encoder_len(self, num_tokens: int, what: str) -> None:
         """An encoder reads at most max_model_len tokens (no room is kept for a generated one)."""
         if num_tokens > self.max_model_len:
-            raise OpenAIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"{what} resulted in {num_tokens} tokens. Please reduce the length of the {what}.",
-                              param=what, code="context_length_exceeded")
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"{what} resulted in {num_tokens} tokens. Please reduce the length of the {what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
 
     async def embed(self, prompts: list[tuple], request_id: str) -> list[list[float]]:
         """Tokenized prompts ((text, ids) pairs) -> their pooled vectors, in order."""
@@ -51,8 +55,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         streams = []
         try:
             for i, (_, ids) in enumerate(prompts):
-                streams.append(self.engine.add_request({"prompt_token_ids": ids}, pooling_params(),
-                                                       f"{request_id}-{i}", OutputKind.FINAL_ONLY))
+                streams.append(
+                    self.engine.add_request(
+                        {"prompt_token_ids": ids}, pooling_params(), f"{request_id}-{i}", OutputKind.FINAL_ONLY
+                    )
+                )
         except BaseException:
             for s in streams:
                 s.close()
@@ -66,15 +73,26 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_model(req.model)
         mc = self.engine.config.model_config
         if req.dimensions is not None and not 1 <= req.dimensions <= mc.hidden_size:
-            raise OpenAIError(f"dimensions must be in [1, {mc.hidden_size}] (the model's hidden size), "
-                              f"got {req.dimensions}", param="dimensions")
+            raise OpenAIError(
+                f"dimensions must be in [1, {mc.hidden_size}] (the model's hidden size), got {req.dimensions}",
+                param="dimensions",
+            )
         prompts = self.tokenize_prompts(req.input, req.add_special_tokens, "input")
         request_id = random_id("embd")
         vectors = await self.embed(prompts, request_id)
         if req.dimensions is not None:
             vectors = [truncate(v, req.dimensions, mc.pooler_config.normalize) for v in vectors]
         num_prompt = sum(len(ids) for _, ids in prompts)
-        return JSONBody({"id": request_id, "object": "list", "created": int(time.time()), "model": self.model_name,
-                      "data": [{"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
-                               for i, v in enumerate(vectors)],
-                      "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
+        return JSONBody(
+            {
+                "id": request_id,
+                "object": "list",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
+                    for i, v in enumerate(vectors)
+                ],
+                "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt},
+            }
+        )

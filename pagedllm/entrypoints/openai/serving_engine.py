@@ -1,6 +1,7 @@
 """What the completion and chat handlers share: errors in OpenAI's shape, the model-name and
 context-length checks, logprob conversion, merging several request streams into one, and
 beam search (use_beam_search: n is the width; the search runs in the engine core)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,14 @@ logger = logging.getLogger("pagedllm.server")
 class OpenAIError(Exception):
     """Becomes {"error": {"message", "type", "param", "code"}} with `status`."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
@@ -37,7 +44,7 @@ def invalid_request(e: ValueError, renames: Optional[dict[str, str]] = None) -> 
     message, param = str(e), getattr(e, "param", None)
     if renames and param in renames:
         if message.startswith(param):
-            message = renames[param] + message[len(param):]
+            message = renames[param] + message[len(param) :]
         param = renames[param]
     return OpenAIError(message, param=param)
 
@@ -73,7 +80,7 @@ SSE_DONE = "data: [DONE]\n\n"
 async def sse_chunks(lines: AsyncIterator[str]) -> AsyncIterator[Optional[dict]]:
     """A chat stream's SSE lines as dicts (None for [DONE]), for the APIs that re-shape it."""
     async for line in lines:
-        data = line[len("data: "):].strip()
+        data = line[len("data: ") :].strip()
         yield None if data == "[DONE]" else json.loads(data)
 
 
@@ -113,6 +120,7 @@ def request_failed_error(e) -> OpenAIError:
 def stream_error(e: BaseException) -> OpenAIError:
     """An error met after a stream started: it goes into the stream as an error event."""
     from pagedllm.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError
+
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, RequestFailedError):
@@ -125,12 +133,14 @@ def stream_error(e: BaseException) -> OpenAIError:
 
 def _token_bytes_decoder():
     from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
-                 chat_template: Optional[str] = None) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: Sequence[str], chat_template: Optional[str] = None
+    ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
@@ -141,7 +151,7 @@ class OpenAIServing:
         self.sampling_defaults = engine.config.model_config.sampling_defaults
         self._byte_decoder = None
         self._bytes_cache: dict[int, list[int]] = {}
-        self.models = None   # serving_models.OpenAIServingModels, set by build_app: adapters' names too
+        self.models = None  # serving_models.OpenAIServingModels, set by build_app: adapters' names too
 
     # ------------------------------------------------------------ checks
     def lora_request(self, model: Optional[str]):
@@ -152,11 +162,17 @@ class OpenAIServing:
         if self.models is not None:
             return self.models.check_model(model)
         if model is not None and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", status=404,
-                              type="invalid_request_error", param="model", code="model_not_found")
+            raise OpenAIError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                type="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
 
-    def check_context(self, num_prompt: int, max_tokens: Optional[int], what: str,
-                      max_tokens_param: str = "max_tokens") -> int:
+    def check_context(
+        self, num_prompt: int, max_tokens: Optional[int], what: str, max_tokens_param: str = "max_tokens"
+    ) -> int:
         """The number of tokens to generate; OpenAIError 400 when the prompt and the completion
         do not fit in the context (OpenAI's wording, with the numbers)."""
         n = self.max_model_len
@@ -167,14 +183,18 @@ class OpenAIServing:
                 raise OpenAIError(
                     f"This model's maximum context length is {n} tokens. However, your {what} resulted in "
                     f"{num_prompt} tokens. Please reduce the length of the {what}.",
-                    param=what, code="context_length_exceeded") from None
+                    param=what,
+                    code="context_length_exceeded",
+                ) from None
             return n - num_prompt
         if num_prompt + max_tokens > n:
             raise OpenAIError(
                 f"This model's maximum context length is {n} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the completion). "
                 f"Please reduce the length of the {what} or completion.",
-                param=what, code="context_length_exceeded")
+                param=what,
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     @staticmethod
@@ -215,15 +235,23 @@ class OpenAIServing:
         """The beam width (n); OpenAIError 400 naming a field beam search cannot honour."""
         n = req.n if req.n is not None else 1
         if not 1 <= n <= MAX_BEAM_WIDTH:
-            raise OpenAIError(f"n (the beam width with use_beam_search) must be an integer in "
-                              f"[1, {MAX_BEAM_WIDTH}], got {n}", param="n")
+            raise OpenAIError(
+                f"n (the beam width with use_beam_search) must be an integer in [1, {MAX_BEAM_WIDTH}], got {n}",
+                param="n",
+            )
         bad = req.beam_search_conflict()
         if bad in ("logprobs", "top_logprobs"):
-            raise OpenAIError(f"{bad} must be 0 with use_beam_search (a search reports the logprobs of the "
-                              "tokens it chose, without alternatives)", param=bad)
+            raise OpenAIError(
+                f"{bad} must be 0 with use_beam_search (a search reports the logprobs of the "
+                "tokens it chose, without alternatives)",
+                param=bad,
+            )
         if bad is not None:
-            raise OpenAIError(f"{bad} is not supported with use_beam_search (beam search is deterministic "
-                              "and stops on EOS or the token limit only)", param=bad)
+            raise OpenAIError(
+                f"{bad} is not supported with use_beam_search (beam search is deterministic "
+                "and stops on EOS or the token limit only)",
+                param=bad,
+            )
         return n
 
     def start_beam_searches(self, req, prompts: list[tuple[list[int], int]], request_id: str) -> list[BeamSearchHandle]:
@@ -233,9 +261,17 @@ class OpenAIServing:
         handles: list[BeamSearchHandle] = []
         try:
             for i, (ids, max_tokens) in enumerate(prompts):
-                handles.append(self.engine.add_beam_search(
-                    {"prompt_token_ids": ids}, req.n or 1, max_tokens, req.length_penalty,
-                    req.ignore_eos, f"{request_id}-{i}", priority=req.priority))
+                handles.append(
+                    self.engine.add_beam_search(
+                        {"prompt_token_ids": ids},
+                        req.n or 1,
+                        max_tokens,
+                        req.length_penalty,
+                        req.ignore_eos,
+                        f"{request_id}-{i}",
+                        priority=req.priority,
+                    )
+                )
         except BaseException as e:
             for h in handles:
                 h.close()
@@ -252,7 +288,7 @@ class OpenAIServing:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             for t in tasks:
-                t.cancel()   # a no-op for those done
+                t.cancel()  # a no-op for those done
             for h in handles:
                 h.close()
         errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # all retrieved
@@ -294,8 +330,7 @@ class OpenAIServing:
         """(sampled id, its Logprob), and the top k (id, Logprob) by rank."""
         items = list(pos.items())
         sampled = items[0]
-        top = sorted((it for it in items if it[1].rank is not None and it[1].rank <= k),
-                     key=lambda it: it[1].rank)[:k]
+        top = sorted((it for it in items if it[1].rank is not None and it[1].rank <= k), key=lambda it: it[1].rank)[:k]
         return sampled, top
 
     def token_str(self, tid: int, lp: Logprob) -> str:

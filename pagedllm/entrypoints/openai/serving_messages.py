@@ -5,13 +5,19 @@ the block; tools and tool_choice as chat's), OpenAIServingChat runs it (template
 reasoning parsers, sampling), and its answer comes back in Anthropic's shape: content blocks
 (thinking, text, tool_use), stop_reason end_turn / max_tokens / stop_sequence / tool_use, and
 usage. Streams: serving_messages_stream.py."""
+
 from __future__ import annotations
 
 import json
 
 from pagedllm.entrypoints.openai.image_parts import ImagePaths
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, random_id
-from pagedllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest, message_head, stop_reason
+from pagedllm.entrypoints.openai.protocol_anthropic import (
+    CountTokensRequest,
+    MessagesRequest,
+    message_head,
+    stop_reason,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.multimodal.chat import has_image_parts
 from pagedllm.entrypoints.openai.serving_engine import JSONBody, OpenAIError, renamed_error
@@ -36,8 +42,10 @@ def _image_url(b, where: str) -> tuple[str, str]:
         raise OpenAIError(f"{where}: an image block needs source", param="messages")
     if src.type == "base64":
         if src.media_type not in MEDIA_TYPES:
-            raise OpenAIError(f"{where}.source.media_type must be one of {', '.join(MEDIA_TYPES)}, got "
-                              f"{src.media_type!r}", param="messages")
+            raise OpenAIError(
+                f"{where}.source.media_type must be one of {', '.join(MEDIA_TYPES)}, got {src.media_type!r}",
+                param="messages",
+            )
         if not src.data:
             raise OpenAIError(f"{where}.source: a base64 source needs data", param="messages")
         return f"data:{src.media_type};base64,{src.data}", f"{where}.source.data"
@@ -53,8 +61,12 @@ def _content(parts: list, chat_where: str, paths: ImagePaths):
     parts: text, or (URL, the block's path, the URL's field) of an image."""
     if all(isinstance(p, str) for p in parts):
         return "\n".join(parts)
-    return [{"type": "text", "text": p} if isinstance(p, str)
-            else paths.part(p[0], f"{chat_where}.content[{i}]", p[1], p[2]) for i, p in enumerate(parts)]
+    return [
+        {"type": "text", "text": p}
+        if isinstance(p, str)
+        else paths.part(p[0], f"{chat_where}.content[{i}]", p[1], p[2])
+        for i, p in enumerate(parts)
+    ]
 
 
 def chat_messages(req: CountTokensRequest, paths: ImagePaths) -> list[dict]:
@@ -73,9 +85,17 @@ def chat_messages(req: CountTokensRequest, paths: ImagePaths) -> list[dict]:
             if b.type in ("thinking", "redacted_thinking"):
                 continue
             if b.type not in ("text", "image", "tool_use", "tool_result"):
-                raise OpenAIError(f"{where}: content blocks of type {b.type!r} are not supported "
-                                  "(text, image, tool_use, tool_result)", param="messages")
-            if b.type == "tool_use" and m.role != "assistant" or b.type in ("tool_result", "image") and m.role != "user":
+                raise OpenAIError(
+                    f"{where}: content blocks of type {b.type!r} are not supported "
+                    "(text, image, tool_use, tool_result)",
+                    param="messages",
+                )
+            if (
+                b.type == "tool_use"
+                and m.role != "assistant"
+                or b.type in ("tool_result", "image")
+                and m.role != "user"
+            ):
                 raise OpenAIError(f"{where}: {b.type} blocks cannot be in {m.role} messages", param="messages")
             if b.type == "text":
                 if b.text is None:
@@ -87,13 +107,19 @@ def chat_messages(req: CountTokensRequest, paths: ImagePaths) -> list[dict]:
             elif b.type == "tool_use":
                 if not b.id or not b.name:
                     raise OpenAIError(f"{where}: a tool_use block needs id and name", param="messages")
-                calls.append({"id": b.id, "type": "function",
-                              "function": {"name": b.name, "arguments": json.dumps(b.input or {})}})
+                calls.append(
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": json.dumps(b.input or {})},
+                    }
+                )
             else:
                 if not b.tool_use_id:
                     raise OpenAIError(f"{where}: a tool_result block needs tool_use_id", param="messages")
-                results.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                                "content": _block_text(b.content, where)})
+                results.append(
+                    {"role": "tool", "tool_call_id": b.tool_use_id, "content": _block_text(b.content, where)}
+                )
         out += results
         if parts or calls or not results:
             msg = {"role": m.role, "content": _content(parts, f"messages[{len(out)}]", paths)}
@@ -109,8 +135,15 @@ def _tool_fields(req: CountTokensRequest) -> dict:
             raise OpenAIError(f"tool_choice {req.tool_choice.type!r} needs tools", param="tool_choice")
         return {}
     tc = req.tool_choice
-    fields = {"tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                          "parameters": t.input_schema}} for t in req.tools]}
+    fields = {
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }
+            for t in req.tools
+        ]
+    }
     if tc is not None:
         if tc.type == "tool":
             if not tc.name:
@@ -125,10 +158,20 @@ def _tool_fields(req: CountTokensRequest) -> dict:
 def chat_request(req: MessagesRequest, paths: ImagePaths) -> ChatCompletionRequest:
     if req.max_tokens < 1:
         raise OpenAIError(f"max_tokens must be an integer >= 1, got {req.max_tokens}", param="max_tokens")
-    return ChatCompletionRequest.model_validate(dict(
-        model=req.model, messages=chat_messages(req, paths), max_tokens=req.max_tokens, stop=req.stop_sequences,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stream=req.stream,
-        stream_options={"include_usage": True, "continuous_usage_stats": True} if req.stream else None, **_tool_fields(req)))
+    return ChatCompletionRequest.model_validate(
+        dict(
+            model=req.model,
+            messages=chat_messages(req, paths),
+            max_tokens=req.max_tokens,
+            stop=req.stop_sequences,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stream=req.stream,
+            stream_options={"include_usage": True, "continuous_usage_stats": True} if req.stream else None,
+            **_tool_fields(req),
+        )
+    )
 
 
 def tool_input(arguments: str) -> dict:
@@ -166,8 +209,9 @@ class AnthropicServingMessages:
         if m.content:
             content.append({"type": "text", "text": m.content})
         for c in m.tool_calls or []:
-            content.append({"type": "tool_use", "id": c.id, "name": c.function.name,
-                            "input": tool_input(c.function.arguments)})
+            content.append(
+                {"type": "tool_use", "id": c.id, "name": c.function.name, "input": tool_input(c.function.arguments)}
+            )
         body = message_head(random_id("msg"), res.model, res.usage.prompt_tokens)
         reason, seq = stop_reason(choice.finish_reason, choice.stop_reason)
         body.update(content=content, stop_reason=reason, stop_sequence=seq)
@@ -182,8 +226,11 @@ class AnthropicServingMessages:
         chat.check_model(req.model)
         try:
             creq = ChatCompletionRequest.model_validate({"messages": chat_messages(req, paths), **_tool_fields(req)})
-            tools = None if creq.tool_choice == "none" or not creq.tools else \
-                [t.function.model_dump(exclude_none=True) for t in creq.tools]
+            tools = (
+                None
+                if creq.tool_choice == "none" or not creq.tools
+                else [t.function.model_dump(exclude_none=True) for t in creq.tools]
+            )
             conv = chat.conversation(creq.messages, images=True)
             if has_image_parts(conv):
                 ids = (await chat.image_prompt(conv, creq, tools)).token_ids

@@ -2,6 +2,7 @@
 content block (thinking, text, each tool_use) content_block_start, its deltas (thinking_delta,
 text_delta, input_json_delta) and content_block_stop, then message_delta (stop_reason, usage)
 and message_stop. An error after the stream began is an `error` event."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ class _Blocks:
         out = self.close()
         self.index += 1
         self.key = key
-        return out + [event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                    "content_block": block})]
+        return out + [
+            event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        ]
 
     def delta(self, delta: dict) -> str:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
@@ -56,9 +58,11 @@ def _delta_events(blocks: _Blocks, delta: dict) -> list[str]:
         out.append(blocks.delta({"type": "text_delta", "text": delta["content"]}))
     for call in delta.get("tool_calls") or []:
         fn = call.get("function") or {}
-        if call.get("id"):   # a call's first delta: its id and name
-            out += blocks.open(("tool_use", call.get("index")), {"type": "tool_use", "id": call["id"],
-                                                                 "name": fn.get("name"), "input": {}})
+        if call.get("id"):  # a call's first delta: its id and name
+            out += blocks.open(
+                ("tool_use", call.get("index")),
+                {"type": "tool_use", "id": call["id"], "name": fn.get("name"), "input": {}},
+            )
         if fn.get("arguments"):
             out.append(blocks.delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
     return out
@@ -74,11 +78,13 @@ async def anthropic_events(chat_stream: AsyncIterator[str], msg_id: str, model: 
         if "error" in chunk:
             yield error_event(chunk["error"])
             return
-        usage = chunk.get("usage") or usage   # continuous usage: the prompt's length from the first chunk
+        usage = chunk.get("usage") or usage  # continuous usage: the prompt's length from the first chunk
         if not started:
             started = True
-            yield event("message_start", {"type": "message_start",
-                                          "message": message_head(msg_id, model, usage["prompt_tokens"])})
+            yield event(
+                "message_start",
+                {"type": "message_start", "message": message_head(msg_id, model, usage["prompt_tokens"])},
+            )
             yield event("ping", {"type": "ping"})
         for c in chunk.get("choices", []):
             for e in _delta_events(blocks, c.get("delta") or {}):
@@ -87,8 +93,12 @@ async def anthropic_events(chat_stream: AsyncIterator[str], msg_id: str, model: 
                 reason, seq = stop_reason(c["finish_reason"], c.get("stop_reason"))
     for e in blocks.close():
         yield e
-    yield event("message_delta", {"type": "message_delta",
-                                  "delta": {"stop_reason": reason or "end_turn", "stop_sequence": seq},
-                                  "usage": {"input_tokens": usage["prompt_tokens"],
-                                            "output_tokens": usage["completion_tokens"]}})
+    yield event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason or "end_turn", "stop_sequence": seq},
+            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
+        },
+    )
     yield event("message_stop", {"type": "message_stop"})

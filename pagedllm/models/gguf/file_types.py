@@ -4,6 +4,7 @@ F32; a matrix takes the file's type, or llama.cpp's fallback where its rows are 
 256-value super-blocks; the _M mixes give the LM head (the tied embedding where there is no
 head) and some layers' attn_v / ffn_down (first and last eighth, every third between) Q6_K.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,9 +12,21 @@ import re
 # File types: the matrices' type, or a mix.
 MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", *MIXES, "F16", "F32")
-K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}   # rows not a multiple of 256
-LLAMA_FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 12,
-               "Q5_K": 16, "Q6_K": 18, "Q4_K_M": 15, "Q5_K_M": 17}   # general.file_type (llama_ftype)
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # rows not a multiple of 256
+LLAMA_FTYPE = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q4_K": 12,
+    "Q5_K": 16,
+    "Q6_K": 18,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+}  # general.file_type (llama_ftype)
 BIG_LAYER = re.compile(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight")
 
 

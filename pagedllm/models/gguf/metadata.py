@@ -1,4 +1,5 @@
 """A GGUF file's key-value metadata as plain Python values (strings, numbers, lists)."""
+
 from __future__ import annotations
 
 from typing import Any

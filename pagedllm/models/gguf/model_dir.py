@@ -1,5 +1,6 @@
 """The model directory of a GGUF file: config.json and the tokenizer made from its metadata,
 and gguf.json (the file's path and tensor types), checked before any weight is read."""
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ def write_model_dir(gguf_path: Path, out: Path, marker: str, quantized_types) ->
     """Write config.json, the tokenizer and `marker` (gguf.json) into out; -> the config.
     ValueError (nothing written) for an architecture, tensor or type that is not served."""
     from gguf import GGUFReader
+
     where = str(gguf_path)
     reader = GGUFReader(where)
     meta = read_metadata(reader)

@@ -1,5 +1,6 @@
 """A GGUF file's tensors as (HF name, tensor) for the model's load_weights, and the check,
 before anything is loaded, that every tensor has a name and a type the engine serves."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterator
@@ -23,6 +24,7 @@ def is_quantized_linear(gguf_name: str) -> bool:
 def dequantizable_types() -> set[str]:
     """The GGML types the gguf package dequantises (for norms, embeddings, experts, biases)."""
     from gguf.quants import _type_traits
+
     return set(FLOAT_TYPES) | {t.name for t in _type_traits}
 
 
@@ -37,11 +39,15 @@ def check_tensors(tensors, hf: dict, where: str, quantized_types) -> None:
         if target is None:
             continue
         if target.quantized and type_name not in quantized_types:
-            raise ValueError(f"GGUF file {where}: tensor {t.name} has type {type_name}, which a linear layer "
-                             f"does not serve as it is (supported: {', '.join(quantized_types)})")
+            raise ValueError(
+                f"GGUF file {where}: tensor {t.name} has type {type_name}, which a linear layer "
+                f"does not serve as it is (supported: {', '.join(quantized_types)})"
+            )
         if not target.quantized and type_name not in dequantizable:
-            raise ValueError(f"GGUF file {where}: tensor {t.name} has type {type_name}, which cannot be "
-                             f"dequantised (supported: {', '.join(sorted(dequantizable))})")
+            raise ValueError(
+                f"GGUF file {where}: tensor {t.name} has type {type_name}, which cannot be "
+                f"dequantised (supported: {', '.join(sorted(dequantizable))})"
+            )
 
 
 def unpermute_qk(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -55,6 +61,7 @@ def gguf_weights(path: str, hf: dict, repack: Repack, also_blocks=frozenset()) -
     dequantised to float32; stacked experts one expert at a time."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
+
     tmap = TensorMap(hf)
     for t in GGUFReader(path).tensors:
         target = tmap.target(t.name)
@@ -68,7 +75,7 @@ def gguf_weights(path: str, hf: dict, repack: Repack, also_blocks=frozenset()) -
                 arr -= np.float32(target.norm_shift)
         if target.heads:
             arr = unpermute_qk(arr, target.heads)
-        if target.experts:   # [E, N, K]
+        if target.experts:  # [E, N, K]
             for e in range(arr.shape[0]):
                 yield target.name.format(e=e), torch.from_numpy(np.ascontiguousarray(arr[e]))
         else:

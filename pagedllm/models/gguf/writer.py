@@ -9,6 +9,7 @@ it cannot.
 
 `pagedllm make-gguf --shape llama-3.2-1b --type Q4_0 --out FILE` (models/gguf/cli.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,18 +22,29 @@ from pagedllm.models.gguf.file_types import LLAMA_FTYPE, check_file_type, tensor
 from pagedllm.models.gguf.kquants import K_QUANTIZERS
 
 # HF model_type -> llama.cpp architecture name (Mistral is written as "llama").
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "gemma3_text": "gemma3",
+}
 PERMUTES_QK = ("llama", "mistral", "mixtral")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-          "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-BPE_MERGES = 1000   # learned on BPE_TEXT: a real BPE whose ids stay far below any model's vocab
-BPE_TEXT = ("A paged KV cache holds each sequence's keys and values in fixed-size blocks; the scheduler "
-            "admits requests while blocks are free, and a finished request returns its blocks at once. "
-            "Quantized weights are read block by block: a scale, sometimes a minimum, and small integers. "
-            "def forward(self, x):\n    return self.down(self.act(self.gate(x)) * self.up(x))\n"
-            "The quick brown fox jumps over the lazy dog 0123456789 times, and then it rests.")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BPE_MERGES = 1000  # learned on BPE_TEXT: a real BPE whose ids stay far below any model's vocab
+BPE_TEXT = (
+    "A paged KV cache holds each sequence's keys and values in fixed-size blocks; the scheduler "
+    "admits requests while blocks are free, and a finished request returns its blocks at once. "
+    "Quantized weights are read block by block: a scale, sometimes a minimum, and small integers. "
+    "def forward(self, x):\n    return self.down(self.act(self.gate(x)) * self.up(x))\n"
+    "The quick brown fox jumps over the lazy dog 0123456789 times, and then it rests."
+)
 
 
 def write_gguf(model, out, file_type: str, name: str = "random") -> Path:
@@ -71,6 +83,7 @@ def quantize_rows(data: np.ndarray, type_name: str) -> np.ndarray:
     """[..., K] float -> the type's blocks [..., row bytes]."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
     if type_name in K_QUANTIZERS:
         rows = K_QUANTIZERS[type_name](data.reshape(-1, data.shape[-1]))
         return rows.reshape(*data.shape[:-1], rows.shape[-1])
@@ -79,7 +92,7 @@ def quantize_rows(data: np.ndarray, type_name: str) -> np.ndarray:
 
 def rope_theta(cfg) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
-    params = params.get("full_attention", params)   # Gemma 3: per layer type
+    params = params.get("full_attention", params)  # Gemma 3: per layer type
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10_000.0)))
 
 
@@ -113,23 +126,28 @@ def _write_vocab(w, vocab_size: int) -> None:
     """A byte-level BPE learned on a fixed text, ChatML's special tokens,
     then unused tokens up to the model's vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
     text = " ".join([BPE_TEXT] * 4)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size {vocab_size} is below the byte-level BPE's {len(alphabet) + len(SPECIAL_TOKENS)} "
-                         "tokens (its 256 bytes and the special tokens)")
+        raise ValueError(
+            f"vocab_size {vocab_size} is below the byte-level BPE's {len(alphabet) + len(SPECIAL_TOKENS)} "
+            "tokens (its 256 bytes and the special tokens)"
+        )
     merges_wanted = min(BPE_MERGES, vocab_size - len(alphabet) - len(SPECIAL_TOKENS))
-    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=len(alphabet) + merges_wanted,
-                                                        initial_alphabet=alphabet, show_progress=False))
+    bpe.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(vocab_size=len(alphabet) + merges_wanted, initial_alphabet=alphabet, show_progress=False),
+    )
     spec = json.loads(bpe.to_str())["model"]
     tokens = sorted(spec["vocab"], key=spec["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
     first_special = len(tokens)
     unused_count = vocab_size - first_special - len(SPECIAL_TOKENS)
     tokens += list(SPECIAL_TOKENS) + [f"<|unused_{i}|>" for i in range(unused_count)]
-    normal, control, unused = 1, 3, 5   # llama.cpp's token types
+    normal, control, unused = 1, 3, 5  # llama.cpp's token types
     types = [normal] * first_special + [control] * len(SPECIAL_TOKENS)
     types += [unused] * (vocab_size - len(types))
     w.add_tokenizer_model("gpt2")
@@ -137,8 +155,8 @@ def _write_vocab(w, vocab_size: int) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(first_special)          # <|endoftext|>
-    w.add_eos_token_id(first_special + 2)      # <|im_end|>
+    w.add_bos_token_id(first_special)  # <|endoftext|>
+    w.add_eos_token_id(first_special + 2)  # <|im_end|>
     w.add_pad_token_id(first_special)
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
@@ -147,6 +165,7 @@ def _write_vocab(w, vocab_size: int) -> None:
 def _gguf_tensors(model, arch: str):
     """(llama.cpp name, float32 array) of every weight, transformed as convert_hf_to_gguf does."""
     from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, get_tensor_name_map
+
     cfg = model.config
     arch_enum = next(a for a in MODEL_ARCH if MODEL_ARCH_NAMES[a] == arch)
     names = get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
@@ -154,7 +173,7 @@ def _gguf_tensors(model, arch: str):
     for hf_name, tensor in model.state_dict().items():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
-        if hf_name.endswith(".experts.gate_up_proj"):   # [E, 2I, H]: gate rows, then up rows
+        if hf_name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
             gate, up = tensor.detach().float().numpy().reshape(tensor.shape[0], 2, -1, tensor.shape[2]).swapaxes(0, 1)
             stem = hf_name.removesuffix("gate_up_proj")
             yield names.get_name(stem + "gate_proj") + ".weight", gate
@@ -163,7 +182,7 @@ def _gguf_tensors(model, arch: str):
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"tensor {hf_name!r} has no llama.cpp name for architecture {arch}")
-        if not gguf_name.endswith((".weight", ".bias")):   # transformers' fused experts: no suffix
+        if not gguf_name.endswith((".weight", ".bias")):  # transformers' fused experts: no suffix
             gguf_name += ".weight"
         data = tensor.detach().float().numpy()
         if cfg.model_type in PERMUTES_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):

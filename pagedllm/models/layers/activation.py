@@ -1,4 +1,5 @@
 """Gated activations: x [T, 2I] (gate | up) -> act(gate) * up [T, I]: SiLU (Llama), GELU (Gemma)."""
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ from pagedllm.models.layers.fused import fused_layer_ops
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.ops = fused_layer_ops()   # one pass in C++ (built on the CPU) or Triton (on a GPU); None: torch
+        self.ops = fused_layer_ops()  # one pass in C++ (built on the CPU) or Triton (on a GPU); None: torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:

@@ -12,6 +12,7 @@ In bfloat16 oneDNN runs its bf16 kernels (AVX512-BF16 here: 1.5-2.8x its float32
 every size, accumulating in float32), and the row-streaming kernel reads half the bytes.
 `PAGEDLLM_CPU_PACKED_LINEAR=0` keeps plain F.linear (to compare).
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,7 +48,7 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 128)
         layer.register_buffer("packed_weight", packed, persistent=False)
         if self.small_ops is None:
-            layer.weight = None   # nothing reads the plain weight: don't hold it twice
+            layer.weight = None  # nothing reads the plain weight: don't hold it twice
 
     def apply(self, layer, x, bias=None):
         if self.small_ops is not None and 0 < x.shape[0] <= self.SMALL_ROWS:

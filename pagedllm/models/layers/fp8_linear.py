@@ -16,6 +16,7 @@ a block whose largest value is 448 x its factor (as quantizers write them) retur
 checkpoint's bytes. Tested under TRITON_INTERPRET=1 against float32 math on the dequantized
 weight; compiled for sm_90 by kernels/triton_aot.py (tests/models/test_fp8_linear.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,16 +31,33 @@ from pagedllm.models.layers.linear_method import LinearMethodBase
 
 FP8_MAX = 448.0
 # The parallel linears FP8 checkpoints (DeepSeek-V3, Llama / Qwen FP8) quantize, by module name.
-FP8_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "q_a_proj",
-                         "q_b_proj", "kv_a_proj_with_mqa"})
+FP8_LINEARS = frozenset(
+    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"}
+)
 
 
 @triton.jit
 def block_fp8_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om, stride_on,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_om,
+    stride_on,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ (w [N, K] fp8 x s [N / GROUP_N, K / GROUP_K] per block).T"""
@@ -55,24 +73,34 @@ def block_fp8_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)                   # [BM, BK]
-        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk,
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)                   # [BK, BN] fp8
-        s = tl.load(s_rows + (k0 // GROUP_K) * stride_sk, mask=n_mask, other=0.0)       # [BN]
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BM, BK]
+        w = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [BK, BN] fp8
+        s = tl.load(s_rows + (k0 // GROUP_K) * stride_sk, mask=n_mask, other=0.0)  # [BN]
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * s[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
-def block_fp8_matmul_launch(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
-                            block: tuple[int, int], out: torch.Tensor) -> KernelLaunch:
+def block_fp8_matmul_launch(
+    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], out: torch.Tensor
+) -> KernelLaunch:
     """x [M, K] (float32 / bf16 / fp16), w [N, K] float8_e4m3fn, scale_inv [ceil(N / bn),
     ceil(K / bk)] float32 -> out [M, N] of x's dtype."""
     M, K = x.shape
     N = w.shape[0]
     bn, bk = block
-    exact_fp32 = x.dtype == torch.float32       # ieee dots run as FMAs: narrower tiles
+    exact_fp32 = x.dtype == torch.float32  # ieee dots run as FMAs: narrower tiles
     block_n = min(32 if exact_fp32 else 64, bn)
     block_k = min(32 if exact_fp32 else 64, bk)
     if bn % block_n or bk % block_k:
@@ -80,15 +108,28 @@ def block_fp8_matmul_launch(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     block_m = 16 if M <= 16 else (32 if M <= 32 or exact_fp32 else 64)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     return KernelLaunch(
-        block_fp8_matmul_kernel, grid,
+        block_fp8_matmul_kernel,
+        grid,
         (x, w, scale_inv, out, M, N, K, *x.stride(), *w.stride(), *scale_inv.stride(), *out.stride()),
-        dict(GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-             DOT_PRECISION="ieee" if exact_fp32 else None),
-        launch_options(8 if exact_fp32 and block_m >= 32 else 4, num_stages=3))
+        dict(
+            GROUP_N=bn,
+            GROUP_K=bk,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            DOT_PRECISION="ieee" if exact_fp32 else None,
+        ),
+        launch_options(8 if exact_fp32 and block_m >= 32 else 4, num_stages=3),
+    )
 
 
-def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def block_fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """F.linear with a block-FP8 weight: x [..., K] -> [..., N]."""
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
@@ -108,7 +149,7 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
     padded[:N, :K] = w.float()
     blocks = padded.view(nb, bn, kb, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)            # [nb, kb]
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)  # [nb, kb]
     q = (blocks / scale[:, None, :, None]).view(nb * bn, kb * bk)[:N, :K].to(torch.float8_e4m3fn)
     return q.contiguous(), scale
 
@@ -121,8 +162,7 @@ class Fp8LinearMethod(LinearMethodBase):
         self.block = tuple(block)
 
     def create_weights(self, layer, input_size, output_size):
-        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.float32),
-                                    requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.float32), requires_grad=False)
 
     def process_weights_after_loading(self, layer):
         q, s = quantize_block_fp8(layer.weight.data, self.block)

@@ -35,6 +35,7 @@ expert id, then one matmul per active expert over its tokens (a loop over expert
 tokens) on the CPU; on a GPU one grouped Triton kernel launch per matrix
 (fused_moe_triton.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -50,8 +51,7 @@ from pagedllm.models.layers.weight_utils import copy_weight
 
 
 # ------------------------------------------------------------------------------------- routing
-def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k: router_logits [T, E] -> (weights [T, k] float32, ids [T, k] int64)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -60,10 +60,16 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
-def grouped_topk(router_logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int,
-                 renormalize: bool, e_score_correction_bias: Optional[torch.Tensor] = None,
-                 routed_scaling_factor: float = 1.0, scoring_func: str = "sigmoid"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    scoring_func: str = "sigmoid",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k (DeepSeek-V3): router_logits [T, E] -> (weights [T, k] float32,
     ids [T, k] int64). The correction bias [E] only chooses experts; the weights are the
     unbiased scores."""
@@ -75,13 +81,13 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, num_expert_group: int,
         raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring_func!r}")
     T, E = scores.shape
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-    grouped = choice.view(T, num_expert_group, E // num_expert_group)            # [T, G, E/G]
+    grouped = choice.view(T, num_expert_group, E // num_expert_group)  # [T, G, E/G]
     if e_score_correction_bias is None:
-        group_scores = grouped.max(dim=-1).values                               # [T, G]
+        group_scores = grouped.max(dim=-1).values  # [T, G]
     else:
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)               # [T, G]
-    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices     # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)     # [T, G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
     expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(T, E)
     ids = choice.masked_fill(expert_mask == 0, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
@@ -103,18 +109,24 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
 
 
-def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_fn) -> torch.Tensor:
+def fused_experts_torch(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_fn,
+) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(act(gate_up_e(hidden[t]))) for e = topk_ids[t, k]:
     hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]. One matmul pair per active expert over
     the rows routed to it."""
     T, k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
-    tokens = order // k                                   # [T*k] token of each sorted assignment
-    x = hidden[tokens]                                    # [T*k, H] grouped by expert
-    out = torch.empty(T * k, w2.shape[1], dtype=hidden.dtype, device=hidden.device)   # [T*k, H]
+    tokens = order // k  # [T*k] token of each sorted assignment
+    x = hidden[tokens]  # [T*k, H] grouped by expert
+    out = torch.empty(T * k, w2.shape[1], dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
     start = 0
-    for e, n in enumerate(counts.tolist()):               # one host sync for the counts
+    for e, n in enumerate(counts.tolist()):  # one host sync for the counts
         if n:
             rows = slice(start, start + n)
             out[rows] = F.linear(act_fn(F.linear(x[rows], w13[e])), w2[e])
@@ -128,23 +140,37 @@ class FusedMoE(nn.Module):
 
     SHARDS = ("w1", "w2", "w3")
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate: range,
-                 comm=None, renormalize: bool = True, reduce_results: bool = True,
-                 use_grouped_topk: bool = False, num_expert_group: Optional[int] = None,
-                 topk_group: Optional[int] = None, scoring_func: str = "softmax",
-                 e_score_correction_bias: Optional[torch.Tensor] = None,
-                 routed_scaling_factor: float = 1.0) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate: range,
+        comm=None,
+        renormalize: bool = True,
+        reduce_results: bool = True,
+        use_grouped_topk: bool = False,
+        num_expert_group: Optional[int] = None,
+        topk_group: Optional[int] = None,
+        scoring_func: str = "softmax",
+        e_score_correction_bias: Optional[torch.Tensor] = None,
+        routed_scaling_factor: float = 1.0,
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}] (the number of "
-                             f"experts), got {top_k}")
-        if use_grouped_topk and (not num_expert_group or num_experts % num_expert_group
-                                 or not 1 <= (topk_group or 0) <= num_expert_group):
-            raise ValueError(f"n_group ({num_expert_group}) must divide n_routed_experts "
-                             f"({num_experts}) and topk_group ({topk_group}) be in [1, n_group]")
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}] (the number of experts), got {top_k}")
+        if use_grouped_topk and (
+            not num_expert_group or num_experts % num_expert_group or not 1 <= (topk_group or 0) <= num_expert_group
+        ):
+            raise ValueError(
+                f"n_group ({num_expert_group}) must divide n_routed_experts "
+                f"({num_experts}) and topk_group ({topk_group}) be in [1, n_group]"
+            )
         if len(intermediate) == 0:
-            raise ValueError(f"tensor_parallel_size is larger than the experts' intermediate size: "
-                             f"this rank's share of it is empty ({intermediate})")
+            raise ValueError(
+                f"tensor_parallel_size is larger than the experts' intermediate size: "
+                f"this rank's share of it is empty ({intermediate})"
+            )
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate = intermediate
         I = len(intermediate)
@@ -161,45 +187,59 @@ class FusedMoE(nn.Module):
         self.act_fn = SiluAndMul()
 
     @staticmethod
-    def make_expert_params_mapping(num_experts: int, gate: str = "gate_proj", down: str = "down_proj",
-                                   up: str = "up_proj") -> list[tuple[str, str, tuple[int, str]]]:
+    def make_expert_params_mapping(
+        num_experts: int, gate: str = "gate_proj", down: str = "down_proj", up: str = "up_proj"
+    ) -> list[tuple[str, str, tuple[int, str]]]:
         """(our name part, checkpoint name part, shard_id) for every expert matrix."""
-        return [(".experts.w13_" if shard in ("w1", "w3") else ".experts.w2_", f".experts.{e}.{name}.",
-                 (e, shard))
-                for e in range(num_experts) for shard, name in (("w1", gate), ("w2", down), ("w3", up))]
+        return [
+            (".experts.w13_" if shard in ("w1", "w3") else ".experts.w2_", f".experts.{e}.{name}.", (e, shard))
+            for e in range(num_experts)
+            for shard, name in (("w1", gate), ("w2", down), ("w3", up))
+        ]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """One expert's whole checkpoint matrix (gate / up [I, H], down [H, I]) -> its slice."""
-        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in self.SHARDS
-                and 0 <= shard_id[0] < self.num_experts):
-            raise ValueError(f"expert shard must be (expert id < {self.num_experts}, one of "
-                             f"{self.SHARDS}), got {shard_id!r}")
+        if not (
+            isinstance(shard_id, tuple)
+            and len(shard_id) == 2
+            and shard_id[1] in self.SHARDS
+            and 0 <= shard_id[0] < self.num_experts
+        ):
+            raise ValueError(
+                f"expert shard must be (expert id < {self.num_experts}, one of {self.SHARDS}), got {shard_id!r}"
+            )
         e, shard = shard_id
         r, I = self.intermediate, len(self.intermediate)
         if shard == "w2":
-            copy_weight(param.data[e], loaded[:, r.start:r.stop])
+            copy_weight(param.data[e], loaded[:, r.start : r.stop])
         else:
             at = 0 if shard == "w1" else I
-            copy_weight(param.data[e, at:at + I], loaded[r.start:r.stop])
+            copy_weight(param.data[e, at : at + I], loaded[r.start : r.stop])
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_grouped_topk:
-            return grouped_topk(router_logits, self.top_k, self.num_expert_group, self.topk_group,
-                                self.renormalize, self.e_score_correction_bias,
-                                self.routed_scaling_factor, self.scoring_func)
+            return grouped_topk(
+                router_logits,
+                self.top_k,
+                self.num_expert_group,
+                self.topk_group,
+                self.renormalize,
+                self.e_score_correction_bias,
+                self.routed_scaling_factor,
+                self.scoring_func,
+            )
         weights, ids = fused_topk(router_logits, self.top_k, self.renormalize)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return weights, ids
 
-    def apply_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda:
             from pagedllm.models.layers.fused_moe_triton import fused_experts_triton
+
             out = fused_experts_triton(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
-            out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                      self.act_fn)
+            out = fused_experts_torch(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
         return self.comm.all_reduce(out) if self.comm is not None else out
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -207,5 +247,7 @@ class FusedMoE(nn.Module):
         return self.apply_experts(hidden, *self.select_experts(router_logits))
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={len(self.intermediate)}, grouped={self.use_grouped_topk}")
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={len(self.intermediate)}, grouped={self.use_grouped_topk}"
+        )

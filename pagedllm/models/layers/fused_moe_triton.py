@@ -14,6 +14,7 @@ compiles the same description for sm_80 / sm_90 (tests/models/test_moe_triton_ao
 Under TRITON_INTERPRET=1 the kernel runs on CPU tensors (the tests compare it with the torch
 path).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,11 +27,27 @@ from pagedllm.kernels.triton_launch import KernelLaunch, launch_options
 
 @triton.jit
 def grouped_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-    num_valid, N, K,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_valid,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """C[id] = A[id // TOP_K] @ B[e]^T (x weights[id]) for the BLOCK_M assignment ids of this
@@ -38,7 +55,7 @@ def grouped_matmul_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + offs_m)                                       # [BLOCK_M]
+    ids = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
     row_ok = ids < num_valid
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     rows = (ids // TOP_K).to(tl.int64)
@@ -48,10 +65,16 @@ def grouped_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)            # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)              # [BLOCK_K, BLOCK_N]
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        b = tl.load(
+            b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
     if MUL_ROUTED_WEIGHT:
         w = tl.load(weights_ptr + ids, mask=row_ok, other=0.0)
@@ -60,8 +83,7 @@ def grouped_matmul_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [P]: assignment ids grouped by expert, each expert's run
     padded to a multiple of block_m with T*k; expert_ids [P / block_m]: the expert of each
     block), P = T*k + E*(block_m - 1) rounded up to block_m (the worst case, so no host sync).
@@ -72,8 +94,8 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     # CUDA graph capture (decode steps) cannot do.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)                                        # [E]
-    order = torch.argsort(flat, stable=True)                                    # [n]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    order = torch.argsort(flat, stable=True)  # [n]
     expert = flat[order]
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert]
     size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
@@ -89,31 +111,42 @@ def _tiles(dtype: torch.dtype) -> dict:
     # AOT notes); 16-bit types take tensor-core tiles.
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, DOT_PRECISION="ieee")
-    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=None)   # the target's default
+    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION=None)  # the target's default
 
 
-def grouped_matmul_launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
-                          sorted_ids: torch.Tensor, expert_ids: torch.Tensor, top_k: int,
-                          mul_routed_weight: bool, tiles: dict) -> KernelLaunch:
+def grouped_matmul_launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    top_k: int,
+    mul_routed_weight: bool,
+    tiles: dict,
+) -> KernelLaunch:
     """c [T*k, N] <- a [T*k / top_k, K] rows times b [E, N, K] per expert."""
     N, K = b.shape[1], b.shape[2]
     grid = (sorted_ids.numel() // tiles["BLOCK_M"], triton.cdiv(N, tiles["BLOCK_N"]))
     return KernelLaunch(
-        grouped_matmul_kernel, grid,
-        (a, b, c, topk_weights, sorted_ids, expert_ids, c.shape[0], N, K,
-         *a.stride(), *b.stride(), *c.stride()),
-        dict(TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, **tiles), launch_options(4))
+        grouped_matmul_kernel,
+        grid,
+        (a, b, c, topk_weights, sorted_ids, expert_ids, c.shape[0], N, K, *a.stride(), *b.stride(), *c.stride()),
+        dict(TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight, **tiles),
+        launch_options(4),
+    )
 
 
-def fused_experts_launches(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                           topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+def fused_experts_launches(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+):
     """The two launches of one MoE layer and their buffers: (gate_up launch, intermediate
     [T*k, 2I], down launch, activated [T*k, I] (to fill between them), out [T*k, H])."""
     T, k = topk_ids.shape
     E, two_i, H = w13.shape
     tiles = _tiles(hidden.dtype)
     sorted_ids, expert_ids = align_block_size(topk_ids, E, tiles["BLOCK_M"])
-    weights = topk_weights.reshape(-1).float().contiguous()                    # [T*k]
+    weights = topk_weights.reshape(-1).float().contiguous()  # [T*k]
     inter = torch.empty(T * k, two_i, dtype=hidden.dtype, device=hidden.device)
     act = torch.empty(T * k, two_i // 2, dtype=hidden.dtype, device=hidden.device)
     out = torch.empty(T * k, H, dtype=hidden.dtype, device=hidden.device)
@@ -122,8 +155,9 @@ def fused_experts_launches(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     return up, inter, down, act, out
 
 
-def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_experts_triton(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """As fused_moe.fused_experts_torch: hidden [T, H] -> [T, H]."""
     T, k = topk_ids.shape
     if T == 0:

@@ -1,6 +1,7 @@
 """RMSNorm (transformers' arithmetic: normalise in float32, then scale), optionally with the
 residual add before it (vLLM's fused_add_rms_norm: one pass where a fused op is there), and
 Gemma's (1 + weight) variant."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,7 +17,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-        self.ops = fused_layer_ops()   # C++ (built on the CPU) or Triton (on a GPU); None: torch
+        self.ops = fused_layer_ops()  # C++ (built on the CPU) or Triton (on a GPU); None: torch
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """x [..., dim] -> the normed x; with residual: (norm(x + residual), x + residual)."""

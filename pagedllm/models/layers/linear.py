@@ -18,6 +18,7 @@ layer's LinearMethod (linear_method.py).
 - RowParallelLinear: a range of the input features (o_proj, down_proj); the partial products
   are summed over the TP group (all-reduce), then the bias is added once.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -53,8 +54,9 @@ def default_linear_method(lm_head: bool = False) -> LinearMethodBase:
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W [output_size, input_size] this rank's part."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool,
-                 linear_method: Optional[LinearMethodBase] = None) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, linear_method: Optional[LinearMethodBase] = None
+    ) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.linear_method = linear_method or default_linear_method()
@@ -73,8 +75,10 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
-                f"method={type(self.linear_method).__name__}")
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"method={type(self.linear_method).__name__}"
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -86,25 +90,31 @@ class MergedColumnParallelLinear(LinearBase):
     """Matrices i = 0, 1, ... stacked along the output features, this rank holding
     output_ranges[i] of matrix i."""
 
-    def __init__(self, input_size: int, output_ranges: Sequence[range], bias: bool,
-                 linear_method: Optional[LinearMethodBase] = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_ranges: Sequence[range],
+        bias: bool,
+        linear_method: Optional[LinearMethodBase] = None,
+    ) -> None:
         self.output_ranges = tuple(output_ranges)
         sizes = [len(r) for r in self.output_ranges]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]   # where each shard starts
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # where each shard starts
         super().__init__(input_size, sum(sizes), bias, linear_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id is None:
             raise ValueError(f"a fused layer of {len(self.output_ranges)} matrices loads one at a time")
         r, at = self.output_ranges[shard_id], self.offsets[shard_id]
-        copy_weight(param.data[at:at + len(r)], loaded[r.start:r.stop])
+        copy_weight(param.data[at : at + len(r)], loaded[r.start : r.stop])
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):
     """One matrix, this rank holding output_range of its output features."""
 
-    def __init__(self, input_size: int, output_range: range, bias: bool,
-                 linear_method: Optional[LinearMethodBase] = None) -> None:
+    def __init__(
+        self, input_size: int, output_range: range, bias: bool, linear_method: Optional[LinearMethodBase] = None
+    ) -> None:
         super().__init__(input_size, [output_range], bias, linear_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -116,8 +126,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     SHARDS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden_size: int, head_dim: int, q_heads: range, kv_heads: range, bias: bool,
-                 linear_method: Optional[LinearMethodBase] = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        q_heads: range,
+        kv_heads: range,
+        bias: bool,
+        linear_method: Optional[LinearMethodBase] = None,
+    ) -> None:
         q = range(q_heads.start * head_dim, q_heads.stop * head_dim)
         kv = range(kv_heads.start * head_dim, kv_heads.stop * head_dim)
         super().__init__(hidden_size, [q, kv, kv], bias, linear_method)
@@ -129,8 +146,14 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """This rank holds input_range of the input features (and the whole bias)."""
 
-    def __init__(self, input_range: range, output_size: int, bias: bool, comm=None,
-                 linear_method: Optional[LinearMethodBase] = None) -> None:
+    def __init__(
+        self,
+        input_range: range,
+        output_size: int,
+        bias: bool,
+        comm=None,
+        linear_method: Optional[LinearMethodBase] = None,
+    ) -> None:
         super().__init__(len(input_range), output_size, bias, linear_method)
         self.input_range = input_range
         self.comm = multi_rank(comm)
@@ -144,7 +167,7 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         if param is self.bias:
             copy_weight(param.data, loaded)
-        elif hasattr(param, "input_slice"):   # columns that are not features (GGUF row blobs: bytes)
+        elif hasattr(param, "input_slice"):  # columns that are not features (GGUF row blobs: bytes)
             copy_weight(param.data, param.input_slice(loaded, self.input_range))
         else:
-            copy_weight(param.data, loaded[:, self.input_range.start:self.input_range.stop])
+            copy_weight(param.data, loaded[:, self.input_range.start : self.input_range.stop])

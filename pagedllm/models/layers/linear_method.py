@@ -7,6 +7,7 @@ method owns the arithmetic. One is chosen when the layer is built (linear.py
 `default_linear_method`), from the device and dtype the model is built in (the loader sets both
 as torch's defaults) and the environment.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -37,4 +38,3 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
-

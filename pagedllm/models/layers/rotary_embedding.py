@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half convention) with the RoPE scalings of the Llama family."""
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,9 @@ def rope_inv_freq(hf: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, 1.0
 
 
-def yarn_inv_freq(inv_freq: torch.Tensor, cfg: dict, dim: int, theta: float,
-                  max_positions) -> tuple[torch.Tensor, float]:
+def yarn_inv_freq(
+    inv_freq: torch.Tensor, cfg: dict, dim: int, theta: float, max_positions
+) -> tuple[torch.Tensor, float]:
     """YaRN (transformers' _compute_yarn_parameters): frequencies blended between the original
     (extrapolated, fast dims) and divided by `factor` (interpolated, slow dims) over a linear
     ramp between the beta_fast / beta_slow rotation counts; cos/sin scaled by the attention
@@ -49,14 +51,17 @@ def yarn_inv_freq(inv_freq: torch.Tensor, cfg: dict, dim: int, theta: float,
 
     def get_mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
     attention = cfg.get("attention_factor")
     if attention is None:
         mscale, mscale_all = cfg.get("mscale"), cfg.get("mscale_all_dim")
-        attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
-                     else get_mscale(factor))
+        attention = (
+            get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all else get_mscale(factor)
+        )
 
     def correction_dim(rotations):
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
     low, high = correction_dim(cfg.get("beta_fast") or 32), correction_dim(cfg.get("beta_slow") or 1)
     if cfg.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
@@ -77,20 +82,20 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = rope_inv_freq(hf, head_dim)
             t = torch.arange(max_positions, dtype=torch.int64).float()
-            freqs = torch.outer(t, inv_freq)                       # [P, rot/2]
-            emb = torch.cat((freqs, freqs), dim=-1)                 # [P, rot]
+            freqs = torch.outer(t, inv_freq)  # [P, rot/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, rot]
             cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         self.register_buffer("cos", cos.to(device, dtype), persistent=False)
         self.register_buffer("sin", sin.to(device, dtype), persistent=False)
         self.rot_dim = emb.shape[-1]
-        self.ops = fused_layer_ops()   # C++ or Triton, q and k rotated in place; None: torch
+        self.ops = fused_layer_ops()  # C++ or Triton, q and k rotated in place; None: torch
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated (rotate-half convention)."""
         if self.ops is not None:
             self.ops.rotary_embedding_(q, k, self.cos, self.sin, positions)
             return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)     # [T, 1, rot]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rot]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
 

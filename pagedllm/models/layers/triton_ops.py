@@ -11,6 +11,7 @@ the order of a row's sum and exp / rsqrt's last bit. The same interface as the f
 (models/cpu_ops.py), so the layers choose either when they are built: `fused_gpu_ops()`.
 Tested on the CPU under TRITON_INTERPRET=1 (tests/attention/test_triton_layer_ops.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,9 +31,21 @@ def _warps(elements: int) -> int:
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, eps, N,
-                    stride_x, stride_r, stride_o, stride_ro,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    out_ptr,
+    res_out_ptr,
+    w_ptr,
+    eps,
+    N,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One row: [x += residual (rounded to the dtype; written to res_out)], then
     out = w * round(x * rsqrt(mean(x^2) + eps))."""
     row = tl.program_id(0).to(tl.int64)
@@ -64,8 +77,7 @@ def silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constex
 
 
 @triton.jit
-def _rotate_heads(x_ptr, row, stride_t, stride_h, num_heads, c, s, offs_h, offs_r, r_mask,
-                  HALF: tl.constexpr):
+def _rotate_heads(x_ptr, row, stride_t, stride_h, num_heads, c, s, offs_h, offs_r, r_mask, HALF: tl.constexpr):
     """Rotate-half on x[row, :num_heads, :2 * HALF] in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
     each product and each sum rounded to x's dtype as torch's ops round them."""
     mask = (offs_h[:, None] < num_heads) & r_mask[None, :]
@@ -81,10 +93,23 @@ def _rotate_heads(x_ptr, row, stride_t, stride_h, num_heads, c, s, offs_h, offs_
 
 
 @triton.jit
-def rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
-                  num_heads, num_kv_heads,
-                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """One token: every query and KV head rotated in place by its position's cos / sin row
     (the tables hold cat(freqs, freqs): the first HALF columns suffice)."""
     row = tl.program_id(0).to(tl.int64)
@@ -104,19 +129,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                     eps: float):
+def _launch_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
     xs = _rows(x)
     T, N = xs.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)     # [..., N]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [..., N]
     res = _rows(residual) if residual is not None else xs
     res_out = torch.empty_like(out) if residual is not None else out
     if T:
         o2, ro2 = out.view(T, N), res_out.view(T, N)
         block = next_pow2(N)
-        rms_norm_kernel[(T,)](xs, res, o2, ro2, weight, float(eps), N, xs.stride(0), res.stride(0),
-                              o2.stride(0), ro2.stride(0), HAS_RESIDUAL=residual is not None,
-                              BLOCK=block, num_warps=_warps(block))
+        rms_norm_kernel[(T,)](
+            xs,
+            res,
+            o2,
+            ro2,
+            weight,
+            float(eps),
+            N,
+            xs.stride(0),
+            res.stride(0),
+            o2.stride(0),
+            ro2.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
     return out, res_out
 
 
@@ -130,8 +167,9 @@ class TritonOps:
         return _launch_rms_norm(x, None, weight, eps)[0]
 
     @staticmethod
-    def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [..., N] -> (rms_norm(x + residual), x + residual), one pass."""
         return _launch_rms_norm(x, residual, weight, eps)
 
@@ -144,13 +182,15 @@ class TritonOps:
         if T:
             o2 = out.view(T, I)
             block = min(1024, next_pow2(I))
-            silu_and_mul_kernel[(T, triton.cdiv(I, block))](xs, o2, I, xs.stride(0), o2.stride(0),
-                                                           BLOCK=block, num_warps=_warps(block))
+            silu_and_mul_kernel[(T, triton.cdiv(I, block))](
+                xs, o2, I, xs.stride(0), o2.stride(0), BLOCK=block, num_warps=_warps(block)
+            )
         return out
 
     @staticmethod
-    def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          positions: torch.Tensor) -> None:
+    def rotary_embedding_(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """q [T, H, D], k [T, Hkv, D] (unit stride in D; views of the QKV product are fine)
         rotated in place over the first rot = cos.shape[-1] dims; cos / sin [P, rot]."""
         T, H, _ = q.shape
@@ -159,9 +199,24 @@ class TritonOps:
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
         half = cos.shape[-1] // 2
         block_h = next_pow2(max(H, k.shape[1]))
-        rotary_kernel[(T,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                            cos.stride(0), H, k.shape[1], HALF=half, BLOCK_R=next_pow2(half),
-                            BLOCK_H=block_h, num_warps=_warps(block_h * next_pow2(half)))
+        rotary_kernel[(T,)](
+            q,
+            k,
+            cos,
+            sin,
+            positions,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            H,
+            k.shape[1],
+            HALF=half,
+            BLOCK_R=next_pow2(half),
+            BLOCK_H=block_h,
+            num_warps=_warps(block_h * next_pow2(half)),
+        )
 
 
 def fused_gpu_ops() -> Optional[TritonOps]:

@@ -6,6 +6,7 @@ vocab_parallel_embedding.py); with one rank (comm None or of size 1) plain ones.
 - ParallelLMHead: each rank computes the logits of its vocabulary range (through its
   LinearMethod); TP rank 0 gathers them into the full [tokens, vocab] row (only it samples).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -39,12 +40,12 @@ class VocabParallelEmbedding(nn.Module):
         self.comm = multi_rank(comm)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:   # held quantized
+        if self.weight is None:  # held quantized
             return self.linear_method.embed(self, ids)
         return F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_weight(param.data, loaded[self.vocab.start:self.vocab.stop])
+        copy_weight(param.data, loaded[self.vocab.start : self.vocab.stop])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
@@ -59,9 +60,15 @@ class ParallelLMHead(nn.Module):
     """tied: the embedding whose weight this head shares (tie_word_embeddings); its loader
     loads it."""
 
-    def __init__(self, vocab: range, hidden_size: int, vocab_size: int, comm=None,
-                 tied: Optional[VocabParallelEmbedding] = None,
-                 linear_method: Optional[LinearMethodBase] = None) -> None:
+    def __init__(
+        self,
+        vocab: range,
+        hidden_size: int,
+        vocab_size: int,
+        comm=None,
+        tied: Optional[VocabParallelEmbedding] = None,
+        linear_method: Optional[LinearMethodBase] = None,
+    ) -> None:
         super().__init__()
         self.vocab = vocab
         self.vocab_size = vocab_size
@@ -70,13 +77,13 @@ class ParallelLMHead(nn.Module):
         if tied is not None:
             self.weight = tied.weight
         else:
-            self.linear_method.create_weights(self, hidden_size, len(vocab))   # [V_rank, H]
+            self.linear_method.create_weights(self, hidden_size, len(vocab))  # [V_rank, H]
             self.weight.weight_loader = self.weight_loader
         # Gather needs one shape: every rank's slice is padded to the largest.
         self.width = -(vocab_size // -comm.size) if self.comm is not None else len(vocab)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_weight(param.data, loaded[self.vocab.start:self.vocab.stop])
+        copy_weight(param.data, loaded[self.vocab.start : self.vocab.stop])
 
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden [B, H] -> logits [B, vocab] (float32) on TP rank 0, None on the others."""
@@ -86,5 +93,6 @@ class ParallelLMHead(nn.Module):
         parts = self.comm.gather(F.pad(logits, (0, self.width - logits.shape[1])), dst=0)
         if parts is None:
             return None
-        return torch.cat([p[:, :len(split_range(self.vocab_size, self.comm.size, i))]
-                          for i, p in enumerate(parts)], dim=1)
+        return torch.cat(
+            [p[:, : len(split_range(self.vocab_size, self.comm.size, i))] for i, p in enumerate(parts)], dim=1
+        )

@@ -1,4 +1,5 @@
 """Copying a checkpoint tensor (or this rank's slice of it) into a parameter."""
+
 from __future__ import annotations
 
 import torch

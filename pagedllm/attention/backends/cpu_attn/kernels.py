@@ -21,6 +21,7 @@ in place into the step's output (a bfloat16 cache's QK^T on bfloat16 pairs with 
 vdpbf16ps, exact products summed in float32). float32, bfloat16 and float16 caches (an int8 /
 fp8 cache keeps the torch path); head_dim a multiple of 16.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """What a tool parser gives: the text meant for the user and the function calls, from the whole
 output so far (`partial`: more may come; then only what cannot change is reported)."""
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,9 @@ def loads(text: str, partial: bool) -> Any:
 
 @dataclass
 class ParsedCall:
-    name: Optional[str]             # None until the name is complete
-    arguments: Any = None           # a dict (partial while streaming), None until it starts
-    complete: bool = False          # the call's JSON is closed: its arguments are final
+    name: Optional[str]  # None until the name is complete
+    arguments: Any = None  # a dict (partial while streaming), None until it starts
+    complete: bool = False  # the call's JSON is closed: its arguments are final
 
 
 @dataclass

@@ -1,19 +1,26 @@
 """Tool calls forced by the grammar: `tool_choice="required"` makes the model write a JSON array
 of {"name", "parameters"} (at least one), a named function makes it write the arguments alone."""
+
 from __future__ import annotations
 
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.abstract import (ParsedCall, ParsedOutput, ToolParser, call_from,
-                                                               loads)
+from pagedllm.entrypoints.openai.tool_parsers.abstract import ParsedCall, ParsedOutput, ToolParser, call_from, loads
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """The JSON schema of `required`: one or more calls of the given functions."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t["name"]]},
-                             "parameters": t.get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"]} for t in tools]
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["name"]]},
+                "parameters": t.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
@@ -44,7 +51,8 @@ class NamedToolParser(ToolParser):
 
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         args: Optional[object] = loads(text, partial)
-        if args is None and not partial and text.strip():   # not JSON (an output cut short): text
+        if args is None and not partial and text.strip():  # not JSON (an output cut short): text
             return ParsedOutput(content=text)
-        return ParsedOutput(calls=[ParsedCall(self.name, args if args is not None else {},
-                                              not partial or _closed(text))])
+        return ParsedOutput(
+            calls=[ParsedCall(self.name, args if args is not None else {}, not partial or _closed(text))]
+        )

@@ -3,12 +3,19 @@ tokenizers have used: a JSON array `[{"name": ..., "arguments": {...}}, ...]` (v
 v0.3 / Mixtral), or one `[TOOL_CALLS]name{...}` per call (v11, Mistral Small 3.1), or
 `[TOOL_CALLS]name[ARGS]{...}` (v13, Devstral / Magistral). `[TOOL_CALLS]` is a special token: the
 server keeps special tokens in the text of a request this parser reads (as vLLM does)."""
+
 from __future__ import annotations
 
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.abstract import (ParsedCall, ParsedOutput, ToolParser, call_from,
-                                                               held_back, loads)
+from pagedllm.entrypoints.openai.tool_parsers.abstract import (
+    ParsedCall,
+    ParsedOutput,
+    ToolParser,
+    call_from,
+    held_back,
+    loads,
+)
 
 TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -18,10 +25,10 @@ class MistralToolParser(ToolParser):
 
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         head, sep, rest = text.partition(TAG)
-        if not sep:   # a tail that may begin the tag waits while streaming
-            return ParsedOutput(head[:len(head) - held_back(head, TAG)].rstrip() if partial else text)
+        if not sep:  # a tail that may begin the tag waits while streaming
+            return ParsedOutput(head[: len(head) - held_back(head, TAG)].rstrip() if partial else text)
         out = ParsedOutput(content=head.rstrip())
-        if rest.lstrip().startswith("["):   # v3: one JSON array of calls
+        if rest.lstrip().startswith("["):  # v3: one JSON array of calls
             calls = loads(rest, partial)
             if not isinstance(calls, list):
                 return out if partial else ParsedOutput(text)
@@ -38,7 +45,7 @@ class MistralToolParser(ToolParser):
             if call is None:
                 if partial:
                     break
-                return ParsedOutput(text)   # not calls after all: the text stays text
+                return ParsedOutput(text)  # not calls after all: the text stays text
             out.calls.append(call)
         return out
 
@@ -48,7 +55,7 @@ def _named_call(block: str, complete: bool) -> Optional[ParsedCall]:
     name, sep, args = block.partition(ARGS)
     if not sep:
         brace = block.find("{")
-        if brace < 0:   # the name, or its brace, is still to come
+        if brace < 0:  # the name, or its brace, is still to come
             return None if complete else ParsedCall(None)
         name, args = block[:brace], block[brace:]
     name = name.strip()

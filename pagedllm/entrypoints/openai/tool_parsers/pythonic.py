@@ -4,6 +4,7 @@ keyword arguments, `[get_weather(city='Paris', days=3), noop()]`, optionally bet
 None, lists, dicts), reported as JSON. A whole output is checked by Python's own parser; while
 streaming, a scanner splits the calls and arguments at top-level commas (outside strings and
 brackets) and reports the arguments already followed by a comma or the closing parenthesis."""
+
 from __future__ import annotations
 
 import ast
@@ -18,10 +19,10 @@ class PythonicToolParser(ToolParser):
     def extract(self, text: str, partial: bool) -> ParsedOutput:
         body = text.strip()
         if body.startswith(START):
-            body = body[len(START):].lstrip()
+            body = body[len(START) :].lstrip()
         if body.endswith(END):
-            body = body[:-len(END)].rstrip()
-        if not body.startswith("["):   # not (yet) calls: text, unless it may still become the tag
+            body = body[: -len(END)].rstrip()
+        if not body.startswith("["):  # not (yet) calls: text, unless it may still become the tag
             return ParsedOutput("" if partial and START.startswith(body) else text)
         calls = _streamed_calls(body) if partial else _whole_calls(body)
         return ParsedOutput(text) if calls is None else ParsedOutput(calls=calls)
@@ -55,18 +56,18 @@ def _streamed_calls(body: str) -> Optional[list[ParsedCall]]:
     for i, piece in enumerate(pieces):
         name, paren, rest = piece.partition("(")
         if not paren:
-            if piece.strip():   # the last call's name, still growing
+            if piece.strip():  # the last call's name, still growing
                 calls.append(ParsedCall(None))
             break
         args, end = _split(rest, ")")
-        if end < 0:   # unclosed: its last argument may still grow
+        if end < 0:  # unclosed: its last argument may still grow
             args = args[:-1]
         arguments: dict[str, Any] = {}
         for arg in args:
             key, eq, value = arg.partition("=")
             if not arg.strip():
                 continue
-            if not eq:   # a positional argument: no call (the whole list will not parse either)
+            if not eq:  # a positional argument: no call (the whole list will not parse either)
                 return None
             try:
                 arguments[key.strip()] = ast.literal_eval(value.strip())

@@ -7,6 +7,7 @@ brackets held back), so the fragments always concatenate to the final arguments.
 An output cut by max_tokens (`truncated`) keeps what it holds, as OpenAI's API does: the calls
 named so far, the last with the stable prefix of its arguments (what the stream sent); cut
 before any call was named, the text itself is the content."""
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,10 @@ class ChatOutputParser:
         self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
         self.text = ""
         self.sent_reasoning = self.sent_content = 0
-        self.sent_calls: list[list[str]] = []   # per call: [id, arguments sent]
+        self.sent_calls: list[list[str]] = []  # per call: [id, arguments sent]
 
     def parse(self, text: str, partial: bool, truncated: bool = False) -> tuple[Optional[str], ParsedOutput]:
-        reasoning, content = (self.reasoning_parser.extract(text, partial) if self.reasoning_parser
-                              else (None, text))
+        reasoning, content = self.reasoning_parser.extract(text, partial) if self.reasoning_parser else (None, text)
         if self.tool_parser is None:
             return reasoning, ParsedOutput(content)
         parsed = self.tool_parser.extract(content, partial)
@@ -54,8 +54,11 @@ class ChatOutputParser:
     def final(self, text: str, truncated: bool = False) -> tuple[Optional[str], Optional[str], list[ToolCall]]:
         """(reasoning_content, content, tool_calls) of a whole output (`truncated`: cut by max_tokens)."""
         reasoning, parsed = self.parse(text, partial=False, truncated=truncated)
-        calls = [ToolCall(function=FunctionCall(name=c.name, arguments=arguments_text(c)))
-                 for c in parsed.calls if c.name is not None]
+        calls = [
+            ToolCall(function=FunctionCall(name=c.name, arguments=arguments_text(c)))
+            for c in parsed.calls
+            if c.name is not None
+        ]
         content = parsed.content if parsed.content or not calls else None
         return reasoning, content, calls
 
@@ -65,10 +68,10 @@ class ChatOutputParser:
         reasoning, parsed = self.parse(self.text, partial=not finished, truncated=truncated)
         delta: dict = {}
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
-            delta["reasoning_content"] = reasoning[self.sent_reasoning:]
+            delta["reasoning_content"] = reasoning[self.sent_reasoning :]
             self.sent_reasoning = len(reasoning)
         if len(parsed.content) > self.sent_content:
-            delta["content"] = parsed.content[self.sent_content:]
+            delta["content"] = parsed.content[self.sent_content :]
             self.sent_content = len(parsed.content)
         calls = []
         for i, call in enumerate(parsed.calls):
@@ -76,16 +79,22 @@ class ChatOutputParser:
                 if call.name is None:
                     break
                 self.sent_calls.append([random_id("call"), ""])
-                calls.append({"index": i, "id": self.sent_calls[i][0], "type": "function",
-                              "function": {"name": call.name, "arguments": ""}})
+                calls.append(
+                    {
+                        "index": i,
+                        "id": self.sent_calls[i][0],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             sent = self.sent_calls[i][1]
             args = arguments_text(call)
             if len(args) > len(sent) and args.startswith(sent):
                 self.sent_calls[i][1] = args
                 if calls and calls[-1]["index"] == i:
-                    calls[-1]["function"]["arguments"] = args[len(sent):]
+                    calls[-1]["function"]["arguments"] = args[len(sent) :]
                 else:
-                    calls.append({"index": i, "function": {"arguments": args[len(sent):]}})
+                    calls.append({"index": i, "function": {"arguments": args[len(sent) :]}})
         if calls:
             delta["tool_calls"] = calls
         return delta

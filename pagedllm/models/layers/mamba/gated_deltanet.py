@@ -8,6 +8,7 @@ delta rule (models/layers/mamba/gated_delta_rule.py) continuing from each reques
 
 A step of decodes only runs the one-token recurrence of every request at once; any other step
 runs each request's chunk through the chunked rule (a loop over requests, not tokens)."""
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ class GatedDeltaNet(StateLayer):
         self.hk, self.hv = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
         self.dk, self.dv = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
         if self.hv % self.hk:
-            raise ValueError(f"linear_num_value_heads ({self.hv}) must be a multiple of linear_num_key_heads "
-                             f"({self.hk})")
+            raise ValueError(
+                f"linear_num_value_heads ({self.hv}) must be a multiple of linear_num_key_heads ({self.hk})"
+            )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
         self.kernel = hf.get("linear_conv_kernel_dim", 4)
@@ -69,7 +71,7 @@ class GatedDeltaNet(StateLayer):
         meta = self.step_state()
         T, r = x.shape[0], self.hv // self.hk
         mixed, z, b, a = self.split_projections(x)
-        conv = self.load_state(meta, 0)                               # [R, conv_dim, K-1] (a copy)
+        conv = self.load_state(meta, 0)  # [R, conv_dim, K-1] (a copy)
         mixed = F.silu(causal_conv1d(mixed, self.conv1d_weight[:, 0], None, conv, meta.query_start_loc))
         self.store_state(meta, 0, conv)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -77,17 +79,17 @@ class GatedDeltaNet(StateLayer):
         q = l2_normalize(q.reshape(T, self.hk, self.dk)).repeat_interleave(r, dim=1)
         k = l2_normalize(k.reshape(T, self.hk, self.dk)).repeat_interleave(r, dim=1)
         v = v.reshape(T, self.hv, self.dv).float()
-        beta = b.float().sigmoid()                                    # [T, Hv]
+        beta = b.float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if meta.all_decode:
-            s = self.load_state(meta, 1)                              # [R, Hv, Dk, Dv]
+            s = self.load_state(meta, 1)  # [R, Hv, Dk, Dv]
             o = gated_delta_rule_step(q, k, v, g, beta, s)
             self.store_state(meta, 1, s)
         else:
             o = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
             for i in range(len(meta.blocks)):
                 s, e = meta.starts[i], meta.starts[i + 1]
-                with self.request_state(meta, 1, i) as state:         # [Hv, Dk, Dv], updated in place
+                with self.request_state(meta, 1, i) as state:  # [Hv, Dk, Dv], updated in place
                     o[s:e] = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
         # RMSNorm per value head, then the gate (transformers' Qwen3NextRMSNormGated: from the
         # output in the model's dtype)
@@ -104,7 +106,8 @@ class FlatGatedDeltaNet(GatedDeltaNet):
 
     def make_projections(self, hidden: int) -> None:
         self.in_proj = MergedColumnParallelLinear(
-            hidden, [range(self.conv_dim), range(self.value_dim), range(self.hv), range(self.hv)], False)
+            hidden, [range(self.conv_dim), range(self.value_dim), range(self.hv), range(self.hv)], False
+        )
 
     def split_projections(self, x: torch.Tensor):
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)

@@ -2,6 +2,7 @@
 C * conv(B * x) with a causal depthwise conv of kernel L_cache that continues from each
 request's conv state (its last L_cache - 1 inputs), then out_proj. Its state is that conv
 state alone."""
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,8 @@ class ShortConv(StateLayer):
         """x [T, hidden] (requests packed) -> [T, hidden]; positions and rope unused (the
         attention layers' signature)."""
         meta = self.step_state()
-        B, C, xs = self.in_proj(x).chunk(3, dim=-1)                   # [T, hidden] each
-        conv = self.load_state(meta, 0)                               # [R, hidden, K-1] (a copy)
+        B, C, xs = self.in_proj(x).chunk(3, dim=-1)  # [T, hidden] each
+        conv = self.load_state(meta, 0)  # [R, hidden, K-1] (a copy)
         y = causal_conv1d(B * xs, self.conv_weight[:, 0], self.conv_bias, conv, meta.query_start_loc)
         self.store_state(meta, 0, conv)
         return self.out_proj(C * y)

@@ -10,6 +10,7 @@ scattered back. The layers go through `load_state` / `store_state` / `request_st
 do either. A request's first chunk (nothing computed yet: a new request, or one preempted and
 recomputed) starts from a zero state.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -27,19 +28,26 @@ from pagedllm.models.layers.mamba.state_pages import StatePages
 @dataclass
 class StateMetadata:
     """One state group's metadata for a step (R requests, T tokens packed)."""
-    query_start_loc: torch.Tensor   # [R + 1] int64: request r's tokens are [qsl[r], qsl[r + 1])
-    state_indices: torch.Tensor     # [R] int64: request r's first block in this group (a state
-                                    # that fits one page lives there)
-    fresh_indices: torch.Tensor     # [F] int64: first blocks of the requests whose state starts at zero
-    starts: list[int]               # host copies of query_start_loc and state_indices, for the
-    blocks: list[int]               # per-request prefill loop
-    all_decode: bool                # every request computes one token
-    state_blocks: torch.Tensor      # [R, n] int64: every block of request r in this group
-    fresh_blocks: torch.Tensor      # [F, n] int64: those of the requests whose state starts at zero
+
+    query_start_loc: torch.Tensor  # [R + 1] int64: request r's tokens are [qsl[r], qsl[r + 1])
+    state_indices: torch.Tensor  # [R] int64: request r's first block in this group (a state
+    # that fits one page lives there)
+    fresh_indices: torch.Tensor  # [F] int64: first blocks of the requests whose state starts at zero
+    starts: list[int]  # host copies of query_start_loc and state_indices, for the
+    blocks: list[int]  # per-request prefill loop
+    all_decode: bool  # every request computes one token
+    state_blocks: torch.Tensor  # [R, n] int64: every block of request r in this group
+    fresh_blocks: torch.Tensor  # [F, n] int64: those of the requests whose state starts at zero
 
     @classmethod
-    def build(cls, query_start_loc: torch.Tensor, num_computed_tokens: torch.Tensor,
-              block_table: torch.Tensor, device, num_blocks: int = 1) -> "StateMetadata":
+    def build(
+        cls,
+        query_start_loc: torch.Tensor,
+        num_computed_tokens: torch.Tensor,
+        block_table: torch.Tensor,
+        device,
+        num_blocks: int = 1,
+    ) -> "StateMetadata":
         """query_start_loc [R + 1], num_computed_tokens [R] (before the step), block_table [R, *]
         of the state group (its first num_blocks columns: the request's state blocks)."""
         qsl = query_start_loc.to(torch.int64)
@@ -48,14 +56,14 @@ class StateMetadata:
         starts = qsl.tolist()
         all_decode = all(b - a == 1 for a, b in zip(starts, starts[1:]))
         table, fresh = table.to(device), fresh.to(device)
-        return cls(qsl.to(device), table[:, 0], fresh[:, 0], starts, table[:, 0].tolist(), all_decode,
-                   table, fresh)
+        return cls(qsl.to(device), table[:, 0], fresh[:, 0], starts, table[:, 0].tolist(), all_decode, table, fresh)
 
 
 class StateLayer(nn.Module):
     """Base of the recurrent layers: a subclass sets `state_shapes` (one request's state
     tensors, say conv (channels, K - 1) and SSM (heads, head_dim, d_state)) and calls
     `step_state()` in its forward."""
+
     state_shapes: tuple[tuple[int, ...], ...] = ()
 
     def __init__(self) -> None:
@@ -74,8 +82,10 @@ class StateLayer(nn.Module):
         """The step's metadata of this layer's group, the states of the requests that start
         here zeroed."""
         if self.state is None and self.pages is None:
-            raise RuntimeError("this recurrent layer has no state cache: the runner binds it "
-                               "(worker/state_cache.bind_state_cache) once the cache is allocated")
+            raise RuntimeError(
+                "this recurrent layer has no state cache: the runner binds it "
+                "(worker/state_cache.bind_state_cache) once the cache is allocated"
+            )
         meta = get_group_metadata(self.kv_cache_group_id)
         if meta.fresh_indices.numel():
             if self.pages is not None:
@@ -105,7 +115,7 @@ class StateLayer(nn.Module):
         if self.pages is None:
             yield self.state[i][meta.blocks[r]]
             return
-        blocks = meta.state_blocks[r:r + 1]
+        blocks = meta.state_blocks[r : r + 1]
         s = self.pages.gather(i, blocks)
         yield s[0]
         self.pages.scatter(i, blocks, s)

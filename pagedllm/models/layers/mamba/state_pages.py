@@ -9,6 +9,7 @@ so it is a list of pieces. A step gathers each request's pieces into [R, *shape]
 scatters them back: the copies a decode step makes anyway (the one-token recurrence runs on
 every request's state at once); a prefill chunk pays one more gather and scatter of its state.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,16 +21,16 @@ import torch
 
 @dataclass(frozen=True)
 class Piece:
-    block: int    # which of the request's blocks in the group (0-based)
-    row: int      # which tensor of the slot (its row of that block)
-    col: int      # first element in that row
-    start: int    # first element of the flattened state tensor
+    block: int  # which of the request's blocks in the group (0-based)
+    row: int  # which tensor of the slot (its row of that block)
+    col: int  # first element in that row
+    start: int  # first element of the flattened state tensor
     length: int
 
 
 def state_pieces(row_elems: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> list[list[Piece]]:
     """The pieces of each state tensor, laid over pages of rows of row_elems elements."""
-    out, page, used = [], 0, 0   # page: (block, row) pairs in order, `used` elements into it
+    out, page, used = [], 0, 0  # page: (block, row) pairs in order, `used` elements into it
     for shape in shapes:
         pieces, start, n = [], 0, math.prod(shape)
         while start < n:
@@ -72,7 +73,7 @@ class StatePages:
         """Write value [R, *shape] back as state tensor i of each request."""
         flat = value.reshape(blocks.shape[0], -1).to(self.dtype)
         for p in self.pieces[i]:
-            self.rows[p.row][self._slice(p, blocks)] = flat[:, p.start:p.start + p.length]
+            self.rows[p.row][self._slice(p, blocks)] = flat[:, p.start : p.start + p.length]
 
     def zero(self, blocks: torch.Tensor) -> None:
         """Every state tensor of these requests set to zero (a state that starts here)."""

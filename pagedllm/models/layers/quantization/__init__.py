@@ -14,6 +14,7 @@ loader read it). The loader makes the model's config current while it builds the
 (`set_current_quant_config`); linear.py `default_linear_method` asks it for each layer's method.
 The kernels are csrc/quant_ops.cpp and csrc/gguf_linear.cpp (float32 activations).
 """
+
 from __future__ import annotations
 
 import contextlib

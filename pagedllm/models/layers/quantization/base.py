@@ -1,5 +1,6 @@
 """The LinearMethod of a quantized weight: the layer holds qweight, scales, mins (layouts.py)
 and computes with csrc/quant_ops.cpp's quant_linear (any number of rows)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ class QuantizedLinearMethod(UnquantizedLinearMethod):
     (`quantize`); subclasses whose checkpoint is already quantized override the loading."""
 
     def __init__(self) -> None:
-        self.ops = cpu_ops()   # None where the extension is not built: torch's dequantize + F.linear
+        self.ops = cpu_ops()  # None where the extension is not built: torch's dequantize + F.linear
 
     def quantize(self, w: torch.Tensor):
         """float w [N, K] -> (qweight, scales, mins) in a layout of layouts.py."""

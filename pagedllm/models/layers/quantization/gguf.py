@@ -14,6 +14,7 @@ embedding's packed weight; an embedding of another type is dequantised to float3
 head then re-quantized to int8 in groups of 32).
 Tensor names, and what llama.cpp's converter did to a tensor, are models/gguf/tensor_names.py's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,6 +62,7 @@ def gguf_model_dir(gguf_path: Path, home: Path) -> Path:
 
 def _write_model_dir(gguf_path: Path, out: Path) -> None:
     from pagedllm.models.gguf.model_dir import write_model_dir
+
     write_model_dir(gguf_path, out, MARKER, tuple(TYPE_IDS))
 
 
@@ -68,21 +70,26 @@ class GGUFConfig:
     name = "gguf"
 
     def __init__(self, path: str, types: dict) -> None:
-        self.path, self.types = path, types   # tensor name -> GGML type name
+        self.path, self.types = path, types  # tensor name -> GGML type name
         linear = {t for n, t in types.items() if is_quantized_linear(n)}
         bad = linear - set(TYPE_IDS)
         if bad:
-            raise ValueError(f"GGUF file {path}: linear weights of type {', '.join(sorted(bad))} are not "
-                             f"served as they are (supported: {', '.join(TYPE_IDS)})")
+            raise ValueError(
+                f"GGUF file {path}: linear weights of type {', '.join(sorted(bad))} are not "
+                f"served as they are (supported: {', '.join(TYPE_IDS)})"
+            )
         # The embedding and an untied head are held in their blocks where a kernel has their type
         # (else dequantised to float32, the head then int8 in groups of 32).
-        self.quantized = {n for n, t in types.items() if t in TYPE_IDS and
-                          (is_quantized_linear(n) or n in ("token_embd.weight", "output.weight"))}
+        self.quantized = {
+            n
+            for n, t in types.items()
+            if t in TYPE_IDS and (is_quantized_linear(n) or n in ("token_embd.weight", "output.weight"))
+        }
         self.held = {types[n] for n in self.quantized}
-        self.shared: dict = {}   # packed weights by Parameter: a tied head is the embedding
+        self.shared: dict = {}  # packed weights by Parameter: a tied head is the embedding
 
     @classmethod
-    def from_quant_args(cls, group_size, model_dir: str, hf_config) -> "GGUFConfig":   # registry.py
+    def from_quant_args(cls, group_size, model_dir: str, hf_config) -> "GGUFConfig":  # registry.py
         return cls.from_model_dir(model_dir)
 
     @classmethod
@@ -110,5 +117,6 @@ class GGUFConfig:
         Q and K rows in HF's order; others dequantised to float32 (models/gguf/weights.py)."""
         with open(os.path.join(model_dir, "config.json")) as f:
             hf = json.load(f)
-        return gguf_weights(self.path, hf, lambda data, type_name: row_blob(data, type_name, self.held),
-                            also_blocks=self.quantized)
+        return gguf_weights(
+            self.path, hf, lambda data, type_name: row_blob(data, type_name, self.held), also_blocks=self.quantized
+        )

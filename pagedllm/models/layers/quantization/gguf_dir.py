@@ -1,5 +1,6 @@
 """A GGUF model directory: the small directory (config, tokenizer) that serves a GGUF file as it
 is, marked by GGUF_MARKER naming the file (gguf.py makes it)."""
+
 import os
 
 GGUF_MARKER = "gguf.json"

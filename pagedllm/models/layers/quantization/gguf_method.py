@@ -12,6 +12,7 @@ int64 group table, where the decode loop looks for a quantized linear's second t
 LM head and the embedding share one packed weight. Without the C++ extension: the dequantised
 float32 weight (the gguf package's) and torch.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,7 +43,7 @@ def row_blob(data: np.ndarray, type_name: str, types) -> np.ndarray:
     feats, nbytes = BLOCK[type_name]
     blob = np.zeros((data.shape[0], blob_width(types, data.shape[1] // nbytes * feats)), dtype=np.uint8)
     blob[:, 0] = TYPE_IDS[type_name]
-    blob[:, 1:1 + data.shape[1]] = data
+    blob[:, 1 : 1 + data.shape[1]] = data
     return blob
 
 
@@ -55,15 +56,19 @@ def _segments(blob: np.ndarray, k: int):
         if int(ids[a]) not in TYPE_NAMES:
             raise ValueError(f"GGUF rows {a}..{b - 1} of a weight were never loaded (type byte {ids[a]})")
         name = TYPE_NAMES[int(ids[a])]
-        out.append((name, blob[a:b, 1:1 + row_bytes(name, k)]))
+        out.append((name, blob[a:b, 1 : 1 + row_bytes(name, k)]))
     return out
 
 
 def _dequantized(segments) -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    return torch.from_numpy(np.concatenate([dequantize(np.ascontiguousarray(d), GGMLQuantizationType[t])
-                                            for t, d in segments]).astype(np.float32))
+
+    return torch.from_numpy(
+        np.concatenate([dequantize(np.ascontiguousarray(d), GGMLQuantizationType[t]) for t, d in segments]).astype(
+            np.float32
+        )
+    )
 
 
 class GGUFLinearMethod(QuantizedLinearMethod):
@@ -77,9 +82,10 @@ class GGUFLinearMethod(QuantizedLinearMethod):
     def create_weights(self, layer, input_size, output_size):
         shape = (output_size, blob_width(self.types, input_size))
         layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
-        layer.weight.gguf_features = input_size   # on the Parameter: a tied head has no create_weights
-        layer.weight.input_slice = lambda blob, features: torch.from_numpy(   # a row-parallel rank's features
-            slice_row_blobs(blob.numpy(), features, shape[1]))
+        layer.weight.gguf_features = input_size  # on the Parameter: a tied head has no create_weights
+        layer.weight.input_slice = lambda blob, features: torch.from_numpy(  # a row-parallel rank's features
+            slice_row_blobs(blob.numpy(), features, shape[1])
+        )
 
     def process_weights_after_loading(self, layer):
         param = layer.weight
@@ -91,7 +97,7 @@ class GGUFLinearMethod(QuantizedLinearMethod):
                 self.shared[id(param)] = pack_segments(segments, envs.PAGEDLLM_GGUF_ACTIVATIONS)
         packed, meta = self.shared[id(param)]
         layer.register_buffer("qweight", packed, persistent=False)
-        layer.register_buffer("scales", meta, persistent=False)   # None without the extension
+        layer.register_buffer("scales", meta, persistent=False)  # None without the extension
         layer.register_buffer("mins", torch.empty(0), persistent=False)
         layer.gguf_features = param.gguf_features
         layer.weight = None
@@ -106,5 +112,6 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         if layer.scales is None:
             return F.embedding(ids, layer.qweight)
         shape = ids.shape
-        return self.ops.gguf_dequantize_rows(layer.qweight, layer.scales, layer.gguf_features,
-                                             ids.reshape(-1).long()).view(*shape, -1)
+        return self.ops.gguf_dequantize_rows(
+            layer.qweight, layer.scales, layer.gguf_features, ids.reshape(-1).long()
+        ).view(*shape, -1)

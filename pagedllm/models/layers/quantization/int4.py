@@ -1,6 +1,7 @@
 """--quantization int4: groups of 32/64/128 input features with a scale and a min each (w = q s +
 m, q 0..15), made at load time from the float weights. The LM head is int8 in groups of 32 (as
 llama.cpp keeps its output tensor at 6-8 bits: it decides every token)."""
+
 from __future__ import annotations
 
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
@@ -15,8 +16,10 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     def create_weights(self, layer, input_size, output_size):
         if input_size % self.group_size:
-            raise ValueError(f"quantization_group_size {self.group_size} does not divide a layer's "
-                             f"input size {input_size}; pick one that does (32, 64 or 128)")
+            raise ValueError(
+                f"quantization_group_size {self.group_size} does not divide a layer's "
+                f"input size {input_size}; pick one that does (32, 64 or 128)"
+            )
         super().create_weights(layer, input_size, output_size)
 
     def quantize(self, w):

@@ -2,6 +2,7 @@
 offset held as int4's mins) in groups of 32 input features by default, 64, 128, or one a row
 (per output channel, group size -1), made at load time from the float weights. The LM head of every quantized model
 is symmetric int8 (no offset) in groups of 32, as GGUF's Q8_0."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,7 +29,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def quantize(self, w):
         g = self.group_size or w.shape[1]
         if w.shape[1] % g:
-            g = w.shape[1]   # a row that is not whole groups: one scale a row
+            g = w.shape[1]  # a row that is not whole groups: one scale a row
         if self.offset:
             return quantize_int8_offset(w, g)
         q, s = quantize_int8(w, g)
@@ -43,7 +44,7 @@ class Int8Config:
         return cls(group_size)
 
     def __init__(self, group_size: int) -> None:
-        self.group_size = None if group_size == -1 else group_size   # -1: per output channel
+        self.group_size = None if group_size == -1 else group_size  # -1: per output channel
 
     def get_linear_method(self, lm_head: bool = False):
         if lm_head:

@@ -6,6 +6,7 @@ one output row): w = q * s + m (no mins: w = q * s).
 - int4: q [N, K/2] uint8; each run of 32 features is 16 bytes, byte i holding feature i in its
   low nibble and feature i + 16 in its high nibble (q in 0..15): GGUF's Q4_0/Q4_1 block layout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -78,7 +79,7 @@ def weight_bytes(module: torch.nn.Module) -> int:
     for t in list(module.parameters()) + list(module.buffers()):
         try:
             key = t.data_ptr()
-        except RuntimeError:   # an opaque oneDNN-packed weight (cpu_packed_linear): no pointer, same bytes
+        except RuntimeError:  # an opaque oneDNN-packed weight (cpu_packed_linear): no pointer, same bytes
             key = id(t)
         if key not in seen:
             seen.add(key)

@@ -10,6 +10,7 @@ each linear's LinearMethod; optionally `get_embedding_method()`, `iter_weights(m
 (the checkpoint's tensors, when they are not safetensors) and `process_weights(weights, model,
 device, dtype)` (the checkpoint's stream, changed as it goes past).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 INT4_GROUP_SIZES = (32, 64, 128)
-PER_CHANNEL = -1   # int8's group size for one scale a row (GPTQ's -1)
+PER_CHANNEL = -1  # int8's group size for one scale a row (GPTQ's -1)
 # Groups of 32 first, the default (docs/design.md: symmetric per-channel scales agreed with
 # float32 greedy on 57 %).
 INT8_GROUP_SIZES = INT4_GROUP_SIZES + (PER_CHANNEL,)
@@ -25,8 +26,8 @@ INT8_GROUP_SIZES = INT4_GROUP_SIZES + (PER_CHANNEL,)
 
 @dataclass(frozen=True)
 class QuantizationMethod:
-    config_class: str                   # "module:Class"
-    group_sizes: tuple[int, ...] = ()   # --quantization-group-size values, the default first; (): none
+    config_class: str  # "module:Class"
+    group_sizes: tuple[int, ...] = ()  # --quantization-group-size values, the default first; (): none
     # Chosen by config.json's quantization_config.quant_method (the checkpoint is stored so),
     # not by --quantization; it applies with any --quantization.
     from_checkpoint: bool = False
@@ -58,12 +59,16 @@ def validate_quantization(method: Optional[str], group_size: Optional[int], devi
     if method not in choices:
         raise ValueError(f"quantization must be one of {', '.join(choices)}, got {method!r}")
     if group_size is not None and group_size not in METHODS[method].group_sizes:
-        raise ValueError(f"quantization_group_size applies to int4 (one of {INT4_GROUP_SIZES}) and int8 "
-                         f"(one of {INT8_GROUP_SIZES}, -1: per output channel), got {group_size!r} "
-                         f"with quantization {method!r}")
+        raise ValueError(
+            f"quantization_group_size applies to int4 (one of {INT4_GROUP_SIZES}) and int8 "
+            f"(one of {INT8_GROUP_SIZES}, -1: per output channel), got {group_size!r} "
+            f"with quantization {method!r}"
+        )
     if device != "cpu" or dtype != "float32":
-        raise ValueError(f"quantization {method!r} runs on the CPU in float32 (device cpu, dtype float32 "
-                         f"or auto), got device {device!r}, dtype {dtype!r}")
+        raise ValueError(
+            f"quantization {method!r} runs on the CPU in float32 (device cpu, dtype float32 "
+            f"or auto), got device {device!r}, dtype {dtype!r}"
+        )
 
 
 def takes_group_size(method: Optional[str]) -> bool:
@@ -75,8 +80,12 @@ def method_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def get_quant_config(method: Optional[str], group_size: Optional[int] = None, model_dir: Optional[str] = None,
-                     hf_config: Optional[dict] = None):
+def get_quant_config(
+    method: Optional[str],
+    group_size: Optional[int] = None,
+    model_dir: Optional[str] = None,
+    hf_config: Optional[dict] = None,
+):
     """The config object of --quantization `method` (None -> None)."""
     if method is None:
         return None
