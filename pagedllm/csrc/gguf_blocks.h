@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -130,5 +131,22 @@ void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin,
 
 // Row `row` of a group as float32 (w = code s + m), K features (either layout).
 void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, float* out);
+
+// No SIMD: each row dequantised, then float dot products with the activations' codes (int16
+// or int8: `Activations` has q [T, K], d [T, K/32] and K) -> rows [row0, row0 + rows).
+template <class Activations>
+void run_group_scalar(const uint8_t* g, int64_t type, const Activations& a, int64_t t_begin, int64_t T,
+                      int64_t row0, int rows, const float* bias, float* out, int64_t N) {
+  const int64_t K = a.K;
+  std::vector<float> w(K);
+  for (int i = 0; i < rows; ++i) {
+    dequantize_group_row(g, type, K, i, w.data());
+    for (int64_t t = t_begin; t < T; ++t) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.d[(t * K + k) / QB];
+      out[t * N + row0 + i] = acc + (bias ? bias[row0 + i] : 0.f);
+    }
+  }
+}
 
 }  // namespace gguf

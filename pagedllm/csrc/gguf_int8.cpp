@@ -227,19 +227,9 @@ void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin,
   over_tiles<Tile>(t_begin, T, g, type % QUADS, a, row0, rows, bias, out, N);
 }
 #else
-// No SIMD: each row dequantised, then float dot products with the int8 activations.
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
                 int rows, const float* bias, float* out, int64_t N) {
-  const int64_t K = a.K;
-  std::vector<float> w(K);
-  for (int i = 0; i < rows; ++i) {
-    dequantize_group_row(g, type, K, i, w.data());
-    for (int64_t t = t_begin; t < T; ++t) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.d[(t * K + k) / QB];
-      out[t * N + row0 + i] = acc + (bias ? bias[row0 + i] : 0.f);
-    }
-  }
+  run_group_scalar(g, type, a, t_begin, T, row0, rows, bias, out, N);
 }
 #endif
 
