@@ -51,9 +51,9 @@ def media_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def server(vlm_dir, media_dir):
-    s = RemoteServer(
+def start_vision_server(vlm_dir, media_dir, env=None) -> RemoteServer:
+    """The tiny VLM served with two images a prompt and file:// URLs under media_dir."""
+    return RemoteServer(
         [
             "--model",
             vlm_dir,
@@ -69,8 +69,14 @@ def server(vlm_dir, media_dir):
             str(media_dir),
             "--served-model-name",
             MODEL,
-        ]
+        ],
+        env=env,
     )
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir, media_dir):
+    s = start_vision_server(vlm_dir, media_dir)
     yield s
     s.close()
 

@@ -12,8 +12,17 @@ import httpx
 import pytest
 
 from models.vlm_fixture import image
-from server_utils import RemoteServer, assert_error
-from test_server_vision import QUESTION, _data_url, _messages, _png, loopback, media_dir, vlm_dir  # noqa: F401
+from server_utils import assert_error
+from test_server_vision import (  # noqa: F401
+    QUESTION,
+    _data_url,
+    _messages,
+    _png,
+    loopback,
+    media_dir,
+    start_vision_server,
+    vlm_dir,
+)
 
 N = 6
 MODEL = "vlm"
@@ -23,25 +32,7 @@ B64 = base64.b64encode(_png(image(5))).decode()
 
 @pytest.fixture(scope="module")
 def server(vlm_dir, media_dir):  # noqa: F811
-    s = RemoteServer(
-        [
-            "--model",
-            vlm_dir,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--kv-cache-memory",
-            "0.01",
-            "--limit-mm-per-prompt",
-            '{"image": 2}',
-            "--allowed-local-media-path",
-            str(media_dir),
-            "--served-model-name",
-            MODEL,
-        ],
-        env={"PAGEDLLM_ENABLE_RESPONSES_API_STORE": "1"},
-    )
+    s = start_vision_server(vlm_dir, media_dir, env={"PAGEDLLM_ENABLE_RESPONSES_API_STORE": "1"})
     yield s
     s.close()
 
