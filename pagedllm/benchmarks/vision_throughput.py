@@ -98,9 +98,8 @@ def _run(llm, prompts, params, clocks: _Clocks) -> dict:
     core = llm.llm_engine.core
     cache = core.model_executor.driver_worker.model_runner.encoder_cache
     sched = core.scheduler
-    if sched.requests:
+    if not llm.reset_prefix_cache():
         raise RuntimeError("the engine has unfinished requests: the prefix cache cannot be emptied")
-    sched.kv_cache_manager.block_pool.reset_prefix_cache()
     before = (cache.images_encoded, sched.mm_cache_queries, sched.mm_cache_hits, dict(clocks.s))
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

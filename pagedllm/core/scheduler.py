@@ -679,6 +679,15 @@ class Scheduler:
     def get_request(self, req_id: str) -> Optional[Request]:
         return self.requests.get(req_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (vLLM's `reset_prefix_cache`): the next requests
+        compute their prompts in full. Refused (False) while requests hold blocks, whose hashes
+        their later blocks chain from."""
+        if self.requests:
+            return False
+        self.kv_cache_manager.block_pool.reset_prefix_cache()
+        return True
+
     # ------------------------------------------------------------ after a failed step (engine/step_failures.py)
     def recompute_all(self, swapped_out: Iterable[str] = ()) -> None:
         """Every running request back to the front of the waiting queue, to be computed again

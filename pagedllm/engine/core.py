@@ -147,6 +147,9 @@ class EngineCore:
         PROFILER.mark("schedule")
         return so
 
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
     def abort_requests(self, req_ids) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 

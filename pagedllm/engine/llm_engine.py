@@ -125,6 +125,9 @@ class LLMEngine:
         PROFILER.end_step()
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         # Not the core's KV transfers (P/D): offline, a later call's steps end them.
         return self.core.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished_requests()

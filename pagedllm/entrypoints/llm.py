@@ -45,6 +45,12 @@ class LLM:
         stopped when the LLM is garbage-collected or the interpreter exits."""
         self.llm_engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (as vLLM's `LLM.reset_prefix_cache`), e.g. between timed runs
+        of the same prompts. Between calls no request holds blocks, so it succeeds (True);
+        False only while a request is unfinished."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],

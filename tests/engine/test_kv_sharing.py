@@ -214,3 +214,28 @@ def test_swap_space_full_falls_back_to_recompute(tiny_dir, tiny_shared_prefix_pr
     ref = LLM(tiny_dir, max_model_len=256, enable_prefix_caching=False)
     assert outs == token_ids(ref.generate(prompts, params, use_tqdm=False))
     assert all_blocks_free(llm)
+
+
+def test_reset_prefix_cache(tiny_dir, tiny_shared_prefix_prompts):
+    """LLM.reset_prefix_cache (vLLM's name) empties the cache between calls: the next pass
+    computes every prompt in full, with the same tokens; refused while a request holds blocks."""
+    prompts = [{"prompt_token_ids": p} for p in tiny_shared_prefix_prompts[:2]]
+    llm = LLM(tiny_dir, max_model_len=256, block_size=8)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    hit = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in hit] == [(len(p) - 1) // 8 * 8 for p in tiny_shared_prefix_prompts[:2]]
+    assert llm.reset_prefix_cache() is True
+    assert not llm.llm_engine.core.scheduler.kv_cache_manager.block_pool.cached_blocks
+    cold = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # As on a fresh engine: the first prompt computed in full, the second hitting its prefix.
+    assert [o.num_cached_tokens for o in cold] == [o.num_cached_tokens for o in first] == [0, 64]
+    assert token_ids(cold) == token_ids(first) == token_ids(hit)
+    # A request in flight: its blocks' hashes stay (the engine's later blocks chain from them).
+    llm.llm_engine.add_request("busy", prompts[0], GREEDY)
+    llm.llm_engine.step()
+    assert llm.reset_prefix_cache() is False
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.block_pool.cached_blocks
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert llm.reset_prefix_cache() is True
+    assert all_blocks_free(llm)
