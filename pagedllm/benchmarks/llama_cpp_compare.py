@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
 
@@ -141,6 +142,27 @@ def pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen: int, batch: int, s
     return out
 
 
+def read_rate_gbs(threads: int, gib: float = 1.0) -> float:
+    """The machine's streaming read rate with `threads` threads: the best of 3 torch.sum over a
+    float32 buffer far larger than the caches (GB/s). A batch-1 decode reads every weight once
+    a token, so the file's bytes at this rate bound its tok/s from above for both engines."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * (1 << 30)) // 4)  # [n] float32
+        x.sum()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+        return x.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
 def compare(
     llm, tok, run_pagedllm, path, threads_list, prefills, n_gen: int, batch: int, repetitions: int, seed: int
 ) -> list[dict]:
@@ -168,6 +190,17 @@ def compare(
                     "ratio": ours[key] / theirs[key],
                 }
             )
+        # Batch-1 decode as a weight-read rate (each engine's resident weights a token) beside
+        # the machine's: how far each is from the bandwidth bound.
+        gbs = {e: f[DECODE_1] * f[WEIGHTS] / 1e3 for e, f in (("llama.cpp", theirs), ("pagedllm", ours))}
+        rows.append(
+            {
+                "threads": threads,
+                "figure": f"batch-1 weights read GB/s (machine: {read_rate_gbs(threads):.1f})",
+                **gbs,
+                "ratio": gbs["pagedllm"] / gbs["llama.cpp"],
+            }
+        )
     return rows
 
 

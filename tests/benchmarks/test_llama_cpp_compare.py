@@ -5,6 +5,7 @@ real run on a tiny file from `pagedllm make-gguf` where the tools are built."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -182,8 +183,13 @@ def test_real_run_on_a_made_file(tmp_path):
         "prefill 32 tok/s (pp32)",
         "batch-4 decode tok/s",
         "weights held MB",
+        rows[-1]["figure"],
     ]
+    assert re.fullmatch(r"batch-1 weights read GB/s \(machine: \d+\.\d\)", rows[-1]["figure"])
     assert all(r["threads"] == 1 and r["llama.cpp"] > 0 and r["pagedllm"] > 0 for r in rows)
     tensor_mb = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors) / 1e6
-    assert rows[-1]["llama.cpp"] == pytest.approx(tensor_mb, rel=1e-6)
+    assert rows[-2]["llama.cpp"] == pytest.approx(tensor_mb, rel=1e-6)
+    # the read rate: each side's batch-1 tok/s times its weights
+    for side in ("llama.cpp", "pagedllm"):
+        assert rows[-1][side] == pytest.approx(rows[0][side] * rows[-2][side] / 1e3, rel=1e-9)
     assert "pagedllm / llama.cpp" in run.stdout and "weights held MB" in run.stdout
