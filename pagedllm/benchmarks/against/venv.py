@@ -77,9 +77,21 @@ def cpu_list(cpus) -> str:
     return ",".join(parts)
 
 
-def vllm_env(venv_dir: Path, cpus) -> dict:
+def kv_cache_gib(kv_cache_memory: int | None) -> int:
+    """pagedllm's kv_cache_memory (bytes; None: its default, 4 GiB) -> vLLM's
+    VLLM_CPU_KVCACHE_SPACE, which takes whole GiB: both engines then hold the same cache."""
+    if kv_cache_memory is None:
+        return KV_CACHE_SPACE_GIB
+    if kv_cache_memory % (1 << 30):
+        raise ValueError(
+            f"kv_cache_memory must be whole GiB with --against vllm, got {kv_cache_memory / (1 << 30):g} GiB"
+        )
+    return kv_cache_memory >> 30
+
+
+def vllm_env(venv_dir: Path, cpus, kv_gib: int = KV_CACHE_SPACE_GIB) -> dict:
     """Environment of a vLLM CPU process: OpenMP bound to these CPUs, none reserved, a KV cache of
-    KV_CACHE_SPACE_GIB, and the venv's Intel OpenMP preloaded (vLLM's CPU kernels expect it)."""
+    kv_gib GiB, and the venv's Intel OpenMP preloaded (vLLM's CPU kernels expect it)."""
     env = dict(os.environ)
     libs = sorted(venv_dir.glob("lib/libiomp5.so")) + sorted(venv_dir.glob("lib/python*/site-packages/**/libiomp5.so"))
     if not libs:
@@ -87,7 +99,7 @@ def vllm_env(venv_dir: Path, cpus) -> dict:
     env.update(
         VLLM_CPU_OMP_THREADS_BIND=cpu_list(cpus),
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB),
+        VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
         LD_PRELOAD=":".join([str(libs[0])] + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])),
     )
     return env
