@@ -1,5 +1,8 @@
-// The decoder layers of a small decode step in one call (see models/cpu_decode_loop.py): the
-// kernels of attention.cpp and fused_ops.cpp in the eager path's order, on the same values.
+// The decoder layers of a decode step in one call (see models/cpu_decode_loop.py): the kernels
+// of attention.cpp and fused_ops.cpp, and oneDNN's packed linear, in the eager path's order, on
+// the same values.
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <vector>
 
 #include "ops.h"
@@ -8,39 +11,58 @@ static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
   return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-// One linear of the loop: a float weight (linear_small), or a quantized one with its scales and
-// mins (quant_linear, float32 activations), or GGUF blocks with their int64 group table in the
-// scales' place (gguf_linear).
+// x [M, K] @ the weight oneDNN reordered at load time ([N, K] in its blocked layout) + b -> [M, N]:
+// the op the eager path's packed linear calls above its small rows
+// (models/layers/cpu_packed_linear.py), looked up once in torch's dispatcher.
+static torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                   const c10::optional<torch::Tensor>& b) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                               const c10::optional<torch::Tensor>&, c10::string_view,
+                               c10::List<c10::optional<c10::Scalar>>, c10::optional<c10::string_view>)>();
+  return op.call(x, packed, b, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
+// One linear of the loop: a float weight, plain and packed (linear_small up to small_rows rows,
+// the packed oneDNN linear above, as the eager path picks), or a quantized one with its scales
+// and mins (quant_linear, float32 activations), or GGUF blocks with their int64 group table in
+// the scales' place (gguf_linear).
 struct Linear {
-  const torch::Tensor *w, *b, *s, *m;
+  const torch::Tensor *w, *b, *packed, *s, *m;  // packed: a float linear's; s, m: a quantized one's
+  int64_t small_rows;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (s == nullptr) return linear_small(x, *w, opt(*b));
+    if (packed != nullptr)
+      return x.size(0) <= small_rows ? linear_small(x, *w, opt(*b)) : packed_linear(x, *packed, opt(*b));
     if (s->scalar_type() == torch::kLong) return gguf_linear(x, *w, *s, opt(*b));
     return quant_linear(x, *w, *s, *m, opt(*b));
   }
 };
 
-// x [M, hidden] (the embedded tokens), positions [M] int64; per layer 10 tensors: input norm,
-// qkv weight, qkv bias, o weight, o bias, post-attention norm, gate_up weight, gate_up bias,
-// down weight, down bias (an empty tensor = no bias); or 18 with quantized linears, each linear
-// then weight, bias, scales, mins; caches [S, Hkv, D] per layer;
+// x [M, hidden] (the embedded tokens), positions [M] int64; per layer 14 tensors: input norm,
+// qkv weight, bias, packed weight, o weight, bias, packed weight, post-attention norm, gate_up
+// weight, bias, packed weight, down weight, bias, packed weight (14; an empty tensor = no bias);
+// or 18 with quantized linears, each linear then weight, bias, scales, mins; caches [S, Hkv, D]
+// per layer; small_rows: the most rows the float linears take linear_small for;
 // slot_mapping [M] int64, block_table [M, NB] int32, seq_lens [M] int32 -> hidden [M, hidden].
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                             torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                            double scale) {
+                            double scale, int64_t small_rows) {
   const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty());
   const size_t stride = weights.size() / k_caches.size();
-  TORCH_CHECK((stride == 10 || stride == 18) && weights.size() == stride * k_caches.size());
-  const int per = stride == 10 ? 2 : 4;  // tensors per linear
+  TORCH_CHECK((stride == 14 || stride == 18) && weights.size() == stride * k_caches.size());
+  const int per = stride == 14 ? 3 : 4;  // tensors per linear
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const torch::Tensor* w = &weights[stride * l];
     auto lin = [&](int at) {
       const torch::Tensor* p = w + at;
-      return per == 2 ? Linear{p, p + 1, nullptr, nullptr} : Linear{p, p + 1, p + 2, p + 3};
+      return per == 3 ? Linear{p, p + 1, p + 2, nullptr, nullptr, small_rows}
+                      : Linear{p, p + 1, nullptr, p + 2, p + 3, small_rows};
     };
     const Linear qkv_proj = lin(1), o_proj = lin(1 + per), gate_up_proj = lin(2 + 2 * per),
                  down_proj = lin(2 + 3 * per);

@@ -1,17 +1,18 @@
-"""The decoder layers of a small decode step (1-8 tokens) in one C++ call, on the CPU.
+"""The decoder layers of a decode step in one C++ call, on the CPU.
 
-At batch 1 the layers' arithmetic is ~11 ms of weight streaming, and eager Python adds ~20 ops
-a layer (module calls, views, index ops, residual adds), each a trip through Python and the
-dispatcher: ~3 ms a step for a 30-layer model. This loop runs the same C++ kernels the eager
-path calls at 1-8 rows (linear_small, rms_norm, rotary_embedding_, paged_decode, silu_and_mul)
-in the same order on the same values, so its hidden states equal the eager path's bit for bit
-(tests/test_cpu_decode_loop.py); only the Python between them is gone.
+Eager Python runs ~20 ops a layer (module calls, views, index ops, residual adds), each a trip
+through Python and the dispatcher: ~3 ms a step for a 30-layer model, whatever the step's rows
+(beside ~11 ms of weight streaming at batch 1). This loop runs the same kernels
+the eager path calls at the step's row count (linear_small up to SMALL_ROWS rows and oneDNN's
+packed linear above, as CPUPackedLinearMethod picks; rms_norm, rotary_embedding_, paged_decode,
+silu_and_mul) in the same order on the same values, so its hidden states equal the eager path's
+bit for bit (tests/models/test_cpu_decode_loop.py); only the Python between them is gone.
 
 Built once at load time (`build_decode_loop`) for a model whole on one rank, on the CPU, with
 the fused ops and packed linears with the row-streaming kernel, or quantized linears
 (quant_linear, csrc/quant_ops.cpp; float32) (their methods, chosen when the layers were built)
 and the cpu attention backend; the ModelRunner calls it instead of the model
-for steps that are all decode with at most SMALL_ROWS tokens (`DecodeLoop.applies`), a speculative
+for steps that are all decode (`DecodeLoop.applies`), of any number of rows, a speculative
 verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
 a decode query over its own prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
@@ -46,16 +47,14 @@ def base_method(linear):
 class DecodeLoop:
     """The model's weights, flattened once at load time, and the call."""
 
-    max_rows = CPUPackedLinearMethod.SMALL_ROWS  # the eager path's linears use linear_small up to here
-
     def __init__(self, model, ext) -> None:
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
 
-        def lin(m):  # a float linear: weight, bias; a quantized one: qweight, bias, scales, mins
+        def lin(m):  # a float linear: weight, bias, packed weight; a quantized one: qweight, bias, scales, mins
             b = m.bias if m.bias is not None else empty
             if isinstance(base_method(m), QuantizedLinearMethod):
                 return [m.qweight, b, m.scales, m.mins]
-            return [m.weight, b]
+            return [m.weight, b, m.packed_weight]
 
         self.weights = []
         for layer in model.layers:
@@ -82,7 +81,7 @@ class DecodeLoop:
     def applies(self, meta, num_tokens: int) -> bool:
         """A step the loop computes exactly as the eager layers: all decode (a verification's
         k + 1 tokens of a request are k + 1 decode queries in the cpu backend's metadata), attention by pages,
-        few enough rows that the eager linears take linear_small too, no LoRA adapter in the step
+        any number of rows (its linears pick their kernel by rows as the eager ones), no LoRA adapter in the step
         (the loop has no adapter deltas; base-only steps still take it), and a float KV cache (the
         loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""
         if self.lora_mapping is not None and self.lora_mapping.active:
@@ -90,7 +89,7 @@ class DecodeLoop:
         return (
             meta.all_decode
             and meta.decode_block_table is not None
-            and num_tokens <= self.max_rows
+            and num_tokens > 0
             and len(self.attns[0].kv_cache) == 2
         )
 
@@ -116,6 +115,7 @@ class DecodeLoop:
             meta.block_size,
             self.eps,
             self.scale,
+            CPUPackedLinearMethod.SMALL_ROWS,
         )
 
 

@@ -166,8 +166,8 @@ def test_mostly_rejected_drafts_leak_no_block(tiny_pair):
 def test_decode_loop_takes_steps_with_drafts():
     """A row verifying 4 drafts has query length 5: the cpu backend's metadata makes its tokens 5
     decode queries over their own prefixes (all-decode, lengths 6..10), so `DecodeLoop.applies`
-    takes the step; the reference backend's (max_decode_query_len 1) keeps it a prefill chunk, and
-    a step of more rows than the loop's linears take goes to the eager layers."""
+    takes the step, as it does two such rows (10 tokens: the packed linears' rows); the reference
+    backend's (max_decode_query_len 1) keeps it a prefill chunk."""
     import numpy as np
     import torch
     from pagedllm.attention.backends.cpu_attn import CPUAttentionBackend
@@ -175,7 +175,7 @@ def test_decode_loop_takes_steps_with_drafts():
     from pagedllm.models.cpu_decode_loop import DecodeLoop
     from types import SimpleNamespace
 
-    loop = DecodeLoop.__new__(DecodeLoop)  # applies() reads the metadata, max_rows, LoRA and the cache's arity
+    loop = DecodeLoop.__new__(DecodeLoop)  # applies() reads the metadata, LoRA and the cache's arity
     loop.lora_mapping, loop.attns = None, [SimpleNamespace(kv_cache=(torch.empty(0), torch.empty(0)))]
     table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
     q = CPUAttentionBackend.max_decode_query_len
@@ -196,7 +196,7 @@ def test_decode_loop_takes_steps_with_drafts():
     assert spec.all_decode and spec.decode_token_idx.tolist() == [0, 1, 2, 3, 4]
     assert spec.decode_seq_lens.tolist() == [6, 7, 8, 9, 10] and loop.applies(spec, 5)
     assert not loop.applies(meta([0, 5], [10]), 5)  # a prefill chunk
-    assert not loop.applies(meta([0, 5, 10], [10, 12], max_decode_query_len=q), 10)  # 10 rows
+    assert loop.applies(meta([0, 5, 10], [10, 12], max_decode_query_len=q), 10)  # 10 rows
     assert not meta([0, 5], [5], max_decode_query_len=q).all_decode  # no past: a prompt
 
 
