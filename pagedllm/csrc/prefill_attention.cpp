@@ -7,8 +7,10 @@
 // Qt [D][R] float32 (pre-scaled), so that every product is a broadcast of one K or V element
 // times a vector of R rows: S^T [keys][R] = K Qt, O^T [D][R] += V^T P^T. The rows' running max,
 // sum and rescaling are then plain vector ops (online softmax, float32), and each K / V tile,
-// widened to float32 once, serves all G heads of all BQ tokens (a bfloat16 cache's K is not
-// widened where AVX512-BF16 multiplies bfloat16 pairs: qk_bf16). Key tiles run from the first
+// widened to float32 once, serves all G heads of all BQ tokens. A bfloat16 cache is not widened
+// where AVX512-BF16 multiplies bfloat16 pairs: S^T = K Qt on the query's and the keys' own pairs
+// (qk_bf16), and O [R][D] += P V with the weights rounded to bfloat16 and the tile's value rows
+// interleaved two by two into pairs of each column (pv_bf16), float32 sums. Key tiles run from the first
 // key any row's window reaches to the last row's own position (causal with the chunk's offset:
 // query i of a chunk over c cached tokens is at position c + i); only the tiles that cross the
 // diagonal or the window's edge are masked.
@@ -20,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "cpu_types.h"
 #include "cpu_vec.h"
 #include "ops.h"
@@ -163,10 +166,73 @@ void qk_bf16(const uint32_t* const* krows, int64_t na, const uint32_t* Q2, int64
       }
     }
 }
+// O [AB rows][NR vectors of D] = O * alpha[row] + P V on bfloat16 pairs: P2 [nc][R] holds each
+// row's weights of keys 2c, 2c + 1 as a pair (broadcast), V2 [nc][D] those keys' values as
+// pairs of each column (bf16_pairs.h); O's rows are D floats apart.
+template <int NR>
+inline void pv_bf16_tile(const uint32_t* P2, int64_t R, const uint32_t* V2, int64_t D, int64_t nc, float* O,
+                         const float* alpha) {
+  __m512 acc[AB][NR];
+  for (int a = 0; a < AB; ++a) {
+    const __m512 al = vset(alpha[a]);
+    for (int r = 0; r < NR; ++r) acc[a][r] = vmul(vld(O + a * D + r * VL), al);
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    __m512bh b[NR];
+    for (int r = 0; r < NR; ++r) b[r] = (__m512bh)_mm512_loadu_si512(V2 + c * D + r * VL);
+    for (int a = 0; a < AB; ++a) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)P2[c * R + a]);
+      for (int r = 0; r < NR; ++r) acc[a][r] = _mm512_dpbf16_ps(acc[a][r], x, b[r]);
+    }
+  }
+  for (int a = 0; a < AB; ++a)
+    for (int r = 0; r < NR; ++r) vst(O + a * D + r * VL, acc[a][r]);
+}
+
+// pv_bf16_tile over the R rows (a multiple of AB) and D columns (a multiple of VL).
+void pv_bf16(const uint32_t* P2, int64_t R, const uint32_t* V2, int64_t D, int64_t nc, float* O,
+             const float* alpha) {
+  const int64_t ndv = D / VL;
+  for (int64_t a = 0; a < R; a += AB)
+    for (int64_t r = 0; r < ndv;) {
+      const uint32_t* Vb = V2 + r * VL;
+      float* Ob = O + a * D + r * VL;
+      switch (std::min<int64_t>(ndv - r, 4)) {
+        case 4:
+          pv_bf16_tile<4>(P2 + a, R, Vb, D, nc, Ob, alpha + a);
+          r += 4;
+          break;
+        case 3:
+          pv_bf16_tile<3>(P2 + a, R, Vb, D, nc, Ob, alpha + a);
+          r += 3;
+          break;
+        case 2:
+          pv_bf16_tile<2>(P2 + a, R, Vb, D, nc, Ob, alpha + a);
+          r += 2;
+          break;
+        default:
+          pv_bf16_tile<1>(P2 + a, R, Vb, D, nc, Ob, alpha + a);
+          r += 1;
+          break;
+      }
+    }
+}
+// P^T [n][R] float32 weights -> P2 [(n + 1) / 2][R]: keys (2c, 2c + 1) of each row as a pair,
+// rounded to bfloat16; an odd n's last pair with a zero weight.
+void weight_pairs(const float* s, int64_t n, int64_t R, uint32_t* P2) {
+  for (int64_t c = 0; 2 * c < n; ++c)
+    for (int64_t r = 0; r < R; r += VL) {
+      const float* s0 = s + 2 * c * R + r;
+      _mm512_storeu_si512(P2 + c * R + r, bf16_pack_pairs(vld(s0), 2 * c + 1 < n ? vld(s0 + R) : vzero()));
+    }
+}
 constexpr bool BF16_DOT = true;
 #else
 constexpr bool BF16_DOT = false;
 void qk_bf16(const uint32_t* const*, int64_t, const uint32_t*, int64_t, float*, int64_t) {}
+void pv_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, const float*) {}
+inline void bf16_pair_rows(const uint16_t*, const uint16_t*, int64_t, uint32_t*) {}
+void weight_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 #endif
 
 // Element T of q, the caches and out (float, uint16_t bfloat16 bits, c10::Half).
@@ -186,6 +252,7 @@ struct Step {
 struct Scratch {
   std::vector<float> qt, o, s, kf, vf, m, l, alpha, qpos;
   std::vector<uint32_t> zero;          // a key row of zeros (bfloat16 pairs), for padding keys
+  std::vector<uint32_t> p2, v2;        // the tile's weights and values as key pairs (pv_bf16)
   std::vector<const uint32_t*> krows;  // the tile's key rows in the cache (bfloat16 pairs)
   Scratch(int64_t D, int64_t R)
       : qt(D * R),
@@ -198,8 +265,16 @@ struct Scratch {
         alpha(R),
         qpos(R),
         zero(D / 2),
+        p2(BK / 2 * R),
+        v2(BK / 2 * D),
         krows(BK) {}
 };
+
+// The cache slot of key position kp of a request (block table bt).
+template <typename T>
+inline int64_t slot(const Step<T>& st, const int32_t* bt, int64_t kp) {
+  return (int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size;
+}
 
 // Widen key / value rows [j0, j0 + n) of KV head h of a request (block table bt) into float32
 // rows of D.
@@ -208,7 +283,7 @@ void gather_rows(const Step<T>& st, const T* base, int64_t stride, const int32_t
                  float* dst) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t kp = j0 + j;
-    const T* row = base + ((int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size) * stride;
+    const T* row = base + slot(st, bt, kp) * stride;
     float* d = dst + j * st.D;
     for (int64_t c = 0; c < st.D; c += VL) vst(d + c, vload(row + c));
   }
@@ -250,9 +325,7 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
       for (int64_t j = 0; j < npad; ++j) {
         const int64_t kp = j0 + j;
         sc.krows[j] =
-            j < n ? reinterpret_cast<const uint32_t*>(
-                        kh + ((int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size) * st.ks)
-                  : sc.zero.data();
+            j < n ? reinterpret_cast<const uint32_t*>(kh + slot(st, bt, kp) * st.ks) : sc.zero.data();
       }
       qk_bf16(sc.krows.data(), npad, qt2, D / 2, s, nrv);  // S^T [npad][R], unscaled
     } else {
@@ -260,7 +333,15 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
       std::fill(kf + n * D, kf + npad * D, 0.f);
       gemm_rows(kf, D, 1, npad, qt, D, s, nrv, nullptr);  // S^T [npad][R]
     }
-    gather_rows(st, vh, st.vs, bt, j0, n, vf);
+    if constexpr (DOT)
+      for (int64_t c = 0; 2 * c < n; ++c) {  // keys (2c, 2c + 1) as pairs; an odd tile's last with zeros
+        const uint16_t* a = vh + slot(st, bt, j0 + 2 * c) * st.vs;
+        const uint16_t* b = 2 * c + 1 < n ? vh + slot(st, bt, j0 + 2 * c + 1) * st.vs
+                                          : reinterpret_cast<const uint16_t*>(sc.zero.data());
+        bf16_pair_rows(a, b, D, sc.v2.data() + c * D);
+      }
+    else
+      gather_rows(st, vh, st.vs, bt, j0, n, vf);
     // Padding keys (>= n) lie past the last row's position: the causal mask removes them.
     const bool masked = j0 + npad - 1 > first || (w > 0 && j0 <= last - w);
     for (int64_t rv = 0; rv < nrv; ++rv) {
@@ -289,12 +370,18 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
       vst(sc.alpha.data() + rv * VL, alpha);
       vst(sc.l.data() + rv * VL, vfma(vld(sc.l.data() + rv * VL), alpha, sum));
     }
-    gemm_rows(vf, 1, D, D, s, n, o, nrv, sc.alpha.data());  // O^T [D][R] = O^T alpha + V^T P^T
+    if constexpr (DOT) {
+      const int64_t nc = (n + 1) / 2;
+      weight_pairs(s, n, R, sc.p2.data());
+      pv_bf16(sc.p2.data(), R, sc.v2.data(), D, nc, o, sc.alpha.data());  // O [R][D] = alpha O + P V
+    } else {
+      gemm_rows(vf, 1, D, D, s, n, o, nrv, sc.alpha.data());  // O^T [D][R] = O^T alpha + V^T P^T
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* out = st.out + ((st.q_start[p] + i0 + r / G) * st.H + h * G + r % G) * D;
     const float inv = 1.f / sc.l[r];
-    for (int64_t d = 0; d < D; ++d) out[d] = from_f<T>(o[d * R + r] * inv);
+    for (int64_t d = 0; d < D; ++d) out[d] = from_f<T>((DOT ? o[r * D + d] : o[d * R + r]) * inv);
   }
 }
 

@@ -17,8 +17,9 @@ style: where the torch path gathers a chunk's past out of the pages, runs one SD
 chunk and copies its [1, H, q, D] output into the step's [T, H, D], the kernel takes every
 chunk of the step in one call, tiles of query tokens x the G heads of a KV head against tiles
 of keys read through the block table, an online softmax in float32, each chunk's rows written
-in place into the step's output (a bfloat16 cache's QK^T on bfloat16 pairs with AVX512-BF16's
-vdpbf16ps, exact products summed in float32). float32, bfloat16 and float16 caches (an int8 /
+in place into the step's output (a bfloat16 cache's QK^T and PV on bfloat16 pairs with
+AVX512-BF16's vdpbf16ps, exact products summed in float32; PV's weights rounded to bfloat16
+first). float32, bfloat16 and float16 caches (an int8 /
 fp8 cache keeps the torch path); head_dim a multiple of 16.
 """
 
