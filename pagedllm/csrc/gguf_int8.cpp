@@ -208,7 +208,8 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, in
         dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
       const VI sc = u8i(p + 64 + j * 16 + rb), mn = u8i(p + 192 + j * 16 + rb);
       for (int r = 0; r < M; ++r)
-        isum[r] = add(isum[r], mullo(acc[r], sc)), imin[r] = add(imin[r], mul16(mn, xs[r][2 * j] + xs[r][2 * j + 1]));
+        isum[r] = add(isum[r], mullo(acc[r], sc)),
+        imin[r] = add(imin[r], mul16(mn, xs[r][2 * j] + xs[r][2 * j + 1]));
     }
   }
   const VF d = f16(p + 2 * rb);

@@ -349,7 +349,8 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   }
   const Acts a = pairs ? quantize_acts(x.data_ptr<float>(), T, K) : Acts{{}, {}, {}, K};
   std::vector<uint8_t> buf8(quads ? acts8_bytes(T, K) : 0);
-  const Acts8 a8 = quads ? quantize_acts8(x.data_ptr<float>(), T, K, kquads ? 256 : QB, buf8.data()) : Acts8{};
+  const Acts8 a8 =
+      quads ? quantize_acts8(x.data_ptr<float>(), T, K, kquads ? 256 : QB, buf8.data()) : Acts8{};
   float* op = out.data_ptr<float>();
   // Each thread passes its groups over the activation rows a chunk at a time: a chunk's codes
   // (~256 KiB of int16) stay in the core's L2 instead of every group streaming all T rows again.
