@@ -77,7 +77,7 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_GGUF_ACTIVATIONS": EnvVar(
         _one_of("int8", ("int8", "int16")),
         "GGUF linears quantize their activations per block of 32 to int8 "
-        "(llama.cpp's scheme, the faster kernels) or int16 (closer to float); "
+        "(llama.cpp's scheme, the faster kernels; per 256 for K-quant weights) or int16 (closer to float); "
         "read when a model loads (docs/quantization.md)",
     ),
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),

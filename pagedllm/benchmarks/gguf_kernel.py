@@ -131,6 +131,7 @@ def main(ns: argparse.Namespace) -> int:
                             "vs_int16": ms.get("int16", new) / new,
                             "file_mb": data.nbytes / 1e6,
                             "held_mb": packed[a][0].numel() / 1e6,
+                            "gb_s": packed[a][0].numel() / 1e6 / new,  # weight bytes read a second
                             "old_mb": old_bytes / 1e6,
                         }
                     )
@@ -146,6 +147,7 @@ def main(ns: argparse.Namespace) -> int:
             ("acts", "activations", ""),
             ("rows", "rows", "d"),
             ("gguf_ms", "blocks ms", ".3f"),
+            ("gb_s", "blocks GB/s", ".1f"),
             ("old_ms", "int4/int8 layout ms", ".3f"),
             ("float_ms", "float32 mm ms", ".3f"),
             ("speedup_old", "vs layout", ".2f"),

@@ -14,6 +14,10 @@
 // time as |w| times x with w's sign (2 x 128 x 127 < 32768). AVX-512 takes Q8_0's codes + 128
 // (a xor), the 128 Σx taken off with the block's integer sum, as Q4_0's 8, Q5_0's 16 and Q6_K's
 // 32 are. Mins (Q4_1 / Q5_1's m, Q4_K / Q5_K's dmin mn) times the quantized activations' sum.
+//
+// K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
+// Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld) adds up over the
+// super-block, and the float scaling is once a super-block instead of once a block (Q6_K: two).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -23,21 +27,25 @@
 
 namespace gguf {
 
-Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, uint8_t* buf) {
+Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
+  TORCH_CHECK((span == QB || span == 256) && K % span == 0, "int8 activations: span ", span, " for K ", K);
   Acts8 a{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + T * K),
-          reinterpret_cast<int32_t*>(buf + T * K + 4 * (T * K / QB)), K};
-  at::parallel_for(0, T * K / QB, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* xb = x + b * QB;
+          reinterpret_cast<int32_t*>(buf + T * K + 4 * (T * K / QB)), K, span};
+  at::parallel_for(0, T * K / span, 32, [&](int64_t c0, int64_t c1) {
+    for (int64_t s = c0; s < c1; ++s) {
+      const float* xs = x + s * span;
       float amax = 0.f;
-      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int i = 0; i < span; ++i) amax = std::max(amax, std::fabs(xs[i]));
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = a.q + b * QB;
-      int32_t s0 = 0, s1 = 0;
-      for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
-      for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
-      a.d[b] = d;
-      a.sum[2 * b] = s0, a.sum[2 * b + 1] = s1;
+      for (int64_t b = s * span / QB; b < (s + 1) * span / QB; ++b) {
+        const float* xb = x + b * QB;
+        int8_t* q = a.q + b * QB;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
+        for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
+        a.d[b] = d;
+        a.sum[2 * b] = s0, a.sum[2 * b + 1] = s1;
+      }
     }
   });
   return a;
@@ -63,6 +71,12 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), _mm512_set1_epi32(x));
 }
 constexpr int SIGNED_OFFSET = 128;
+inline VI add(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+inline VI u8i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline VI s8i(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+// a (lanes < 2^15) times x (|x| < 2^15) by vpmaddwd: a's high halves are 0.
+inline VI mul16(VI a, int32_t x) { return _mm512_madd_epi16(a, _mm512_set1_epi32(x)); }
 #else
 using VI = __m256i;
 inline VI load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -85,7 +99,22 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 constexpr int SIGNED_OFFSET = 0;
+inline VI add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+inline VI u8i(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline VI s8i(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline VI mul16(VI a, int32_t x) { return _mm256_madd_epi16(a, _mm256_set1_epi32(x)); }
 #endif
+
+// The weight stream ahead into L2 (T1: into L1 the requests queue on its few miss buffers).
+// The hardware prefetchers lose the stream where a super-block reads two regions at once (the
+// 5-bit and 6-bit types' codes and high bits: those loads were most of Q5_K's time). An asm
+// prefetch: GCC 12 -O3 drops _mm_prefetch in these loops.
+constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes
+inline void prefetch_l2(const uint8_t* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(p + PREFETCH_AHEAD + i);
+}
 
 constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
 
@@ -137,17 +166,57 @@ inline void dot_q6(const uint8_t* c, const uint8_t* h, const int32_t* const* xq,
   }
 }
 
-// y[r] += s dx ((sum - off Σx) + m dx Σx) for one block (Σx: the quantized activations' sum, of
-// the block or of its half `half`; m: a vector per row, or none).
+// y[r] += s dx ((sum - off Σx) + m dx Σx) for one block of 32 (Σx: the quantized activations'
+// sum; m: a vector per row, or none).
 template <int M>
 inline void scale_into(VF* y, const VI* acc, VF s, int off, const VF* m, const Acts8& a, int64_t t0,
-                       int64_t b, int half) {
+                       int64_t b) {
   for (int r = 0; r < M; ++r) {
     const float dx = a.d[(t0 + r) * (a.K / QB) + b];
     const int32_t* xs = a.sum + (t0 + r) * (a.K / 16) + 2 * b;
-    const int32_t sx = half < 0 ? xs[0] + xs[1] : xs[half];
+    const int32_t sx = xs[0] + xs[1];
     y[r] = fma(mul(s, set1(dx)), cvt(off ? sub(acc[r], off * sx) : acc[r]), y[r]);
     if (m) y[r] = fma(*m, set1(dx * (float)sx), y[r]);
+  }
+}
+
+// One K-quant super-block (8 blocks of 32, one activation step dx a row) into y[M]: each
+// block's integer sum times its integer sub-scale added up in int32 (and the mins' Σ mn Σx),
+// then scaled once: y += d dx Σ sc sum - dmin dx Σ mn Σx. Q6_K: per 16 features a signed scale,
+// the codes' 32 taken off each half's sum. |int32| <= 16 x 128 x 32 x 16 x 127 < 2^31.
+template <int M>
+inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, int64_t t0, int64_t s, int rb,
+                              VF* y) {
+  const int cb = 4 * rb;
+  VI acc[M], acc2[M], isum[M], imin[M];
+  const int32_t* xq[M];
+  const int32_t* xs[M];  // the rows' sums of 16 codes at this super-block
+  for (int r = 0; r < M; ++r)
+    isum[r] = zero_i(), imin[r] = zero_i(), xs[r] = a.sum + (t0 + r) * (a.K / 16) + 16 * s;
+  for (int j = 0; j < 8; ++j) {
+    quads<M>(a, t0, s * 8 + j, xq);
+    if (type == Q6_K) {
+      dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
+      const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
+      for (int r = 0; r < M; ++r)
+        isum[r] = add(isum[r], add(mullo(sub(acc[r], 32 * xs[r][2 * j]), sc0),
+                                   mullo(sub(acc2[r], 32 * xs[r][2 * j + 1]), sc1)));
+    } else {
+      if (type == Q4_K)
+        dot_u4<M>(p + 320 + j * 256 + cb, xq, acc);
+      else
+        dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
+      const VI sc = u8i(p + 64 + j * 16 + rb), mn = u8i(p + 192 + j * 16 + rb);
+      for (int r = 0; r < M; ++r)
+        isum[r] = add(isum[r], mullo(acc[r], sc)),
+        imin[r] = add(imin[r], mul16(mn, xs[r][2 * j] + xs[r][2 * j + 1]));
+    }
+  }
+  const VF d = f16(p + 2 * rb);
+  for (int r = 0; r < M; ++r) {
+    const float dx = a.d[(t0 + r) * (a.K / QB) + s * 8];
+    y[r] = fma(mul(d, set1(dx)), cvt(isum[r]), y[r]);
+    if (type != Q6_K) y[r] = fma(mul(f16(p + 32 + 2 * rb), set1(-dx)), cvt(imin[r]), y[r]);
   }
 }
 
@@ -161,6 +230,7 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
   const int32_t* xq[M];
   for (int64_t s = 0; s < K / sf; ++s) {
     const uint8_t* p = g + s * sb;
+    if (h == 0) prefetch_ahead(p, sb);
     if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
       const bool with_m = type == Q4_1 || type == Q5_1;
       const VF d = f16(p + 2 * rb);
@@ -172,9 +242,9 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
         dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
       if (with_m) {
         const VF m = f16(p + 32 + 2 * rb);
-        scale_into<M>(y, acc, d, 0, &m, a, t0, s, -1);
+        scale_into<M>(y, acc, d, 0, &m, a, t0, s);
       } else {
-        scale_into<M>(y, acc, d, type == Q4_0 ? 8 : 16, nullptr, a, t0, s, -1);
+        scale_into<M>(y, acc, d, type == Q4_0 ? 8 : 16, nullptr, a, t0, s);
       }
     } else if (type == Q8_0) {
       const uint8_t* c = p + 32 + cb;
@@ -184,28 +254,9 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
         const VI w = load(c + q * CHUNK);
         for (int r = 0; r < M; ++r) acc[r] = dot_signed(acc[r], w, xq[r][q]);
       }
-      scale_into<M>(y, acc, f16(p + 2 * rb), SIGNED_OFFSET, nullptr, a, t0, s, -1);
-    } else if (type == Q4_K || type == Q5_K) {
-      const VF d = f16(p + 2 * rb), dmin = mul(f16(p + 32 + 2 * rb), set1(-1.f));
-      for (int j = 0; j < 8; ++j) {
-        const int64_t b = s * 8 + j;
-        quads<M>(a, t0, b, xq);
-        if (type == Q4_K)
-          dot_u4<M>(p + 320 + j * 256 + cb, xq, acc);
-        else
-          dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
-        const VF m = mul(dmin, u8f(p + 192 + j * 16 + rb));
-        scale_into<M>(y, acc, mul(d, u8f(p + 64 + j * 16 + rb)), 0, &m, a, t0, b, -1);
-      }
-    } else {  // Q6_K
-      const VF d = f16(p + 2 * rb);
-      for (int j = 0; j < 8; ++j) {
-        const int64_t b = s * 8 + j;
-        quads<M>(a, t0, b, xq);
-        dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
-        scale_into<M>(y, acc, mul(d, s8f(p + 32 + (2 * j) * 16 + rb)), 32, nullptr, a, t0, b, 0);
-        scale_into<M>(y, acc2, mul(d, s8f(p + 32 + (2 * j + 1) * 16 + rb)), 32, nullptr, a, t0, b, 1);
-      }
+      scale_into<M>(y, acc, f16(p + 2 * rb), SIGNED_OFFSET, nullptr, a, t0, s);
+    } else {
+      kquant_superblock<M>(p, type, a, t0, s, rb, y);
     }
   }
 }
@@ -224,6 +275,7 @@ struct Tile {
 
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
                 int rows, const float* bias, float* out, int64_t N) {
+  TORCH_CHECK(!is_kquant(type) || a.span == 256, "K-quant groups need int8 activations of span 256");
   over_tiles<Tile>(t_begin, T, g, type % QUADS, a, row0, rows, bias, out, N);
 }
 #else

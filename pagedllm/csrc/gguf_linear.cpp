@@ -340,11 +340,17 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   auto out = torch::empty({T, gs.N}, x.options());
   if (T == 0) return out;
   // The activations as each layout's groups take them (a fused weight may hold both).
-  bool pairs = false, quads = false;
-  for (int64_t g = 0; g < gs.G; ++g) (gs.meta[4 * g + 1] >= QUADS ? quads : pairs) = true;
+  // int8: one step a super-block of 256 where a K-quant group takes them (its kernel needs it).
+  bool pairs = false, quads = false, kquads = false;
+  for (int64_t g = 0; g < gs.G; ++g) {
+    const int64_t type = gs.meta[4 * g + 1];
+    (type >= QUADS ? quads : pairs) = true;
+    kquads |= type >= QUADS && is_kquant(type);
+  }
   const Acts a = pairs ? quantize_acts(x.data_ptr<float>(), T, K) : Acts{{}, {}, {}, K};
   std::vector<uint8_t> buf8(quads ? acts8_bytes(T, K) : 0);
-  const Acts8 a8 = quads ? quantize_acts8(x.data_ptr<float>(), T, K, buf8.data()) : Acts8{};
+  const Acts8 a8 =
+      quads ? quantize_acts8(x.data_ptr<float>(), T, K, kquads ? 256 : QB, buf8.data()) : Acts8{};
   float* op = out.data_ptr<float>();
   // Each thread passes its groups over the activation rows a chunk at a time: a chunk's codes
   // (~256 KiB of int16) stay in the core's L2 instead of every group streaming all T rows again.

@@ -222,29 +222,69 @@ def test_gguf_blocks_repack_exactly(type_name, activations):
     assert packed.numel() == 48 * row + 16 * (w.shape[1] // 32 * 34)
 
 
+def _activation_span(types, activations):
+    """Features a step of the activations covers: int8 for a weight with a K-quant group, one
+    step a super-block of 256 (llama.cpp's Q8_K); else one a block of 32."""
+    return 256 if activations == "int8" and any(t.endswith("_K") for t in types) else QBLOCK
+
+
+def _assert_within_rounding(out, x, w, bias, qmax, span, what):
+    """out [T, N] against float64 x w^T + bias within the activations' rounding (|x - q d| <=
+    d / 2, d = amax / qmax a span of features) and float32 accumulation."""
+    rows = x.shape[0]
+    ref = x.double() @ w.T + bias.double()
+    step = x.view(rows, -1, span).abs().amax(2).double().repeat_interleave(span, dim=1) / qmax
+    magnitude = x.double().abs() @ w.abs().T + bias.double().abs()
+    bound = (step / 2) @ w.abs().T + 1e-5 * magnitude
+    assert ((out - ref).abs() <= bound).all(), (what, rows, ((out - ref).abs() / bound).max())
+
+
 @pytest.mark.usefixtures("cpu_isa")
 @pytest.mark.parametrize("activations", GGUF_ACTIVATIONS)
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_gguf_linear_matches_float_reference(type_name, activations):
     """The kernel (1-8 rows: one tile; more: tiles of 8 over each group of weight rows) against
-    float64 on the gguf package's dequantised weight: within the activations' rounding
-    (|x - q d| <= d / 2, d = amax / 127 (int8) or 32767 (int16) a block of 32) and float32
-    accumulation."""
+    float64 on the gguf package's dequantised weight: within the activations' rounding (d =
+    amax / 127 (int8) or 32767 (int16) a block of 32, or int8 a super-block of 256 where a
+    K-quant takes them) and float32 accumulation."""
     ops = require_built(cpu_ops())
     gen = torch.Generator().manual_seed(5)
-    qmax = GGUF_ACTIVATIONS[activations]
     packed, meta, w = _gguf_weight(type_name, np.random.default_rng(1), activations)
     w = w.double()
     bias = torch.randn(42, generator=gen)
+    span = _activation_span([type_name], activations)
     for rows in (1, 2, 3, 5, 8, 9, 17, 64):
         x = torch.randn(rows, w.shape[1], generator=gen)
         x[0, :40] *= 100  # blocks of very different steps
-        ref = x.double() @ w.T + bias.double()
         out = ops.gguf_linear(x, packed, meta, bias).double()
-        step = x.view(rows, -1, QBLOCK).abs().amax(2).double().repeat_interleave(QBLOCK, dim=1) / qmax
-        magnitude = x.double().abs() @ w.abs().T + bias.double().abs()
-        bound = (step / 2) @ w.abs().T + 1e-5 * magnitude
-        assert ((out - ref).abs() <= bound).all(), (type_name, rows, ((out - ref).abs() / bound).max())
+        _assert_within_rounding(out, x, w, bias, GGUF_ACTIVATIONS[activations], span, type_name)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("activations", GGUF_ACTIVATIONS)
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K", "Q5_K"), ("Q6_K", "Q4_0", "Q8_0", "Q4_1"), ("Q5_0", "Q8_0")])
+def test_gguf_fused_weight_of_mixed_types(types, activations):
+    """A fused weight (QKV, gate-up) whose segments are of different types, odd row counts (not
+    whole groups), K = 768 (3 super-blocks): one quantization of the activations serves every
+    group (a K-quant among them: int8 steps a super-block of 256 for all), 1-8 rows and more."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    ops = require_built(cpu_ops())
+    rng, gen = np.random.default_rng(3), torch.Generator().manual_seed(6)
+    k = 768
+    segments = [(t, _random_blocks(t, n, k, rng)) for t, n in zip(types, (21, 16, 9, 3))]
+    packed, meta = pack_segments(segments, activations)
+    w = torch.from_numpy(
+        np.concatenate([dequantize(d, GGMLQuantizationType[t]) for t, d in segments]).astype(np.float64)
+    )
+    bias = torch.randn(w.shape[0], generator=gen)
+    span = _activation_span(types, activations)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13):
+        x = torch.randn(rows, k, generator=gen)
+        x[-1, 300:310] *= 50  # one row with a super-block of a much larger step
+        out = ops.gguf_linear(x, packed, meta, bias).double()
+        _assert_within_rounding(out, x, w, bias, GGUF_ACTIVATIONS[activations], span, types)
 
 
 @pytest.mark.usefixtures("cpu_isa")
