@@ -94,6 +94,18 @@ def parse_batched_bench(stdout: str, batch: int) -> dict:
     raise ValueError(f"llama-batched-bench printed no result for {batch} sequences: {stdout[:300]!r}")
 
 
+def run_batched_bench(cmd: list[str], batch: int, tries: int = 3) -> dict:
+    """llama-batched-bench prints its table through llama.cpp's logger, whose writer thread can
+    lose the last lines at exit (exit 0, nothing on stdout: ~1 run in 6 on a busy machine);
+    such a run is run again, up to `tries` times."""
+    stdout = run_tool(cmd)
+    for _ in range(tries - 1):
+        if stdout.strip():
+            break
+        stdout = run_tool(cmd)
+    return parse_batched_bench(stdout, batch)
+
+
 def run_tool(cmd: list[str], with_stderr: bool = False) -> str:
     """Run a llama.cpp tool -> its stdout (and its log, stderr, after it); RuntimeError with the
     log's end when it fails."""
@@ -109,9 +121,8 @@ def llama_cpp_figures(path, threads: int, prefills, n_gen: int, batch: int, repe
     bench = parse_llama_bench(
         run_tool(llama_bench_command(find_tool("llama-bench"), path, threads, prefills, n_gen, repetitions))
     )
-    batched = parse_batched_bench(
-        run_tool(batched_bench_command(find_tool("llama-batched-bench"), path, threads, prefills[0], n_gen, batch)),
-        batch,
+    batched = run_batched_bench(
+        batched_bench_command(find_tool("llama-batched-bench"), path, threads, prefills[0], n_gen, batch), batch
     )
     return {
         DECODE_1: bench["decode"],

@@ -132,6 +132,26 @@ NEEDED = ("llama-bench", "llama-batched-bench")
     f"under {tool_path('llama-bench').parent}); `make llama-cpp` builds them (~15 min on 2 "
     "cores), which CI does not do",
 )
+def test_batched_bench_run_again_when_its_log_is_lost(tmp_path):
+    """llama-batched-bench's logger thread can drop its table at exit (exit 0, empty stdout):
+    the run is repeated; a tool that never prints is still refused, naming the tool."""
+    from pagedllm.benchmarks.llama_cpp_compare import run_batched_bench
+
+    row = '{"pp": 16, "tg": 4, "pl": 4, "speed_pp": 100.0, "speed_tg": 40.0}'
+    tool = tmp_path / "flaky-bench"
+    count = tmp_path / "runs"
+    # prints nothing on its first run, the table on the next ones
+    tool.write_text(f"#!/bin/sh\necho x >> {count}\n[ $(wc -l < {count}) -gt 1 ] && echo '{row}'\nexit 0\n")
+    tool.chmod(0o755)
+    assert run_batched_bench([str(tool)], 4) == {"decode": 40.0, "prefill": 100.0}
+    assert count.read_text().count("x") == 2
+    silent = tmp_path / "silent-bench"
+    silent.write_text("#!/bin/sh\nexit 0\n")
+    silent.chmod(0o755)
+    with pytest.raises(ValueError, match="llama-batched-bench printed no result for 4 sequences"):
+        run_batched_bench([str(silent)], 4)
+
+
 def test_real_run_on_a_made_file(tmp_path):
     """`pagedllm make-gguf` writes a tiny Q8_0 file; the bench runs llama.cpp's tools and the
     engine on it: every figure of both sides is there and positive, and llama.cpp's weight bytes
