@@ -57,6 +57,9 @@ VARIABLES: dict[str, EnvVar] = {
     ),
     "PAGEDLLM_RESPONSES_STORE_TTL_S": EnvVar(_number(float, 3600.0), "seconds a stored response is kept"),
     "PAGEDLLM_API_KEY": EnvVar(_text(None), "the server's API key when --api-key is not given"),
+    "PAGEDLLM_SERVER_DEV_MODE": EnvVar(
+        _switch(False), "1: the server's development routes too (POST /reset_prefix_cache; vLLM's VLLM_SERVER_DEV_MODE)"
+    ),
     "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(
         _switch(False), "1: as --allow-runtime-lora-updating (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)"
     ),

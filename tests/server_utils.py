@@ -199,7 +199,10 @@ DEFAULT_SERVER_ARGS = [
 # requests then outlast any stall of the client (hundreds of steps), and end at the disconnect.
 LONG_PROMPT = "Tell me a long story about a dragon."
 LONG_STEP_TOKEN, LONG_STEP_MS = 17422, 50
-DEFAULT_SERVER_ENV = {"PAGEDLLM_FAULT_INJECTION": f"slow:{LONG_STEP_TOKEN}:{LONG_STEP_MS}"}
+DEFAULT_SERVER_ENV = {
+    "PAGEDLLM_FAULT_INJECTION": f"slow:{LONG_STEP_TOKEN}:{LONG_STEP_MS}",
+    "PAGEDLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+}
 # The Responses store is off unless asked for (as vLLM's): on for the shared tiny and tool servers.
 RESPONSES_STORE_ON = {"PAGEDLLM_ENABLE_RESPONSES_API_STORE": "1"}
 TINY_SERVER_MAX_MODEL_LEN = 64

@@ -293,6 +293,12 @@ class AsyncLLM:
         self.check_health()
         return (await self.client.get_stats(timeout)).as_dict()
 
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Empty every core's prefix cache; False (nothing reset) while requests hold blocks."""
+        self.check_health()
+        done = await self.client.call_utility("reset_prefix_cache", timeout=timeout)
+        return all(done) if isinstance(done, list) else bool(done)
+
     # ------------------------------------------------------------ outputs
     async def _output_loop(self) -> None:
         try:

@@ -213,6 +213,8 @@ class EngineCoreProc:
     def utility(self, method: str, args: list):
         if method == "get_stats":
             return self.stats()
+        if method == "reset_prefix_cache":
+            return self.core.reset_prefix_cache()
         if method == "ping":
             return "pong"
         raise ValueError(f"unknown utility method {method!r}")

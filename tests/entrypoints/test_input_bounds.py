@@ -259,3 +259,8 @@ def test_chat_and_prompt_list_bounds_server_400(client):
         stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)],
     )
     assert len(r.choices) == 2
+
+
+def test_development_routes_off_by_default(server):
+    """POST /reset_prefix_cache exists only with PAGEDLLM_SERVER_DEV_MODE=1 (as vLLM's dev mode)."""
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 404

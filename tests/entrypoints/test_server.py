@@ -689,6 +689,28 @@ def test_prefix_cache_reported_in_usage_and_metrics(server, client):
     assert 0 < m["pagedllm:prefix_cache_hit_rate"] <= 1
 
 
+@pytest.mark.timeout(120)
+def test_reset_prefix_cache_endpoint(server, client):
+    """POST /reset_prefix_cache (development mode): a prompt cached by its first request is not
+    found after the reset; refused with a 409 error object while a request is running."""
+    prompt = "A ledger of tides, winds and the harbour's cargo, written every morning. " * 10
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(**kw)
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens > 0
+    wait_idle(server)
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    # A long request (LONG_PROMPT: each of its steps sleeps) in flight until the stream is closed.
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 800, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # kept: a closed line iterator closes the stream (an abort)
+        next(line for line in lines if line.startswith("data: "))
+        busy = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "requests_running", busy.text
+    wait_idle(server)
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
+
+
 # ------------------------------------------------------------------ shutdown (last: it stops the server)
 @pytest.mark.stops_server
 @pytest.mark.timeout(120)

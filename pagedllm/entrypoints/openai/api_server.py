@@ -27,14 +27,20 @@ from typing import Optional, Sequence
 import uvicorn
 from fastapi import FastAPI
 
-from pagedllm import __version__
+from pagedllm import __version__, envs
 from pagedllm.engine.async_encoder import make_async_engine
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import AuthMiddleware
 from pagedllm.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES, FrontendArgs
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
-from pagedllm.entrypoints.openai.routes import PROTECTED_PATHS, openai_router, server_router, tokenize_router
+from pagedllm.entrypoints.openai.routes import (
+    PROTECTED_PATHS,
+    dev_router,
+    openai_router,
+    server_router,
+    tokenize_router,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_classify import OpenAIServingClassify
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -85,6 +91,8 @@ def build_app(
         serving.models = state.models
     for router in (openai_router, tokenize_router, server_router):
         app.include_router(router)
+    if envs.PAGEDLLM_SERVER_DEV_MODE:
+        app.include_router(dev_router)
     add_exception_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added last: outermost, a request without the key is refused before anything

@@ -1,6 +1,6 @@
 """The server's routes, one APIRouter per concern, as vLLM's api_server has them: the OpenAI API
 (/v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages, /v1/embeddings, /v1/models), tokenisation (/tokenize, /detokenize) and
-the server's own (/health, /version, /metrics). A route finds the engine and the serving objects
+the server's own (/health, /version, /metrics; POST /reset_prefix_cache in development mode). A route finds the engine and the serving objects
 on `app.state` (set by `build_app`)."""
 
 from __future__ import annotations
@@ -45,8 +45,19 @@ logger = logging.getLogger("pagedllm.server")
 openai_router = APIRouter()
 tokenize_router = APIRouter()
 server_router = APIRouter()
+dev_router = APIRouter()  # with PAGEDLLM_SERVER_DEV_MODE=1 only (vLLM's development routes)
 # What --api-key guards: everything but the server's own routes (a probe needs no key).
-PROTECTED_PATHS = ("/v1", "/v2", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/classify")
+PROTECTED_PATHS = (
+    "/v1",
+    "/v2",
+    "/tokenize",
+    "/detokenize",
+    "/score",
+    "/rerank",
+    "/pooling",
+    "/classify",
+    "/reset_prefix_cache",
+)
 # Other paths of the same endpoint (an encoder model lists the canonical ones).
 _ALIASES = {"/v1/score": "/score", "/rerank": "/v1/rerank", "/v2/rerank": "/v1/rerank", "/v1/classify": "/classify"}
 
@@ -297,3 +308,24 @@ async def metrics(raw_request: Request):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return Response(generate_latest(engine(raw_request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@dev_router.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw_request: Request):
+    """Forget every cached block (e.g. between timed benchmark runs): 200, or 409 while requests
+    are running (their blocks stay cached: nothing is reset)."""
+    eng = engine(raw_request)
+    if not isinstance(eng, AsyncLLM):
+        raise OpenAIError("/reset_prefix_cache: this model has no prefix cache (an encoder model)", status=400)
+    try:
+        done = await eng.reset_prefix_cache()
+    except EngineDeadError as e:
+        return engine_error(e)
+    if not done:
+        raise OpenAIError(
+            "the prefix cache cannot be reset while requests are running; retry when the server is idle",
+            status=409,
+            type="conflict_error",
+            code="requests_running",
+        )
+    return Response(status_code=200)
