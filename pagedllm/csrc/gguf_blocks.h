@@ -117,17 +117,18 @@ inline void over_tiles(int64_t t_begin, int64_t T, Args&&... args) {
 // The int8 activations of T rows (gguf_int8.cpp): codes with one step d = amax / 127 per `span`
 // features (32: as llama.cpp's Q8_0; 256: as its Q8_K, when a K-quant group takes them, so that
 // a super-block's integer sums add up before one float scaling), each block of 32's step (the
-// span's, repeated), the integer sums of each 16 codes.
+// span's, repeated), the integer sums of each 16 codes (|sum| <= 16 x 127: int16, so that a
+// block's two are one int32 pair for vpmaddwd / vpdpwssd).
 struct Acts8 {
   int8_t* q;     // [T, K]
   float* d;      // [T, K/32]
-  int32_t* sum;  // [T, K/16]
+  int16_t* sum;  // [T, K/16]
   int64_t K;
   int64_t span;  // features a step: 32 or 256
 };
-// Needs T K + 4 T K / 32 + 4 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
+// Needs T K + 4 T K / 32 + 2 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf);
-inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 4 * (T * K / QB) + 4 * (T * K / 16); }
+inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 4 * (T * K / QB) + 2 * (T * K / 16); }
 // Output rows [row0, row0 + rows) of one quads group g for activation rows [t_begin, T).
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
                 int rows, const float* bias, float* out, int64_t N);

@@ -30,7 +30,7 @@ namespace gguf {
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
   TORCH_CHECK((span == QB || span == 256) && K % span == 0, "int8 activations: span ", span, " for K ", K);
   Acts8 a{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + T * K),
-          reinterpret_cast<int32_t*>(buf + T * K + 4 * (T * K / QB)), K, span};
+          reinterpret_cast<int16_t*>(buf + T * K + 4 * (T * K / QB)), K, span};
   at::parallel_for(0, T * K / span, 32, [&](int64_t c0, int64_t c1) {
     for (int64_t s = c0; s < c1; ++s) {
       const float* xs = x + s * span;
@@ -44,7 +44,7 @@ Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t
         for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
         for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
         a.d[b] = d;
-        a.sum[2 * b] = s0, a.sum[2 * b + 1] = s1;
+        a.sum[2 * b] = (int16_t)s0, a.sum[2 * b + 1] = (int16_t)s1;
       }
     }
   });
@@ -71,12 +71,14 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), _mm512_set1_epi32(x));
 }
 constexpr int SIGNED_OFFSET = 128;
+// acc + the int16 pairs of a times the pair at x (2 products a lane).
+inline VI dotw(VI acc, VI a, const int32_t* x) { return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(*x)); }
+// Lanes a (< 2^15) as the low int16 of each pair, b as the high.
+inline VI pair16(VI a, VI b) { return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16)); }
 inline VI add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
 inline VI u8i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline VI s8i(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-// a (lanes < 2^15) times x (|x| < 2^15) by vpmaddwd: a's high halves are 0.
-inline VI mul16(VI a, int32_t x) { return _mm512_madd_epi16(a, _mm512_set1_epi32(x)); }
 #else
 using VI = __m256i;
 inline VI load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -99,11 +101,14 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 constexpr int SIGNED_OFFSET = 0;
+inline VI dotw(VI acc, VI a, const int32_t* x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*x)));
+}
+inline VI pair16(VI a, VI b) { return _mm256_blend_epi16(a, _mm256_slli_epi32(b, 16), 0xAA); }
 inline VI add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 inline VI u8i(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline VI s8i(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-inline VI mul16(VI a, int32_t x) { return _mm256_madd_epi16(a, _mm256_set1_epi32(x)); }
 #endif
 
 // The weight stream ahead into L2 (T1: into L1 the requests queue on its few miss buffers).
@@ -173,7 +178,7 @@ inline void scale_into(VF* y, const VI* acc, VF s, int off, const VF* m, const A
                        int64_t b) {
   for (int r = 0; r < M; ++r) {
     const float dx = a.d[(t0 + r) * (a.K / QB) + b];
-    const int32_t* xs = a.sum + (t0 + r) * (a.K / 16) + 2 * b;
+    const int16_t* xs = a.sum + (t0 + r) * (a.K / 16) + 2 * b;
     const int32_t sx = xs[0] + xs[1];
     y[r] = fma(mul(s, set1(dx)), cvt(off ? sub(acc[r], off * sx) : acc[r]), y[r]);
     if (m) y[r] = fma(*m, set1(dx * (float)sx), y[r]);
@@ -181,43 +186,48 @@ inline void scale_into(VF* y, const VI* acc, VF s, int off, const VF* m, const A
 }
 
 // One K-quant super-block (8 blocks of 32, one activation step dx a row) into y[M]: each
-// block's integer sum times its integer sub-scale added up in int32 (and the mins' Σ mn Σx),
-// then scaled once: y += d dx Σ sc sum - dmin dx Σ mn Σx. Q6_K: per 16 features a signed scale,
-// the codes' 32 taken off each half's sum. |int32| <= 16 x 128 x 32 x 16 x 127 < 2^31.
+// block's integer sum times its integer sub-scale added up in int32, scaled once: y += d dx Σ sc
+// sum; then the mins, y -= dmin dx Σ mn Σx, in a pass of their own (so that the sums' loop holds
+// no more registers), by vpdpwssd on int16 pairs: a block's two sums of 16 against mn in both
+// halves of a lane. Q6_K: per 16 features a signed scale, the codes' 32 taken off as 32 d dx Σ sc
+// Σx (the two halves' scales a pair). |int32| <= 16 x 128 x 16 x 63 x 127 < 2^31.
 template <int M>
 inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, int64_t t0, int64_t s, int rb,
                               VF* y) {
   const int cb = 4 * rb;
-  VI acc[M], acc2[M], isum[M], imin[M];
+  VI acc[M], acc2[M], isum[M];
   const int32_t* xq[M];
-  const int32_t* xs[M];  // the rows' sums of 16 codes at this super-block
-  for (int r = 0; r < M; ++r)
-    isum[r] = zero_i(), imin[r] = zero_i(), xs[r] = a.sum + (t0 + r) * (a.K / 16) + 16 * s;
+  for (int r = 0; r < M; ++r) isum[r] = zero_i();
   for (int j = 0; j < 8; ++j) {
     quads<M>(a, t0, s * 8 + j, xq);
     if (type == Q6_K) {
       dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
       const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
-      for (int r = 0; r < M; ++r)
-        isum[r] = add(isum[r], add(mullo(sub(acc[r], 32 * xs[r][2 * j]), sc0),
-                                   mullo(sub(acc2[r], 32 * xs[r][2 * j + 1]), sc1)));
+      for (int r = 0; r < M; ++r) isum[r] = add(isum[r], add(mullo(acc[r], sc0), mullo(acc2[r], sc1)));
     } else {
       if (type == Q4_K)
         dot_u4<M>(p + 320 + j * 256 + cb, xq, acc);
       else
         dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
-      const VI sc = u8i(p + 64 + j * 16 + rb), mn = u8i(p + 192 + j * 16 + rb);
-      for (int r = 0; r < M; ++r)
-        isum[r] = add(isum[r], mullo(acc[r], sc)),
-        imin[r] = add(imin[r], mul16(mn, xs[r][2 * j] + xs[r][2 * j + 1]));
+      const VI sc = u8i(p + 64 + j * 16 + rb);
+      for (int r = 0; r < M; ++r) isum[r] = add(isum[r], mullo(acc[r], sc));
     }
   }
-  const VF d = f16(p + 2 * rb);
+  const VF d = f16(p + 2 * rb), m = type == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * rb);
+  float dx[M];
+  const int32_t* xs[M];  // the rows' pairs of sums of 16 codes (one a block) at this super-block
   for (int r = 0; r < M; ++r) {
-    const float dx = a.d[(t0 + r) * (a.K / QB) + s * 8];
-    y[r] = fma(mul(d, set1(dx)), cvt(isum[r]), y[r]);
-    if (type != Q6_K) y[r] = fma(mul(f16(p + 32 + 2 * rb), set1(-dx)), cvt(imin[r]), y[r]);
+    dx[r] = a.d[(t0 + r) * (a.K / QB) + s * 8];
+    xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
+    y[r] = fma(mul(d, set1(dx[r])), cvt(isum[r]), y[r]);
+    isum[r] = zero_i();
   }
+  for (int j = 0; j < 8; ++j) {
+    const VI w = type == Q6_K ? pair16(s8i(p + 32 + (2 * j) * 16 + rb), s8i(p + 32 + (2 * j + 1) * 16 + rb))
+                              : pair16(u8i(p + 192 + j * 16 + rb), u8i(p + 192 + j * 16 + rb));
+    for (int r = 0; r < M; ++r) isum[r] = dotw(isum[r], w, xs[r] + j);
+  }
+  for (int r = 0; r < M; ++r) y[r] = fma(mul(m, set1(-dx[r])), cvt(isum[r]), y[r]);
 }
 
 // M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M].

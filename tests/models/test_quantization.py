@@ -253,7 +253,7 @@ def test_gguf_linear_matches_float_reference(type_name, activations):
     w = w.double()
     bias = torch.randn(42, generator=gen)
     span = _activation_span([type_name], activations)
-    for rows in (1, 2, 3, 5, 8, 9, 17, 64):
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 31, 64, 67):
         x = torch.randn(rows, w.shape[1], generator=gen)
         x[0, :40] *= 100  # blocks of very different steps
         out = ops.gguf_linear(x, packed, meta, bias).double()
@@ -298,7 +298,7 @@ def test_gguf_linear_integer_sums_exact(type_name, activations):
     gen = torch.Generator().manual_seed(9)
     qmax = GGUF_ACTIVATIONS[activations]
     packed, meta, w = _gguf_weight(type_name, np.random.default_rng(2), activations)
-    for rows in (1, 4, 8, 11, 19):
+    for rows in (1, 4, 8, 11, 16, 19, 31, 35, 67):
         x = torch.randint(-min(300, qmax), min(300, qmax) + 1, (rows, w.shape[1]), generator=gen).float()
         x[:, ::QBLOCK] = qmax
         ref = x.double() @ w.double().T
