@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", torch::wrap_pybind_function_no_gil(gguf_linear), "gguf_linear");
   m.def("gguf_dequantize_rows", torch::wrap_pybind_function_no_gil(gguf_dequantize_rows),
         "gguf_dequantize_rows");
+  m.def("argmax_rows", torch::wrap_pybind_function_no_gil(argmax_rows), "argmax_rows");
   m.def("compiled_isa", compiled_isa, "compiled_isa");
   m.def("decode_layers", torch::wrap_pybind_function_no_gil(decode_layers), "decode_layers");
 }

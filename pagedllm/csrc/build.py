@@ -40,6 +40,7 @@ SOURCES = (
     "quant_ops.cpp",
     "gguf_linear.cpp",
     "gguf_int8.cpp",
+    "argmax.cpp",
     "bindings.cpp",
 )
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fopenmp")

@@ -19,6 +19,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
                    torch::Tensor q_start, torch::Tensor q_len, torch::Tensor seq_lens,
                    torch::Tensor block_table, int64_t block_size, double scale, int64_t window);
 
+// argmax.cpp
+torch::Tensor argmax_rows(torch::Tensor logits);
+
 // fused_ops.cpp
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);

@@ -18,6 +18,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.lora.worker_manager import make_lora_manager
 from pagedllm.models.cpu_decode_loop import build_decode_loop
+from pagedllm.models.cpu_ops import cpu_ops
 from pagedllm.models.layers.mamba.state_layer import state_layers
 from pagedllm.models.loader import load_model
 from pagedllm.profiler import PROFILER
@@ -107,7 +108,7 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, cc.block_size, self.num_kv_cache_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.faults = FaultInjector.from_env()  # tests only (PAGEDLLM_FAULT_INJECTION)
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_ops() if self.device.type == "cpu" else None)
         # --runner pooling: prompts are pooled, never sampled (worker/pooler.py).
         self.pooler = Pooler(mc.pooler_config) if mc.runner == "pooling" else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

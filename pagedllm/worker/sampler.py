@@ -29,6 +29,22 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 
 
+def greedy_argmax(logits: torch.Tensor, ops=None) -> torch.Tensor:
+    """logits [B, V] -> [B] int64, torch.argmax(dim=-1)'s answer (first index of the largest, a
+    NaN the largest). ops: the C++ extension (csrc/argmax.cpp) for CPU logits, or None: torch's
+    CPU argmax takes ~1 element a cycle, 5 ms a 128-row step over SmolLM2's 49,152 logits."""
+    if (
+        ops is not None
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+    ):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32, 0 = greedy row
@@ -174,13 +190,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: all per-request state lives in SamplingMetadata (and the callers' generators)."""
+    """Stateless: all per-request state lives in SamplingMetadata (and the callers' generators).
+    argmax_ops: the C++ extension the greedy argmax of CPU logits runs on (built at load time), or
+    None (torch's argmax)."""
+
+    def __init__(self, argmax_ops=None) -> None:
+        self.argmax_ops = argmax_ops
 
     def __call__(self, logits: torch.Tensor, md: Optional[SamplingMetadata]) -> SamplerOutput:
         """md None: every row is plain greedy (SamplingParams.plain_greedy), so the tokens are
         the logits' argmax and no metadata is built (a batch-1 step saves ~0.3 ms)."""
         if md is None:
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(greedy_argmax(logits, self.argmax_ops), None, None, None)
         logits = logits.float()  # [B, V]; no copy when already float32
         raw_logprobs = None
         if md.max_num_logprobs is not None:
@@ -188,12 +209,12 @@ class Sampler:
 
         logits = apply_logits_processors(logits, md)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits, self.argmax_ops)
         elif md.all_random:
             sampled = _sample_random(logits, md)
         else:
             # Only the random rows pay for filtering and noise.
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits, self.argmax_ops)
             sampled[md.random_rows] = _sample_random(logits, md)
 
         if raw_logprobs is None:
