@@ -25,14 +25,16 @@
 // Q4_1 / Q5_1's m, Q4_K / Q5_K's -dmin mn). Each block's 16 row sums are exact int32 (|code| <=
 // 128, |x| <= 32767, 32 products), scaled in float32: y += (s dx) sum + m xsum.
 //
-// Threads over row groups; within a group the activation rows in tiles of 8 (each tile reuses
-// the group's codes from L1), so 1-8 rows (decode) and prefill share one kernel; many rows in
-// chunks that stay in L2 while every group passes. AVX-512 (VNNI):
-// 16 rows a vector; AVX2: 8, each group in two halves (madd + add for vpdpwssd). Others: scalar.
+// Threads over row groups (decode rows: runs of groups claimed in turn); within a group the
+// activation rows in tiles of 8 (each tile reuses the group's codes from L1), so 1-8 rows
+// (decode) and prefill share one kernel; many rows in chunks that stay in L2 while every group
+// passes. AVX-512 (VNNI): 16 rows a vector; AVX2: 8, each group in two halves (madd + add for
+// vpdpwssd). Others: scalar.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -325,6 +327,27 @@ Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int6
   return Groups{packed.data_ptr<uint8_t>(), m, G, N};
 }
 
+// One tile of activation rows (decode): the groups in runs of ~CLAIM_BYTES, each run claimed by
+// the next thread to ask, in order. A static half each leaves one thread waiting at the join
+// (spinning in libgomp) whenever the halves take different times: mixed types in a fused weight
+// (Q4_K_M's qkv where v is Q6_K), a thread that starts late (the fork's wake-up) or streams
+// slower. Runs of ~256 KiB: a few hundred atomic claims for the largest weight (the LM head),
+// each run long enough for the hardware prefetchers.
+constexpr int64_t CLAIM_BYTES = int64_t{1} << 18;
+
+template <class Run>
+void run_decode_rows(const Groups& gs, int64_t K, int64_t T, const Run& run) {
+  const int64_t type = gs.meta[1];
+  const int64_t group_bytes = K / superblock_features(type) * superblock_bytes(type);
+  const int64_t per_claim = std::max<int64_t>(1, CLAIM_BYTES / group_bytes);
+  const int64_t claims = (gs.G + per_claim - 1) / per_claim;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), claims), 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < claims;)
+      for (int64_t g = c * per_claim; g < std::min(gs.G, (c + 1) * per_claim); ++g) run(g, 0, T);
+  });
+}
+
 }  // namespace
 
 // x [T, K] float32; packed uint8 and meta [G, 4] int64 (the layout above) -> [T, N] float32.
@@ -352,20 +375,24 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   const Acts8 a8 =
       quads ? quantize_acts8(x.data_ptr<float>(), T, K, kquads ? 256 : QB, buf8.data()) : Acts8{};
   float* op = out.data_ptr<float>();
+  auto run = [&](int64_t g, int64_t t0, int64_t t1) {
+    const int64_t* e = gs.meta + 4 * g;
+    if (e[1] >= QUADS)
+      run_group8(gs.base + e[0], e[1], a8, t0, t1, e[2], (int)e[3], b, op, gs.N);
+    else
+      run_group(gs.base + e[0], e[1], a, t0, t1, e[2], (int)e[3], b, op, gs.N);
+  };
+  if (T <= TILE) {  // decode rows: the weight streamed once, by whichever thread is free
+    run_decode_rows(gs, K, T, run);
+    return out;
+  }
   // Each thread passes its groups over the activation rows a chunk at a time: a chunk's codes
   // (~256 KiB of int16) stay in the core's L2 instead of every group streaming all T rows again.
   // One parallel region (no barrier per chunk: on a busy machine each costs a time slice).
   const int64_t chunk = std::max<int64_t>(TILE, (int64_t{1} << 17) / K / TILE * TILE);
   at::parallel_for(0, gs.G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t t0 = 0; t0 < T; t0 += chunk)
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t* e = gs.meta + 4 * g;
-        const int64_t t1 = std::min(T, t0 + chunk);
-        if (e[1] >= QUADS)
-          run_group8(gs.base + e[0], e[1], a8, t0, t1, e[2], (int)e[3], b, op, gs.N);
-        else
-          run_group(gs.base + e[0], e[1], a, t0, t1, e[2], (int)e[3], b, op, gs.N);
-      }
+      for (int64_t g = g0; g < g1; ++g) run(g, t0, std::min(T, t0 + chunk));
   });
   return out;
 }

@@ -289,6 +289,38 @@ def test_gguf_fused_weight_of_mixed_types(types, activations):
 
 @pytest.mark.usefixtures("cpu_isa")
 @pytest.mark.parametrize("activations", GGUF_ACTIVATIONS)
+def test_gguf_decode_rows_over_many_claims(activations):
+    """Decode rows (1-8) of a weight of many groups, handed to the threads in runs of ~256 KiB
+    claimed in turn: a fused weight of three types (3500 rows, K = 256: several runs, the last
+    short) is whole against float64 on the gguf package's dequantisation, on 1 and 2 threads
+    (a run skipped would leave the output's uninitialised rows)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    ops = require_built(cpu_ops())
+    rng, gen = np.random.default_rng(4), torch.Generator().manual_seed(8)
+    k = 256
+    segments = [(t, _random_blocks(t, n, k, rng)) for t, n in (("Q6_K", 1500), ("Q4_0", 1700), ("Q8_0", 300))]
+    packed, meta = pack_segments(segments, activations)
+    w = torch.from_numpy(
+        np.concatenate([dequantize(d, GGMLQuantizationType[t]) for t, d in segments]).astype(np.float64)
+    )
+    bias = torch.randn(w.shape[0], generator=gen)
+    span = _activation_span(["Q6_K"], activations)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 3, 8):
+                x = torch.randn(rows, k, generator=gen)
+                out = ops.gguf_linear(x, packed, meta, bias).double()
+                _assert_within_rounding(out, x, w, bias, GGUF_ACTIVATIONS[activations], span, (n_threads, rows))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("activations", GGUF_ACTIVATIONS)
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_gguf_linear_integer_sums_exact(type_name, activations):
     """Activations the codes hold exactly (integers, each block's largest the codes' largest,
