@@ -6,7 +6,7 @@ mmap and unmaps it when freed, and trims the heap's free top past its trim thres
 op's output then takes a page fault, and the kernel zeroes the page, for every 4 KiB it writes.
 A 2,048-token prefill step of SmolLM2-135M allocates ~1 GB of such outputs (the gate_up
 output alone is 12.6 MB a layer) and took 70-110 k page faults, 0.15-0.4 s of system time
-against 2.5 s of compute at one thread. vLLM's CPU build preloads tcmalloc for the same
+against 2.5 s of compute at one thread. vLLM's CPU guide preloads tcmalloc for the same
 reason.
 
 Fixed thresholds instead (mallopt, which also ends the adaptive raising): blocks up to 32 MiB
