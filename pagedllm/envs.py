@@ -85,6 +85,10 @@ VARIABLES: dict[str, EnvVar] = {
     ),
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),
     "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of all-decode steps"),
+    "PAGEDLLM_CPU_MALLOC_KEEP": EnvVar(
+        _switch(True),
+        "0: leave glibc's malloc thresholds (a CPU engine keeps freed activations mapped: worker/cpu_malloc.py)",
+    ),
     "PAGEDLLM_PP_BATCH_QUEUE": EnvVar(_switch(True), "0: one pipeline-parallel step in flight, not several"),
     "PAGEDLLM_WORKER_START_TIMEOUT_S": EnvVar(
         _number(float, 600.0), "seconds for tp/pp workers to start and load the model"

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.cpu_malloc import keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -50,6 +51,8 @@ class Worker:
         """Join the process groups of a split model (store: rank 0's own TCPStore)."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
+        if self.config.device_config.device == "cpu":
+            keep_freed_memory()  # the step's activations reuse their pages (worker/cpu_malloc.py)
         pc = self.config.parallel_config
         if pc.world_size == 1:
             return

@@ -1,0 +1,49 @@
+"""keep_freed_memory: with glibc's thresholds set, a step's freed activations keep their pages,
+so the next step's outputs take no page faults; counted by the kernel (getrusage's minor
+faults) in a fresh process each, beside a process with glibc's defaults that does fault (so
+the count can tell them apart on this machine)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc's malloc only"
+)
+
+# Three 12 MiB outputs at once, freed, four times over (a prefill layer's gate_up outputs):
+# -> the minor faults of the last round (the heap settles after two).
+SCRIPT = """
+import resource, sys, torch
+from pagedllm.worker.cpu_malloc import keep_freed_memory
+print(keep_freed_memory())
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    before = faults()
+    outs = [torch.empty(2048, 3072, dtype=torch.bfloat16).fill_(1) for _ in range(3)]  # 3 x 12 MiB
+    del outs
+print(faults() - before)
+"""
+PAGES = 3 * 2048 * 3072 * 2 // 4096
+
+
+def run(keep: str) -> tuple[str, int]:
+    env = dict(os.environ, PAGEDLLM_CPU_MALLOC_KEEP=keep)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True)
+    applied, faults = out.stdout.split()
+    return applied, int(faults)
+
+
+def test_freed_activations_are_reused_without_page_faults():
+    applied, faults = run("1")
+    assert applied == "True"
+    assert faults < PAGES // 20, faults
+
+
+def test_switched_off_glibc_defaults_fault_on_every_page():
+    applied, faults = run("0")
+    assert applied == "False"
+    assert faults > PAGES // 2, faults  # what the thresholds save
