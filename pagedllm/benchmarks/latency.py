@@ -1,7 +1,8 @@
 """`pagedllm bench latency`: time to first token and time per output token of a batch of
-B requests (B = 1, 64, ...), a per-phase step profile (`--profile`), and llama.cpp on the same
-weights and threads: its own tools on a GGUF file (`--llama-cpp FILE.gguf`, llama_cpp_compare.py)
-or, at batch 1, llama-cpp-python on the default model's GGUF (`--llama-cpp f32 bf16 q4_1`).
+B requests (B = 1, 64, ...), a per-phase step profile (`--profile`), vLLM's CPU build on the
+same prompts (`--against vllm`, against/latency.py), and llama.cpp on the same weights and
+threads: its own tools on a GGUF file (`--llama-cpp FILE.gguf`, llama_cpp_compare.py) or, at
+batch 1, llama-cpp-python on the default model's GGUF (`--llama-cpp f32 bf16 q4_1`).
 
 pagedllm runs through LLMEngine with streaming outputs (what the server does), one
 `step()` at a time, so that prefill steps and decode steps are timed apart.
@@ -15,6 +16,7 @@ import os
 import sys
 import time
 
+from pagedllm.benchmarks.against.offline import add_against_args
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, random_requests, write_json
 from pagedllm.models.layers.quantization.registry import quantization_choices, takes_group_size
 
@@ -95,6 +97,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="--torch-profile's decode steps run B requests (the first B prompts of the "
         "largest --batch-size; default 1)",
     )
+    add_against_args(p, "instead of the runs above: TPOT / TTFT of each --batch-size against ")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
     p.add_argument(
         "--plot",
@@ -413,6 +416,10 @@ def _against_llama_cpp(llm, tok, files: list[str], ns) -> int:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.against:
+        from pagedllm.benchmarks.against.latency import main as against_main
+
+        return against_main(ns)
     import torch
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import LLM

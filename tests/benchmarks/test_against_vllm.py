@@ -129,19 +129,20 @@ def test_both_sides_read_the_same_requests(tmp_path):
     ]
 
 
-def test_pagedllm_runner_produces_each_requested_length(tmp_path):
+def _pagedllm_runner(tmp_path, reqs, max_num_seqs, max_num_batched_tokens, first_token_run=False) -> dict:
+    """The pagedllm side's runner, in its own process as the tool starts it, on random:tiny."""
     from pagedllm.models.download import resolve_model
 
-    reqs = [Req([3, 4, 5, 6], 5), Req(list(range(10, 40)), 2), Req([8], 7)]
     J.write_job(
         str(tmp_path / "job.json"),
         model=str(resolve_model("random:tiny")),
         dtype="float32",
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=64,
         seed=0,
         requests=reqs,
+        first_token_run=first_token_run,
     )
     (tmp_path / "engine.json").write_text(json.dumps({"device": "cpu"}))
     subprocess.run(
@@ -156,7 +157,12 @@ def test_pagedllm_runner_produces_each_requested_length(tmp_path):
         check=True,
         timeout=600,
     )
-    row = json.loads((tmp_path / "out.json").read_text())
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_pagedllm_runner_produces_each_requested_length(tmp_path):
+    reqs = [Req([3, 4, 5, 6], 5), Req(list(range(10, 40)), 2), Req([8], 7)]
+    row = _pagedllm_runner(tmp_path, reqs, 2, 16)
     assert row["system"] == "pagedllm" and row["requests"] == 3
     assert [len(t) for t in row["output_token_ids"]] == [5, 2, 7]
     assert row["input_tokens"] == 4 + 30 + 1 and row["output_tokens"] == 14
@@ -244,3 +250,97 @@ def test_cli_refuses_a_bad_repeat_before_installing_anything(tmp_path):
     )
     assert done.returncode != 0 and "repeat must be >= 1" in done.stderr
     assert not (tmp_path / "v").exists()
+
+
+def test_first_token_run_gives_the_tpot():
+    """A job with first_token_run: the full run, then the same prompts with one token each; the
+    TPOT is the time between over the decode steps (by hand: (2.0 - 0.5) s / (4 - 1) = 500 ms)."""
+    job = {"first_token_run": True, "requests": [{"prompt_token_ids": [5, 6, 7], "output_len": 4}]}
+    calls = []
+
+    class Params:
+        def __init__(self, **kw):
+            self.max_tokens = kw["max_tokens"]
+
+    def generate(prompts, params):
+        calls.append([p.max_tokens for p in (params if isinstance(params, list) else [params] * len(prompts))])
+        return []
+
+    *_, extra = J.run_job(job, generate, Params)
+    assert calls == [[J.WARMUP_OUTPUT_LEN], [4], [1]]  # warm-up, full, first token only
+    assert extra["first_token_s"] >= 0
+
+    class Out:
+        prompt_token_ids = [5, 6, 7]
+        outputs = [argparse.Namespace(token_ids=[1, 2, 3, 4])]
+
+    row = J.result("x", "1", [Out()], 2.0, 1.0, 0.0, {"first_token_s": 0.5})
+    assert row["tpot_ms"] == pytest.approx(500.0) and row["first_token_s"] == 0.5
+    assert "tpot_ms" not in J.result("x", "1", [Out()], 2.0, 1.0, 0.0, {})
+
+
+def test_pagedllm_runner_times_the_first_token_run(tmp_path):
+    row = _pagedllm_runner(tmp_path, [Req(list(range(3, 19)), 6)], 1, 64, first_token_run=True)
+    assert len(row["output_token_ids"][0]) == 6 and 0 < row["first_token_s"] < row["elapsed_s"]
+    assert row["tpot_ms"] == pytest.approx(1e3 * (row["elapsed_s"] - row["first_token_s"]) / 5)
+
+
+def test_latency_tpot_summary():
+    from pagedllm.benchmarks.against.latency import summarize as tpot_summary
+
+    runs = [
+        {"system": "x", "version": "1", "requests": 2, "tpot_ms": t, "first_token_s": f}
+        for t, f in ((40.0, 0.3), (50.0, 0.1), (80.0, 0.2))
+    ]
+    s = tpot_summary(runs)
+    assert (s["tpot_ms"], s["min_tpot_ms"], s["max_tpot_ms"], s["ttft_s"]) == (50.0, 40.0, 80.0, 0.2)
+    assert s["spread_pct"] == pytest.approx(80.0) and s["decode_tok_s"] == pytest.approx(40.0) and s["batch"] == 2
+
+
+def _latency_ns(**over):
+    lat = dict(output_len=64, llama_cpp=None, compare_quantization=None, torch_profile=0)
+    return _ns(**{**lat, **over})
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"output_len": 1}, "output_len"),
+        ({"profile": True}, "--profile"),
+        ({"llama_cpp": ["bf16"]}, "--llama-cpp"),
+        ({"torch_profile": 5}, "--torch-profile"),
+        ({"dtype": "float16"}, "dtype"),
+    ],
+)
+def test_latency_bad_flags_name_the_field(over, field):
+    from pagedllm.benchmarks.against.latency import check_args as latency_check
+
+    with pytest.raises(ValueError, match=field):
+        latency_check(_latency_ns(**over))
+    latency_check(_latency_ns())
+
+
+def test_latency_cli_refuses_bad_input_before_installing_anything(tmp_path):
+    for flags, message in (
+        (["--output-len", "1"], "output_len must be >= 2"),
+        (["--repeat", "0"], "repeat must be >= 1"),
+        (["--batch-size", "0"], "batch_size must be >= 1"),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.entrypoints.cli",
+                "bench",
+                "latency",
+                "--against",
+                "vllm",
+                "--vllm-venv",
+                str(tmp_path / "v"),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+        assert not (tmp_path / "v").exists()

@@ -26,9 +26,12 @@ def write_job(
     max_model_len: int | None,
     seed: int,
     requests,
+    first_token_run: bool = False,
 ) -> dict:
-    """requests: objects with .prompt_token_ids (list[int]) and .output_len (int)."""
+    """requests: objects with .prompt_token_ids (list[int]) and .output_len (int). first_token_run:
+    also time the same prompts with one output token each (time_first_token), for the TPOT."""
     job = {
+        "first_token_run": first_token_run,
         "model": model,
         "dtype": dtype,
         "max_num_seqs": max_num_seqs,
@@ -64,16 +67,23 @@ def warmup_prompts(job: dict) -> list[dict]:
     ]
 
 
-def run_job(job: dict, generate, sampling_params, before_timed=None) -> tuple[list, float, float]:
-    """Warm-up, then all requests in one timed generate call -> timed()'s result. generate(prompts,
-    params) is the engine's; sampling_params its SamplingParams class (both engines' take these
-    keywords); before_timed() runs between the two (a profiler's start)."""
+def run_job(job: dict, generate, sampling_params, before_timed=None) -> tuple[list, float, float, dict]:
+    """Warm-up, then all requests in one timed generate call -> (timed()'s result..., extra).
+    generate(prompts, params) is the engine's; sampling_params its SamplingParams class (both
+    engines' take these keywords); before_timed() runs between the two (a profiler's start).
+    extra: with the job's first_token_run, {"first_token_s": the wall time of the same prompts
+    with one output token each}, timed after the full run (prefix caching is off on both)."""
     prompts, lengths = prompts_and_lengths(job)
     params = [sampling_params(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     generate(warmup_prompts(job), sampling_params(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))
     if before_timed is not None:
         before_timed()
-    return timed(generate, prompts, params)
+    outs, elapsed, cpu = timed(generate, prompts, params)
+    extra = {}
+    if job.get("first_token_run"):
+        one = [sampling_params(temperature=0, max_tokens=1, ignore_eos=True) for _ in lengths]
+        extra["first_token_s"] = timed(generate, prompts, one)[1]
+    return outs, elapsed, cpu, extra
 
 
 def timed(generate, prompts, params) -> tuple[list, float, float]:
@@ -85,12 +95,18 @@ def timed(generate, prompts, params) -> tuple[list, float, float]:
     return outs, time.perf_counter() - t0, time.process_time() - c0
 
 
-def result(system: str, version: str, outs, elapsed: float, cpu: float, load_s: float) -> dict:
-    """One row, the same keys from both runners; token ids kept to compare the two outputs."""
+def result(system: str, version: str, outs, elapsed: float, cpu: float, load_s: float, extra: dict) -> dict:
+    """One row, the same keys from both runners; token ids kept to compare the two outputs.
+    With first_token_s in extra, tpot_ms: the full run's time past the first token over its
+    decode steps (the longest output's tokens after the first)."""
     in_toks = sum(len(o.prompt_token_ids) for o in outs)
     out_ids = [list(o.outputs[0].token_ids) for o in outs]
     out_toks = sum(len(t) for t in out_ids)
+    if "first_token_s" in extra:
+        steps = max(len(t) for t in out_ids) - 1
+        extra = {**extra, "tpot_ms": 1e3 * (elapsed - extra["first_token_s"]) / steps if steps else float("nan")}
     return {
+        **extra,
         "system": system,
         "version": version,
         "requests": len(outs),

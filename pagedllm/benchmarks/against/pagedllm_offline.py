@@ -35,10 +35,10 @@ def main(job_path: str, result_path: str, engine_args_path: str, profile: bool =
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
-    outs, elapsed, cpu = J.run_job(
+    outs, elapsed, cpu, extra = J.run_job(
         job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams, PROFILER.start if profile else None
     )
-    row = J.result("pagedllm", getattr(pagedllm, "__version__", "dev"), outs, elapsed, cpu, load_s)
+    row = J.result("pagedllm", getattr(pagedllm, "__version__", "dev"), outs, elapsed, cpu, load_s, extra)
     if profile:
         steps = PROFILER.stop()
         row["profile"] = {

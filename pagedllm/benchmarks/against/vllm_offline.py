@@ -29,8 +29,8 @@ def main(job_path: str, result_path: str) -> None:
         max_model_len=job["max_model_len"],
     )
     load_s = time.perf_counter() - t0
-    outs, elapsed, cpu = J.run_job(job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams)
-    J.write_result(result_path, J.result("vllm", vllm.__version__, outs, elapsed, cpu, load_s))
+    outs, elapsed, cpu, extra = J.run_job(job, lambda p, sp: llm.generate(p, sp, use_tqdm=False), SamplingParams)
+    J.write_result(result_path, J.result("vllm", vllm.__version__, outs, elapsed, cpu, load_s, extra))
 
 
 if __name__ == "__main__":
