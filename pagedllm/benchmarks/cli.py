@@ -26,6 +26,7 @@ BENCHMARKS = [
         "a GGUF matrix in its blocks vs the int4/int8 layout and float32, each ISA build",
         False,
     ),
+    ("linear", "linear", "a layer's float linears: linear_small vs oneDNN's packed, per row count", False),
     ("attention", "attention", "decode attention kernel bandwidth vs the device's copy rate", False),
     ("prefill-attention", "prefill_attention", "prefill attention over a prompt: the C++ paged kernel vs SDPA", False),
     ("priority", "priority", "urgent requests' TTFT vs the others' under a full queue, fcfs vs priority", True),
