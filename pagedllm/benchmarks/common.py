@@ -103,3 +103,18 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+def print_profile(name: str, prof: dict) -> None:
+    """A per-phase step profile (profiler.summarize's) as a table."""
+    if not prof.get("steps"):
+        return
+    print(
+        f"\n{name}: {prof['steps']} steps, {prof['mean_tokens']:.0f} tokens / {prof['mean_reqs']:.0f} "
+        f"requests a step, {prof['step_ms']:.2f} ms a step"
+    )
+    print_table(
+        [{"phase": p, "ms": v["ms"], "pct": v["pct"]} for p, v in prof["phases"].items()],
+        [("phase", "phase", ""), ("ms", "ms / step", ".3f"), ("pct", "% of step", ".1f")],
+    )
+    print(f"engine overhead (all but forward): {prof['overhead_pct']:.1f}% of the step")

