@@ -139,6 +139,8 @@ def test_bench_attention_bytes_and_rate(tmp_path):
             "2",
             "--context-len",
             "100",
+            "--layers",
+            "2",
             "--iters",
             "3",
             "--output-json",
@@ -150,7 +152,7 @@ def test_bench_attention_bytes_and_rate(tmp_path):
         timeout=300,
     )
     data = json.loads(out.read_text())
-    assert data["kernel"] == "C++ paged_decode" and data["copy_gbps"] > 0
+    assert data["kernel"] == "C++ paged_decode" and data["copy_gbps"] > 0 and data["layers"] == 2
     (row,) = data["results"]
     assert (row["batch"], row["context"]) == (2, 100)
     assert row["gbps"] == pytest.approx(row["kv_mib"] * 2**20 / (row["us"] * 1e-6) / 1e9)
