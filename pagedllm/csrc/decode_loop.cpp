@@ -56,7 +56,11 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
   TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty());
   const size_t stride = weights.size() / k_caches.size();
   TORCH_CHECK((stride == 14 || stride == 18) && weights.size() == stride * k_caches.size());
-  const int per = stride == 14 ? 3 : 4;  // tensors per linear
+  const int per = stride == 14 ? 3 : 4;              // tensors per linear
+  if (gguf_decode_step_applies(x, weights, stride))  // the step in one parallel region
+    return gguf_decode_layers(x, positions, weights, k_caches, v_caches, slot_mapping, block_table, seq_lens,
+                              cos, sin, final_norm, num_heads, num_kv_heads, head_dim, block_size, eps,
+                              scale);
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const torch::Tensor* w = &weights[stride * l];
     auto lin = [&](int at) {
