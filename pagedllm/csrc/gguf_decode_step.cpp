@@ -15,6 +15,7 @@
 // The values are those of decode_loop.cpp's path bit for bit: the same kernels on the same
 // activations, each output group computed once, whole, by one thread.
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <atomic>
 #include <exception>
@@ -178,7 +179,11 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, torch::Tensor positions,
   auto fail = [&] {
     if (!failed.exchange(true)) error = std::current_exception();
   };
+  // The serial work runs on whichever thread: each takes the caller's inference mode (in-place
+  // writes to the KV caches, inference tensors) and dispatch state.
+  const at::ThreadLocalState state;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard guard(state);
     try {
       for (int64_t p = 0; p < phases; ++p) {
         if (!wait_for(published, failed, p)) return;
