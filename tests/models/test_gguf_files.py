@@ -420,6 +420,7 @@ def test_gguf_decode_step_equals_eager_layers(qtype, tmp_path, monkeypatch):
     from pagedllm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "int8")  # the default, which the step takes
     path = write_gguf(_tiny_hf("llama"), tmp_path / f"llama.{qtype}.gguf", qtype)
     llm = LLM(str(path), enable_prefix_caching=False, kv_cache_memory=2**27, max_num_seqs=8)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
