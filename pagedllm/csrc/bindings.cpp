@@ -7,6 +7,7 @@
 // files need torch/types.h alone, which compiles in a fraction of the time.
 #include <torch/extension.h>
 
+#include "decode_step.h"
 #include "ops.h"
 
 // The ISA level the compiler's flags enabled in this build (csrc/build.py VARIANTS): the tests

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "decode_step.h"
 #include "gguf_blocks.h"
 #include "gguf_groups.h"
 #include "ops.h"
@@ -101,15 +102,11 @@ bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::T
 }
 
 // decode_layers' arguments (decode_loop.cpp), where gguf_decode_step_applies.
-torch::Tensor gguf_decode_layers(torch::Tensor x, torch::Tensor positions,
-                                 const std::vector<torch::Tensor>& weights,
+torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
                                  std::vector<torch::Tensor>& k_caches, std::vector<torch::Tensor>& v_caches,
-                                 torch::Tensor slot_mapping, torch::Tensor block_table,
-                                 torch::Tensor seq_lens, torch::Tensor cos, torch::Tensor sin,
-                                 torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t block_size, double eps, double scale) {
-  const int64_t M = x.size(0), H = x.size(1), q_size = num_heads * head_dim,
-                kv_size = num_kv_heads * head_dim;
+                                 const StepAttention& attend, const torch::Tensor& final_norm, double eps) {
+  const int64_t M = x.size(0), H = x.size(1), q_size = attend.num_heads * attend.head_dim,
+                kv_size = attend.num_kv_heads * attend.head_dim;
   const int64_t layers = (int64_t)k_caches.size(), stride = 2 + LINEARS * PER;
   // The linears in step order; each one's output [M, N], written group by group.
   std::vector<Lin> lins;
@@ -144,18 +141,9 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, torch::Tensor positions,
     const torch::Tensor* w = &weights[stride * l];
     const torch::Tensor& out = outs[p % LINEARS];
     switch (p % LINEARS) {
-      case 0: {  // qkv -> attention
-        auto q = out.narrow(1, 0, q_size).view({M, num_heads, head_dim});
-        auto k = out.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
-        auto v = out.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
-        rotary_embedding_(q, k, cos, sin, positions);
-        k_caches[l].index_copy_(0, slot_mapping, k);
-        v_caches[l].index_copy_(0, slot_mapping, v);
-        auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0,
-                              c10::nullopt, c10::nullopt);
-        quantize(o.reshape({M, q_size}), lins[p + 1]);
+      case 0:  // qkv -> attention
+        quantize(attend(out, k_caches[l], v_caches[l]), lins[p + 1]);
         break;
-      }
       case 1:  // o -> the MLP's norm
         x.add_(out);
         quantize(rms_norm(x, w[1 + 2 * PER], eps), lins[p + 1]);

@@ -47,15 +47,3 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
                             double scale, int64_t small_rows);
-
-// decode_layers' step where every linear is a GGUF weight with int8 activations and the step has
-// <= 8 rows (gguf_decode_step.cpp): the same values, the step in one parallel region.
-bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                              size_t stride);
-torch::Tensor gguf_decode_layers(torch::Tensor x, torch::Tensor positions,
-                                 const std::vector<torch::Tensor>& weights,
-                                 std::vector<torch::Tensor>& k_caches, std::vector<torch::Tensor>& v_caches,
-                                 torch::Tensor slot_mapping, torch::Tensor block_table,
-                                 torch::Tensor seq_lens, torch::Tensor cos, torch::Tensor sin,
-                                 torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t block_size, double eps, double scale);
