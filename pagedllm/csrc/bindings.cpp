@@ -7,6 +7,7 @@
 // files need torch/types.h alone, which compiles in a fraction of the time.
 #include <torch/extension.h>
 
+#include "decode_step.h"
 #include "ops.h"
 
 // The ISA level the compiler's flags enabled in this build (csrc/build.py VARIANTS): the tests
@@ -41,4 +42,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", torch::wrap_pybind_function_no_gil(argmax_rows), "argmax_rows");
   m.def("compiled_isa", compiled_isa, "compiled_isa");
   m.def("decode_layers", torch::wrap_pybind_function_no_gil(decode_layers), "decode_layers");
+  m.def("gguf_decode_step_applies", &gguf_decode_step_applies, "gguf_decode_step_applies");
 }

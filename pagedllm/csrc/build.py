@@ -37,6 +37,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "fused_ops.cpp",
     "decode_loop.cpp",
+    "gguf_decode_step.cpp",
     "quant_ops.cpp",
     "gguf_linear.cpp",
     "gguf_int8.cpp",

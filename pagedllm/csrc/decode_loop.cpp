@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "decode_step.h"
 #include "ops.h"
 
 static c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
@@ -52,11 +53,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
                             double scale, int64_t small_rows) {
-  const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty());
   const size_t stride = weights.size() / k_caches.size();
   TORCH_CHECK((stride == 14 || stride == 18) && weights.size() == stride * k_caches.size());
   const int per = stride == 14 ? 3 : 4;  // tensors per linear
+  const StepAttention attend{positions, slot_mapping, block_table, seq_lens,   cos,  sin,
+                             num_heads, num_kv_heads, head_dim,    block_size, scale};
+  if (gguf_decode_step_applies(x, weights, stride))  // the step in one parallel region
+    return gguf_decode_layers(x, weights, k_caches, v_caches, attend, final_norm, eps);
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const torch::Tensor* w = &weights[stride * l];
     auto lin = [&](int at) {
@@ -68,15 +72,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
                  down_proj = lin(2 + 3 * per);
     const torch::Tensor &input_norm = w[0], &post_norm = w[1 + 2 * per];
     auto qkv = qkv_proj(rms_norm(x, input_norm, eps));  // [M, q + 2 kv]
-    auto q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
-    auto k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
-    rotary_embedding_(q, k, cos, sin, positions);
-    k_caches[l].index_copy_(0, slot_mapping, k);
-    v_caches[l].index_copy_(0, slot_mapping, v);
-    auto o = paged_decode(q, k_caches[l], v_caches[l], block_table, seq_lens, block_size, scale, 0,
-                          c10::nullopt, c10::nullopt);
-    x = x + o_proj(o.reshape({M, q_size}));
+    x = x + o_proj(attend(qkv, k_caches[l], v_caches[l]));
     auto gate_up = gate_up_proj(rms_norm(x, post_norm, eps));
     x = x + down_proj(silu_and_mul(gate_up));
   }

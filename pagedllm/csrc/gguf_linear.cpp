@@ -42,6 +42,7 @@
 
 #include "cpu_types.h"
 #include "gguf_blocks.h"
+#include "gguf_groups.h"
 #include "ops.h"
 
 namespace gguf {
@@ -300,11 +301,17 @@ void run_group(const uint8_t* g, int64_t type, const Acts& a, int64_t t_begin, i
 }
 #endif
 
-struct Groups {
-  const uint8_t* base;
-  const int64_t* meta;  // [G, 4]: byte offset, type, first row, rows
-  int64_t G, N;
-};
+// One tile of activation rows (decode): the groups in runs of ~CLAIM_BYTES, each run claimed by
+// the next thread to ask, in order. A static half each leaves one thread waiting at the join
+// (spinning in libgomp) whenever the halves take different times: mixed types in a fused weight
+// (Q4_K_M's qkv where v is Q6_K), a thread that starts late (the fork's wake-up) or streams
+// slower. Runs of ~256 KiB: a few hundred atomic claims for the largest weight (the LM head),
+// each run long enough for the hardware prefetchers.
+constexpr int64_t CLAIM_BYTES = int64_t{1} << 18;
+
+}  // namespace
+
+namespace gguf {
 
 Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int64_t K) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous(), "packed: contiguous uint8");
@@ -327,19 +334,18 @@ Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int6
   return Groups{packed.data_ptr<uint8_t>(), m, G, N};
 }
 
-// One tile of activation rows (decode): the groups in runs of ~CLAIM_BYTES, each run claimed by
-// the next thread to ask, in order. A static half each leaves one thread waiting at the join
-// (spinning in libgomp) whenever the halves take different times: mixed types in a fused weight
-// (Q4_K_M's qkv where v is Q6_K), a thread that starts late (the fork's wake-up) or streams
-// slower. Runs of ~256 KiB: a few hundred atomic claims for the largest weight (the LM head),
-// each run long enough for the hardware prefetchers.
-constexpr int64_t CLAIM_BYTES = int64_t{1} << 18;
+int64_t groups_per_claim(const Groups& gs, int64_t K) {
+  const int64_t type = gs.meta[1];
+  return std::max<int64_t>(1, CLAIM_BYTES / (K / superblock_features(type) * superblock_bytes(type)));
+}
+
+}  // namespace gguf
+
+namespace {
 
 template <class Run>
 void run_decode_rows(const Groups& gs, int64_t K, int64_t T, const Run& run) {
-  const int64_t type = gs.meta[1];
-  const int64_t group_bytes = K / superblock_features(type) * superblock_bytes(type);
-  const int64_t per_claim = std::max<int64_t>(1, CLAIM_BYTES / group_bytes);
+  const int64_t per_claim = groups_per_claim(gs, K);
   const int64_t claims = (gs.G + per_claim - 1) / per_claim;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), claims), 1, [&](int64_t, int64_t) {

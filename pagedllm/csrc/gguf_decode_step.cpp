@@ -1,0 +1,198 @@
+// The decoder layers of a decode step (<= TILE rows) whose linears are all GGUF weights with
+// int8 activations (codes in quads), in ONE parallel region for the whole step, instead of one
+// fork and join per linear (decode_loop.cpp's path: 4 a layer, 64 a step of a 16-layer model).
+// llama.cpp's CPU backend does the same: its threads live through the graph and meet at a
+// barrier between ops.
+//
+// The step is a sequence of phases, one per linear (qkv, o, gate_up, down of each layer). A
+// phase's weight is cut in claims (runs of groups, gguf_linear.cpp's decode rows) that the
+// threads take in turn; the thread that completes a phase's LAST claim runs the serial work
+// between that linear and the next (rope, the KV write and attention; the residual add and the
+// norm; the activation; each followed by the next linear's int8 quantization: together < 3 % of
+// the step), then publishes the next phase. A thread waits only for the phase's work to be
+// done, never for the other threads to arrive: one the OS descheduled (a busy machine) costs
+// nothing unless it holds a claim, where a barrier (libgomp's join) waits for it every time.
+// The values are those of decode_loop.cpp's path bit for bit: the same kernels on the same
+// activations, each output group computed once, whole, by one thread.
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <atomic>
+#include <exception>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "decode_step.h"
+#include "gguf_blocks.h"
+#include "gguf_groups.h"
+#include "ops.h"
+
+namespace {
+
+using namespace gguf;
+
+constexpr int64_t LINEARS = 4;  // a layer's: qkv, o, gate_up, down
+constexpr int64_t PER = 4;      // tensors a quantized linear: qweight, bias, group table, (empty) mins
+
+// One linear of the step: its groups, input features, the int8 activations' span, its claims.
+struct Lin {
+  Groups gs;
+  int64_t K, span, per_claim, claims;
+  const float* bias;
+};
+
+// The linear's group table says int8 activations (every group in quads).
+bool in_quads(const torch::Tensor& meta) {
+  if (meta.scalar_type() != torch::kLong || meta.dim() != 2 || meta.size(1) != 4 || !meta.is_contiguous())
+    return false;
+  const int64_t* m = meta.data_ptr<int64_t>();
+  for (int64_t g = 0; g < meta.size(0); ++g)
+    if (m[4 * g + 1] < QUADS) return false;
+  return true;
+}
+
+Lin make_lin(const torch::Tensor* p, int64_t K) {
+  const Groups gs = check_groups(p[0], p[2], K);
+  const torch::Tensor& b = p[1];
+  TORCH_CHECK(!b.numel() || (b.is_contiguous() && b.scalar_type() == torch::kFloat && b.numel() == gs.N),
+              "a GGUF linear's bias: float32 [", gs.N, "]");
+  bool kquads = false;
+  for (int64_t g = 0; g < gs.G; ++g) kquads |= is_kquant(gs.meta[4 * g + 1]);
+  const int64_t per_claim = groups_per_claim(gs, K);
+  return Lin{gs,
+             K,
+             kquads ? 256 : QB,
+             per_claim,
+             (gs.G + per_claim - 1) / per_claim,
+             b.numel() ? b.data_ptr<float>() : nullptr};
+}
+
+// A phase's claims: taken (next) and completed (done); a line each (the threads write both).
+struct alignas(64) Counter {
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+// Spins until phase `phase` is published, false once a thread failed (a pause each try; after
+// ~4k tries the core is given to the OS between tries: the thread awaited is not running then,
+// and the spin would only delay it).
+bool wait_for(const std::atomic<int64_t>& published, const std::atomic<bool>& failed, int64_t phase) {
+  for (int spins = 0; published.load(std::memory_order_acquire) < phase; ++spins) {
+    if (failed.load(std::memory_order_relaxed)) return false;
+    if (spins < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return !failed.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                              size_t stride) {
+  if (x.size(0) > TILE || x.scalar_type() != torch::kFloat || stride != 2 + LINEARS * PER) return false;
+  for (size_t l = 0; l < weights.size(); l += stride)
+    for (int64_t at : {int64_t{1}, 1 + PER, 2 + 2 * PER, 2 + 3 * PER})
+      if (!in_quads(weights[l + at + 2])) return false;
+  return true;
+}
+
+// decode_layers' arguments (decode_loop.cpp), where gguf_decode_step_applies.
+torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                 std::vector<torch::Tensor>& k_caches, std::vector<torch::Tensor>& v_caches,
+                                 const StepAttention& attend, const torch::Tensor& final_norm, double eps) {
+  const int64_t M = x.size(0), H = x.size(1), q_size = attend.num_heads * attend.head_dim,
+                kv_size = attend.num_kv_heads * attend.head_dim;
+  const int64_t layers = (int64_t)k_caches.size(), stride = 2 + LINEARS * PER;
+  // The linears in step order; each one's output [M, N], written group by group.
+  std::vector<Lin> lins;
+  int64_t max_k = H;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = &weights[stride * l];
+    lins.push_back(make_lin(w + 1, H));
+    TORCH_CHECK(lins.back().gs.N == q_size + 2 * kv_size, "layer ", l, ": qkv has ", lins.back().gs.N,
+                " rows");
+    lins.push_back(make_lin(w + 1 + PER, q_size));
+    lins.push_back(make_lin(w + 2 + 2 * PER, H));
+    const int64_t inter = lins.back().gs.N / 2;
+    lins.push_back(make_lin(w + 2 + 3 * PER, inter));
+    max_k = std::max({max_k, q_size, inter});
+    for (int64_t i = 0; i < LINEARS; ++i)  // the outputs below are shared by the layers
+      TORCH_CHECK(lins[LINEARS * l + i].gs.N == lins[i].gs.N, "layer ", l, ": linear ", i, " has ",
+                  lins[LINEARS * l + i].gs.N, " rows, layer 0's ", lins[i].gs.N);
+  }
+  const auto f = x.options();
+  x = x.clone();  // [M, H] the residual stream, added to in place
+  std::vector<torch::Tensor> outs;
+  for (int64_t i = 0; i < LINEARS; ++i) outs.push_back(torch::empty({M, lins[i].gs.N}, f));
+  std::vector<uint8_t> buf(acts8_bytes(M, max_k));
+  Acts8 acts{};  // the next linear's activations (in buf), set before its phase is published
+  auto quantize = [&](const torch::Tensor& in, const Lin& lin) {
+    const torch::Tensor c = in.contiguous();
+    acts = quantize_acts8(c.data_ptr<float>(), M, lin.K, lin.span, buf.data());
+  };
+  // The serial work after phase p's linear, ending with phase p + 1's activations.
+  auto after = [&](int64_t p) {
+    const int64_t l = p / LINEARS;
+    const torch::Tensor* w = &weights[stride * l];
+    const torch::Tensor& out = outs[p % LINEARS];
+    switch (p % LINEARS) {
+      case 0:  // qkv -> attention
+        quantize(attend(out, k_caches[l], v_caches[l]), lins[p + 1]);
+        break;
+      case 1:  // o -> the MLP's norm
+        x.add_(out);
+        quantize(rms_norm(x, w[1 + 2 * PER], eps), lins[p + 1]);
+        break;
+      case 2:  // gate_up -> the activation
+        quantize(silu_and_mul(out), lins[p + 1]);
+        break;
+      default:  // down -> the next layer's norm
+        x.add_(out);
+        if (l + 1 < layers) quantize(rms_norm(x, weights[stride * (l + 1)], eps), lins[p + 1]);
+    }
+  };
+  quantize(rms_norm(x, weights[0], eps), lins[0]);
+  const int64_t phases = (int64_t)lins.size();
+  std::unique_ptr<Counter[]> counters(new Counter[phases]);
+  std::atomic<int64_t> published{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  // A failure (a check in a kernel or an op) stops every thread at its next wait; the first is
+  // rethrown after the region.
+  auto fail = [&] {
+    if (!failed.exchange(true)) error = std::current_exception();
+  };
+  // The serial work runs on whichever thread: each takes the caller's inference mode (in-place
+  // writes to the KV caches, inference tensors) and dispatch state.
+  const at::ThreadLocalState state;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard guard(state);
+    try {
+      for (int64_t p = 0; p < phases; ++p) {
+        if (!wait_for(published, failed, p)) return;
+        const Lin& lin = lins[p];
+        float* out = outs[p % LINEARS].data_ptr<float>();
+        Counter& c = counters[p];
+        for (int64_t k; (k = c.next.fetch_add(1, std::memory_order_relaxed)) < lin.claims;) {
+          for (int64_t g = k * lin.per_claim; g < std::min(lin.gs.G, (k + 1) * lin.per_claim); ++g) {
+            const int64_t* e = lin.gs.meta + 4 * g;
+            run_group8(lin.gs.base + e[0], e[1], acts, 0, M, e[2], (int)e[3], lin.bias, out, lin.gs.N);
+          }
+          if (c.done.fetch_add(1, std::memory_order_acq_rel) + 1 == lin.claims) {
+            after(p);
+            published.store(p + 1, std::memory_order_release);
+          }
+        }
+      }
+    } catch (...) {
+      fail();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+  return rms_norm(x, final_norm, eps);
+}

@@ -1,0 +1,24 @@
+// A GGUF weight as gguf_linear.cpp's kernels take it (its header describes the layout): the
+// packed bytes and the group table, checked once, and how a decode step's threads share it.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace gguf {
+
+struct Groups {
+  const uint8_t* base;
+  const int64_t* meta;  // [G, 4]: byte offset, type, first row, rows
+  int64_t G, N;
+};
+
+// packed uint8, meta [G, 4] int64 for K input features: each group inside the bytes.
+Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int64_t K);
+
+// Decode rows (<= TILE): the groups of one claim, the runs a thread takes in turn (see
+// gguf_linear.cpp's run_decode_rows).
+int64_t groups_per_claim(const Groups& gs, int64_t K);
+
+}  // namespace gguf
