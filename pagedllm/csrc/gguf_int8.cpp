@@ -30,9 +30,12 @@ namespace gguf {
 
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
   TORCH_CHECK((span == QB || span == 256) && K % span == 0, "int8 activations: span ", span, " for K ", K);
-  Acts8 a{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + T * K),
+  Acts8 a{reinterpret_cast<int8_t*>(buf),
+          reinterpret_cast<float*>(buf + T * K),
           reinterpret_cast<float*>(buf + T * K + 4 * (T * K / QB)),
-          reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)), K, span};
+          reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)),
+          K,
+          span};
   at::parallel_for(0, T * K / span, 32, [&](int64_t c0, int64_t c1) {
     for (int64_t s = c0; s < c1; ++s) {
       const float* xs = x + s * span;
