@@ -29,7 +29,10 @@ def mapped_bytes(n: int) -> np.ndarray:
     # One huge page of slack ahead: anonymous mappings are only page-aligned in general.
     m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: EINVAL
+            pass
     whole = np.frombuffer(m, dtype=np.uint8)  # holds m
     start = -whole.ctypes.data % HUGE_PAGE
     return whole[start : start + n]
