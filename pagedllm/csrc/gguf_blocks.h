@@ -122,13 +122,14 @@ inline void over_tiles(int64_t t_begin, int64_t T, Args&&... args) {
 struct Acts8 {
   int8_t* q;     // [T, K]
   float* d;      // [T, K/32]
+  float* e;      // [T, K/32]: d times the block's sum of 32 codes (the offsets' and mins' term)
   int16_t* sum;  // [T, K/16]
   int64_t K;
   int64_t span;  // features a step: 32 or 256
 };
-// Needs T K + 4 T K / 32 + 2 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
+// Needs T K + 8 T K / 32 + 2 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf);
-inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 4 * (T * K / QB) + 2 * (T * K / 16); }
+inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 8 * (T * K / QB) + 2 * (T * K / 16); }
 // Output rows [row0, row0 + rows) of one quads group g for activation rows [t_begin, T).
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
                 int rows, const float* bias, float* out, int64_t N);

@@ -12,8 +12,9 @@
 // Exact int32 sums: |code| <= 255, |x| <= 127, 32 products. AVX2's int16 pairs: codes <= 63
 // (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd); Q8_0's signed codes one at a
 // time as |w| times x with w's sign (2 x 128 x 127 < 32768). AVX-512 takes Q8_0's codes + 128
-// (a xor), the 128 Σx taken off with the block's integer sum, as Q4_0's 8, Q5_0's 16 and Q6_K's
-// 32 are. Mins (Q4_1 / Q5_1's m, Q4_K / Q5_K's dmin mn) times the quantized activations' sum.
+// (a xor). The codes' offsets (Q8_0's 128 there, Q4_0's 8, Q5_0's 16) and the mins (Q4_1 /
+// Q5_1's m) are taken off in float, as -off d or m times the block's dx Σx (Acts8::e; each
+// sum < 2^24, so its float is exact); Q6_K's 32 and Q4_K / Q5_K's dmin mn with the integer sums.
 //
 // K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
 // Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld) adds up over the
@@ -29,8 +30,12 @@ namespace gguf {
 
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
   TORCH_CHECK((span == QB || span == 256) && K % span == 0, "int8 activations: span ", span, " for K ", K);
-  Acts8 a{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + T * K),
-          reinterpret_cast<int16_t*>(buf + T * K + 4 * (T * K / QB)), K, span};
+  Acts8 a{reinterpret_cast<int8_t*>(buf),
+          reinterpret_cast<float*>(buf + T * K),
+          reinterpret_cast<float*>(buf + T * K + 4 * (T * K / QB)),
+          reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)),
+          K,
+          span};
   at::parallel_for(0, T * K / span, 32, [&](int64_t c0, int64_t c1) {
     for (int64_t s = c0; s < c1; ++s) {
       const float* xs = x + s * span;
@@ -43,7 +48,7 @@ Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t
         int32_t s0 = 0, s1 = 0;
         for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
         for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
-        a.d[b] = d;
+        a.d[b] = d, a.e[b] = d * (float)(s0 + s1);
         a.sum[2 * b] = (int16_t)s0, a.sum[2 * b + 1] = (int16_t)s1;
       }
     }
@@ -171,17 +176,31 @@ inline void dot_q6(const uint8_t* c, const uint8_t* h, const int32_t* const* xq,
   }
 }
 
-// y[r] += s dx ((sum - off Σx) + m dx Σx) for one block of 32 (Σx: the quantized activations'
-// sum; m: a vector per row, or none).
+// A tile's rows of activations: each row's codes, steps and step-times-sums (Acts8's e), as
+// pointers held in registers (the loops' stores of float vectors may alias Acts8's fields, so
+// the compiler reloaded them and redid the index arithmetic for every row of every block).
 template <int M>
-inline void scale_into(VF* y, const VI* acc, VF s, int off, const VF* m, const Acts8& a, int64_t t0,
-                       int64_t b) {
+struct Rows8 {
+  const int8_t* q[M];
+  const float* d[M];
+  const float* e[M];
+  Rows8(const Acts8& a, int64_t t0) {
+    for (int r = 0; r < M; ++r)
+      q[r] = a.q + (t0 + r) * a.K, d[r] = a.d + (t0 + r) * (a.K / QB), e[r] = a.e + (t0 + r) * (a.K / QB);
+  }
+  void quads(int64_t b, const int32_t** xq) const {
+    for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(q[r] + b * QB);
+  }
+};
+
+// y[r] += s dx sum + mo dx Σx for block b (mo: a vector per row: the min m, or the codes'
+// offset as -off s; none where neither). Float: the offset's product with Σx needed an
+// integer multiply and a broadcast from a general register for each row.
+template <int M>
+inline void scale_into(VF* y, const VI* acc, VF s, const VF* mo, const Rows8<M>& x, int64_t b) {
   for (int r = 0; r < M; ++r) {
-    const float dx = a.d[(t0 + r) * (a.K / QB) + b];
-    const int16_t* xs = a.sum + (t0 + r) * (a.K / 16) + 2 * b;
-    const int32_t sx = xs[0] + xs[1];
-    y[r] = fma(mul(s, set1(dx)), cvt(off ? sub(acc[r], off * sx) : acc[r]), y[r]);
-    if (m) y[r] = fma(*m, set1(dx * (float)sx), y[r]);
+    y[r] = fma(mul(s, set1(x.d[r][b])), cvt(acc[r]), y[r]);
+    if (mo) y[r] = fma(*mo, set1(x.e[r][b]), y[r]);
   }
 }
 
@@ -236,39 +255,44 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
   const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type);
   const int rb = h * L, cb = 4 * rb;  // this half's first row: per-row fields at +rb, codes at +4 rb a chunk
   for (int r = 0; r < M; ++r) y[r] = zero_f();
-  VI acc[M], acc2[M];
+  if (is_kquant(type)) {
+    for (int64_t s = 0; s < K / sf; ++s) {
+      const uint8_t* p = g + s * sb;
+      if (h == 0) prefetch_ahead(p, sb);
+      kquant_superblock<M>(p, type, a, t0, s, rb, y);
+    }
+    return;
+  }
+  const Rows8<M> x(a, t0);
+  const bool with_m = type == Q4_1 || type == Q5_1;
+  const float off = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
+  VF yr[M];  // the sums in registers, stored once
+  VI acc[M];
   const int32_t* xq[M];
-  for (int64_t s = 0; s < K / sf; ++s) {
+  for (int r = 0; r < M; ++r) yr[r] = zero_f();
+  for (int64_t s = 0; s < K / QB; ++s) {
     const uint8_t* p = g + s * sb;
     if (h == 0) prefetch_ahead(p, sb);
-    if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
-      const bool with_m = type == Q4_1 || type == Q5_1;
-      const VF d = f16(p + 2 * rb);
-      const uint8_t* c = p + (with_m ? 64 : 32);
-      quads<M>(a, t0, s, xq);
-      if (type == Q4_0 || type == Q4_1)
-        dot_u4<M>(c + cb, xq, acc);
-      else
-        dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
-      if (with_m) {
-        const VF m = f16(p + 32 + 2 * rb);
-        scale_into<M>(y, acc, d, 0, &m, a, t0, s);
-      } else {
-        scale_into<M>(y, acc, d, type == Q4_0 ? 8 : 16, nullptr, a, t0, s);
-      }
-    } else if (type == Q8_0) {
+    x.quads(s, xq);
+    if (type == Q8_0) {
       const uint8_t* c = p + 32 + cb;
-      quads<M>(a, t0, s, xq);
       for (int r = 0; r < M; ++r) acc[r] = zero_i();
       for (int q = 0; q < 8; ++q) {
         const VI w = load(c + q * CHUNK);
         for (int r = 0; r < M; ++r) acc[r] = dot_signed(acc[r], w, xq[r][q]);
       }
-      scale_into<M>(y, acc, f16(p + 2 * rb), SIGNED_OFFSET, nullptr, a, t0, s);
     } else {
-      kquant_superblock<M>(p, type, a, t0, s, rb, y);
+      const uint8_t* c = p + (with_m ? 64 : 32);
+      if (type == Q4_0 || type == Q4_1)
+        dot_u4<M>(c + cb, xq, acc);
+      else
+        dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
     }
+    const VF d = f16(p + 2 * rb);
+    const VF mo = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(-off));
+    scale_into<M>(yr, acc, d, with_m || off != 0.f ? &mo : nullptr, x, s);
   }
+  for (int r = 0; r < M; ++r) y[r] = yr[r];
 }
 
 template <int M>

@@ -377,9 +377,12 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
     kquads |= type >= QUADS && is_kquant(type);
   }
   const Acts a = pairs ? quantize_acts(x.data_ptr<float>(), T, K) : Acts{{}, {}, {}, K};
-  std::vector<uint8_t> buf8(quads ? acts8_bytes(T, K) : 0);
+  // From torch's allocator: 64-byte aligned and not zero-filled (a std::vector's bytes were
+  // malloc's 16-byte alignment, cleared on every call).
+  const auto buf8 = torch::empty({quads ? acts8_bytes(T, K) : 0}, x.options().dtype(torch::kByte));
   const Acts8 a8 =
-      quads ? quantize_acts8(x.data_ptr<float>(), T, K, kquads ? 256 : QB, buf8.data()) : Acts8{};
+      quads ? quantize_acts8(x.data_ptr<float>(), T, K, kquads ? 256 : QB, buf8.data_ptr<uint8_t>())
+            : Acts8{};
   float* op = out.data_ptr<float>();
   auto run = [&](int64_t g, int64_t t0, int64_t t1) {
     const int64_t* e = gs.meta + 4 * g;

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.models.layers.quantization.weight_pages import mapped_bytes
+
 GROUP = 16  # rows a group
 QB = 32  # features a block
 UNIT = {"int8": 4, "int16": 2}  # activations -> features of a row a code unit (quads, pairs)
@@ -206,4 +208,5 @@ def pack_segments(segments, activations: str = "int8") -> tuple[torch.Tensor, to
         blobs.append(groups.reshape(-1))
         offset += groups.size
         row += data.shape[0]
-    return torch.from_numpy(np.concatenate(blobs)), torch.tensor(meta, dtype=torch.int64)
+    packed = np.concatenate(blobs, out=mapped_bytes(offset))  # huge pages whatever malloc's state
+    return torch.from_numpy(packed), torch.tensor(meta, dtype=torch.int64)
