@@ -129,11 +129,12 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
   x = x.clone();  // [M, H] the residual stream, added to in place
   std::vector<torch::Tensor> outs;
   for (int64_t i = 0; i < LINEARS; ++i) outs.push_back(torch::empty({M, lins[i].gs.N}, f));
-  std::vector<uint8_t> buf(acts8_bytes(M, max_k));
+  // torch's allocator: 64-byte aligned, not zero-filled (as gguf_linear.cpp's per-linear buffer)
+  const torch::Tensor buf = torch::empty({acts8_bytes(M, max_k)}, f.dtype(torch::kByte));
   Acts8 acts{};  // the next linear's activations (in buf), set before its phase is published
   auto quantize = [&](const torch::Tensor& in, const Lin& lin) {
     const torch::Tensor c = in.contiguous();
-    acts = quantize_acts8(c.data_ptr<float>(), M, lin.K, lin.span, buf.data());
+    acts = quantize_acts8(c.data_ptr<float>(), M, lin.K, lin.span, buf.data_ptr<uint8_t>());
   };
   // The serial work after phase p's linear, ending with phase p + 1's activations.
   auto after = [&](int64_t p) {

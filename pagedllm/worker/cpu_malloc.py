@@ -13,7 +13,10 @@ Fixed thresholds instead (mallopt, which also ends the adaptive raising): blocks
 (glibc's largest mmap threshold) come from the heap and stay mapped when freed, and up to 1 GiB
 of free heap top stays mapped, so a step reuses the pages of the one before. Larger blocks
 (the KV cache, the weights) keep their own mappings and go back to the kernel when freed. Only
-the process's first call acts; PAGEDLLM_CPU_MALLOC_KEEP=0 leaves glibc's defaults.
+the process's first call acts, after the weights are loaded (Worker.load_model): the loader's
+freed buffers are handed back first (malloc_trim), and a repacked weight takes a mapping of its
+own (models/layers/quantization/weight_pages.py). PAGEDLLM_CPU_MALLOC_KEEP=0 leaves glibc's
+defaults.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def _set_thresholds() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    libc.malloc_trim(0)  # first hand back what the loader freed (the raw weight blocks)
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if not ok:
         logger.warning("glibc's mallopt refused the CPU step's malloc thresholds; the step pays page faults")

@@ -51,8 +51,6 @@ class Worker:
         """Join the process groups of a split model (store: rank 0's own TCPStore)."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        if self.config.device_config.device == "cpu":
-            keep_freed_memory()  # the step's activations reuse their pages (worker/cpu_malloc.py)
         pc = self.config.parallel_config
         if pc.world_size == 1:
             return
@@ -82,6 +80,10 @@ class Worker:
             from pagedllm.worker.parallel_model_runner import ParallelModelRunner
 
             self.model_runner = ParallelModelRunner(self.config, self.parallel, self.eos_token_ids)
+        if self.config.device_config.device == "cpu":
+            # The steps' activations reuse their pages (worker/cpu_malloc.py); set after the
+            # weights are loaded, so that the loader's freed buffers go back to the kernel.
+            keep_freed_memory()
         return self.model_runner.kv_bytes_per_block(), self.model_runner.kv_cache_config
 
     def kv_bytes_per_block(self) -> int:
