@@ -57,12 +57,10 @@ Lin make_lin(const torch::Tensor* p, int64_t K) {
   const torch::Tensor& b = p[1];
   TORCH_CHECK(!b.numel() || (b.is_contiguous() && b.scalar_type() == torch::kFloat && b.numel() == gs.N),
               "a GGUF linear's bias: float32 [", gs.N, "]");
-  bool kquads = false;
-  for (int64_t g = 0; g < gs.G; ++g) kquads |= is_kquant(gs.meta[4 * g + 1]);
   const int64_t per_claim = groups_per_claim(gs, K);
   return Lin{gs,
              K,
-             kquads ? 256 : QB,
+             layouts(gs).kquads ? 256 : QB,
              per_claim,
              (gs.G + per_claim - 1) / per_claim,
              b.numel() ? b.data_ptr<float>() : nullptr};

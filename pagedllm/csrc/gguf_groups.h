@@ -17,6 +17,13 @@ struct Groups {
 // packed uint8, meta [G, 4] int64 for K input features: each group inside the bytes.
 Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int64_t K);
 
+// The activations a weight's groups take (a fused weight may hold both layouts): int16 pairs,
+// int8 quads, and quads a super-block of 256 at a step (a K-quant group's kernel needs it).
+struct Layouts {
+  bool pairs, quads, kquads;
+};
+Layouts layouts(const Groups& gs);
+
 // Decode rows (<= TILE): the groups of one claim, the runs a thread takes in turn (see
 // gguf_linear.cpp's run_decode_rows).
 int64_t groups_per_claim(const Groups& gs, int64_t K);

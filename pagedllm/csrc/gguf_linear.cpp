@@ -334,6 +334,16 @@ Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int6
   return Groups{packed.data_ptr<uint8_t>(), m, G, N};
 }
 
+Layouts layouts(const Groups& gs) {
+  Layouts l{false, false, false};
+  for (int64_t g = 0; g < gs.G; ++g) {
+    const int64_t type = gs.meta[4 * g + 1];
+    (type >= QUADS ? l.quads : l.pairs) = true;
+    l.kquads |= type >= QUADS && is_kquant(type);
+  }
+  return l;
+}
+
 int64_t groups_per_claim(const Groups& gs, int64_t K) {
   const int64_t type = gs.meta[1];
   return std::max<int64_t>(1, CLAIM_BYTES / (K / superblock_features(type) * superblock_bytes(type)));
@@ -368,14 +378,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto out = torch::empty({T, gs.N}, x.options());
   if (T == 0) return out;
-  // The activations as each layout's groups take them (a fused weight may hold both).
-  // int8: one step a super-block of 256 where a K-quant group takes them (its kernel needs it).
-  bool pairs = false, quads = false, kquads = false;
-  for (int64_t g = 0; g < gs.G; ++g) {
-    const int64_t type = gs.meta[4 * g + 1];
-    (type >= QUADS ? quads : pairs) = true;
-    kquads |= type >= QUADS && is_kquant(type);
-  }
+  const auto [pairs, quads, kquads] = layouts(gs);  // the activations as each group takes them
   const Acts a = pairs ? quantize_acts(x.data_ptr<float>(), T, K) : Acts{{}, {}, {}, K};
   // From torch's allocator: 64-byte aligned and not zero-filled (a std::vector's bytes were
   // malloc's 16-byte alignment, cleared on every call).
