@@ -36,6 +36,7 @@ SOURCES = (
     "attention.cpp",
     "prefill_attention.cpp",
     "fused_ops.cpp",
+    "bf16_linear.cpp",
     "decode_loop.cpp",
     "gguf_decode_step.cpp",
     "quant_ops.cpp",

@@ -29,6 +29,10 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
                        torch::Tensor positions);
 
+// bf16_linear.cpp
+torch::Tensor bf16_pair_pack(torch::Tensor w);
+torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+
 // quant_ops.cpp
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                            c10::optional<torch::Tensor> bias);
