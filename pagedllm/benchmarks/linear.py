@@ -1,13 +1,16 @@
 """`pagedllm bench linear`: one decoder layer's float linears (default: Llama-3.2-1B's qkv, o,
-gate_up and down) through the two kernels the CPU path picks between by row count: the
+gate_up and down) through the kernels the CPU path picks between by row count: the
 row-streaming `linear_small` on the plain weight (models/cpu_ops.py, up to SMALL_ROWS rows) and
 oneDNN's linear on the packed weight (models/layers/cpu_packed_linear.py), at each row count and
-thread count, in one process.
+thread count, in one process; in bfloat16 also the register-blocked `bf16_pair_linear` over the
+pair layout (csrc/bf16_linear.cpp). Where oneDNN has no bfloat16 kernels (no AVX512-BF16),
+torch's F.linear stands in its place.
 
 The layer is copied `--copies` times and the copies run in turn, so that the weights come from
 memory as a model's layers do, not from the caches; each figure is the fastest of `--passes`
 passes over the copies (the least disturbed by other work), as ms a layer, GB/s of weights read
-and GFLOP/s.
+and GFLOP/s. At one thread the time is the thread's CPU time (`time.thread_time`: the kernels run
+in the calling thread), which other processes on a shared machine disturb less than wall time.
 """
 
 from __future__ import annotations
@@ -53,15 +56,15 @@ def check_args(ns: argparse.Namespace) -> list[tuple[int, int]]:
     return list(zip(ns.shapes[::2], ns.shapes[1::2]))
 
 
-def _fastest(layers, x_of, kernel, passes: int) -> float:
+def _fastest(layers, x_of, kernel, passes: int, clock) -> float:
     """Seconds a layer: the fastest pass over all copies, each linear of each copy once."""
     best = float("inf")
     for _ in range(passes):
-        t0 = time.perf_counter()
+        t0 = clock()
         for layer in layers:
-            for w, packed in layer:
-                kernel(x_of[w.shape[1]], w, packed)
-        best = min(best, (time.perf_counter() - t0) / len(layers))
+            for w, packed, pairs in layer:
+                kernel(x_of[w.shape[1]], w, packed, pairs)
+        best = min(best, (clock() - t0) / len(layers))
     return best
 
 
@@ -73,16 +76,33 @@ def main(ns: argparse.Namespace) -> int:
 
     shapes = check_args(ns)
     dtype = getattr(torch, ns.dtype)
-    if not packed_linear_supported(dtype):
+    onednn = packed_linear_supported(dtype)
+    if not onednn and dtype != torch.bfloat16:
         raise ValueError(f"dtype {ns.dtype}: oneDNN's packed linear is not available here")
     ops = cpu_ops()
-    kernels = {"oneDNN packed": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")}
+    kernels = {}
     if ops is not None:
-        kernels = {"linear_small": lambda x, w, p: ops.linear_small(x, w, None), **kernels}
+        kernels["linear_small"] = lambda x, w, p, q: ops.linear_small(x, w, None)
+        if dtype == torch.bfloat16:
+            kernels["bf16_pair_linear"] = lambda x, w, p, q: ops.bf16_pair_linear(x, q, None)
+    if onednn:
+        kernels["oneDNN packed"] = lambda x, w, p, q: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    else:  # no oneDNN bfloat16 kernels on this CPU
+        kernels["F.linear"] = lambda x, w, p, q: torch.nn.functional.linear(x, w)
+    pairs = ops is not None and dtype == torch.bfloat16
     layers = []
     for _ in range(ns.copies):
         ws = [torch.randn(n, k).to(dtype) for n, k in shapes]  # [N, K] each
-        layers.append([(w, torch.ops.mkldnn._reorder_linear_weight(w, 128)) for w in ws])
+        layers.append(
+            [
+                (
+                    w,
+                    torch.ops.mkldnn._reorder_linear_weight(w, 128) if onednn else None,
+                    ops.bf16_pair_pack(w) if pairs else None,  # [N, K rounded up to even]
+                )
+                for w in ws
+            ]
+        )
     weight_bytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
     macs = sum(n * k for n, k in shapes)
     threads = ns.threads or [torch.get_num_threads()]
@@ -96,12 +116,13 @@ def main(ns: argparse.Namespace) -> int:
     rows = []
     for t in threads:
         torch.set_num_threads(t)
+        clock = time.thread_time if t == 1 else time.perf_counter
         for m in ns.rows:
             x_of = {k: torch.randn(m, k).to(dtype) for _, k in shapes}  # [M, K] the inputs
             for name, kernel in kernels.items():
                 if name == "linear_small" and m > CPUPackedLinearMethod.SMALL_ROWS:
                     continue
-                s = _fastest(layers, x_of, kernel, ns.passes)
+                s = _fastest(layers, x_of, kernel, ns.passes, clock)
                 rows.append(
                     {
                         "threads": t,
@@ -124,13 +145,14 @@ def main(ns: argparse.Namespace) -> int:
             ("gflop_s", "GFLOP/s", ".1f"),
         ],
     )
+    base = "oneDNN packed" if onednn else "F.linear"
     for r in rows:
-        if r["kernel"] == "linear_small":
+        if r["kernel"] in ("linear_small", "bf16_pair_linear"):
             other = next(
-                o for o in rows if o["kernel"] != r["kernel"] and (o["threads"], o["rows"]) == (r["threads"], r["rows"])
+                o for o in rows if o["kernel"] == base and (o["threads"], o["rows"]) == (r["threads"], r["rows"])
             )
             print(
-                f"{r['threads']} thread(s), {r['rows']} rows: linear_small {other['ms'] / r['ms']:.2f}x oneDNN's rate"
+                f"{r['threads']} thread(s), {r['rows']} rows: {r['kernel']} {other['ms'] / r['ms']:.2f}x {base}'s rate"
             )
     if ns.output_json:
         write_json(ns.output_json, {"command": command_line(), "machine": machine, "results": rows})

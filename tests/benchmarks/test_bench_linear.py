@@ -1,4 +1,4 @@
-"""`pagedllm bench linear`: it runs both kernels at each row count and thread count, its rates
+"""`pagedllm bench linear`: it runs each kernel at each row count and thread count, its rates
 follow from its times and the shapes by hand, and bad flags are refused by name."""
 
 import argparse
@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pagedllm.benchmarks.linear import check_args
+from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
 
 
 def test_linear_bench_end_to_end(tmp_path):
@@ -18,16 +20,20 @@ def test_linear_bench_end_to_end(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    # linear_small only up to 8 rows; oneDNN's packed linear at every row count.
+    # linear_small only up to 8 rows; the pair kernel and oneDNN's packed linear (F.linear where
+    # oneDNN has no bfloat16 kernels) at every row count.
+    base = "oneDNN packed" if packed_linear_supported(torch.bfloat16) else "F.linear"
     assert [(x["rows"], x["kernel"]) for x in rows] == [
         (1, "linear_small"),
-        (1, "oneDNN packed"),
-        (16, "oneDNN packed"),
+        (1, "bf16_pair_linear"),
+        (1, base),
+        (16, "bf16_pair_linear"),
+        (16, base),
     ]
     for x in rows:  # (64*32 + 16*64) weights of 2 bytes, 2 FLOP per weight and row
         assert x["gb_s"] == pytest.approx((64 * 32 + 16 * 64) * 2 / (x["ms"] / 1e3) / 1e9)
         assert x["gflop_s"] == pytest.approx(2 * x["rows"] * (64 * 32 + 16 * 64) / (x["ms"] / 1e3) / 1e9)
-    assert "linear_small" in r.stdout and "oneDNN's rate" in r.stdout
+    assert "linear_small" in r.stdout and f"{base}'s rate" in r.stdout
 
 
 def _ns(**over):
