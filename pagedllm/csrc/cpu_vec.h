@@ -75,18 +75,22 @@ static inline void vst_first(float* p, vec v, int64_t m) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), lane), v);
 }
+// Each 128-bit half of x, y, z, w summed within the half -> that half of the result holds
+// [x's sum, y's, z's, w's]: 9 instructions.
+static inline vec vsum_lanes4(vec x, vec y, vec z, vec w) {
+  const __m256 a = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  const __m256 b = _mm256_add_ps(_mm256_unpacklo_ps(z, w), _mm256_unpackhi_ps(z, w));
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+// vsum_lanes4 of rows 0-3 (u0) and of rows 4-7 (u1) -> row i's sum in lane i: the low halves
+// added (rows 0-3), then the high ones (rows 4-7).
+static inline vec vsum_halves(vec u0, vec u1) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 // v[i]'s 8 lanes summed, for i < 8 -> lane i (vsum_lanes of AVX-512, on 8 lanes).
 static inline vec vsum_lanes(const vec* v) {
-  __m256 u[2];
-  for (int i = 0; i < 2; ++i) {
-    const __m256 *x = v + 4 * i, *y = x + 1, *z = x + 2, *w = x + 3;
-    const __m256 a = _mm256_add_ps(_mm256_unpacklo_ps(*x, *y), _mm256_unpackhi_ps(*x, *y));
-    const __m256 b = _mm256_add_ps(_mm256_unpacklo_ps(*z, *w), _mm256_unpackhi_ps(*z, *w));
-    u[i] = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // low 128 bits: u[0]'s two halves added (rows 0-3); high: u[1]'s (rows 4-7)
-  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+  return vsum_halves(vsum_lanes4(v[0], v[1], v[2], v[3]), vsum_lanes4(v[4], v[5], v[6], v[7]));
 }
 template <typename T>
 static inline vec vload(const T* p) {
