@@ -122,8 +122,15 @@ inline VI s8i(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((c
 // prefetch: GCC 12 -O3 drops _mm_prefetch in these loops.
 constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes
 inline void prefetch_l2(const uint8_t* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(p + PREFETCH_AHEAD + i);
+inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(p + i);
+}
+// Super-block p of a group of gb bytes, pass h: the first pass streams the group, PREFETCH_AHEAD
+// ahead; a second (AVX2: a group's rows 8-15) reads it from the cache, so it fetches the NEXT
+// group's super-block meanwhile (the memory was idle for half the time; a prefetch past the
+// weight's end does not fault).
+inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, int h) {
+  prefetch_bytes(h == 0 ? p + PREFETCH_AHEAD : p + gb, sb);
 }
 
 constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
@@ -252,13 +259,13 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, in
 // M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M].
 template <int M>
 void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, VF* y) {
-  const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type);
+  const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type), gb = K / sf * sb;
   const int rb = h * L, cb = 4 * rb;  // this half's first row: per-row fields at +rb, codes at +4 rb a chunk
   for (int r = 0; r < M; ++r) y[r] = zero_f();
   if (is_kquant(type)) {
     for (int64_t s = 0; s < K / sf; ++s) {
       const uint8_t* p = g + s * sb;
-      if (h == 0) prefetch_ahead(p, sb);
+      prefetch_for(p, sb, gb, h);
       kquant_superblock<M>(p, type, a, t0, s, rb, y);
     }
     return;
@@ -272,7 +279,7 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
   for (int r = 0; r < M; ++r) yr[r] = zero_f();
   for (int64_t s = 0; s < K / QB; ++s) {
     const uint8_t* p = g + s * sb;
-    if (h == 0) prefetch_ahead(p, sb);
+    prefetch_for(p, sb, gb, h);
     x.quads(s, xq);
     if (type == Q8_0) {
       const uint8_t* c = p + 32 + cb;
