@@ -12,6 +12,21 @@ struct StepAttention {
   torch::Tensor positions, slot_mapping, block_table, seq_lens, cos, sin;
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   double scale;
+  // The same for rows [r0, r1) of the step (their own requests: each row's work is its own).
+  StepAttention rows(int64_t r0, int64_t r1) const {
+    const int64_t n = r1 - r0;
+    return {positions.narrow(0, r0, n),
+            slot_mapping.narrow(0, r0, n),
+            block_table.narrow(0, r0, n),
+            seq_lens.narrow(0, r0, n),
+            cos,
+            sin,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale};
+  }
   // qkv [M, q + 2 kv] (rotated in place) -> rope, K/V written to the layer's caches [S, Hkv, D],
   // paged attention -> [M, q].
   torch::Tensor operator()(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache) const {
@@ -29,7 +44,7 @@ struct StepAttention {
 };
 
 // decode_layers' step where every linear is a GGUF weight with int8 activations and the step has
-// <= 8 rows (gguf_decode_step.cpp): the same values, the step in one parallel region.
+// <= 16 rows (gguf_decode_step.cpp): the same values, the step in one parallel region.
 bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                               size_t stride);
 torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,

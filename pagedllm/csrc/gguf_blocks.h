@@ -129,6 +129,10 @@ struct Acts8 {
 };
 // Needs T K + 8 T K / 32 + 2 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf);
+// The same in two steps: the layout of T rows at buf, then rows [t0, t1) from x_rows [t1 - t0, K]
+// (a decode step's rows quantized by different threads).
+Acts8 acts8_at(uint8_t* buf, int64_t T, int64_t K, int64_t span);
+void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_t t1);
 inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 8 * (T * K / QB) + 2 * (T * K / 16); }
 // Output rows [row0, row0 + rows) of one quads group g for activation rows [t_begin, T).
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,

@@ -1,4 +1,4 @@
-// The decoder layers of a decode step (<= TILE rows) whose linears are all GGUF weights with
+// The decoder layers of a decode step (<= ROWS rows) whose linears are all GGUF weights with
 // int8 activations (codes in quads), in ONE parallel region for the whole step, instead of one
 // fork and join per linear (decode_loop.cpp's path: 4 a layer, 64 a step of a 16-layer model).
 // llama.cpp's CPU backend does the same: its threads live through the graph and meet at a
@@ -6,14 +6,16 @@
 //
 // The step is a sequence of phases, one per linear (qkv, o, gate_up, down of each layer). A
 // phase's weight is cut in claims (runs of groups, gguf_linear.cpp's decode rows) that the
-// threads take in turn; the thread that completes a phase's LAST claim runs the serial work
+// threads take in turn; the thread that completes a phase's LAST claim publishes the work
 // between that linear and the next (rope, the KV write and attention; the residual add and the
-// norm; the activation; each followed by the next linear's int8 quantization: together < 3 % of
-// the step), then publishes the next phase. A thread waits only for the phase's work to be
-// done, never for the other threads to arrive: one the OS descheduled (a busy machine) costs
-// nothing unless it holds a claim, where a barrier (libgomp's join) waits for it every time.
-// The values are those of decode_loop.cpp's path bit for bit: the same kernels on the same
-// activations, each output group computed once, whole, by one thread.
+// norm; the activation; each followed by the next linear's int8 quantization), itself in claims
+// of ROWS_A_CLAIM rows (each row's work is its own: at 16 rows one thread's attention would
+// leave the other waiting), and the thread completing its last claim publishes the next phase.
+// A thread waits only for a stage's work to be done, never for the other threads to arrive: one
+// the OS descheduled (a busy machine) costs nothing unless it holds a claim, where a barrier
+// (libgomp's join) waits for it every time. The values are those of decode_loop.cpp's path bit
+// for bit: the same kernels on the same activations, each output group computed once, whole,
+// by one thread, and every op between the linears row by row.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 
@@ -32,8 +34,10 @@ namespace {
 
 using namespace gguf;
 
-constexpr int64_t LINEARS = 4;  // a layer's: qkv, o, gate_up, down
-constexpr int64_t PER = 4;      // tensors a quantized linear: qweight, bias, group table, (empty) mins
+constexpr int64_t LINEARS = 4;       // a layer's: qkv, o, gate_up, down
+constexpr int64_t PER = 4;           // tensors a quantized linear: qweight, bias, group table, (empty) mins
+constexpr int64_t ROWS = 2 * TILE;   // the most rows a step: a group's codes serve both tiles from L1
+constexpr int64_t ROWS_A_CLAIM = 4;  // the work between linears, in claims of this many rows
 
 // One linear of the step: its groups, input features, the int8 activations' span, its claims.
 struct Lin {
@@ -92,7 +96,7 @@ bool wait_for(const std::atomic<int64_t>& published, const std::atomic<bool>& fa
 
 bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                               size_t stride) {
-  if (x.size(0) > TILE || x.scalar_type() != torch::kFloat || stride != 2 + LINEARS * PER) return false;
+  if (x.size(0) > ROWS || x.scalar_type() != torch::kFloat || stride != 2 + LINEARS * PER) return false;
   for (size_t l = 0; l < weights.size(); l += stride)
     for (int64_t at : {int64_t{1}, 1 + PER, 2 + 2 * PER, 2 + 3 * PER})
       if (!in_quads(weights[l + at + 2])) return false;
@@ -129,35 +133,39 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
   for (int64_t i = 0; i < LINEARS; ++i) outs.push_back(torch::empty({M, lins[i].gs.N}, f));
   // torch's allocator: 64-byte aligned, not zero-filled (as gguf_linear.cpp's per-linear buffer)
   const torch::Tensor buf = torch::empty({acts8_bytes(M, max_k)}, f.dtype(torch::kByte));
-  Acts8 acts{};  // the next linear's activations (in buf), set before its phase is published
-  auto quantize = [&](const torch::Tensor& in, const Lin& lin) {
+  // the next linear's activations (in buf): their layout set before the rows are quantized
+  Acts8 acts = acts8_at(buf.data_ptr<uint8_t>(), M, lins[0].K, lins[0].span);
+  auto quantize = [&](const torch::Tensor& in, int64_t r0, int64_t r1) {
     const torch::Tensor c = in.contiguous();
-    acts = quantize_acts8(c.data_ptr<float>(), M, lin.K, lin.span, buf.data_ptr<uint8_t>());
+    quantize_acts8_rows(c.data_ptr<float>(), acts, r0, r1);
   };
-  // The serial work after phase p's linear, ending with phase p + 1's activations.
-  auto after = [&](int64_t p) {
+  // The work after phase p's linear for rows [r0, r1), ending with those rows of phase p + 1's
+  // activations.
+  auto after = [&](int64_t p, int64_t r0, int64_t r1) {
     const int64_t l = p / LINEARS;
     const torch::Tensor* w = &weights[stride * l];
-    const torch::Tensor& out = outs[p % LINEARS];
+    const torch::Tensor out = outs[p % LINEARS].narrow(0, r0, r1 - r0);
+    torch::Tensor xr = x.narrow(0, r0, r1 - r0);
     switch (p % LINEARS) {
       case 0:  // qkv -> attention
-        quantize(attend(out, k_caches[l], v_caches[l]), lins[p + 1]);
+        quantize(attend.rows(r0, r1)(out, k_caches[l], v_caches[l]), r0, r1);
         break;
       case 1:  // o -> the MLP's norm
-        x.add_(out);
-        quantize(rms_norm(x, w[1 + 2 * PER], eps), lins[p + 1]);
+        xr.add_(out);
+        quantize(rms_norm(xr, w[1 + 2 * PER], eps), r0, r1);
         break;
       case 2:  // gate_up -> the activation
-        quantize(silu_and_mul(out), lins[p + 1]);
+        quantize(silu_and_mul(out), r0, r1);
         break;
       default:  // down -> the next layer's norm
-        x.add_(out);
-        if (l + 1 < layers) quantize(rms_norm(x, weights[stride * (l + 1)], eps), lins[p + 1]);
+        xr.add_(out);
+        if (l + 1 < layers) quantize(rms_norm(xr, weights[stride * (l + 1)], eps), r0, r1);
     }
   };
-  quantize(rms_norm(x, weights[0], eps), lins[0]);
-  const int64_t phases = (int64_t)lins.size();
-  std::unique_ptr<Counter[]> counters(new Counter[phases]);
+  quantize(rms_norm(x, weights[0], eps), 0, M);
+  const int64_t phases = (int64_t)lins.size(), row_claims = (M + ROWS_A_CLAIM - 1) / ROWS_A_CLAIM;
+  // Stage 2p: phase p's linear, claims of groups; 2p + 1: the work after it, claims of rows.
+  std::unique_ptr<Counter[]> counters(new Counter[2 * phases]);
   std::atomic<int64_t> published{0};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
@@ -172,19 +180,25 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const at::ThreadLocalStateGuard guard(state);
     try {
-      for (int64_t p = 0; p < phases; ++p) {
-        if (!wait_for(published, failed, p)) return;
+      for (int64_t s = 0; s < 2 * phases; ++s) {
+        if (!wait_for(published, failed, s)) return;
+        const int64_t p = s / 2;
         const Lin& lin = lins[p];
+        const int64_t claims = s % 2 ? row_claims : lin.claims;
         float* out = outs[p % LINEARS].data_ptr<float>();
-        Counter& c = counters[p];
-        for (int64_t k; (k = c.next.fetch_add(1, std::memory_order_relaxed)) < lin.claims;) {
-          for (int64_t g = k * lin.per_claim; g < std::min(lin.gs.G, (k + 1) * lin.per_claim); ++g) {
-            const int64_t* e = lin.gs.meta + 4 * g;
-            run_group8(lin.gs.base + e[0], e[1], acts, 0, M, e[2], (int)e[3], lin.bias, out, lin.gs.N);
-          }
-          if (c.done.fetch_add(1, std::memory_order_acq_rel) + 1 == lin.claims) {
-            after(p);
-            published.store(p + 1, std::memory_order_release);
+        Counter& c = counters[s];
+        for (int64_t k; (k = c.next.fetch_add(1, std::memory_order_relaxed)) < claims;) {
+          if (s % 2)
+            after(p, k * ROWS_A_CLAIM, std::min(M, (k + 1) * ROWS_A_CLAIM));
+          else
+            for (int64_t g = k * lin.per_claim; g < std::min(lin.gs.G, (k + 1) * lin.per_claim); ++g) {
+              const int64_t* e = lin.gs.meta + 4 * g;
+              run_group8(lin.gs.base + e[0], e[1], acts, 0, M, e[2], (int)e[3], lin.bias, out, lin.gs.N);
+            }
+          if (c.done.fetch_add(1, std::memory_order_acq_rel) + 1 == claims) {
+            if (s % 2 == 0 && p + 1 < phases)  // linear p is done with buf: the next one's layout
+              acts = acts8_at(buf.data_ptr<uint8_t>(), M, lins[p + 1].K, lins[p + 1].span);
+            published.store(s + 1, std::memory_order_release);
           }
         }
       }

@@ -28,22 +28,32 @@
 
 namespace gguf {
 
-Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
+Acts8 acts8_at(uint8_t* buf, int64_t T, int64_t K, int64_t span) {
   TORCH_CHECK((span == QB || span == 256) && K % span == 0, "int8 activations: span ", span, " for K ", K);
-  Acts8 a{reinterpret_cast<int8_t*>(buf),
-          reinterpret_cast<float*>(buf + T * K),
-          reinterpret_cast<float*>(buf + T * K + 4 * (T * K / QB)),
-          reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)),
-          K,
-          span};
-  at::parallel_for(0, T * K / span, 32, [&](int64_t c0, int64_t c1) {
+  return Acts8{reinterpret_cast<int8_t*>(buf),
+               reinterpret_cast<float*>(buf + T * K),
+               reinterpret_cast<float*>(buf + T * K + 4 * (T * K / QB)),
+               reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)),
+               K,
+               span};
+}
+
+Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
+  const Acts8 a = acts8_at(buf, T, K, span);
+  quantize_acts8_rows(x, a, 0, T);
+  return a;
+}
+
+void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_t t1) {
+  const int64_t off = t0 * a.K, span = a.span;  // x_rows[i] is feature off + i of the whole [T, K]
+  at::parallel_for(off / span, t1 * a.K / span, 32, [&](int64_t c0, int64_t c1) {
     for (int64_t s = c0; s < c1; ++s) {
-      const float* xs = x + s * span;
+      const float* xs = x_rows + (s * span - off);
       float amax = 0.f;
       for (int i = 0; i < span; ++i) amax = std::max(amax, std::fabs(xs[i]));
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       for (int64_t b = s * span / QB; b < (s + 1) * span / QB; ++b) {
-        const float* xb = x + b * QB;
+        const float* xb = x_rows + (b * QB - off);
         int8_t* q = a.q + b * QB;
         int32_t s0 = 0, s1 = 0;
         for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
@@ -53,7 +63,6 @@ Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t
       }
     }
   });
-  return a;
 }
 
 #ifdef GGUF_SIMD

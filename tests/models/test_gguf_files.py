@@ -413,16 +413,17 @@ def test_llama_quantize_files_agree_with_transformers(qtype, tmp_path, monkeypat
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K_M"])
 def test_gguf_decode_step_equals_eager_layers(qtype, tmp_path, monkeypatch):
-    """A decode step of 1-3 rows on a GGUF model with int8 activations runs in one parallel
+    """A decode step of 1-16 rows on a GGUF model with int8 activations runs in one parallel
     region (csrc/gguf_decode_step.cpp): each step's hidden states equal the eager layers' (one
     gguf_linear call a linear) on the same inputs bit for bit, Q4_K_M's fused qkv of Q4_K and
-    Q6_K rows included."""
+    Q6_K rows included; 16 rows: two tiles a group, the work between linears in claims of rows
+    taken by both threads."""
     from pagedllm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "int8")  # the default, which the step takes
     path = write_gguf(_tiny_hf("llama"), tmp_path / f"llama.{qtype}.gguf", qtype)
-    llm = LLM(str(path), enable_prefix_caching=False, kv_cache_memory=2**27, max_num_seqs=8)
+    llm = LLM(str(path), enable_prefix_caching=False, kv_cache_memory=2**27, max_num_seqs=16)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     loop = runner.decode_loop
     assert loop is not None, "the engine did not build the C++ decode loop for the GGUF model"
@@ -438,11 +439,16 @@ def test_gguf_decode_step_equals_eager_layers(qtype, tmp_path, monkeypatch):
 
     checked.applies = loop.applies
     runner.decode_loop = checked
-    prompts = [[5 + i, (17 * i) % 500 + 3, 100 + i, 250, 7 * i + 1] for i in range(3)]
-    for n in (1, 3):
-        llm.generate(
-            [{"prompt_token_ids": p} for p in prompts[:n]],
-            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-            use_tqdm=False,
-        )
-    assert set(calls) == {1, 3}, calls
+    prompts = [[5 + i, (17 * i) % 500 + 3, 100 + i, 250, 7 * i + 1][: 3 + i % 3] for i in range(16)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the claims shared by two threads, whatever the machine's count
+    try:
+        for n in (1, 3, 16):
+            llm.generate(
+                [{"prompt_token_ids": p} for p in prompts[:n]],
+                SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                use_tqdm=False,
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert set(calls) == {1, 3, 16}, calls
