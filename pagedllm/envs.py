@@ -83,7 +83,9 @@ VARIABLES: dict[str, EnvVar] = {
         "(llama.cpp's scheme, the faster kernels; per 256 for K-quant weights) or int16 (closer to float); "
         "read when a model loads (docs/quantization.md)",
     ),
-    "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(_switch(True), "0: plain F.linear instead of oneDNN-packed linears"),
+    "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(
+        _switch(True), "0: plain F.linear instead of oneDNN-packed (or, bf16 without oneDNN bf16, pair-packed) linears"
+    ),
     "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of all-decode steps"),
     "PAGEDLLM_CPU_MALLOC_KEEP": EnvVar(
         _switch(True),

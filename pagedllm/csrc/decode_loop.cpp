@@ -1,6 +1,6 @@
 // The decoder layers of a decode step in one call (see models/cpu_decode_loop.py): the kernels
-// of attention.cpp and fused_ops.cpp, and oneDNN's packed linear, in the eager path's order, on
-// the same values.
+// of attention.cpp and fused_ops.cpp, and oneDNN's packed linear or bf16_linear.cpp's pair
+// kernel, in the eager path's order, on the same values.
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <vector>
@@ -27,15 +27,19 @@ static torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& 
 }
 
 // One linear of the loop: a float weight, plain and packed (linear_small up to small_rows rows,
-// the packed oneDNN linear above, as the eager path picks), or a quantized one with its scales
-// and mins (quant_linear, float32 activations), or GGUF blocks with their int64 group table in
-// the scales' place (gguf_linear).
+// above them the packed oneDNN linear, or bf16_pair_linear where `pairs` (a bfloat16 weight in
+// the pair layout, where oneDNN has no bf16 kernels), as the eager path picks), or a quantized
+// one with its scales and mins (quant_linear, float32 activations), or GGUF blocks with their
+// int64 group table in the scales' place (gguf_linear).
 struct Linear {
   const torch::Tensor *w, *b, *packed, *s, *m;  // packed: a float linear's; s, m: a quantized one's
   int64_t small_rows;
+  bool pairs;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (packed != nullptr)
-      return x.size(0) <= small_rows ? linear_small(x, *w, opt(*b)) : packed_linear(x, *packed, opt(*b));
+    if (packed != nullptr) {
+      if (x.size(0) <= small_rows) return linear_small(x, *w, opt(*b));
+      return pairs ? bf16_pair_linear(x, *packed, opt(*b)) : packed_linear(x, *packed, opt(*b));
+    }
     if (s->scalar_type() == torch::kLong) return gguf_linear(x, *w, *s, opt(*b));
     return quant_linear(x, *w, *s, *m, opt(*b));
   }
@@ -45,14 +49,15 @@ struct Linear {
 // qkv weight, bias, packed weight, o weight, bias, packed weight, post-attention norm, gate_up
 // weight, bias, packed weight, down weight, bias, packed weight (14; an empty tensor = no bias);
 // or 18 with quantized linears, each linear then weight, bias, scales, mins; caches [S, Hkv, D]
-// per layer; small_rows: the most rows the float linears take linear_small for;
+// per layer; small_rows: the most rows the float linears take linear_small for; pairs: the
+// float linears' packed weights are bf16_pair_pack's (CPUBf16PairLinearMethod), not oneDNN's;
 // slot_mapping [M] int64, block_table [M, NB] int32, seq_lens [M] int32 -> hidden [M, hidden].
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                             torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                            double scale, int64_t small_rows) {
+                            double scale, int64_t small_rows, bool pairs) {
   TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty());
   const size_t stride = weights.size() / k_caches.size();
   TORCH_CHECK((stride == 14 || stride == 18) && weights.size() == stride * k_caches.size());
@@ -65,8 +70,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
     const torch::Tensor* w = &weights[stride * l];
     auto lin = [&](int at) {
       const torch::Tensor* p = w + at;
-      return per == 3 ? Linear{p, p + 1, p + 2, nullptr, nullptr, small_rows}
-                      : Linear{p, p + 1, nullptr, p + 2, p + 3, small_rows};
+      return per == 3 ? Linear{p, p + 1, p + 2, nullptr, nullptr, small_rows, pairs}
+                      : Linear{p, p + 1, nullptr, p + 2, p + 3, small_rows, false};
     };
     const Linear qkv_proj = lin(1), o_proj = lin(1 + per), gate_up_proj = lin(2 + 2 * per),
                  down_proj = lin(2 + 3 * per);

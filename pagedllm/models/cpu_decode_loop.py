@@ -4,12 +4,14 @@ Eager Python runs ~20 ops a layer (module calls, views, index ops, residual adds
 through Python and the dispatcher: ~3 ms a step for a 30-layer model, whatever the step's rows
 (beside ~11 ms of weight streaming at batch 1). This loop runs the same kernels
 the eager path calls at the step's row count (linear_small up to SMALL_ROWS rows and oneDNN's
-packed linear above, as CPUPackedLinearMethod picks; rms_norm, rotary_embedding_, paged_decode,
+packed linear above, as CPUPackedLinearMethod picks, or bf16_pair_linear above, as
+CPUBf16PairLinearMethod picks where oneDNN has no bf16 kernels; rms_norm, rotary_embedding_, paged_decode,
 silu_and_mul) in the same order on the same values, so its hidden states equal the eager path's
 bit for bit (tests/models/test_cpu_decode_loop.py); only the Python between them is gone.
 
 Built once at load time (`build_decode_loop`) for a model whole on one rank, on the CPU, with
-the fused ops and packed linears with the row-streaming kernel, or quantized linears
+the fused ops and packed linears with the row-streaming kernel (oneDNN's or the bf16 pair
+layout's), or quantized linears
 (quant_linear, csrc/quant_ops.cpp; float32) (their methods, chosen when the layers were built)
 and the cpu attention backend; the ModelRunner calls it instead of the model
 for steps that are all decode (`DecodeLoop.applies`), of any number of rows, a speculative
@@ -29,6 +31,7 @@ from pagedllm.attention.backends.cpu_attn import kernels as cpu_kernels
 from pagedllm.attention.layer import attention_layers
 from pagedllm.csrc.build import cpu_extension
 from pagedllm.forward_context import get_forward_context
+from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod
 from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
 
@@ -47,14 +50,17 @@ def base_method(linear):
 class DecodeLoop:
     """The model's weights, flattened once at load time, and the call."""
 
-    def __init__(self, model, ext) -> None:
+    def __init__(self, model, ext, pairs: bool = False) -> None:
+        """pairs: the float linears are CPUBf16PairLinearMethod's (their packed weight the pair
+        layout), not CPUPackedLinearMethod's (oneDNN's)."""
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
+        self.pairs = pairs
 
         def lin(m):  # a float linear: weight, bias, packed weight; a quantized one: qweight, bias, scales, mins
             b = m.bias if m.bias is not None else empty
             if isinstance(base_method(m), QuantizedLinearMethod):
                 return [m.qweight, b, m.scales, m.mins]
-            return [m.weight, b, m.packed_weight]
+            return [m.weight, b, m.pair_weight if pairs else m.packed_weight]
 
         self.weights = []
         for layer in model.layers:
@@ -116,6 +122,7 @@ class DecodeLoop:
             self.eps,
             self.scale,
             CPUPackedLinearMethod.SMALL_ROWS,
+            self.pairs,
         )
 
 
@@ -141,12 +148,13 @@ def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
         return None
     methods = [base_method(m) for m in linears]
     quantized = [isinstance(lm, QuantizedLinearMethod) and lm.ops is not None for lm in methods]
+    pairs = all(type(lm) is CPUBf16PairLinearMethod for lm in methods)  # bfloat16 without oneDNN's
     if all(quantized):  # quant_linear takes float32 activations (the only dtype quantization runs in)
         if model.norm.weight.dtype != torch.float32:
             return None
-    elif not all(isinstance(lm, CPUPackedLinearMethod) and lm.small_ops is not None for lm in methods):
+    elif not pairs and not all(isinstance(lm, CPUPackedLinearMethod) and lm.small_ops is not None for lm in methods):
         return None
     if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
         return None
     ext = decode_loop_ext()
-    return DecodeLoop(model, ext) if ext is not None else None
+    return DecodeLoop(model, ext, pairs) if ext is not None else None

@@ -67,6 +67,60 @@ def test_bf16_packed_linear_matches_float32_reference(rows):
 
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
+@pytest.mark.parametrize("rows", [1, 8, 9, 16, 130])
+def test_bf16_pair_linear_method_matches_float32_reference(rows):
+    """The bf16 method where oneDNN has no bf16 kernels: linear_small on the plain weight at 1-8
+    rows, bf16_pair_linear on the pair layout above; both sum in float32 and round once."""
+    from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod
+    from pagedllm.models.layers.linear import ReplicatedLinear
+
+    ops = _ops()
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(577, 1730, bias=True).bfloat16()  # odd K: the pair layout's padding
+    x = _bf16(rows, 577)
+    with torch.inference_mode():
+        layer = ReplicatedLinear(577, 1730, True, CPUBf16PairLinearMethod(ops)).bfloat16()
+        layer.weight.copy_(lin.weight)
+        layer.bias.copy_(lin.bias)
+        layer.linear_method.process_weights_after_loading(layer)
+        assert layer.pair_weight.shape == (1730, 578)
+        ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 1730)
+        torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
+        kernel = ops.linear_small if rows <= CPUBf16PairLinearMethod.SMALL_ROWS else None
+        if kernel is not None:  # the row count picks the kernel: bit for bit
+            assert torch.equal(out, kernel(x, layer.weight, layer.bias))
+        else:
+            assert torch.equal(out, ops.bf16_pair_linear(x, layer.pair_weight, layer.bias))
+
+
+def test_bf16_model_linear_method_follows_onednn():
+    """A bfloat16 model built on the CPU: oneDNN's packed linears where oneDNN has bf16 kernels
+    (AVX512-BF16), the pair method where it has none and the kernels are built (every AVX2-only
+    CPU), F.linear with PAGEDLLM_CPU_PACKED_LINEAR=0."""
+    from pagedllm import envs
+    from pagedllm.models.cpu_ops import cpu_ops
+    from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod
+    from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
+    from pagedllm.models.layers.linear import default_linear_method
+
+    if not envs.PAGEDLLM_CPU_PACKED_LINEAR:
+        pytest.skip("packed linears turned off here (PAGEDLLM_CPU_PACKED_LINEAR=0)")
+    require_built(cpu_ops())
+    with torch.device("cpu"):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            method = default_linear_method()
+        finally:
+            torch.set_default_dtype(old)
+    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packed_linear_supported(torch.bfloat16) == onednn
+    assert type(method) is (CPUPackedLinearMethod if onednn else CPUBf16PairLinearMethod)
+
+
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_bf16_fused_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE in bfloat16 (strided q/k views of a fused QKV output, a
     partial rotary dim, the RoPE tables cast with the model): the fused ops equal the bfloat16
@@ -171,6 +225,28 @@ def test_perplexity_float32_equals_transformers(model_dir, tokenizer, hf_model):
     assert abs(res["bfloat16"]["perplexity"] / res["float32"]["perplexity"] - 1) < 0.01, res
 
 
+def _assert_bf16_method(model):
+    """The model's linears (and LM head) run the method this CPU's oneDNN picks (see
+    test_bf16_model_linear_method_follows_onednn)."""
+    from pagedllm import envs
+    from pagedllm.models.cpu_ops import cpu_ops
+    from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod, pair_linear_supported
+    from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
+
+    want = (
+        CPUPackedLinearMethod
+        if packed_linear_supported(torch.bfloat16)
+        else CPUBf16PairLinearMethod
+        if pair_linear_supported(torch.bfloat16, cpu_ops())
+        else None
+    )
+    if want is None:
+        assert not envs.PAGEDLLM_CPU_PACKED_LINEAR or cpu_ops() is None
+        return
+    for m in (model.layers[0].self_attn.qkv_proj, model.layers[-1].mlp.down_proj, model.lm_head):
+        assert type(m.linear_method) is want, m
+
+
 GREEDY_TOKENS = 32
 MIN_AGREEMENT = 0.90  # of the engine's tokens that are transformers' bf16 argmax
 TIE = 0.25  # logits: 2 bfloat16 steps at 16-32 (the top logits' range here)
@@ -196,6 +272,7 @@ def test_engine_greedy_bf16_matches_transformers_bf16(model_dir, tokenizer):
     # of 5-128 tokens, one of them alone.
     prompts = [ids[o : o + n] for o, n in ((0, 5), (40, 17), (300, 64), (700, 128), (1200, 33))]
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=512)
+    _assert_bf16_method(llm.llm_engine.core.model_executor.driver_worker.model_runner.model)
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     alone = [llm.generate([{"prompt_token_ids": prompts[3]}], params, use_tqdm=False)[0]]

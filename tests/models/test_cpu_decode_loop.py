@@ -1,7 +1,8 @@
 """The C++ decode loop (models/cpu_decode_loop.py) equals the eager layers bit for bit: the same
 greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests
 (and at 1-8 rows of verification steps, tests/engine/test_spec_decode.py); the same hidden
-states at 9, 16 and 64 rows, where both take oneDNN's packed linears; a step with a prefill
+states at 9, 16 and 64 rows, where both take oneDNN's packed linears (or, in bfloat16 where oneDNN
+has no bf16 kernels, bf16_pair_linear on the pair layout); a step with a prefill
 takes the eager path."""
 
 import pytest
@@ -31,19 +32,24 @@ def _decode_loop(llm):
     from pagedllm import envs
     from pagedllm.attention.backends.cpu_attn.kernels import decode_kernel
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
-    from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
     from pagedllm.models.cpu_ops import cpu_ops
+    from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod, pair_linear_supported
+    from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
 
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     model = runner.model
     if not envs.PAGEDLLM_CPU_DECODE_LOOP:  # as the engine reads it
         pytest.skip("the decode loop is turned off here (PAGEDLLM_CPU_DECODE_LOOP=0)")
     dtype = model.norm.weight.dtype
-    if not packed_linear_supported(dtype):
+    pairs = not packed_linear_supported(dtype) and pair_linear_supported(dtype, cpu_ops())
+    if not packed_linear_supported(dtype) and not pairs:
         pytest.skip(f"no oneDNN {dtype} linear here (this torch build or CPU): the decode loop needs it")
     for ext in (cpu_ops, decode_kernel, decode_loop_ext):
         require_built(ext())
     assert runner.decode_loop is not None, "the extensions are built, yet the engine did not enable the loop"
+    # bfloat16 where oneDNN has no bf16 kernels (AVX2-only CPUs): the loop takes the pair kernel's linears
+    assert runner.decode_loop.pairs == pairs
+    assert pairs == (type(model.layers[0].mlp.down_proj.linear_method) is CPUBf16PairLinearMethod)
     return runner
 
 

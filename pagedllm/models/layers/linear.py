@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.models.cpu_ops import cpu_ops
+from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod, pair_linear_supported
 from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
 from pagedllm.models.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagedllm.models.layers.quantization import current_quant_config
@@ -41,13 +42,17 @@ def multi_rank(comm):
 
 def default_linear_method(lm_head: bool = False) -> LinearMethodBase:
     """The method for a layer built now: the current quantization config's (set by the loader);
-    on the CPU in float32 / bfloat16, oneDNN-packed weights (unless
-    PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
+    on the CPU in float32 / bfloat16, oneDNN-packed weights, or in bfloat16 where oneDNN has no
+    bf16 kernels the pair-packed C++ kernel's (unless PAGEDLLM_CPU_PACKED_LINEAR=0); else F.linear."""
     quant = current_quant_config()
     if quant is not None:
         return quant.get_linear_method(lm_head)
-    if torch.get_default_device().type == "cpu" and packed_linear_supported(torch.get_default_dtype()):
-        return CPUPackedLinearMethod(cpu_ops())
+    if torch.get_default_device().type == "cpu":
+        dtype = torch.get_default_dtype()
+        if packed_linear_supported(dtype):
+            return CPUPackedLinearMethod(cpu_ops())
+        if pair_linear_supported(dtype, cpu_ops()):
+            return CPUBf16PairLinearMethod(cpu_ops())
     return UnquantizedLinearMethod()
 
 
