@@ -118,14 +118,25 @@ inline void over_tiles(int64_t t_begin, int64_t T, Args&&... args) {
 // features (32: as llama.cpp's Q8_0; 256: as its Q8_K, when a K-quant group takes them, so that
 // a super-block's integer sums add up before one float scaling), each block of 32's step (the
 // span's, repeated), the integer sums of each 16 codes (|sum| <= 16 x 127: int16, so that a
-// block's two are one int32 pair for vpmaddwd / vpdpwssd).
+// block's two are one int32 pair for vpmaddwd / vpdpwssd). The steps and the step-times-sums
+// are laid out by tiles of TILE rows, each tile's block-major (`at`): a tile's kernel walks them
+// with one pointer and constant offsets a row (AVX2's 16 general registers did not hold a
+// pointer a row for each of them, and reloaded them every block).
 struct Acts8 {
   int8_t* q;     // [T, K]
-  float* d;      // [T, K/32]
-  float* e;      // [T, K/32]: d times the block's sum of 32 codes (the offsets' and mins' term)
+  float* d;      // [T, K/32] at `at`
+  float* e;      // [T, K/32] at `at`: d times the block's sum of 32 codes (the offsets' and mins' term)
   int16_t* sum;  // [T, K/16]
   int64_t K;
   int64_t span;  // features a step: 32 or 256
+  int64_t T;
+  // Where row t's block b is in d and e: rows t0.. of the tile [t0, t0 + n) (n = TILE, the last
+  // tile's fewer) at t0 K/32 + b n + (t - t0).
+  int64_t at(int64_t t, int64_t b) const {
+    const int64_t t0 = t - t % TILE;
+    return t0 * (K / QB) + b * std::min<int64_t>(TILE, T - t0) + (t - t0);
+  }
+  float step(int64_t t, int64_t b) const { return d[at(t, b)]; }
 };
 // Needs T K + 8 T K / 32 + 2 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf);
@@ -142,7 +153,7 @@ void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin,
 void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, float* out);
 
 // No SIMD: each row dequantised, then float dot products with the activations' codes (int16
-// or int8: `Activations` has q [T, K], d [T, K/32] and K) -> rows [row0, row0 + rows).
+// or int8: `Activations` has q [T, K], K and step(t, b), block b's) -> rows [row0, row0 + rows).
 template <class Activations>
 void run_group_scalar(const uint8_t* g, int64_t type, const Activations& a, int64_t t_begin, int64_t T,
                       int64_t row0, int rows, const float* bias, float* out, int64_t N) {
@@ -152,7 +163,7 @@ void run_group_scalar(const uint8_t* g, int64_t type, const Activations& a, int6
     dequantize_group_row(g, type, K, i, w.data());
     for (int64_t t = t_begin; t < T; ++t) {
       float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.d[(t * K + k) / QB];
+      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.step(t, k / QB);
       out[t * N + row0 + i] = acc + (bias ? bias[row0 + i] : 0.f);
     }
   }

@@ -35,7 +35,8 @@ Acts8 acts8_at(uint8_t* buf, int64_t T, int64_t K, int64_t span) {
                reinterpret_cast<float*>(buf + T * K + 4 * (T * K / QB)),
                reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)),
                K,
-               span};
+               span,
+               T};
 }
 
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf) {
@@ -45,7 +46,7 @@ Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t
 }
 
 void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_t t1) {
-  const int64_t off = t0 * a.K, span = a.span;  // x_rows[i] is feature off + i of the whole [T, K]
+  const int64_t off = t0 * a.K, span = a.span, KB = a.K / QB;  // x_rows[i]: feature off + i of [T, K]
   at::parallel_for(off / span, t1 * a.K / span, 32, [&](int64_t c0, int64_t c1) {
     for (int64_t s = c0; s < c1; ++s) {
       const float* xs = x_rows + (s * span - off);
@@ -58,7 +59,8 @@ void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_
         int32_t s0 = 0, s1 = 0;
         for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
         for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
-        a.d[b] = d, a.e[b] = d * (float)(s0 + s1);
+        const int64_t at = a.at(b / KB, b % KB);
+        a.d[at] = d, a.e[at] = d * (float)(s0 + s1);
         a.sum[2 * b] = (int16_t)s0, a.sum[2 * b + 1] = (int16_t)s1;
       }
     }
@@ -85,6 +87,9 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), _mm512_set1_epi32(x));
 }
 constexpr int SIGNED_OFFSET = 128;
+// 4-bit codes: the int32 sums themselves (widen16 is none).
+inline VI dot2_u4(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) { return dot2(acc, w0, x0, w1, x1); }
+inline VI widen16(VI acc) { return acc; }
 // acc + the int16 pairs of a times the pair at x (2 products a lane).
 inline VI dotw(VI acc, VI a, const int32_t* x) { return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(*x)); }
 // Lanes a (< 2^15) as the low int16 of each pair, b as the high.
@@ -115,6 +120,16 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 constexpr int SIGNED_OFFSET = 0;
+// 4-bit codes: a block's products add up in int16 (8 x 2 x 15 x 127 < 2^15), one vpmaddwd (widen16)
+// a block instead of one a chunk. The empty asm keeps each row's chain in order: GCC made a tree
+// of a tile's vpaddw and spilled it.
+inline VI dot2_u4(VI acc16, VI w0, int32_t x0, VI w1, int32_t x1) {
+  VI s = _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                                                  _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1))));
+  asm("" : "+x"(s));
+  return s;
+}
+inline VI widen16(VI acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
 inline VI dotw(VI acc, VI a, const int32_t* x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*x)));
 }
@@ -144,20 +159,15 @@ inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, int h) {
 
 constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
 
-// The activation quads of block b of rows t0...
-template <int M>
-inline void quads(const Acts8& a, int64_t t0, int64_t b, const int32_t** xq) {
-  for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.q + (t0 + r) * a.K + b * QB);
-}
-
 // One block of 4-bit codes (4 chunks at `c`) into M rows' sums.
 template <int M>
 inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
   for (int r = 0; r < M; ++r) acc[r] = zero_i();
   for (int k = 0; k < 4; ++k) {
     const VI v = load(c + k * CHUNK), lo = and_(v, 15), hi = and_(srl(v, 4), 15);
-    for (int r = 0; r < M; ++r) acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+    for (int r = 0; r < M; ++r) acc[r] = dot2_u4(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
   }
+  for (int r = 0; r < M; ++r) acc[r] = widen16(acc[r]);
 }
 
 // One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `h` (bit q: quad q).
@@ -192,31 +202,33 @@ inline void dot_q6(const uint8_t* c, const uint8_t* h, const int32_t* const* xq,
   }
 }
 
-// A tile's rows of activations: each row's codes, steps and step-times-sums (Acts8's e), as
-// pointers held in registers (the loops' stores of float vectors may alias Acts8's fields, so
-// the compiler reloaded them and redid the index arithmetic for every row of every block).
+// M rows of activations from t0 (inside one of Acts8's tiles): each row's codes as a pointer,
+// the steps and step-times-sums (Acts8's e) of block b at d / e + b stride, row r at + r (one
+// pointer each: the loops' stores of float vectors may alias Acts8's fields, so the compiler
+// reloaded them and redid the index arithmetic for every row of every block).
 template <int M>
 struct Rows8 {
   const int8_t* q[M];
-  const float* d[M];
-  const float* e[M];
-  Rows8(const Acts8& a, int64_t t0) {
-    for (int r = 0; r < M; ++r)
-      q[r] = a.q + (t0 + r) * a.K, d[r] = a.d + (t0 + r) * (a.K / QB), e[r] = a.e + (t0 + r) * (a.K / QB);
+  const float* d;
+  const float* e;
+  int64_t stride;
+  Rows8(const Acts8& a, int64_t t0) : d(a.d + a.at(t0, 0)), e(a.e + a.at(t0, 0)), stride(a.at(t0, 1) - a.at(t0, 0)) {
+    for (int r = 0; r < M; ++r) q[r] = a.q + (t0 + r) * a.K;
   }
   void quads(int64_t b, const int32_t** xq) const {
     for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(q[r] + b * QB);
   }
 };
 
-// y[r] += s dx sum + mo dx Σx for block b (mo: a vector per row: the min m, or the codes'
-// offset as -off s; none where neither). Float: the offset's product with Σx needed an
-// integer multiply and a broadcast from a general register for each row.
+// y[r] += s dx[r] sum + mo ex[r] for a block (dx, ex: its rows' steps and step-times-sums; mo:
+// a vector per weight row: the min m, or the codes' offset as -off s; none where neither).
+// Float: the offset's product with Σx needed an integer multiply and a broadcast from a general
+// register for each row.
 template <int M>
-inline void scale_into(VF* y, const VI* acc, VF s, const VF* mo, const Rows8<M>& x, int64_t b) {
+inline void scale_into(VF* y, const VI* acc, VF s, const VF* mo, const float* dx, const float* ex) {
   for (int r = 0; r < M; ++r) {
-    y[r] = fma(mul(s, set1(x.d[r][b])), cvt(acc[r]), y[r]);
-    if (mo) y[r] = fma(*mo, set1(x.e[r][b]), y[r]);
+    y[r] = fma(mul(s, set1(dx[r])), cvt(acc[r]), y[r]);
+    if (mo) y[r] = fma(*mo, set1(ex[r]), y[r]);
   }
 }
 
@@ -227,14 +239,14 @@ inline void scale_into(VF* y, const VI* acc, VF s, const VF* mo, const Rows8<M>&
 // halves of a lane. Q6_K: per 16 features a signed scale, the codes' 32 taken off as 32 d dx Σ sc
 // Σx (the two halves' scales a pair). |int32| <= 16 x 128 x 16 x 63 x 127 < 2^31.
 template <int M>
-inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, int64_t t0, int64_t s, int rb,
-                              VF* y) {
+inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, const Rows8<M>& x, int64_t t0,
+                              int64_t s, int rb, VF* y) {
   const int cb = 4 * rb;
   VI acc[M], acc2[M], isum[M];
   const int32_t* xq[M];
   for (int r = 0; r < M; ++r) isum[r] = zero_i();
   for (int j = 0; j < 8; ++j) {
-    quads<M>(a, t0, s * 8 + j, xq);
+    x.quads(s * 8 + j, xq);
     if (type == Q6_K) {
       dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
       const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
@@ -249,10 +261,9 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, in
     }
   }
   const VF d = f16(p + 2 * rb), m = type == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * rb);
-  float dx[M];
+  const float* dx = x.d + s * 8 * x.stride;  // the super-block's step (each of its blocks')
   const int32_t* xs[M];  // the rows' pairs of sums of 16 codes (one a block) at this super-block
   for (int r = 0; r < M; ++r) {
-    dx[r] = a.d[(t0 + r) * (a.K / QB) + s * 8];
     xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
     y[r] = fma(mul(d, set1(dx[r])), cvt(isum[r]), y[r]);
     isum[r] = zero_i();
@@ -265,32 +276,26 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, in
   for (int r = 0; r < M; ++r) y[r] = fma(mul(m, set1(-dx[r])), cvt(isum[r]), y[r]);
 }
 
-// M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M].
-template <int M>
-void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, VF* y) {
-  const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type), gb = K / sf * sb;
+// The legacy types' (32 features a super-block) loop of group_rows, one for each TYPE (its
+// registers allocated for its own codes: one loop for every type kept the float sums on the
+// stack).
+template <int M, int64_t TYPE>
+void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, int h, bool prefetch, VF* y) {
+  const int64_t sb = superblock_bytes(TYPE);
+  constexpr bool with_m = TYPE == Q4_1 || TYPE == Q5_1;
+  constexpr float off = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : TYPE == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
+  const int64_t gb = K / QB * sb;
   const int rb = h * L, cb = 4 * rb;  // this half's first row: per-row fields at +rb, codes at +4 rb a chunk
-  for (int r = 0; r < M; ++r) y[r] = zero_f();
-  if (is_kquant(type)) {
-    for (int64_t s = 0; s < K / sf; ++s) {
-      const uint8_t* p = g + s * sb;
-      prefetch_for(p, sb, gb, h);
-      kquant_superblock<M>(p, type, a, t0, s, rb, y);
-    }
-    return;
-  }
-  const Rows8<M> x(a, t0);
-  const bool with_m = type == Q4_1 || type == Q5_1;
-  const float off = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
   VF yr[M];  // the sums in registers, stored once
   VI acc[M];
   const int32_t* xq[M];
   for (int r = 0; r < M; ++r) yr[r] = zero_f();
-  for (int64_t s = 0; s < K / QB; ++s) {
+  const float *dx = x.d, *ex = x.e;
+  for (int64_t s = 0; s < K / QB; ++s, dx += x.stride, ex += x.stride) {
     const uint8_t* p = g + s * sb;
-    prefetch_for(p, sb, gb, h);
+    if (prefetch) prefetch_for(p, sb, gb, h);
     x.quads(s, xq);
-    if (type == Q8_0) {
+    if constexpr (TYPE == Q8_0) {
       const uint8_t* c = p + 32 + cb;
       for (int r = 0; r < M; ++r) acc[r] = zero_i();
       for (int q = 0; q < 8; ++q) {
@@ -299,16 +304,55 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
       }
     } else {
       const uint8_t* c = p + (with_m ? 64 : 32);
-      if (type == Q4_0 || type == Q4_1)
+      if constexpr (TYPE == Q4_0 || TYPE == Q4_1)
         dot_u4<M>(c + cb, xq, acc);
       else
         dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
     }
     const VF d = f16(p + 2 * rb);
-    const VF mo = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(-off));
-    scale_into<M>(yr, acc, d, with_m || off != 0.f ? &mo : nullptr, x, s);
+    if constexpr (with_m || off != 0.f) {
+      const VF mo = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(-off));
+      scale_into<M>(yr, acc, d, &mo, dx, ex);
+    } else {
+      scale_into<M>(yr, acc, d, nullptr, dx, ex);
+    }
   }
   for (int r = 0; r < M; ++r) y[r] = yr[r];
+}
+
+// M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M]; the
+// weight stream prefetched where `prefetch` (one pass of a half's).
+template <int M>
+void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, bool prefetch, VF* y) {
+  const Rows8<M> x(a, t0);
+  switch (type) {
+    case Q4_0: return legacy_rows<M, Q4_0>(g, x, a.K, h, prefetch, y);
+    case Q4_1: return legacy_rows<M, Q4_1>(g, x, a.K, h, prefetch, y);
+    case Q5_0: return legacy_rows<M, Q5_0>(g, x, a.K, h, prefetch, y);
+    case Q5_1: return legacy_rows<M, Q5_1>(g, x, a.K, h, prefetch, y);
+    case Q8_0: return legacy_rows<M, Q8_0>(g, x, a.K, h, prefetch, y);
+  }
+  const int64_t sb = superblock_bytes(type), gb = a.K / 256 * sb;
+  for (int r = 0; r < M; ++r) y[r] = zero_f();
+  for (int64_t s = 0; s < a.K / 256; ++s) {
+    const uint8_t* p = g + s * sb;
+    if (prefetch) prefetch_for(p, sb, gb, h);
+    kquant_superblock<M>(p, type, a, x, t0, s, h * L, y);
+  }
+}
+
+// Rows a pass over a half of a group: AVX2's 16 vector registers hold 4 rows' integer and float
+// sums with the codes (8 rows spilled the float sums every block); AVX-512's 32 hold a tile's.
+constexpr int PASS = L == 8 ? 4 : TILE;
+
+// The tile's rows [t0 + P, t0 + M) in passes of PASS rows.
+template <int M, int P = 0>
+inline void passes(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, VF* y) {
+  if constexpr (P < M) {
+    constexpr int n = std::min(PASS, M - P);
+    group_rows<n>(g, type, a, t0 + P, h, P == 0, y + P);
+    passes<M, P + n>(g, type, a, t0, h, y);
+  }
 }
 
 template <int M>
@@ -317,7 +361,7 @@ struct Tile {
                   const float* bias, float* out, int64_t N) {
     for (int h = 0; h * L < rows; ++h) {
       VF y[M];
-      group_rows<M>(g, type, a, t0, h, y);
+      passes<M>(g, type, a, t0, h, y);
       write_tile<M>(y, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
     }
   }

@@ -120,6 +120,7 @@ struct Acts {
   std::vector<float> d;    // [T, K/32]
   std::vector<float> sum;  // [T, K/16]
   int64_t K;
+  float step(int64_t t, int64_t block) const { return d[t * (K / QB) + block]; }
   const int32_t* pairs(int64_t t, int64_t block) const {
     return reinterpret_cast<const int32_t*>(q.data() + t * K + block * QB);
   }
