@@ -149,36 +149,48 @@ inline void prefetch_l2(const uint8_t* p) { asm volatile("prefetcht1 %0" : : "m"
 inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(p + i);
 }
-// Super-block p of a group of gb bytes, pass h: the first pass streams the group, PREFETCH_AHEAD
-// ahead; a second (AVX2: a group's rows 8-15) reads it from the cache, so it fetches the NEXT
-// group's super-block meanwhile (the memory was idle for half the time; a prefetch past the
-// weight's end does not fault).
-inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, int h) {
-  prefetch_bytes(h == 0 ? p + PREFETCH_AHEAD : p + gb, sb);
+// What a pass over a group prefetches: the first streams the group, PREFETCH_AHEAD ahead; a
+// second reads it from the cache, so it fetches the NEXT group's super-block meanwhile (the
+// memory was idle for half the time; a prefetch past the weight's end does not fault); the
+// others nothing.
+enum class Fetch { AHEAD, NEXT, NONE };
+// Super-block p of a group of gb bytes.
+inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, Fetch f) {
+  if (f != Fetch::NONE) prefetch_bytes(f == Fetch::AHEAD ? p + PREFETCH_AHEAD : p + gb, sb);
 }
 
 constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
+constexpr int HALF = 4 * L;  // bytes of a chunk's vector (L rows; AVX2: a group's half)
 
-// One block of 4-bit codes (4 chunks at `c`) into M rows' sums.
-template <int M>
+// One block of 4-bit codes (4 chunks at `c`) into M rows' sums, for H vectors of weight rows
+// (acc [H, M]; AVX2: both halves of a group take each row's broadcasts).
+template <int M, int H = 1>
 inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
-  for (int r = 0; r < M; ++r) acc[r] = zero_i();
+  for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
   for (int k = 0; k < 4; ++k) {
-    const VI v = load(c + k * CHUNK), lo = and_(v, 15), hi = and_(srl(v, 4), 15);
-    for (int r = 0; r < M; ++r) acc[r] = dot2_u4(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+    VI lo[H], hi[H];
+    for (int h = 0; h < H; ++h) {
+      const VI v = load(c + k * CHUNK + h * HALF);
+      lo[h] = and_(v, 15), hi[h] = and_(srl(v, 4), 15);
+    }
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < H; ++h) acc[h * M + r] = dot2_u4(acc[h * M + r], lo[h], xq[r][k], hi[h], xq[r][k + 4]);
   }
-  for (int r = 0; r < M; ++r) acc[r] = widen16(acc[r]);
+  for (int i = 0; i < H * M; ++i) acc[i] = widen16(acc[i]);
 }
 
-// One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `h` (bit q: quad q).
-template <int M>
-inline void dot_u5(const uint8_t* c, const uint8_t* h, const int32_t* const* xq, VI* acc) {
-  for (int r = 0; r < M; ++r) acc[r] = zero_i();
-  const VI hb = load(h);
+// One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `hb` (bit q: quad q).
+template <int M, int H = 1>
+inline void dot_u5(const uint8_t* c, const uint8_t* hb, const int32_t* const* xq, VI* acc) {
+  for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
   for (int k = 0; k < 4; ++k) {
-    const VI v = load(c + k * CHUNK);
-    const VI lo = low_high(v, and_(sll(hb, 4 - k), 0x10)), hi = low_high(srl(v, 4), and_(srl(hb, k), 0x10));
-    for (int r = 0; r < M; ++r) acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+    VI lo[H], hi[H];
+    for (int h = 0; h < H; ++h) {
+      const VI v = load(c + k * CHUNK + h * HALF), b = load(hb + h * HALF);
+      lo[h] = low_high(v, and_(sll(b, 4 - k), 0x10)), hi[h] = low_high(srl(v, 4), and_(srl(b, k), 0x10));
+    }
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < H; ++h) acc[h * M + r] = dot2(acc[h * M + r], lo[h], xq[r][k], hi[h], xq[r][k + 4]);
   }
 }
 
@@ -225,7 +237,7 @@ struct Rows8 {
 // Float: the offset's product with Σx needed an integer multiply and a broadcast from a general
 // register for each row.
 template <int M>
-inline void scale_into(VF* y, const VI* acc, VF s, const VF* mo, const float* dx, const float* ex) {
+inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, const float* dx, const float* ex) {
   for (int r = 0; r < M; ++r) {
     y[r] = fma(mul(s, set1(dx[r])), cvt(acc[r]), y[r]);
     if (mo) y[r] = fma(*mo, set1(ex[r]), y[r]);
@@ -279,98 +291,103 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, co
 // The legacy types' (32 features a super-block) loop of group_rows, one for each TYPE (its
 // registers allocated for its own codes: one loop for every type kept the float sums on the
 // stack).
-template <int M, int64_t TYPE>
-void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, int h, bool prefetch, VF* y) {
-  const int64_t sb = superblock_bytes(TYPE);
+template <int M, int H, int64_t TYPE>
+void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, Fetch f, VF* __restrict y, int ys) {
+  const int64_t sb = superblock_bytes(TYPE), gb = K / QB * sb;
   constexpr bool with_m = TYPE == Q4_1 || TYPE == Q5_1;
   constexpr float off = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : TYPE == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
-  const int64_t gb = K / QB * sb;
-  const int rb = h * L, cb = 4 * rb;  // this half's first row: per-row fields at +rb, codes at +4 rb a chunk
-  VF yr[M];  // the sums in registers, stored once
-  VI acc[M];
+  VI acc[H * M];
   const int32_t* xq[M];
-  for (int r = 0; r < M; ++r) yr[r] = zero_f();
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
   const float *dx = x.d, *ex = x.e;
   for (int64_t s = 0; s < K / QB; ++s, dx += x.stride, ex += x.stride) {
     const uint8_t* p = g + s * sb;
-    if (prefetch) prefetch_for(p, sb, gb, h);
+    prefetch_for(p, sb, gb, f);
     x.quads(s, xq);
     if constexpr (TYPE == Q8_0) {
-      const uint8_t* c = p + 32 + cb;
-      for (int r = 0; r < M; ++r) acc[r] = zero_i();
+      for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
       for (int q = 0; q < 8; ++q) {
-        const VI w = load(c + q * CHUNK);
-        for (int r = 0; r < M; ++r) acc[r] = dot_signed(acc[r], w, xq[r][q]);
+        VI w[H];
+        for (int h = 0; h < H; ++h) w[h] = load(p + 32 + q * CHUNK + h * HALF);
+        for (int r = 0; r < M; ++r)
+          for (int h = 0; h < H; ++h) acc[h * M + r] = dot_signed(acc[h * M + r], w[h], xq[r][q]);
       }
     } else {
       const uint8_t* c = p + (with_m ? 64 : 32);
       if constexpr (TYPE == Q4_0 || TYPE == Q4_1)
-        dot_u4<M>(c + cb, xq, acc);
+        dot_u4<M, H>(c, xq, acc);
       else
-        dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
+        dot_u5<M, H>(c, c + 256, xq, acc);
     }
-    const VF d = f16(p + 2 * rb);
-    if constexpr (with_m || off != 0.f) {
-      const VF mo = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(-off));
-      scale_into<M>(yr, acc, d, &mo, dx, ex);
-    } else {
-      scale_into<M>(yr, acc, d, nullptr, dx, ex);
+    for (int h = 0; h < H; ++h) {  // half h's per-row fields at + h L
+      const VF d = f16(p + 2 * h * L);
+      if constexpr (with_m || off != 0.f) {
+        const VF mo = with_m ? f16(p + 32 + 2 * h * L) : mul(d, set1(-off));
+        scale_into<M>(y + h * ys, acc + h * M, d, &mo, dx, ex);
+      } else {
+        scale_into<M>(y + h * ys, acc + h * M, d, nullptr, dx, ex);
+      }
     }
   }
-  for (int r = 0; r < M; ++r) y[r] = yr[r];
 }
 
-// M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M]; the
-// weight stream prefetched where `prefetch` (one pass of a half's).
-template <int M>
-void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, bool prefetch, VF* y) {
+// M activation rows [t0, t0 + M) times H vectors of a group's weight rows (AVX2: both halves,
+// or the first) -> y[h ys + r]; the weight stream prefetched as f says.
+template <int M, int H>
+void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, Fetch f, VF* y, int ys) {
   const Rows8<M> x(a, t0);
   switch (type) {
-    case Q4_0: return legacy_rows<M, Q4_0>(g, x, a.K, h, prefetch, y);
-    case Q4_1: return legacy_rows<M, Q4_1>(g, x, a.K, h, prefetch, y);
-    case Q5_0: return legacy_rows<M, Q5_0>(g, x, a.K, h, prefetch, y);
-    case Q5_1: return legacy_rows<M, Q5_1>(g, x, a.K, h, prefetch, y);
-    case Q8_0: return legacy_rows<M, Q8_0>(g, x, a.K, h, prefetch, y);
+    case Q4_0: return legacy_rows<M, H, Q4_0>(g, x, a.K, f, y, ys);
+    case Q4_1: return legacy_rows<M, H, Q4_1>(g, x, a.K, f, y, ys);
+    case Q5_0: return legacy_rows<M, H, Q5_0>(g, x, a.K, f, y, ys);
+    case Q5_1: return legacy_rows<M, H, Q5_1>(g, x, a.K, f, y, ys);
+    case Q8_0: return legacy_rows<M, H, Q8_0>(g, x, a.K, f, y, ys);
   }
   const int64_t sb = superblock_bytes(type), gb = a.K / 256 * sb;
-  for (int r = 0; r < M; ++r) y[r] = zero_f();
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
   for (int64_t s = 0; s < a.K / 256; ++s) {
     const uint8_t* p = g + s * sb;
-    if (prefetch) prefetch_for(p, sb, gb, h);
-    kquant_superblock<M>(p, type, a, x, t0, s, h * L, y);
+    prefetch_for(p, sb, gb, f);
+    for (int h = 0; h < H; ++h) kquant_superblock<M>(p, type, a, x, t0, s, h * L, y + h * ys);
   }
 }
 
-// Rows a pass over a half of a group: AVX2's 16 vector registers hold 4 rows' integer and float
-// sums with the codes (8 rows spilled the float sums every block); AVX-512's 32 hold a tile's.
+// Rows a pass over a group: AVX2's 16 vector registers hold 4 rows' integer sums for both halves
+// and the codes (8 rows of one half spilled the float sums every block); AVX-512's 32 a tile's.
 constexpr int PASS = L == 8 ? 4 : TILE;
 
-// The tile's rows [t0 + P, t0 + M) in passes of PASS rows.
-template <int M, int P = 0>
-inline void passes(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, VF* y) {
+// The tile's rows [t0 + P, t0 + M) in passes of PASS rows -> y [H, M]; the first tile of a
+// group (`first`) prefetches.
+template <int M, int H, int P = 0>
+inline void passes(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, bool first, VF* y) {
   if constexpr (P < M) {
     constexpr int n = std::min(PASS, M - P);
-    group_rows<n>(g, type, a, t0 + P, h, P == 0, y + P);
-    passes<M, P + n>(g, type, a, t0, h, y);
+    const Fetch f = !first ? Fetch::NONE : P == 0 ? Fetch::AHEAD : P == PASS ? Fetch::NEXT : Fetch::NONE;
+    group_rows<n, H>(g, type, a, t0 + P, f, y + P, M);
+    passes<M, H, P + n>(g, type, a, t0, first, y);
   }
 }
 
 template <int M>
 struct Tile {
-  static void run(int64_t t0, const uint8_t* g, int64_t type, const Acts8& a, int64_t row0, int rows,
-                  const float* bias, float* out, int64_t N) {
-    for (int h = 0; h * L < rows; ++h) {
-      VF y[M];
-      passes<M>(g, type, a, t0, h, y);
-      write_tile<M>(y, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
-    }
+  static void run(int64_t t0, int64_t t_begin, const uint8_t* g, int64_t type, const Acts8& a, int64_t row0,
+                  int rows, const float* bias, float* out, int64_t N) {
+    constexpr int HALVES = GROUP / L;  // AVX2: 2, AVX-512: 1
+    VF y[HALVES * M];                  // [halves, M]
+    if (rows > L)
+      passes<M, HALVES>(g, type, a, t0, t0 == t_begin, y);
+    else
+      passes<M, 1>(g, type, a, t0, t0 == t_begin, y);
+    for (int h = 0; h * L < rows; ++h) write_tile<M>(y + h * M, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
   }
 };
 
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
                 int rows, const float* bias, float* out, int64_t N) {
   TORCH_CHECK(!is_kquant(type) || a.span == 256, "K-quant groups need int8 activations of span 256");
-  over_tiles<Tile>(t_begin, T, g, type % QUADS, a, row0, rows, bias, out, N);
+  over_tiles<Tile>(t_begin, T, t_begin, g, type % QUADS, a, row0, rows, bias, out, N);
 }
 #else
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
