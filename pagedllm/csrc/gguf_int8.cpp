@@ -87,9 +87,11 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), _mm512_set1_epi32(x));
 }
 constexpr int SIGNED_OFFSET = 128;
-// 4-bit codes: the int32 sums themselves (widen16 is none).
+// 4-bit codes: the int32 sums themselves (widen16 is none; a K-quant's sub-scale one vpmulld).
 inline VI dot2_u4(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) { return dot2(acc, w0, x0, w1, x1); }
 inline VI widen16(VI acc) { return acc; }
+inline VI sub_scale(VI sc) { return sc; }
+inline VI times_sub_scale(VI acc, VI sc) { return _mm512_mullo_epi32(acc, sc); }
 // acc + the int16 pairs of a times the pair at x (2 products a lane).
 inline VI dotw(VI acc, VI a, const int32_t* x) { return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(*x)); }
 // Lanes a (< 2^15) as the low int16 of each pair, b as the high.
@@ -130,6 +132,10 @@ inline VI dot2_u4(VI acc16, VI w0, int32_t x0, VI w1, int32_t x1) {
   return s;
 }
 inline VI widen16(VI acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+// A K-quant block's int16 sums times its sub-scales (0..63 a lane) in the vpmaddwd that widens
+// them (instead of a vpmulld after it): sub_scale puts each lane's in both of its int16 halves.
+inline VI sub_scale(VI sc) { return _mm256_blend_epi16(sc, _mm256_slli_epi32(sc, 16), 0xAA); }
+inline VI times_sub_scale(VI acc16, VI sc) { return _mm256_madd_epi16(acc16, sc); }
 inline VI dotw(VI acc, VI a, const int32_t* x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(*x)));
 }
@@ -163,7 +169,8 @@ constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
 constexpr int HALF = 4 * L;  // bytes of a chunk's vector (L rows; AVX2: a group's half)
 
 // One block of 4-bit codes (4 chunks at `c`) into M rows' sums, for H vectors of weight rows
-// (acc [H, M]; AVX2: both halves of a group take each row's broadcasts).
+// (acc [H, M]; AVX2: both halves of a group take each row's broadcasts), as dot2_u4 adds them
+// (AVX2: int16, widen16 or times_sub_scale to int32).
 template <int M, int H = 1>
 inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
   for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
@@ -176,7 +183,6 @@ inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
     for (int r = 0; r < M; ++r)
       for (int h = 0; h < H; ++h) acc[h * M + r] = dot2_u4(acc[h * M + r], lo[h], xq[r][k], hi[h], xq[r][k + 4]);
   }
-  for (int i = 0; i < H * M; ++i) acc[i] = widen16(acc[i]);
 }
 
 // One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `hb` (bit q: quad q).
@@ -244,48 +250,67 @@ inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, cons
   }
 }
 
-// One K-quant super-block (8 blocks of 32, one activation step dx a row) into y[M]: each
-// block's integer sum times its integer sub-scale added up in int32, scaled once: y += d dx Σ sc
-// sum; then the mins, y -= dmin dx Σ mn Σx, in a pass of their own (so that the sums' loop holds
-// no more registers), by vpdpwssd on int16 pairs: a block's two sums of 16 against mn in both
-// halves of a lane. Q6_K: per 16 features a signed scale, the codes' 32 taken off as 32 d dx Σ sc
-// Σx (the two halves' scales a pair). |int32| <= 16 x 128 x 16 x 63 x 127 < 2^31.
-template <int M>
+// One K-quant super-block (8 blocks of 32, one activation step dx a row) into y [H, M] (y[h ys +
+// r]): each block's integer sum times its integer sub-scale added up in int32, scaled once: y +=
+// d dx Σ sc sum; then the mins, y -= dmin dx Σ mn Σx, in a pass of their own (so that the sums'
+// loop holds no more registers), by vpdpwssd on int16 pairs: a block's two sums of 16 against mn
+// in both halves of a lane. Q6_K: per 16 features a signed scale, the codes' 32 taken off as 32 d
+// dx Σ sc Σx (the two halves' scales a pair). |int32| <= 16 x 128 x 16 x 63 x 127 < 2^31.
+template <int M, int H>
 inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, const Rows8<M>& x, int64_t t0,
-                              int64_t s, int rb, VF* y) {
-  const int cb = 4 * rb;
-  VI acc[M], acc2[M], isum[M];
+                              int64_t s, VF* __restrict y, int ys) {
+  VI acc[H * M], isum[H * M];
   const int32_t* xq[M];
-  for (int r = 0; r < M; ++r) isum[r] = zero_i();
-  for (int j = 0; j < 8; ++j) {
-    x.quads(s * 8 + j, xq);
-    if (type == Q6_K) {
-      dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
-      const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
-      for (int r = 0; r < M; ++r) isum[r] = add(isum[r], add(mullo(acc[r], sc0), mullo(acc2[r], sc1)));
-    } else {
-      if (type == Q4_K)
-        dot_u4<M>(p + 320 + j * 256 + cb, xq, acc);
-      else
-        dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
-      const VI sc = u8i(p + 64 + j * 16 + rb);
-      for (int r = 0; r < M; ++r) isum[r] = add(isum[r], mullo(acc[r], sc));
+  for (int i = 0; i < H * M; ++i) isum[i] = zero_i();
+  if (type == Q4_K) {  // both halves take each row's broadcasts
+    for (int j = 0; j < 8; ++j) {
+      x.quads(s * 8 + j, xq);
+      dot_u4<M, H>(p + 320 + j * 256, xq, acc);
+      for (int h = 0; h < H; ++h) {
+        const VI sc = sub_scale(u8i(p + 64 + j * 16 + h * L));
+        for (int r = 0; r < M; ++r) isum[h * M + r] = add(isum[h * M + r], times_sub_scale(acc[h * M + r], sc));
+      }
+    }
+  } else {  // a half at a time: the high bits' vectors fill the registers
+    for (int h = 0; h < H; ++h) {
+      const int rb = h * L, cb = 4 * rb;
+      for (int j = 0; j < 8; ++j) {
+        x.quads(s * 8 + j, xq);
+        if (type == Q6_K) {
+          VI acc2[M];
+          dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
+          const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
+          for (int r = 0; r < M; ++r)
+            isum[h * M + r] = add(isum[h * M + r], add(mullo(acc[r], sc0), mullo(acc2[r], sc1)));
+        } else {
+          dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
+          const VI sc = u8i(p + 64 + j * 16 + rb);
+          for (int r = 0; r < M; ++r) isum[h * M + r] = add(isum[h * M + r], mullo(acc[r], sc));
+        }
+      }
     }
   }
-  const VF d = f16(p + 2 * rb), m = type == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * rb);
   const float* dx = x.d + s * 8 * x.stride;  // the super-block's step (each of its blocks')
   const int32_t* xs[M];  // the rows' pairs of sums of 16 codes (one a block) at this super-block
-  for (int r = 0; r < M; ++r) {
-    xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
-    y[r] = fma(mul(d, set1(dx[r])), cvt(isum[r]), y[r]);
-    isum[r] = zero_i();
+  for (int r = 0; r < M; ++r) xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
+  for (int h = 0; h < H; ++h) {
+    const VF d = f16(p + 2 * h * L);
+    for (int r = 0; r < M; ++r) {
+      y[h * ys + r] = fma(mul(d, set1(dx[r])), cvt(isum[h * M + r]), y[h * ys + r]);
+      isum[h * M + r] = zero_i();
+    }
   }
-  for (int j = 0; j < 8; ++j) {
-    const VI w = type == Q6_K ? pair16(s8i(p + 32 + (2 * j) * 16 + rb), s8i(p + 32 + (2 * j + 1) * 16 + rb))
-                              : pair16(u8i(p + 192 + j * 16 + rb), u8i(p + 192 + j * 16 + rb));
-    for (int r = 0; r < M; ++r) isum[r] = dotw(isum[r], w, xs[r] + j);
+  for (int j = 0; j < 8; ++j)
+    for (int h = 0; h < H; ++h) {
+      const int rb = h * L;
+      const VI w = type == Q6_K ? pair16(s8i(p + 32 + (2 * j) * 16 + rb), s8i(p + 32 + (2 * j + 1) * 16 + rb))
+                                : pair16(u8i(p + 192 + j * 16 + rb), u8i(p + 192 + j * 16 + rb));
+      for (int r = 0; r < M; ++r) isum[h * M + r] = dotw(isum[h * M + r], w, xs[r] + j);
+    }
+  for (int h = 0; h < H; ++h) {
+    const VF d = f16(p + 2 * h * L), m = type == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * h * L);
+    for (int r = 0; r < M; ++r) y[h * ys + r] = fma(mul(m, set1(-dx[r])), cvt(isum[h * M + r]), y[h * ys + r]);
   }
-  for (int r = 0; r < M; ++r) y[r] = fma(mul(m, set1(-dx[r])), cvt(isum[r]), y[r]);
 }
 
 // The legacy types' (32 features a super-block) loop of group_rows, one for each TYPE (its
@@ -315,9 +340,10 @@ void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, Fetch f, VF* __
       }
     } else {
       const uint8_t* c = p + (with_m ? 64 : 32);
-      if constexpr (TYPE == Q4_0 || TYPE == Q4_1)
+      if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
         dot_u4<M, H>(c, xq, acc);
-      else
+        for (int i = 0; i < H * M; ++i) acc[i] = widen16(acc[i]);
+      } else
         dot_u5<M, H>(c, c + 256, xq, acc);
     }
     for (int h = 0; h < H; ++h) {  // half h's per-row fields at + h L
@@ -350,7 +376,7 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, Fetc
   for (int64_t s = 0; s < a.K / 256; ++s) {
     const uint8_t* p = g + s * sb;
     prefetch_for(p, sb, gb, f);
-    for (int h = 0; h < H; ++h) kquant_superblock<M>(p, type, a, x, t0, s, h * L, y + h * ys);
+    kquant_superblock<M, H>(p, type, a, x, t0, s, y, ys);
   }
 }
 
