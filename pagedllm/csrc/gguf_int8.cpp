@@ -165,7 +165,7 @@ inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, Fetch f) {
   if (f != Fetch::NONE) prefetch_bytes(f == Fetch::AHEAD ? p + PREFETCH_AHEAD : p + gb, sb);
 }
 
-constexpr int CHUNK = 64;  // bytes of a chunk (16 rows x 4 features)
+constexpr int CHUNK = 64;    // bytes of a chunk (16 rows x 4 features)
 constexpr int HALF = 4 * L;  // bytes of a chunk's vector (L rows; AVX2: a group's half)
 
 // One block of 4-bit codes (4 chunks at `c`) into M rows' sums, for H vectors of weight rows
@@ -181,7 +181,8 @@ inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
       lo[h] = and_(v, 15), hi[h] = and_(srl(v, 4), 15);
     }
     for (int r = 0; r < M; ++r)
-      for (int h = 0; h < H; ++h) acc[h * M + r] = dot2_u4(acc[h * M + r], lo[h], xq[r][k], hi[h], xq[r][k + 4]);
+      for (int h = 0; h < H; ++h)
+        acc[h * M + r] = dot2_u4(acc[h * M + r], lo[h], xq[r][k], hi[h], xq[r][k + 4]);
   }
 }
 
@@ -230,7 +231,8 @@ struct Rows8 {
   const float* d;
   const float* e;
   int64_t stride;
-  Rows8(const Acts8& a, int64_t t0) : d(a.d + a.at(t0, 0)), e(a.e + a.at(t0, 0)), stride(a.at(t0, 1) - a.at(t0, 0)) {
+  Rows8(const Acts8& a, int64_t t0)
+      : d(a.d + a.at(t0, 0)), e(a.e + a.at(t0, 0)), stride(a.at(t0, 1) - a.at(t0, 0)) {
     for (int r = 0; r < M; ++r) q[r] = a.q + (t0 + r) * a.K;
   }
   void quads(int64_t b, const int32_t** xq) const {
@@ -243,7 +245,8 @@ struct Rows8 {
 // Float: the offset's product with Σx needed an integer multiply and a broadcast from a general
 // register for each row.
 template <int M>
-inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, const float* dx, const float* ex) {
+inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, const float* dx,
+                       const float* ex) {
   for (int r = 0; r < M; ++r) {
     y[r] = fma(mul(s, set1(dx[r])), cvt(acc[r]), y[r]);
     if (mo) y[r] = fma(*mo, set1(ex[r]), y[r]);
@@ -268,7 +271,8 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, co
       dot_u4<M, H>(p + 320 + j * 256, xq, acc);
       for (int h = 0; h < H; ++h) {
         const VI sc = sub_scale(u8i(p + 64 + j * 16 + h * L));
-        for (int r = 0; r < M; ++r) isum[h * M + r] = add(isum[h * M + r], times_sub_scale(acc[h * M + r], sc));
+        for (int r = 0; r < M; ++r)
+          isum[h * M + r] = add(isum[h * M + r], times_sub_scale(acc[h * M + r], sc));
       }
     }
   } else {  // a half at a time: the high bits' vectors fill the registers
@@ -292,7 +296,8 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, co
   }
   const float* dx = x.d + s * 8 * x.stride;  // the super-block's step (each of its blocks')
   const int32_t* xs[M];  // the rows' pairs of sums of 16 codes (one a block) at this super-block
-  for (int r = 0; r < M; ++r) xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
+  for (int r = 0; r < M; ++r)
+    xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
   for (int h = 0; h < H; ++h) {
     const VF d = f16(p + 2 * h * L);
     for (int r = 0; r < M; ++r) {
@@ -309,7 +314,8 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, co
     }
   for (int h = 0; h < H; ++h) {
     const VF d = f16(p + 2 * h * L), m = type == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * h * L);
-    for (int r = 0; r < M; ++r) y[h * ys + r] = fma(mul(m, set1(-dx[r])), cvt(isum[h * M + r]), y[h * ys + r]);
+    for (int r = 0; r < M; ++r)
+      y[h * ys + r] = fma(mul(m, set1(-dx[r])), cvt(isum[h * M + r]), y[h * ys + r]);
   }
 }
 
@@ -406,7 +412,8 @@ struct Tile {
       passes<M, HALVES>(g, type, a, t0, t0 == t_begin, y);
     else
       passes<M, 1>(g, type, a, t0, t0 == t_begin, y);
-    for (int h = 0; h * L < rows; ++h) write_tile<M>(y + h * M, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
+    for (int h = 0; h * L < rows; ++h)
+      write_tile<M>(y + h * M, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
   }
 };
 
