@@ -4,21 +4,24 @@
 // Codes in quads: for each 32-feature block a group's codes are chunks of 64 bytes, byte 4i + j
 // of a chunk = row i, feature 4q + j (q the chunk's quad). One vpdpbusd (AVX-512 VNNI: u8 x s8)
 // with the quad of int8 activations broadcast adds 4 products to each of 16 rows' int32 sums;
-// AVX2: the chunk's half of 8 rows, maddubs (u8 x s8 -> int16 pairs) then madd by ones. Codes are
-// unpacked on bytes, 64 a vector. 4-bit: chunk c (0..3) holds quad c in its low nibbles, quad c + 4
+// AVX2: the chunk's half of 8 rows, maddubs (u8 x s8 -> int16 pairs) then madd by ones, a pass
+// of 4 activation rows over both halves (16 vector registers). Codes are unpacked on bytes, 64 a
+// vector. 4-bit: chunk c (0..3) holds quad c in its low nibbles, quad c + 4
 // in its high ones; 8-bit: chunk q holds quad q; 5-bit high bits: one chunk, bit q for quad q;
 // Q6_K's 2-bit fields: chunk c (0..1), bits 2f..2f+1 for quad c + 2f.
 //
 // Exact int32 sums: |code| <= 255, |x| <= 127, 32 products. AVX2's int16 pairs: codes <= 63
-// (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd); Q8_0's signed codes one at a
+// (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd), 4-bit codes a whole block's
+// (8 x 2 x 15 x 127 < 32768); Q8_0's signed codes one at a
 // time as |w| times x with w's sign (2 x 128 x 127 < 32768). AVX-512 takes Q8_0's codes + 128
 // (a xor). The codes' offsets (Q8_0's 128 there, Q4_0's 8, Q5_0's 16) and the mins (Q4_1 /
 // Q5_1's m) are taken off in float, as -off d or m times the block's dx Σx (Acts8::e; each
 // sum < 2^24, so its float is exact); Q6_K's 32 and Q4_K / Q5_K's dmin mn with the integer sums.
 //
 // K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
-// Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld) adds up over the
-// super-block, and the float scaling is once a super-block instead of once a block (Q6_K: two).
+// Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld; AVX2's Q4_K: the
+// vpmaddwd that widens its int16 sums) adds up over the super-block, and the float scaling is
+// once a super-block instead of once a block (Q6_K: two).
 #include <ATen/Parallel.h>
 
 #include <cmath>
