@@ -105,14 +105,19 @@ inline VI low_high(VI a, VI b) {
 }
 inline VI zero_i() { return _mm256_setzero_si256(); }
 inline VI sub(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+// The int16 pair sums of (codes w0, quad x0) and (w1, x1) (|each| <= 2 x 63 x 127), and their
+// int32 sums a lane (the pairs widened by madd with ones).
+inline VI pairs16(VI w0, int32_t x0, VI w1, int32_t x1) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                          _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+}
+inline VI widen16(VI p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 inline VI dot2(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) {
-  const VI p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
-                                _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, widen16(pairs16(w0, x0, w1, x1)));
 }
 inline VI dot_signed(VI acc, VI w, int32_t x) {
-  const VI p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(x), w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(
+      acc, widen16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(x), w))));
 }
 constexpr int SIGNED_OFFSET = 0;
 inline VI dotw(VI acc, VI a, const int32_t* x) {
@@ -150,25 +155,46 @@ inline void quads(const Acts8& a, int64_t t0, int64_t b, const int32_t** xq) {
   for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.q + (t0 + r) * a.K + b * QB);
 }
 
+// acc[r] += the products of chunk k's codes lo (quad k) and hi (quad k + 4) with row r's quads,
+// for the chunks k = 0..3 of a block in order. AVX2: G chunks' pairs summed in int16 (s16)
+// before one madd widens them (the madds share AVX2's two multiplier ports with the maddubs):
+// codes <= 15, up to G = 4 (8 maddubs pairs, |sum| <= 8 x 2 x 15 x 127 = 30480); codes <= 31,
+// up to 2. Taken at one activation row (G = 1 is a madd a chunk, as before: at 2 rows the
+// longer int16 sums measured slower).
+template <int M, int G>
+inline void dot_chunk(int k, VI lo, VI hi, const int32_t* const* xq, VI* acc, VI* s16) {
+  for (int r = 0; r < M; ++r) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+#else
+    const VI p = pairs16(lo, xq[r][k], hi, xq[r][k + 4]);
+    s16[r] = k % G ? _mm256_add_epi16(s16[r], p) : p;
+    if (k % G == G - 1) acc[r] = add(acc[r], widen16(s16[r]));
+#endif
+  }
+}
+
 // One block of 4-bit codes (4 chunks at `c`) into M rows' sums.
 template <int M>
 inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
-  for (int r = 0; r < M; ++r) acc[r] = zero_i();
+  VI s16[M];
+  for (int r = 0; r < M; ++r) acc[r] = zero_i(), s16[r] = zero_i();
   for (int k = 0; k < 4; ++k) {
     const VI v = load(c + k * CHUNK), lo = and_(v, 15), hi = and_(srl(v, 4), 15);
-    for (int r = 0; r < M; ++r) acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+    dot_chunk<M, M == 1 ? 4 : 1>(k, lo, hi, xq, acc, s16);
   }
 }
 
 // One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `h` (bit q: quad q).
 template <int M>
 inline void dot_u5(const uint8_t* c, const uint8_t* h, const int32_t* const* xq, VI* acc) {
-  for (int r = 0; r < M; ++r) acc[r] = zero_i();
+  VI s16[M];
+  for (int r = 0; r < M; ++r) acc[r] = zero_i(), s16[r] = zero_i();
   const VI hb = load(h);
   for (int k = 0; k < 4; ++k) {
     const VI v = load(c + k * CHUNK);
     const VI lo = low_high(v, and_(sll(hb, 4 - k), 0x10)), hi = low_high(srl(v, 4), and_(srl(hb, k), 0x10));
-    for (int r = 0; r < M; ++r) acc[r] = dot2(acc[r], lo, xq[r][k], hi, xq[r][k + 4]);
+    dot_chunk<M, M == 1 ? 2 : 1>(k, lo, hi, xq, acc, s16);
   }
 }
 
@@ -265,11 +291,39 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, in
   for (int r = 0; r < M; ++r) y[r] = fma(mul(m, set1(-dx[r])), cvt(isum[r]), y[r]);
 }
 
+// One block of a legacy type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at p, the L rows from row rb (codes
+// at + 4 rb a chunk), into M rows' sums yr: the block's integer sums, scaled (scale_into).
+template <int M>
+inline void legacy_block(const uint8_t* p, int64_t type, const Rows8<M>& x, const int32_t* const* xq,
+                         int64_t s, int rb, VF* yr) {
+  const int cb = 4 * rb;
+  const bool with_m = type == Q4_1 || type == Q5_1;
+  const float off = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
+  VI acc[M];
+  if (type == Q8_0) {
+    const uint8_t* c = p + 32 + cb;
+    for (int r = 0; r < M; ++r) acc[r] = zero_i();
+    for (int q = 0; q < 8; ++q) {
+      const VI w = load(c + q * CHUNK);
+      for (int r = 0; r < M; ++r) acc[r] = dot_signed(acc[r], w, xq[r][q]);
+    }
+  } else {
+    const uint8_t* c = p + (with_m ? 64 : 32);
+    if (type == Q4_0 || type == Q4_1)
+      dot_u4<M>(c + cb, xq, acc);
+    else
+      dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
+  }
+  const VF d = f16(p + 2 * rb);
+  const VF mo = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(-off));
+  scale_into<M>(yr, acc, d, with_m || off != 0.f ? &mo : nullptr, x, s);
+}
+
 // M activation rows [t0, t0 + M) times the L rows of one half (`h`) of a group -> y[M].
 template <int M>
 void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int h, VF* y) {
   const int64_t K = a.K, sb = superblock_bytes(type), sf = superblock_features(type), gb = K / sf * sb;
-  const int rb = h * L, cb = 4 * rb;  // this half's first row: per-row fields at +rb, codes at +4 rb a chunk
+  const int rb = h * L;  // this half's first row
   for (int r = 0; r < M; ++r) y[r] = zero_f();
   if (is_kquant(type)) {
     for (int64_t s = 0; s < K / sf; ++s) {
@@ -280,41 +334,77 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int 
     return;
   }
   const Rows8<M> x(a, t0);
-  const bool with_m = type == Q4_1 || type == Q5_1;
-  const float off = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
   VF yr[M];  // the sums in registers, stored once
-  VI acc[M];
   const int32_t* xq[M];
   for (int r = 0; r < M; ++r) yr[r] = zero_f();
   for (int64_t s = 0; s < K / QB; ++s) {
     const uint8_t* p = g + s * sb;
     prefetch_for(p, sb, gb, h);
     x.quads(s, xq);
-    if (type == Q8_0) {
-      const uint8_t* c = p + 32 + cb;
-      for (int r = 0; r < M; ++r) acc[r] = zero_i();
-      for (int q = 0; q < 8; ++q) {
-        const VI w = load(c + q * CHUNK);
-        for (int r = 0; r < M; ++r) acc[r] = dot_signed(acc[r], w, xq[r][q]);
-      }
-    } else {
-      const uint8_t* c = p + (with_m ? 64 : 32);
-      if (type == Q4_0 || type == Q4_1)
-        dot_u4<M>(c + cb, xq, acc);
-      else
-        dot_u5<M>(c + cb, c + 256 + cb, xq, acc);
-    }
-    const VF d = f16(p + 2 * rb);
-    const VF mo = with_m ? f16(p + 32 + 2 * rb) : mul(d, set1(-off));
-    scale_into<M>(yr, acc, d, with_m || off != 0.f ? &mo : nullptr, x, s);
+    legacy_block<M>(p, type, x, xq, s, rb, yr);
   }
   for (int r = 0; r < M; ++r) y[r] = yr[r];
+}
+
+// AVX2 (a group is two halves of L = 8 rows) at one activation row (decode): both halves of each
+// super-block in turn, so the group is streamed from memory once, instead of once for the first
+// half and again from L2 for the second (a pass during which the memory was idle). The same
+// integer sums and float steps per half as group_rows (outputs bit for bit): y[M] for rows 0-7,
+// then y[M] for rows 8-15. At 2 rows GCC kept the sums and quads of both halves on the stack
+// (Q4_0 slower than two passes, Q8_0 faster): one row only, until a kernel broadcasts each quad
+// once for the 16 rows.
+constexpr int64_t ONE_PASS_AHEAD = 1024;  // bytes: the stream's prefetch distance (T1)
+// A legacy TYPE known at compile time: a straight loop (with the type's branches in it GCC kept
+// the sums on the stack).
+template <int M, int64_t TYPE>
+void legacy_both(const uint8_t* g, const Acts8& a, int64_t t0, VF* y) {
+  const int64_t sb = superblock_bytes(TYPE);
+  const Rows8<M> x(a, t0);
+  VF yr[2 * M];
+  const int32_t* xq[M];
+  for (int r = 0; r < 2 * M; ++r) yr[r] = zero_f();
+  for (int64_t s = 0; s < a.K / QB; ++s) {
+    const uint8_t* p = g + s * sb;
+    prefetch_bytes(p + ONE_PASS_AHEAD, sb);
+    x.quads(s, xq);
+    legacy_block<M>(p, TYPE, x, xq, s, 0, yr);
+    legacy_block<M>(p, TYPE, x, xq, s, L, yr + M);
+  }
+  for (int r = 0; r < 2 * M; ++r) y[r] = yr[r];
+}
+
+template <int M>
+void group_both(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, VF* y) {
+  switch (type) {
+    case Q4_0: return legacy_both<M, Q4_0>(g, a, t0, y);
+    case Q4_1: return legacy_both<M, Q4_1>(g, a, t0, y);
+    case Q5_0: return legacy_both<M, Q5_0>(g, a, t0, y);
+    case Q5_1: return legacy_both<M, Q5_1>(g, a, t0, y);
+    case Q8_0: return legacy_both<M, Q8_0>(g, a, t0, y);
+  }
+  const int64_t sb = superblock_bytes(type);
+  for (int r = 0; r < 2 * M; ++r) y[r] = zero_f();
+  for (int64_t s = 0; s < a.K / 256; ++s) {
+    const uint8_t* p = g + s * sb;
+    prefetch_bytes(p + ONE_PASS_AHEAD, sb);
+    kquant_superblock<M>(p, type, a, t0, s, 0, y);
+    kquant_superblock<M>(p, type, a, t0, s, L, y + M);
+  }
 }
 
 template <int M>
 struct Tile {
   static void run(int64_t t0, const uint8_t* g, int64_t type, const Acts8& a, int64_t row0, int rows,
                   const float* bias, float* out, int64_t N) {
+    if constexpr (L == 8 && M == 1) {
+      if (rows > L) {  // both halves, one pass
+        VF y[2 * M];
+        group_both<M>(g, type, a, t0, y);
+        write_tile<M>(y, t0, row0, 0, L, bias, out, N);
+        write_tile<M>(y + M, t0, row0, 1, rows - L, bias, out, N);
+        return;
+      }
+    }
     for (int h = 0; h * L < rows; ++h) {
       VF y[M];
       group_rows<M>(g, type, a, t0, h, y);
