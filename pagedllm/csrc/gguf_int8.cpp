@@ -19,6 +19,11 @@
 // K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
 // Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld) adds up over the
 // super-block, and the float scaling is once a super-block instead of once a block (Q6_K: two).
+//
+// AVX2 at one activation row (decode) is bound by its two multiplier ports (maddubs, madd, sign,
+// abs share them): a group's two halves in one pass (group_both: the group streamed once, not
+// re-read from L2 while the memory idles), and 4-bit / 5-bit blocks' pairs summed in int16
+// before one madd (dot_chunk).
 #include <ATen/Parallel.h>
 
 #include <cmath>
