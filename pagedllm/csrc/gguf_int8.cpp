@@ -8,7 +8,9 @@
 // of 4 activation rows over both halves (16 vector registers). Codes are unpacked on bytes, 64 a
 // vector. 4-bit: chunk c (0..3) holds quad c in its low nibbles, quad c + 4
 // in its high ones; 8-bit: chunk q holds quad q; 5-bit high bits: one chunk, bit q for quad q;
-// Q6_K's 2-bit fields: chunk c (0..1), bits 2f..2f+1 for quad c + 2f.
+// Q6_K: 6 chunks, half-block h's quads 4h..4h+3 (one sub-scale) in chunks 3h..3h+2: chunk 3h + i
+// holds quad 4h + i in bits 0-5 and bits 2i..2i+1 of quad 4h + 3 in bits 6-7 (three quads one
+// `and` each, the fourth q6_fourth; the pairs' 4 + 2 bits took 19 ops a 4 quads on AVX2, 11).
 //
 // Exact int32 sums: |code| <= 255, |x| <= 127, 32 products. AVX2's int16 pairs: codes <= 63
 // (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd), 4-bit codes a whole block's
@@ -175,7 +177,7 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 // memory was idle for half the time; a prefetch past the weight's end does not fault); the
 // others nothing.
 enum class Fetch { AHEAD, NEXT, NONE };
-// Super-block p of a group of gb bytes.
+// Super-block p of a group of gb bytes (the K-quants spread it: kquant_superblock).
 inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, Fetch f) {
   if (f != Fetch::NONE) prefetch_bytes(f == Fetch::AHEAD ? p + PREFETCH_AHEAD : p + gb, sb);
 }
@@ -222,11 +224,13 @@ template <int M>
 inline void dot_q6(const uint8_t* c, const int32_t* const* xq, VI* acc, VI* acc2) {
   for (int r = 0; r < M; ++r) acc[r] = zero_i(), acc2[r] = zero_i();
   for (int h = 0; h < 2; ++h) {
-    const VI a = load(c + 3 * h * CHUNK), b = load(c + (3 * h + 1) * CHUNK), cc = load(c + (3 * h + 2) * CHUNK);
+    const VI a = load(c + 3 * h * CHUNK), b = load(c + (3 * h + 1) * CHUNK),
+             cc = load(c + (3 * h + 2) * CHUNK);
     const VI q0 = and_(a, 63), q1 = and_(b, 63), q2 = and_(cc, 63), q3 = q6_fourth(a, b, cc);
     VI* s = h ? acc2 : acc;
     for (int r = 0; r < M; ++r)
-      s[r] = dot2(dot2(s[r], q0, xq[r][4 * h], q1, xq[r][4 * h + 1]), q2, xq[r][4 * h + 2], q3, xq[r][4 * h + 3]);
+      s[r] = dot2(dot2(s[r], q0, xq[r][4 * h], q1, xq[r][4 * h + 1]), q2, xq[r][4 * h + 2], q3,
+                  xq[r][4 * h + 3]);
   }
 }
 
@@ -268,14 +272,18 @@ inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, cons
 // loop holds no more registers), by vpdpwssd on int16 pairs: a block's two sums of 16 against mn
 // in both halves of a lane. Q6_K: per 16 features a signed scale, the codes' 32 taken off as 32 d
 // dx Σ sc Σx (the two halves' scales a pair). |int32| <= 16 x 128 x 16 x 63 x 127 < 2^31.
+// The prefetch of the super-block at pf (none if null: Fetch's) is spread over its blocks, a
+// share with each: all at the super-block's start (Q6_K's 53 lines) held Q6_K / Q5_K to 0.85x.
 template <int M, int H, int64_t TYPE>
-inline void kquant_superblock(const uint8_t* p, const Acts8& a, const Rows8<M>& x, int64_t t0, int64_t s,
-                              VF* __restrict y, int ys) {
+inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Acts8& a, const Rows8<M>& x,
+                              int64_t t0, int64_t s, VF* __restrict y, int ys) {
+  constexpr int64_t PF = superblock_bytes(TYPE) / 8;  // a block's share of the prefetch
   VI acc[H * M], isum[H * M];
   const int32_t* xq[M];
   for (int i = 0; i < H * M; ++i) isum[i] = zero_i();
   if constexpr (TYPE == Q4_K) {  // both halves take each row's broadcasts
     for (int j = 0; j < 8; ++j) {
+      if (pf) prefetch_bytes(pf + j * PF, PF);
       x.quads(s * 8 + j, xq);
       dot_u4<M, H>(p + 320 + j * 256, xq, acc);
       for (int h = 0; h < H; ++h) {
@@ -288,6 +296,7 @@ inline void kquant_superblock(const uint8_t* p, const Acts8& a, const Rows8<M>& 
     for (int h = 0; h < H; ++h) {
       const int rb = h * L, cb = 4 * rb;
       for (int j = 0; j < 8; ++j) {
+        if (pf) prefetch_bytes(pf + (h * 8 + j) * (PF / H), PF / H);
         x.quads(s * 8 + j, xq);
         if constexpr (TYPE == Q6_K) {
           VI acc2[M];
@@ -383,8 +392,8 @@ void kquant_rows(const uint8_t* g, const Rows8<M>& x, const Acts8& a, int64_t t0
     for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
   for (int64_t s = 0; s < a.K / 256; ++s) {
     const uint8_t* p = g + s * sb;
-    prefetch_for(p, sb, gb, f);
-    kquant_superblock<M, H, TYPE>(p, a, x, t0, s, y, ys);
+    const uint8_t* pf = f == Fetch::AHEAD ? p + PREFETCH_AHEAD : f == Fetch::NEXT ? p + gb : nullptr;
+    kquant_superblock<M, H, TYPE>(p, pf, a, x, t0, s, y, ys);
   }
 }
 
