@@ -25,7 +25,7 @@ constexpr int QB = 32;     // features a block (an activation scale)
 constexpr int TILE = 8;    // activation rows a tile
 
 // Bytes of one super-block of a group, and its features (either layout).
-inline int64_t superblock_bytes(int64_t type) {
+constexpr int64_t superblock_bytes(int64_t type) {
   switch (type % QUADS) {
     case Q4_0: return 32 + 256;
     case Q4_1: return 64 + 256;

@@ -8,7 +8,9 @@
 // of 4 activation rows over both halves (16 vector registers). Codes are unpacked on bytes, 64 a
 // vector. 4-bit: chunk c (0..3) holds quad c in its low nibbles, quad c + 4
 // in its high ones; 8-bit: chunk q holds quad q; 5-bit high bits: one chunk, bit q for quad q;
-// Q6_K's 2-bit fields: chunk c (0..1), bits 2f..2f+1 for quad c + 2f.
+// Q6_K: 6 chunks, half-block h's quads 4h..4h+3 (one sub-scale) in chunks 3h..3h+2: chunk 3h + i
+// holds quad 4h + i in bits 0-5 and bits 2i..2i+1 of quad 4h + 3 in bits 6-7 (three quads one
+// `and` each, the fourth q6_fourth; the pairs' 4 + 2 bits took 19 ops a 4 quads on AVX2, 11).
 //
 // Exact int32 sums: |code| <= 255, |x| <= 127, 32 products. AVX2's int16 pairs: codes <= 63
 // (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd), 4-bit codes a whole block's
@@ -79,6 +81,12 @@ inline VI srl(VI v, int n) { return _mm512_srli_epi16(v, n); }
 inline VI sll(VI v, int n) { return _mm512_slli_epi16(v, n); }
 // Bits 0-3 of a, 4-7 of b (one vpternlogd: a bitwise select by 0x0f).
 inline VI low_high(VI a, VI b) { return _mm512_ternarylogic_epi32(_mm512_set1_epi8(15), a, b, 0xCA); }
+// Q6_K's fourth quad of a half-block from the bits 6-7 of its three chunks (bits 0-1 of a, 2-3
+// of b, 4-5 of c): two bitwise selects of the shifted chunks, then the 6 bits.
+inline VI q6_fourth(VI a, VI b, VI c) {
+  const VI ab = _mm512_ternarylogic_epi32(_mm512_set1_epi8(3), srl(a, 6), srl(b, 4), 0xCA);
+  return and_(_mm512_ternarylogic_epi32(_mm512_set1_epi8(15), ab, srl(c, 2), 0xCA), 63);
+}
 inline VI zero_i() { return _mm512_setzero_si512(); }
 inline VI sub(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 // acc + the products of (unsigned codes w0, quad x0) and (w1, x1): codes <= 63.
@@ -112,6 +120,12 @@ inline VI sll(VI v, int n) { return _mm256_slli_epi16(v, n); }
 inline VI low_high(VI a, VI b) {
   const VI m = _mm256_set1_epi8(15);
   return _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b));
+}
+// Each chunk's bits 6-7 masked before its 16-bit shift, so that no bit crosses into the byte below.
+inline VI q6_fourth(VI a, VI b, VI c) {
+  const VI m = _mm256_set1_epi8((char)0xC0);
+  return _mm256_or_si256(_mm256_or_si256(srl(_mm256_and_si256(a, m), 6), srl(_mm256_and_si256(b, m), 4)),
+                         srl(_mm256_and_si256(c, m), 2));
 }
 inline VI zero_i() { return _mm256_setzero_si256(); }
 inline VI sub(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
@@ -163,7 +177,7 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 // memory was idle for half the time; a prefetch past the weight's end does not fault); the
 // others nothing.
 enum class Fetch { AHEAD, NEXT, NONE };
-// Super-block p of a group of gb bytes.
+// Super-block p of a group of gb bytes (the K-quants spread it: kquant_superblock).
 inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, Fetch f) {
   if (f != Fetch::NONE) prefetch_bytes(f == Fetch::AHEAD ? p + PREFETCH_AHEAD : p + gb, sb);
 }
@@ -204,23 +218,19 @@ inline void dot_u5(const uint8_t* c, const uint8_t* hb, const int32_t* const* xq
   }
 }
 
-// One Q6_K block: quads 0-3 (features 0-15) into acc, 4-7 into acc2 (their own scales).
+// One Q6_K block (6 chunks at c): quads 0-3 (features 0-15) into acc, 4-7 into acc2 (their own
+// scales); each half-block's first three quads one `and` each, the fourth q6_fourth.
 template <int M>
-inline void dot_q6(const uint8_t* c, const uint8_t* h, const int32_t* const* xq, VI* acc, VI* acc2) {
+inline void dot_q6(const uint8_t* c, const int32_t* const* xq, VI* acc, VI* acc2) {
   for (int r = 0; r < M; ++r) acc[r] = zero_i(), acc2[r] = zero_i();
-  // Each high chunk's fields 0 and 2 (mask 0x33) and 1 and 3 (0xcc), then each field moved to
-  // bits 4-5 with zeros above (the bits below are the low nibble's).
-  const VI h0 = load(h), h1 = load(h + CHUNK);
-  const VI a0 = and_(h0, 0x33), b0 = and_(h0, (int8_t)0xcc), a1 = and_(h1, 0x33), b1 = and_(h1, (int8_t)0xcc);
-  const VI hq[8] = {sll(a0, 4), sll(a1, 4), sll(b0, 2), sll(b1, 2), a0, a1, srl(b0, 2), srl(b1, 2)};
-  for (int k = 0; k < 4; k += 2) {
-    const VI v0 = load(c + k * CHUNK), v1 = load(c + (k + 1) * CHUNK);
-    const VI q0 = low_high(v0, hq[k]), q1 = low_high(v1, hq[k + 1]);
-    const VI q4 = low_high(srl(v0, 4), hq[k + 4]), q5 = low_high(srl(v1, 4), hq[k + 5]);
-    for (int r = 0; r < M; ++r) {
-      acc[r] = dot2(acc[r], q0, xq[r][k], q1, xq[r][k + 1]);
-      acc2[r] = dot2(acc2[r], q4, xq[r][k + 4], q5, xq[r][k + 5]);
-    }
+  for (int h = 0; h < 2; ++h) {
+    const VI a = load(c + 3 * h * CHUNK), b = load(c + (3 * h + 1) * CHUNK),
+             cc = load(c + (3 * h + 2) * CHUNK);
+    const VI q0 = and_(a, 63), q1 = and_(b, 63), q2 = and_(cc, 63), q3 = q6_fourth(a, b, cc);
+    VI* s = h ? acc2 : acc;
+    for (int r = 0; r < M; ++r)
+      s[r] = dot2(dot2(s[r], q0, xq[r][4 * h], q1, xq[r][4 * h + 1]), q2, xq[r][4 * h + 2], q3,
+                  xq[r][4 * h + 3]);
   }
 }
 
@@ -262,14 +272,18 @@ inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, cons
 // loop holds no more registers), by vpdpwssd on int16 pairs: a block's two sums of 16 against mn
 // in both halves of a lane. Q6_K: per 16 features a signed scale, the codes' 32 taken off as 32 d
 // dx Σ sc Σx (the two halves' scales a pair). |int32| <= 16 x 128 x 16 x 63 x 127 < 2^31.
-template <int M, int H>
-inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, const Rows8<M>& x, int64_t t0,
-                              int64_t s, VF* __restrict y, int ys) {
+// The prefetch of the super-block at pf (none if null: Fetch's) is spread over its blocks, a
+// share with each: all at the super-block's start (Q6_K's 53 lines) held Q6_K / Q5_K to 0.85x.
+template <int M, int H, int64_t TYPE>
+inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Acts8& a, const Rows8<M>& x,
+                              int64_t t0, int64_t s, VF* __restrict y, int ys) {
+  constexpr int64_t PF = superblock_bytes(TYPE) / 8;  // a block's share of the prefetch
   VI acc[H * M], isum[H * M];
   const int32_t* xq[M];
   for (int i = 0; i < H * M; ++i) isum[i] = zero_i();
-  if (type == Q4_K) {  // both halves take each row's broadcasts
+  if constexpr (TYPE == Q4_K) {  // both halves take each row's broadcasts
     for (int j = 0; j < 8; ++j) {
+      if (pf) prefetch_bytes(pf + j * PF, PF);
       x.quads(s * 8 + j, xq);
       dot_u4<M, H>(p + 320 + j * 256, xq, acc);
       for (int h = 0; h < H; ++h) {
@@ -282,10 +296,11 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, co
     for (int h = 0; h < H; ++h) {
       const int rb = h * L, cb = 4 * rb;
       for (int j = 0; j < 8; ++j) {
+        if (pf) prefetch_bytes(pf + (h * 8 + j) * (PF / H), PF / H);
         x.quads(s * 8 + j, xq);
-        if (type == Q6_K) {
+        if constexpr (TYPE == Q6_K) {
           VI acc2[M];
-          dot_q6<M>(p + 288 + j * 256 + cb, p + 288 + 2048 + j * 128 + cb, xq, acc, acc2);
+          dot_q6<M>(p + 288 + j * 384 + cb, xq, acc, acc2);
           const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
           for (int r = 0; r < M; ++r)
             isum[h * M + r] = add(isum[h * M + r], add(mullo(acc[r], sc0), mullo(acc2[r], sc1)));
@@ -311,12 +326,12 @@ inline void kquant_superblock(const uint8_t* p, int64_t type, const Acts8& a, co
   for (int j = 0; j < 8; ++j)
     for (int h = 0; h < H; ++h) {
       const int rb = h * L;
-      const VI w = type == Q6_K ? pair16(s8i(p + 32 + (2 * j) * 16 + rb), s8i(p + 32 + (2 * j + 1) * 16 + rb))
+      const VI w = TYPE == Q6_K ? pair16(s8i(p + 32 + (2 * j) * 16 + rb), s8i(p + 32 + (2 * j + 1) * 16 + rb))
                                 : pair16(u8i(p + 192 + j * 16 + rb), u8i(p + 192 + j * 16 + rb));
       for (int r = 0; r < M; ++r) isum[h * M + r] = dotw(isum[h * M + r], w, xs[r] + j);
     }
   for (int h = 0; h < H; ++h) {
-    const VF d = f16(p + 2 * h * L), m = type == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * h * L);
+    const VF d = f16(p + 2 * h * L), m = TYPE == Q6_K ? mul(d, set1(32.f)) : f16(p + 32 + 2 * h * L);
     for (int r = 0; r < M; ++r)
       y[h * ys + r] = fma(mul(m, set1(-dx[r])), cvt(isum[h * M + r]), y[h * ys + r]);
   }
@@ -367,6 +382,21 @@ void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, Fetch f, VF* __
   }
 }
 
+// The K-quants' loop of group_rows, one for each TYPE (as legacy_rows: Q4_K's registers
+// allocated for its own loop: 8-12% faster at 1-16 rows than one loop for the three).
+template <int M, int H, int64_t TYPE>
+void kquant_rows(const uint8_t* g, const Rows8<M>& x, const Acts8& a, int64_t t0, Fetch f, VF* __restrict y,
+                 int ys) {
+  const int64_t sb = superblock_bytes(TYPE), gb = a.K / 256 * sb;
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
+  for (int64_t s = 0; s < a.K / 256; ++s) {
+    const uint8_t* p = g + s * sb;
+    const uint8_t* pf = f == Fetch::AHEAD ? p + PREFETCH_AHEAD : f == Fetch::NEXT ? p + gb : nullptr;
+    kquant_superblock<M, H, TYPE>(p, pf, a, x, t0, s, y, ys);
+  }
+}
+
 // M activation rows [t0, t0 + M) times H vectors of a group's weight rows (AVX2: both halves,
 // or the first) -> y[h ys + r]; the weight stream prefetched as f says.
 template <int M, int H>
@@ -378,14 +408,9 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, Fetc
     case Q5_0: return legacy_rows<M, H, Q5_0>(g, x, a.K, f, y, ys);
     case Q5_1: return legacy_rows<M, H, Q5_1>(g, x, a.K, f, y, ys);
     case Q8_0: return legacy_rows<M, H, Q8_0>(g, x, a.K, f, y, ys);
-  }
-  const int64_t sb = superblock_bytes(type), gb = a.K / 256 * sb;
-  for (int h = 0; h < H; ++h)
-    for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
-  for (int64_t s = 0; s < a.K / 256; ++s) {
-    const uint8_t* p = g + s * sb;
-    prefetch_for(p, sb, gb, f);
-    kquant_superblock<M, H>(p, type, a, x, t0, s, y, ys);
+    case Q4_K: return kquant_rows<M, H, Q4_K>(g, x, a, t0, f, y, ys);
+    case Q5_K: return kquant_rows<M, H, Q5_K>(g, x, a, t0, f, y, ys);
+    default: return kquant_rows<M, H, Q6_K>(g, x, a, t0, f, y, ys);
   }
 }
 

@@ -64,6 +64,15 @@ inline int q6_code(const uint8_t* lo, const uint8_t* hi, int W, int row, int k) 
   const int u = k / W, j = k % W, n = QB / W / 4;
   return u4_code(lo, W, row, k) | (((hi[(u % n) * 16 * W + W * row + j] >> (2 * (u / n))) & 3) << 4);
 }
+// Q6_K's codes in quads (gguf_int8.cpp): quad u = 4h + i of a block, i < 3 in bits 0-5 of chunk
+// 3h + i; quad 4h + 3's bits 2i..2i+1 in bits 6-7 of chunk 3h + i.
+inline int q6_quad_code(const uint8_t* c, int row, int k) {
+  const int h = k / 16, i = k / 4 % 4, at = 4 * row + k % 4;
+  if (i < 3) return c[(3 * h + i) * 64 + at] & 63;
+  int q = 0;
+  for (int f = 0; f < 3; ++f) q |= (c[(3 * h + f) * 64 + at] >> 6) << (2 * f);
+  return q;
+}
 
 // The reference the scalar kernels and the embedding lookup use.
 void dequantize_group_row(const uint8_t* g, int64_t layout_type, int64_t K, int row, float* out) {
@@ -96,10 +105,10 @@ void dequantize_group_row(const uint8_t* g, int64_t layout_type, int64_t K, int 
     } else {  // Q6_K
       const float d = h2f(h[row]);
       for (int j = 0; j < 8; ++j) {
-        const uint8_t *lo = p + 288 + j * 256, *hi = p + 288 + 2048 + j * 128;
+        const uint8_t *lo = p + 288 + j * 256, *hi = p + 288 + 2048 + j * 128, *c = p + 288 + j * 384;
         for (int k = 0; k < QB; ++k) {
           const float sc = d * (int8_t)p[32 + (2 * j + k / 16) * 16 + row];
-          o[j * QB + k] = (q6_code(lo, hi, W, row, k) - 32) * sc;
+          o[j * QB + k] = ((W == 4 ? q6_quad_code(c, row, k) : q6_code(lo, hi, W, row, k)) - 32) * sc;
         }
       }
     }

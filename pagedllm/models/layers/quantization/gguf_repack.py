@@ -155,6 +155,15 @@ def _u1_chunks(high: np.ndarray, g: int, w: int) -> np.ndarray:
     return sum(p[:, :, f] << f for f in range(8)).astype(np.uint8).reshape(g, p.shape[1], -1)
 
 
+def _q6_quads(codes: np.ndarray, g: int) -> np.ndarray:
+    """Q6_K's 6-bit codes in quads -> [G, K/32, 384]: each half-block's quads 4h..4h+3 (one
+    sub-scale) as 3 chunks, quad 4h + i's codes (i < 3) in bits 0-5 of chunk 3h + i, bits 2i..2i+1
+    of quad 4h + 3's in bits 6-7 (so three quads are one `and` each, the fourth 8 ops on AVX2)."""
+    p = _units(codes, g, 4).reshape(g, -1, 2, 4, 4 * GROUP)  # [G, B, half, quad, 64]
+    top = p[:, :, :, 3:4] >> np.array([0, 2, 4], dtype=np.uint8)[:, None]  # [G, B, half, 3, 64]
+    return (p[:, :, :, :3] | ((top & 3) << 6)).reshape(g, p.shape[1], -1)
+
+
 def repack(data: np.ndarray, type_name: str, activations: str = "int8") -> np.ndarray:
     """One type's raw rows [N, row bytes] -> the groups' bytes [ceil(N / 16), group bytes], codes
     in quads (int8 activations) or pairs (int16)."""
@@ -185,12 +194,11 @@ def repack(data: np.ndarray, type_name: str, activations: str = "int8") -> np.nd
             if type_name == "Q5_K":
                 parts.append(_u1_chunks(codes >> 4, g, w).reshape(g, s, -1))
         else:
-            parts = [
-                _by_row(f["d"], g),
-                _by_row(f["sc"], g),
-                _u4_chunks(codes & 15, g, w).reshape(g, s, -1),
-                _u2_chunks(codes >> 4, g, w).reshape(g, s, -1),
-            ]
+            parts = [_by_row(f["d"], g), _by_row(f["sc"], g)]
+            if w == 4:
+                parts.append(_q6_quads(codes, g).reshape(g, s, -1))
+            else:
+                parts += [_u4_chunks(codes & 15, g, w).reshape(g, s, -1), _u2_chunks(codes >> 4, g, w).reshape(g, s, -1)]
     return np.concatenate(parts, axis=2).reshape(g, -1)
 
 
