@@ -317,18 +317,18 @@ static void decode_task(const Task<T>& t) {
   decode_task_scalar<T>(t);
 }
 
-// q [B, H, D] contiguous of element Q (float, uint16_t bfloat16 bits or c10::Half), caches [S, Hkv, D]
-// of element C (Q itself, or a quantized element with scales [S, Hkv] float32) -> out [B, H, D] of Q.
-// 16-bit Q: each task widens its G query rows into a float32 buffer and rounds its float32
-// output once.
+// q [B, H, D] of element Q (float, uint16_t bfloat16 bits or c10::Half; heads dense, rows
+// strided), caches [S, Hkv, D] of element C (Q itself, or a quantized element with scales [S, Hkv]
+// float32) -> out [B, H, D] of Q (heads dense, rows strided). 16-bit Q: each task widens its G
+// query rows into a float32 buffer and rounds its float32 output once.
 template <typename Q, typename C>
-static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                                double scale, int64_t window, const float* ksc, const float* vsc) {
+static void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                       double scale, int64_t window, const float* ksc, const float* vsc,
+                       const torch::Tensor& out) {
   constexpr bool F32 = std::is_same<Q, float>::value;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  const int64_t G = H / Hkv, NB = block_table.size(1);
-  auto out = torch::empty_like(q);
+  const int64_t G = H / Hkv, NB = block_table.size(1), qrs = q.stride(0), ors = out.stride(0);
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_table.data_ptr<int32_t>();
   const int64_t max_len = B ? *std::max_element(sl, sl + B) : 0;
@@ -344,8 +344,8 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
     std::vector<float> qbuf(F32 ? 0 : G * D), obuf(F32 ? 0 : G * D);  // [G, D] 16-bit only
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hkv, h = idx % Hkv;
-      const Q* qt = qp + (b * H + h * G) * D;
-      Q* ot = op + (b * H + h * G) * D;
+      const Q* qt = qp + b * qrs + h * G * D;
+      Q* ot = op + b * ors + h * G * D;
       const float* qf;
       float* of;
       if constexpr (F32) {
@@ -367,16 +367,15 @@ static torch::Tensor run_decode(torch::Tensor q, torch::Tensor k_cache, torch::T
         for (int64_t i = 0; i < G * D; ++i) ot[i] = from_f<Q>(obuf[i]);
     }
   });
-  return out;
 }
 
 // The cache's element C for a query of element Q.
 template <typename Q>
-static torch::Tensor decode_by_cache(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                                     double scale, int64_t window,
-                                     const c10::optional<torch::Tensor>& k_scale,
-                                     const c10::optional<torch::Tensor>& v_scale) {
+static void decode_by_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                            const torch::Tensor& seq_lens, int64_t block_size, double scale, int64_t window,
+                            const c10::optional<torch::Tensor>& k_scale,
+                            const c10::optional<torch::Tensor>& v_scale, const torch::Tensor& out) {
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == dt);
   const bool quant = dt == torch::kChar || dt == torch::kFloat8_e4m3fn || dt == torch::kFloat8_e5m2;
@@ -384,7 +383,7 @@ static torch::Tensor decode_by_cache(torch::Tensor q, torch::Tensor k_cache, tor
   if (!quant) {
     TORCH_CHECK(q.scalar_type() == dt);
     return run_decode<Q, Q>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, nullptr,
-                            nullptr);
+                            nullptr, out);
   }
   const int64_t S = k_cache.size(0), Hkv = k_cache.size(1);
   for (const auto* sc : {&*k_scale, &*v_scale})
@@ -394,35 +393,51 @@ static torch::Tensor decode_by_cache(torch::Tensor q, torch::Tensor k_cache, tor
   const float* vsc = v_scale->data_ptr<float>();
   if (dt == torch::kChar)
     return run_decode<Q, int8_t>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, ksc,
-                                 vsc);
+                                 vsc, out);
   if (dt == torch::kFloat8_e4m3fn)
     return run_decode<Q, Fp8E4M3>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, ksc,
-                                  vsc);
+                                  vsc, out);
   return run_decode<Q, Fp8E5M2>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, ksc,
-                                vsc);
+                                vsc, out);
 }
 
 // q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
 // seq_lens [B] int32 -> out [B, H, D]. float32, bfloat16 or float16 (q and out; computed in float32);
 // the caches of q's dtype, or (float32 / bfloat16 q) int8 / fp8 with k_scale / v_scale [S, Hkv] float32
 // (value = element x its token's scale). window > 0: a sliding-window layer, each query attends to its last
-// `window` keys only.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
-                           double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
-                           c10::optional<torch::Tensor> v_scale) {
+// `window` keys only. paged_decode_into: into `out` instead (rows may be strided in q and out, as
+// the columns of a few heads in a wider row).
+void paged_decode_into(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                       double scale, int64_t window, const c10::optional<torch::Tensor>& k_scale,
+                       const c10::optional<torch::Tensor>& v_scale, const torch::Tensor& out) {
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1);
+  const int64_t D = q.size(2);
+  if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();  // rows may be strided, heads dense
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1 &&
+                  out.stride(1) == D,
+              "paged_decode: out [B, H, D] of q's dtype, heads dense");
   if (q.scalar_type() == torch::kBFloat16)
-    return decode_by_cache<uint16_t>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size,
-                                     scale, window, k_scale, v_scale);
+    return decode_by_cache<uint16_t>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window,
+                                     k_scale, v_scale, out);
   if (q.scalar_type() == torch::kHalf) {  // a float16 cache only (no int8 / fp8 beside it)
     TORCH_CHECK(k_cache.scalar_type() == torch::kHalf && v_cache.scalar_type() == torch::kHalf &&
                     !k_scale.has_value() && !v_scale.has_value(),
                 "a float16 query takes a float16 cache");
-    return run_decode<c10::Half, c10::Half>(q.contiguous(), k_cache, v_cache, block_table, seq_lens,
-                                            block_size, scale, window, nullptr, nullptr);
+    return run_decode<c10::Half, c10::Half>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale,
+                                            window, nullptr, nullptr, out);
   }
   TORCH_CHECK(q.scalar_type() == torch::kFloat);
-  return decode_by_cache<float>(q.contiguous(), k_cache, v_cache, block_table, seq_lens, block_size, scale,
-                                window, k_scale, v_scale);
+  decode_by_cache<float>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, k_scale,
+                         v_scale, out);
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
+                           double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale) {
+  auto out = torch::empty(q.sizes(), q.options());
+  paged_decode_into(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, k_scale, v_scale,
+                    out);
+  return out;
 }

@@ -4,6 +4,8 @@
 
 #include <torch/types.h>
 
+#include <cstring>
+
 #include "ops.h"
 
 // The step's attention inputs: positions [M] int64, slot_mapping [M] int64, block_table
@@ -29,17 +31,49 @@ struct StepAttention {
   }
   // qkv [M, q + 2 kv] (rotated in place) -> rope, K/V written to the layer's caches [S, Hkv, D],
   // paged attention -> [M, q].
-  torch::Tensor operator()(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache) const {
-    const int64_t M = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    auto q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
-    auto k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
+  torch::Tensor operator()(const torch::Tensor& qkv, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache) const {
+    const auto out = torch::empty({qkv.size(0), num_heads * head_dim}, qkv.options());
+    heads(qkv, k_cache, v_cache, 0, num_kv_heads, out);
+    return out;
+  }
+  // The same for KV heads [h0, h1) and their query heads, into their columns of out [M, q] (the
+  // other columns left alone): each head's work is its own, so the GGUF step's threads share a
+  // layer's attention by heads (at one row, a thread's attention would leave the other waiting).
+  void heads(const torch::Tensor& qkv, const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t h0,
+             int64_t h1, const torch::Tensor& out) const {
+    const int64_t M = qkv.size(0), n = h1 - h0, G = num_heads / num_kv_heads, D = head_dim,
+                  q_size = num_heads * D, kv_size = num_kv_heads * D;
+    const auto q = qkv.narrow(1, h0 * G * D, n * G * D).view({M, n * G, D});
+    const auto k = qkv.narrow(1, q_size + h0 * D, n * D).view({M, n, D});
+    const auto v = qkv.narrow(1, q_size + kv_size + h0 * D, n * D).view({M, n, D});
     rotary_embedding_(q, k, cos, sin, positions);
-    k_cache.index_copy_(0, slot_mapping, k);
-    v_cache.index_copy_(0, slot_mapping, v);
-    return paged_decode(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, 0, c10::nullopt,
-                        c10::nullopt)
-        .reshape({M, q_size});
+    const auto kc = k_cache.narrow(1, h0, n), vc = v_cache.narrow(1, h0, n);
+    write_slots(kc, k);
+    write_slots(vc, v);
+    paged_decode_into(q, kc, vc, block_table, seq_lens, block_size, scale, 0, c10::nullopt, c10::nullopt,
+                      out.narrow(1, h0 * G * D, n * G * D).view({M, n * G, D}));
+  }
+  // src [M, n, D] into the cache's [S, n, D] rows at slot_mapping: cache.index_copy_(0,
+  // slot_mapping, src), a copy a row where both are dense in (n, D) (index_copy_'s iterator costs
+  // microseconds a call; the step makes two a layer's head claim).
+  void write_slots(const torch::Tensor& cache, const torch::Tensor& src) const {
+    const int64_t M = src.size(0), row = src.size(1) * src.size(2), S = cache.size(0);
+    if (cache.scalar_type() != src.scalar_type() || cache.stride(2) != 1 ||
+        cache.stride(1) != cache.size(2) || src.stride(2) != 1 || src.stride(1) != src.size(2) ||
+        slot_mapping.scalar_type() != torch::kLong) {
+      cache.index_copy_(0, slot_mapping, src);
+      return;
+    }
+    const int64_t es = cache.element_size(), ss = slot_mapping.stride(0);
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    auto* to = static_cast<char*>(cache.data_ptr());
+    const auto* from = static_cast<const char*>(src.data_ptr());
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t slot = slots[m * ss];
+      TORCH_CHECK(slot >= 0 && slot < S, "a KV slot ", slot, " outside the cache's ", S);
+      std::memcpy(to + slot * cache.stride(0) * es, from + m * src.stride(0) * es, row * es);
+    }
   }
 };
 

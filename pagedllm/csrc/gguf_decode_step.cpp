@@ -10,7 +10,9 @@
 // between that linear and the next (rope, the KV write and attention; the residual add and the
 // norm; the activation; each followed by the next linear's int8 quantization), itself in claims
 // of ROWS_A_CLAIM rows (each row's work is its own: at 16 rows one thread's attention would
-// leave the other waiting), and the thread completing its last claim publishes the next phase.
+// leave the other waiting), the attention's claims also cut by KV heads (at one row, a layer's
+// attention over a context of a few hundred tokens is ~100 us of one thread's time), and the
+// thread completing its last claim publishes the next phase.
 // A thread waits only for a stage's work to be done, never for the other threads to arrive: one
 // the OS descheduled (a busy machine) costs nothing unless it holds a claim, where a barrier
 // (libgomp's join) waits for it every time. The values are those of decode_loop.cpp's path bit
@@ -38,6 +40,7 @@ constexpr int64_t LINEARS = 4;       // a layer's: qkv, o, gate_up, down
 constexpr int64_t PER = 4;           // tensors a quantized linear: qweight, bias, group table, (empty) mins
 constexpr int64_t ROWS = 2 * TILE;   // the most rows a step: a group's codes serve both tiles from L1
 constexpr int64_t ROWS_A_CLAIM = 4;  // the work between linears, in claims of this many rows
+constexpr int64_t HEAD_CLAIMS = 2;   // claims of a row's attention a thread (each of some KV heads)
 
 // One linear of the step: its groups, input features, the int8 activations' span, its claims.
 struct Lin {
@@ -139,6 +142,24 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
     const torch::Tensor c = in.contiguous();
     quantize_acts8_rows(c.data_ptr<float>(), acts, r0, r1);
   };
+  // After a layer's qkv, claim k: rows [r0, r1) of row claim k / head_claims, KV heads h0-h1 of
+  // head claim k % head_claims: rope, K/V write and attention into `attn`; the claim completing
+  // the row claim's heads quantizes its rows for the o linear.
+  const torch::Tensor attn = torch::empty({M, q_size}, f);
+  const int64_t threads = at::get_num_threads(), Hkv = attend.num_kv_heads,
+                heads_a_claim = (Hkv + HEAD_CLAIMS * threads - 1) / (HEAD_CLAIMS * threads),
+                head_claims = (Hkv + heads_a_claim - 1) / heads_a_claim,
+                row_claims = (M + ROWS_A_CLAIM - 1) / ROWS_A_CLAIM;
+  std::unique_ptr<std::atomic<int64_t>[]> heads_done(new std::atomic<int64_t>[layers * row_claims]);
+  for (int64_t i = 0; i < layers * row_claims; ++i) heads_done[i].store(0, std::memory_order_relaxed);
+  auto attention = [&](int64_t l, int64_t k) {
+    const int64_t r = k / head_claims, h0 = k % head_claims * heads_a_claim, r0 = r * ROWS_A_CLAIM,
+                  r1 = std::min(M, r0 + ROWS_A_CLAIM);
+    attend.rows(r0, r1).heads(outs[0].narrow(0, r0, r1 - r0), k_caches[l], v_caches[l], h0,
+                              std::min(Hkv, h0 + heads_a_claim), attn.narrow(0, r0, r1 - r0));
+    if (heads_done[l * row_claims + r].fetch_add(1, std::memory_order_acq_rel) + 1 == head_claims)
+      quantize(attn.narrow(0, r0, r1 - r0), r0, r1);
+  };
   // The work after phase p's linear for rows [r0, r1), ending with those rows of phase p + 1's
   // activations.
   auto after = [&](int64_t p, int64_t r0, int64_t r1) {
@@ -147,10 +168,7 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
     const torch::Tensor out = outs[p % LINEARS].narrow(0, r0, r1 - r0);
     torch::Tensor xr = x.narrow(0, r0, r1 - r0);
     switch (p % LINEARS) {
-      case 0:  // qkv -> attention
-        quantize(attend.rows(r0, r1)(out, k_caches[l], v_caches[l]), r0, r1);
-        break;
-      case 1:  // o -> the MLP's norm
+      case 1:  // o -> the MLP's norm (case 0, qkv -> attention: `attention`)
         xr.add_(out);
         quantize(rms_norm(xr, w[1 + 2 * PER], eps), r0, r1);
         break;
@@ -163,7 +181,7 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
     }
   };
   quantize(rms_norm(x, weights[0], eps), 0, M);
-  const int64_t phases = (int64_t)lins.size(), row_claims = (M + ROWS_A_CLAIM - 1) / ROWS_A_CLAIM;
+  const int64_t phases = (int64_t)lins.size();
   // Stage 2p: phase p's linear, claims of groups; 2p + 1: the work after it, claims of rows.
   std::unique_ptr<Counter[]> counters(new Counter[2 * phases]);
   std::atomic<int64_t> published{0};
@@ -184,11 +202,13 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
         if (!wait_for(published, failed, s)) return;
         const int64_t p = s / 2;
         const Lin& lin = lins[p];
-        const int64_t claims = s % 2 ? row_claims : lin.claims;
+        const int64_t claims = s % 2 == 0 ? lin.claims : p % LINEARS ? row_claims : row_claims * head_claims;
         float* out = outs[p % LINEARS].data_ptr<float>();
         Counter& c = counters[s];
         for (int64_t k; (k = c.next.fetch_add(1, std::memory_order_relaxed)) < claims;) {
-          if (s % 2)
+          if (s % 2 && p % LINEARS == 0)
+            attention(p / LINEARS, k);
+          else if (s % 2)
             after(p, k * ROWS_A_CLAIM, std::min(M, (k + 1) * ROWS_A_CLAIM));
           else
             for (int64_t g = k * lin.per_claim; g < std::min(lin.gs.G, (k + 1) * lin.per_claim); ++g) {

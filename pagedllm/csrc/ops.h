@@ -13,6 +13,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_table, torch::Tensor seq_lens, int64_t block_size,
                            double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
                            c10::optional<torch::Tensor> v_scale);
+void paged_decode_into(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
+                       double scale, int64_t window, const c10::optional<torch::Tensor>& k_scale,
+                       const c10::optional<torch::Tensor>& v_scale, const torch::Tensor& out);
 
 // prefill_attention.cpp
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
