@@ -198,7 +198,10 @@ def repack(data: np.ndarray, type_name: str, activations: str = "int8") -> np.nd
             if w == 4:
                 parts.append(_q6_quads(codes, g).reshape(g, s, -1))
             else:
-                parts += [_u4_chunks(codes & 15, g, w).reshape(g, s, -1), _u2_chunks(codes >> 4, g, w).reshape(g, s, -1)]
+                parts += [
+                    _u4_chunks(codes & 15, g, w).reshape(g, s, -1),
+                    _u2_chunks(codes >> 4, g, w).reshape(g, s, -1),
+                ]
     return np.concatenate(parts, axis=2).reshape(g, -1)
 
 
