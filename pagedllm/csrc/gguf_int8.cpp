@@ -177,9 +177,13 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 // memory was idle for half the time; a prefetch past the weight's end does not fault); the
 // others nothing.
 enum class Fetch { AHEAD, NEXT, NONE };
-// Super-block p of a group of gb bytes (the K-quants spread it: kquant_superblock).
+// Where super-block p of a group of gb bytes prefetches from (null: nothing).
+inline const uint8_t* fetch_at(const uint8_t* p, int64_t gb, Fetch f) {
+  return f == Fetch::AHEAD ? p + PREFETCH_AHEAD : f == Fetch::NEXT ? p + gb : nullptr;
+}
+// Its sb bytes at once (the K-quants spread them over the blocks: kquant_superblock).
 inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, Fetch f) {
-  if (f != Fetch::NONE) prefetch_bytes(f == Fetch::AHEAD ? p + PREFETCH_AHEAD : p + gb, sb);
+  if (const uint8_t* pf = fetch_at(p, gb, f)) prefetch_bytes(pf, sb);
 }
 
 constexpr int CHUNK = 64;    // bytes of a chunk (16 rows x 4 features)
@@ -392,8 +396,7 @@ void kquant_rows(const uint8_t* g, const Rows8<M>& x, const Acts8& a, int64_t t0
     for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
   for (int64_t s = 0; s < a.K / 256; ++s) {
     const uint8_t* p = g + s * sb;
-    const uint8_t* pf = f == Fetch::AHEAD ? p + PREFETCH_AHEAD : f == Fetch::NEXT ? p + gb : nullptr;
-    kquant_superblock<M, H, TYPE>(p, pf, a, x, t0, s, y, ys);
+    kquant_superblock<M, H, TYPE>(p, fetch_at(p, gb, f), a, x, t0, s, y, ys);
   }
 }
 
