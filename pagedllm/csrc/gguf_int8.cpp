@@ -245,12 +245,13 @@ inline void dot_q6(const uint8_t* c, const int32_t* const* xq, VI* acc, VI* acc2
 template <int M>
 struct Rows8 {
   const int8_t* q[M];
+  const int16_t* sum[M];  // each row's integer sums of 16 codes (the K-quants' mins and offsets)
   const float* d;
   const float* e;
-  int64_t stride;
+  int64_t stride, K;
   Rows8(const Acts8& a, int64_t t0)
-      : d(a.d + a.at(t0, 0)), e(a.e + a.at(t0, 0)), stride(a.at(t0, 1) - a.at(t0, 0)) {
-    for (int r = 0; r < M; ++r) q[r] = a.q + (t0 + r) * a.K;
+      : d(a.d + a.at(t0, 0)), e(a.e + a.at(t0, 0)), stride(a.at(t0, 1) - a.at(t0, 0)), K(a.K) {
+    for (int r = 0; r < M; ++r) q[r] = a.q + (t0 + r) * a.K, sum[r] = a.sum + (t0 + r) * (a.K / 16);
   }
   void quads(int64_t b, const int32_t** xq) const {
     for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(q[r] + b * QB);
@@ -279,8 +280,8 @@ inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, cons
 // The prefetch of the super-block at pf (none if null: Fetch's) is spread over its blocks, a
 // share with each: all at the super-block's start (Q6_K's 53 lines) held Q6_K / Q5_K to 0.85x.
 template <int M, int H, int64_t TYPE>
-inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Acts8& a, const Rows8<M>& x,
-                              int64_t t0, int64_t s, VF* __restrict y, int ys) {
+inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Rows8<M>& x, int64_t s,
+                              VF* __restrict y, int ys) {
   constexpr int64_t PF = superblock_bytes(TYPE) / 8;  // a block's share of the prefetch
   VI acc[H * M], isum[H * M];
   const int32_t* xq[M];
@@ -318,8 +319,7 @@ inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Acts8& 
   }
   const float* dx = x.d + s * 8 * x.stride;  // the super-block's step (each of its blocks')
   const int32_t* xs[M];  // the rows' pairs of sums of 16 codes (one a block) at this super-block
-  for (int r = 0; r < M; ++r)
-    xs[r] = reinterpret_cast<const int32_t*>(a.sum + (t0 + r) * (a.K / 16) + 16 * s);
+  for (int r = 0; r < M; ++r) xs[r] = reinterpret_cast<const int32_t*>(x.sum[r] + 16 * s);
   for (int h = 0; h < H; ++h) {
     const VF d = f16(p + 2 * h * L);
     for (int r = 0; r < M; ++r) {
@@ -345,8 +345,8 @@ inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Acts8& 
 // registers allocated for its own codes: one loop for every type kept the float sums on the
 // stack).
 template <int M, int H, int64_t TYPE>
-void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, Fetch f, VF* __restrict y, int ys) {
-  const int64_t sb = superblock_bytes(TYPE), gb = K / QB * sb;
+void legacy_rows(const uint8_t* g, const Rows8<M>& x, Fetch f, VF* __restrict y, int ys) {
+  const int64_t sb = superblock_bytes(TYPE), blocks = x.K / QB, gb = blocks * sb;
   constexpr bool with_m = TYPE == Q4_1 || TYPE == Q5_1;
   constexpr float off = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : TYPE == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
   VI acc[H * M];
@@ -354,7 +354,7 @@ void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, Fetch f, VF* __
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
   const float *dx = x.d, *ex = x.e;
-  for (int64_t s = 0; s < K / QB; ++s, dx += x.stride, ex += x.stride) {
+  for (int64_t s = 0; s < blocks; ++s, dx += x.stride, ex += x.stride) {
     const uint8_t* p = g + s * sb;
     prefetch_for(p, sb, gb, f);
     x.quads(s, xq);
@@ -389,14 +389,13 @@ void legacy_rows(const uint8_t* g, const Rows8<M>& x, int64_t K, Fetch f, VF* __
 // The K-quants' loop of group_rows, one for each TYPE (as legacy_rows: Q4_K's registers
 // allocated for its own loop: 8-12% faster at 1-16 rows than one loop for the three).
 template <int M, int H, int64_t TYPE>
-void kquant_rows(const uint8_t* g, const Rows8<M>& x, const Acts8& a, int64_t t0, Fetch f, VF* __restrict y,
-                 int ys) {
-  const int64_t sb = superblock_bytes(TYPE), gb = a.K / 256 * sb;
+void kquant_rows(const uint8_t* g, const Rows8<M>& x, Fetch f, VF* __restrict y, int ys) {
+  const int64_t sb = superblock_bytes(TYPE), supers = x.K / 256, gb = supers * sb;
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
-  for (int64_t s = 0; s < a.K / 256; ++s) {
+  for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* p = g + s * sb;
-    kquant_superblock<M, H, TYPE>(p, fetch_at(p, gb, f), a, x, t0, s, y, ys);
+    kquant_superblock<M, H, TYPE>(p, fetch_at(p, gb, f), x, s, y, ys);
   }
 }
 
@@ -406,14 +405,14 @@ template <int M, int H>
 void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, Fetch f, VF* y, int ys) {
   const Rows8<M> x(a, t0);
   switch (type) {
-    case Q4_0: return legacy_rows<M, H, Q4_0>(g, x, a.K, f, y, ys);
-    case Q4_1: return legacy_rows<M, H, Q4_1>(g, x, a.K, f, y, ys);
-    case Q5_0: return legacy_rows<M, H, Q5_0>(g, x, a.K, f, y, ys);
-    case Q5_1: return legacy_rows<M, H, Q5_1>(g, x, a.K, f, y, ys);
-    case Q8_0: return legacy_rows<M, H, Q8_0>(g, x, a.K, f, y, ys);
-    case Q4_K: return kquant_rows<M, H, Q4_K>(g, x, a, t0, f, y, ys);
-    case Q5_K: return kquant_rows<M, H, Q5_K>(g, x, a, t0, f, y, ys);
-    default: return kquant_rows<M, H, Q6_K>(g, x, a, t0, f, y, ys);
+    case Q4_0: return legacy_rows<M, H, Q4_0>(g, x, f, y, ys);
+    case Q4_1: return legacy_rows<M, H, Q4_1>(g, x, f, y, ys);
+    case Q5_0: return legacy_rows<M, H, Q5_0>(g, x, f, y, ys);
+    case Q5_1: return legacy_rows<M, H, Q5_1>(g, x, f, y, ys);
+    case Q8_0: return legacy_rows<M, H, Q8_0>(g, x, f, y, ys);
+    case Q4_K: return kquant_rows<M, H, Q4_K>(g, x, f, y, ys);
+    case Q5_K: return kquant_rows<M, H, Q5_K>(g, x, f, y, ys);
+    default: return kquant_rows<M, H, Q6_K>(g, x, f, y, ys);
   }
 }
 
