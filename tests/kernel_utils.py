@@ -53,14 +53,15 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
         assert torch.equal(v, v_before)  # in place on q and k only
 
 
-def packed_linear(lin, small_ops):
+def packed_linear(lin, small_ops, lm_head=False):
     """A linear layer computing with the CPU's oneDNN-packed method (the row-streaming kernel at
-    1-3 rows where small_ops is given), holding nn.Linear lin's weights, as after loading."""
+    1-8 rows where small_ops is given; lm_head: as the LM head's), holding nn.Linear lin's
+    weights, as after loading."""
     from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
     from pagedllm.models.layers.linear import ReplicatedLinear
 
     layer = ReplicatedLinear(
-        lin.in_features, lin.out_features, lin.bias is not None, CPUPackedLinearMethod(small_ops)
+        lin.in_features, lin.out_features, lin.bias is not None, CPUPackedLinearMethod(small_ops, lm_head)
     ).to(lin.weight.dtype)
     layer.weight.weight_loader(layer.weight, lin.weight.detach())
     if lin.bias is not None:

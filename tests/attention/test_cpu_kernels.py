@@ -204,6 +204,37 @@ def test_packed_linear_matches_f_linear(rows):
                 torch.testing.assert_close(packed_linear(lin, small_ops)(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
+def test_large_float32_chunks_take_sgemm_where_the_cpu_lacks_avx512():
+    """Without AVX-512, a float32 layer's chunks of LARGE_ROWS rows and more run F.linear on the
+    plain weight (bit for bit), fewer rows and the LM head oneDNN's packed copy (bit for bit its
+    own call); with AVX-512, oneDNN at every size."""
+    from kernel_utils import packed_linear
+    from pagedllm.models.cpu_ops import cpu_ops
+    from pagedllm.models.layers.cpu_packed_linear import (
+        CPUPackedLinearMethod,
+        cpu_has_avx512,
+        packed_linear_supported,
+    )
+
+    if not packed_linear_supported(torch.float32):
+        pytest.skip("oneDNN linear not available in this torch build")
+    ops = require_built(cpu_ops())
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(320, 700, bias=True)
+    large = CPUPackedLinearMethod.LARGE_ROWS
+    with torch.inference_mode():
+        layer, head = packed_linear(lin, ops), packed_linear(lin, ops, lm_head=True)
+        assert layer.linear_method.large_by_sgemm == (not cpu_has_avx512())
+        assert not head.linear_method.large_by_sgemm
+        for rows in (large - 1, large, large + 77):
+            x = torch.randn(rows, 320)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+            sgemm = layer.linear_method.large_by_sgemm and rows >= large
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, lin.weight, lin.bias) if sgemm else onednn)
+            assert torch.equal(head(x), onednn)
+            torch.testing.assert_close(layer(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_linear_small_rows_do_not_depend_on_each_other():
     """Each of 1-8 rows comes out bit for bit as that row alone (its sum in the same order): a

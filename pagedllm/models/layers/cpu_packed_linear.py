@@ -8,6 +8,10 @@ faster at every batch an engine sees, from one decode token to a 2048-token pref
 weights, and a plain row-streaming kernel (models/cpu_ops.py `linear_small`) reads them faster
 than oneDNN does (23 vs 17 GB/s at one row); so the plain weight is kept beside the packed copy
 (twice the weight memory, except a tied LM head, which shares the embedding's).
+On a CPU without AVX-512 (AVX2's 16 registers), oneDNN's float32 kernels run at ~0.85x MKL's
+sgemm from ~512 rows on (a prefill chunk; both read the weight from memory once a call at that
+size): there a layer's F.linear is faster (prefill 1.07-1.11x end to end, BENCHMARKS.md), while
+at decode sizes and in the LM head (49,152+ columns) the packed copy stays faster at every size.
 In bfloat16 oneDNN runs its bf16 kernels (AVX512-BF16 here: 1.5-2.8x its float32 rate at
 every size, accumulating in float32), and the row-streaming kernel reads half the bytes.
 `PAGEDLLM_CPU_PACKED_LINEAR=0` keeps plain F.linear (to compare).
@@ -31,19 +35,37 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def cpu_has_avx512() -> bool:
+    """Whether torch's CPU kernels (and MKL / oneDNN with them) run at AVX-512 here."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 class CPUPackedLinearMethod(UnquantizedLinearMethod):
     """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and the plain W
-    for 1-8 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built."""
+    for 1-8 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built (and,
+    without AVX-512, for LARGE_ROWS and more in float32, but not in the LM head)."""
+
+    # From this many rows, float32 on a CPU without AVX-512 (cpu_has_avx512), a layer other
+    # than the LM head: F.linear on the plain weight (MKL's sgemm).
+    LARGE_ROWS = 512
 
     # Up to this many rows, the row-streaming kernel on the plain weight: a decode step of a few
     # requests, or a speculative verification of k + 1 tokens (at k = 4, batch 1), which then
     # reads the weights once, as a one-token step does.
     SMALL_ROWS = 8
 
-    def __init__(self, small_ops=None) -> None:
+    def __init__(self, small_ops=None, lm_head: bool = False) -> None:
         self.small_ops = small_ops
+        self.lm_head = lm_head
+        self.large_by_sgemm = False  # set with the weight's dtype, after loading
 
     def process_weights_after_loading(self, layer):
+        self.large_by_sgemm = (
+            self.small_ops is not None
+            and not self.lm_head
+            and layer.weight.dtype == torch.float32
+            and not cpu_has_avx512()
+        )
         # The batch-size hint only picks the blocking; any number of rows works with it.
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 128)
         layer.register_buffer("packed_weight", packed, persistent=False)
@@ -53,4 +75,6 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer, x, bias=None):
         if self.small_ops is not None and 0 < x.shape[0] <= self.SMALL_ROWS:
             return self.small_ops.linear_small(x, layer.weight, bias)
+        if self.large_by_sgemm and x.shape[0] >= self.LARGE_ROWS:
+            return torch.nn.functional.linear(x, layer.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")

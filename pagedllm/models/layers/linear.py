@@ -50,7 +50,7 @@ def default_linear_method(lm_head: bool = False) -> LinearMethodBase:
     if torch.get_default_device().type == "cpu":
         dtype = torch.get_default_dtype()
         if packed_linear_supported(dtype):
-            return CPUPackedLinearMethod(cpu_ops())
+            return CPUPackedLinearMethod(cpu_ops(), lm_head)
         if pair_linear_supported(dtype, cpu_ops()):
             return CPUBf16PairLinearMethod(cpu_ops())
     return UnquantizedLinearMethod()
