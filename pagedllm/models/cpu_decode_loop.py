@@ -14,7 +14,8 @@ the fused ops and packed linears with the row-streaming kernel (oneDNN's or the 
 layout's), or quantized linears
 (quant_linear, csrc/quant_ops.cpp; float32) (their methods, chosen when the layers were built)
 and the cpu attention backend; the ModelRunner calls it instead of the model
-for steps that are all decode (`DecodeLoop.applies`), of any number of rows, a speculative
+for steps that are all decode (`DecodeLoop.applies`), of any number of rows (below
+CPUPackedLinearMethod.LARGE_ROWS where its float32 linears take F.linear from there), a speculative
 verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
 a decode query over its own prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
@@ -63,6 +64,12 @@ class DecodeLoop:
             return [m.weight, b, m.pair_weight if pairs else m.packed_weight]
 
         self.weights = []
+        # A step of this many rows and more takes the eager path: its float32 linears run F.linear
+        # there (CPUPackedLinearMethod.large_by_sgemm), which the loop does not call.
+        large = [
+            getattr(base_method(p), "large_by_sgemm", False) for p in model.modules() if hasattr(p, "linear_method")
+        ]
+        self.large_rows = CPUPackedLinearMethod.LARGE_ROWS if any(large) else None
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             self.weights += [
@@ -87,7 +94,7 @@ class DecodeLoop:
     def applies(self, meta, num_tokens: int) -> bool:
         """A step the loop computes exactly as the eager layers: all decode (a verification's
         k + 1 tokens of a request are k + 1 decode queries in the cpu backend's metadata), attention by pages,
-        any number of rows (its linears pick their kernel by rows as the eager ones), no LoRA adapter in the step
+        any number of rows below `large_rows` (its linears pick their kernel by rows as the eager ones), no LoRA adapter in the step
         (the loop has no adapter deltas; base-only steps still take it), and a float KV cache (the
         loop writes K/V unquantized: an int8 / fp8 cache, with its scales, takes the eager path)."""
         if self.lora_mapping is not None and self.lora_mapping.active:
@@ -95,7 +102,7 @@ class DecodeLoop:
         return (
             meta.all_decode
             and meta.decode_block_table is not None
-            and num_tokens > 0
+            and 0 < num_tokens < (self.large_rows or num_tokens + 1)
             and len(self.attns[0].kv_cache) == 2
         )
 

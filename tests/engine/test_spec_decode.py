@@ -175,8 +175,9 @@ def test_decode_loop_takes_steps_with_drafts():
     from pagedllm.models.cpu_decode_loop import DecodeLoop
     from types import SimpleNamespace
 
-    loop = DecodeLoop.__new__(DecodeLoop)  # applies() reads the metadata, LoRA and the cache's arity
+    loop = DecodeLoop.__new__(DecodeLoop)  # applies() reads the metadata, LoRA, the cache's arity, large_rows
     loop.lora_mapping, loop.attns = None, [SimpleNamespace(kv_cache=(torch.empty(0), torch.empty(0)))]
+    loop.large_rows = None  # no bound (the linears' LARGE_ROWS where they take F.linear there)
     table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
     q = CPUAttentionBackend.max_decode_query_len
 

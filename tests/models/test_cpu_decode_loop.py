@@ -129,13 +129,17 @@ def test_decode_loop_equals_eager_layers_at_many_rows(model_dir, dtype):
 
 def test_decode_loop_takes_all_decode_steps_only(model_dir):
     """9 requests in 64-token steps: the first steps mix prefill chunks and decodes (the eager
-    path's), the later ones are all decode, 9 rows (the loop's)."""
+    path's), the later ones are all decode, 9 rows (the loop's). An all-decode step of
+    LARGE_ROWS rows is the eager path's where the float32 linears take F.linear there (no AVX-512)."""
+    from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, cpu_has_avx512
+
     llm = LLM(model_dir, max_num_batched_tokens=64, max_num_seqs=16)
     runner = _decode_loop(llm)
-    loop, seen = runner.decode_loop, []
+    loop, seen, metas = runner.decode_loop, [], []
 
     def applies(meta, num_tokens):
         seen.append((meta.all_decode, num_tokens, loop.applies(meta, num_tokens)))
+        metas.append(meta)
         return seen[-1][2]
 
     runner.decode_loop = _Counting(loop, [])
@@ -145,3 +149,8 @@ def test_decode_loop_takes_all_decode_steps_only(model_dir):
     assert any(not all_decode for all_decode, _, _ in seen), seen
     assert all(took == all_decode for all_decode, _, took in seen), seen
     assert (True, 9, True) in seen, seen
+    large = CPUPackedLinearMethod.LARGE_ROWS
+    assert loop.large_rows == (None if cpu_has_avx512() else large)
+    decode_meta = metas[[s[2] for s in seen].index(True)]
+    assert loop.applies(decode_meta, large - 1)
+    assert loop.applies(decode_meta, large) == cpu_has_avx512()
