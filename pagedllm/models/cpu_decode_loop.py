@@ -102,7 +102,8 @@ class DecodeLoop:
         return (
             meta.all_decode
             and meta.decode_block_table is not None
-            and 0 < num_tokens < (self.large_rows or num_tokens + 1)
+            and num_tokens > 0
+            and (self.large_rows is None or num_tokens < self.large_rows)
             and len(self.attns[0].kv_cache) == 2
         )
 
