@@ -310,7 +310,7 @@ def test_long_prompt_holds_the_slow_step_token(tokenizer):
 
 
 def _ended(m, before) -> dict:
-    """finished_reason -> how many more requests ended so since `before`."""
+    """finished_reason -> how many more requests ended since `before`."""
     out = {}
     for k, v in m.items():
         if k.startswith("pagedllm:request_success_total{") and "model_name" not in k:
