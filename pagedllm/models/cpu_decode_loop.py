@@ -14,9 +14,9 @@ the fused ops and packed linears with the row-streaming kernel (oneDNN's or the 
 layout's), or quantized linears
 (quant_linear, csrc/quant_ops.cpp; float32) (their methods, chosen when the layers were built)
 and the cpu attention backend; the ModelRunner calls it instead of the model
-for steps that are all decode (`DecodeLoop.applies`), of any number of rows (below
-CPUPackedLinearMethod.LARGE_ROWS where its float32 linears take F.linear from there), a speculative
-verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
+for steps that are all decode (`DecodeLoop.applies`), of any number of rows (below the
+smallest of its linear methods' `eager_from_rows`: CPUPackedLinearMethod.LARGE_ROWS where its
+float32 linears take F.linear from there), a speculative verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
 a decode query over its own prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads
 the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
@@ -64,12 +64,10 @@ class DecodeLoop:
             return [m.weight, b, m.pair_weight if pairs else m.packed_weight]
 
         self.weights = []
-        # A step of this many rows and more takes the eager path: its float32 linears run F.linear
-        # there (CPUPackedLinearMethod.large_by_sgemm), which the loop does not call.
-        large = [
-            getattr(base_method(p), "large_by_sgemm", False) for p in model.modules() if hasattr(p, "linear_method")
-        ]
-        self.large_rows = CPUPackedLinearMethod.LARGE_ROWS if any(large) else None
+        # A step of this many rows and more takes the eager path: a linear there runs a kernel the
+        # loop does not call (LinearMethodBase.eager_from_rows; float32 F.linear without AVX-512).
+        bounds = [base_method(p).eager_from_rows for p in model.modules() if hasattr(p, "linear_method")]
+        self.large_rows = min((b for b in bounds if b is not None), default=None)
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             self.weights += [

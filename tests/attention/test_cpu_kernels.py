@@ -207,7 +207,8 @@ def test_packed_linear_matches_f_linear(rows):
 def test_large_float32_chunks_take_sgemm_where_the_cpu_lacks_avx512():
     """Without AVX-512, a float32 layer's chunks of LARGE_ROWS rows and more run F.linear on the
     plain weight (bit for bit), fewer rows and the LM head oneDNN's packed copy (bit for bit its
-    own call); with AVX-512, oneDNN at every size."""
+    own call), and the layer's method says so (eager_from_rows, which the decode loop reads);
+    with AVX-512, oneDNN at every size."""
     from kernel_utils import packed_linear
     from pagedllm.models.cpu_ops import cpu_ops
     from pagedllm.models.layers.cpu_packed_linear import (
@@ -224,12 +225,12 @@ def test_large_float32_chunks_take_sgemm_where_the_cpu_lacks_avx512():
     large = CPUPackedLinearMethod.LARGE_ROWS
     with torch.inference_mode():
         layer, head = packed_linear(lin, ops), packed_linear(lin, ops, lm_head=True)
-        assert layer.linear_method.large_by_sgemm == (not cpu_has_avx512())
-        assert not head.linear_method.large_by_sgemm
+        assert layer.linear_method.eager_from_rows == (None if cpu_has_avx512() else large)
+        assert head.linear_method.eager_from_rows is None
         for rows in (large - 1, large, large + 77):
             x = torch.randn(rows, 320)
             onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
-            sgemm = layer.linear_method.large_by_sgemm and rows >= large
+            sgemm = not cpu_has_avx512() and rows >= large
             assert torch.equal(layer(x), torch.nn.functional.linear(x, lin.weight, lin.bias) if sgemm else onednn)
             assert torch.equal(head(x), onednn)
             torch.testing.assert_close(layer(x), lin(x), rtol=1e-5, atol=1e-5)

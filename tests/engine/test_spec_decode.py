@@ -177,7 +177,7 @@ def test_decode_loop_takes_steps_with_drafts():
 
     loop = DecodeLoop.__new__(DecodeLoop)  # applies() reads the metadata, LoRA, the cache's arity, large_rows
     loop.lora_mapping, loop.attns = None, [SimpleNamespace(kv_cache=(torch.empty(0), torch.empty(0)))]
-    loop.large_rows = None  # no bound (the linears' LARGE_ROWS where they take F.linear there)
+    loop.large_rows = None  # no bound (the linears' eager_from_rows where they leave the loop's kernels)
     table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
     q = CPUAttentionBackend.max_decode_query_len
 

@@ -43,7 +43,8 @@ def cpu_has_avx512() -> bool:
 class CPUPackedLinearMethod(UnquantizedLinearMethod):
     """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and the plain W
     for 1-8 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built (and,
-    without AVX-512, for LARGE_ROWS and more in float32, but not in the LM head)."""
+    without AVX-512, for LARGE_ROWS and more in float32, but not in the LM head: then
+    `eager_from_rows`)."""
 
     # From this many rows, float32 on a CPU without AVX-512 (cpu_has_avx512), a layer other
     # than the LM head: F.linear on the plain weight (MKL's sgemm).
@@ -57,15 +58,15 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
     def __init__(self, small_ops=None, lm_head: bool = False) -> None:
         self.small_ops = small_ops
         self.lm_head = lm_head
-        self.large_by_sgemm = False  # set with the weight's dtype, after loading
 
     def process_weights_after_loading(self, layer):
-        self.large_by_sgemm = (
+        large_by_sgemm = (
             self.small_ops is not None
             and not self.lm_head
             and layer.weight.dtype == torch.float32
             and not cpu_has_avx512()
         )
+        self.eager_from_rows = self.LARGE_ROWS if large_by_sgemm else None
         # The batch-size hint only picks the blocking; any number of rows works with it.
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 128)
         layer.register_buffer("packed_weight", packed, persistent=False)
@@ -75,6 +76,6 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
     def apply(self, layer, x, bias=None):
         if self.small_ops is not None and 0 < x.shape[0] <= self.SMALL_ROWS:
             return self.small_ops.linear_small(x, layer.weight, bias)
-        if self.large_by_sgemm and x.shape[0] >= self.LARGE_ROWS:
+        if self.eager_from_rows is not None and x.shape[0] >= self.eager_from_rows:
             return torch.nn.functional.linear(x, layer.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")

@@ -18,6 +18,11 @@ from torch import nn
 
 
 class LinearMethodBase:
+    # The row count from which `apply` runs a kernel the CPU decode loop does not call
+    # (models/cpu_decode_loop.py): a step of that many rows takes the eager path, so that the
+    # loop stays bit for bit the eager layers. None: the loop computes every row count as apply.
+    eager_from_rows: Optional[int] = None
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         """Register `layer.weight` [output_size, input_size] (this rank's sizes)."""
         raise NotImplementedError
