@@ -65,9 +65,9 @@ def parse_token_ids(stdout: str) -> list[int]:
 
 def _bos(path) -> int | None:
     """The BOS id llama.cpp puts first in each chunk, None when the file does not ask for one."""
-    from gguf import GGUFReader
+    from pagedllm.models.gguf.reader import open_gguf
 
-    fields = GGUFReader(str(path)).fields
+    fields = open_gguf(path).fields
     add = fields.get("tokenizer.ggml.add_bos_token")
     return int(fields["tokenizer.ggml.bos_token_id"].contents()) if add is not None and add.contents() else None
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 def gguf_chat_template(gguf_path: Path) -> str | None:
     """The `tokenizer.chat_template` string stored in a GGUF file's metadata."""
-    from gguf import GGUFReader
+    from pagedllm.models.gguf.reader import open_gguf
 
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    field = open_gguf(gguf_path).fields.get("tokenizer.chat_template")
     if field is None or not field.data:
         return None
     return bytes(field.parts[field.data[0]]).decode("utf-8")

@@ -10,6 +10,7 @@ import numpy as np
 
 from pagedllm.models.gguf.hf_config import check_architecture, hf_config_from_gguf
 from pagedllm.models.gguf.metadata import read_metadata
+from pagedllm.models.gguf.reader import open_gguf
 from pagedllm.models.gguf.tokenizer import write_tokenizer
 from pagedllm.models.gguf.weights import check_tensors
 
@@ -17,10 +18,8 @@ from pagedllm.models.gguf.weights import check_tensors
 def write_model_dir(gguf_path: Path, out: Path, marker: str, quantized_types) -> dict:
     """Write config.json, the tokenizer and `marker` (gguf.json) into out; -> the config.
     ValueError (nothing written) for an architecture, tensor or type that is not served."""
-    from gguf import GGUFReader
-
     where = str(gguf_path)
-    reader = GGUFReader(where)
+    reader = open_gguf(where)
     meta = read_metadata(reader)
     check_architecture(meta.get("general.architecture"), where)
     tensors = {t.name: t for t in reader.tensors}

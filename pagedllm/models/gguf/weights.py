@@ -59,11 +59,12 @@ def gguf_weights(path: str, hf: dict, repack: Repack, also_blocks=frozenset()) -
     """Every tensor of the file at `path` under its HF name: quantized linears (and the tensors
     named in also_blocks: an embedding, an untied head) as repack makes them, everything else
     dequantised to float32; stacked experts one expert at a time."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from pagedllm.models.gguf.reader import open_gguf
+
     tmap = TensorMap(hf)
-    for t in GGUFReader(path).tensors:
+    for t in open_gguf(path).tensors:
         target = tmap.target(t.name)
         if target is None:
             continue
