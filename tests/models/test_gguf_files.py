@@ -71,15 +71,18 @@ def _greedy_agreement(ours, ref) -> float:
 
 
 def _hf_greedy(model, prompts, n):
-    """Argmax of a full forward, n times per prompt (generate() would suppress EOS, which the
-    engine's ignore_eos leaves in)."""
+    """Argmax of transformers' forward n times per prompt, over its own KV cache (generate()
+    would suppress EOS, which the engine's ignore_eos leaves in)."""
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = list(p)
-            for _ in range(n):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(p) :])
+            out, ids = model(torch.tensor([p]), use_cache=True, logits_to_keep=1), []
+            while True:
+                ids.append(int(out.logits[0, -1].argmax()))
+                if len(ids) == n:
+                    break
+                out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
+            outs.append(ids)
     return outs
 
 
