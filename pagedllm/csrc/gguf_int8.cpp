@@ -21,8 +21,8 @@
 // sum < 2^24, so its float is exact); Q6_K's 32 and Q4_K / Q5_K's dmin mn with the integer sums.
 //
 // K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
-// Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld; AVX2's Q4_K: the
-// vpmaddwd that widens its int16 sums) adds up over the super-block, and the float scaling is
+// Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld; AVX2's Q4_K and
+// Q6_K: the vpmaddwd that widens their int16 sums) adds up over the super-block, and the float scaling is
 // once a super-block instead of once a block (Q6_K: two).
 #include <ATen/Parallel.h>
 
@@ -109,6 +109,11 @@ inline VI dotw(VI acc, VI a, const int32_t* x) { return _mm512_dpwssd_epi32(acc,
 inline VI pair16(VI a, VI b) { return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16)); }
 inline VI add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+// acc + a half-block's products (4 quads w of codes <= 63 against the row's quads x) times its
+// sub-scale sc (sub_scale's lanes): the int32 sum's vpmulld.
+inline VI dot4_scaled(VI acc, const VI* w, const int32_t* x, VI sc) {
+  return add(acc, times_sub_scale(dot2(dot2(zero_i(), w[0], x[0], w[1], x[1]), w[2], x[2], w[3], x[3]), sc));
+}
 inline VI u8i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline VI s8i(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 #else
@@ -159,6 +164,15 @@ inline VI dotw(VI acc, VI a, const int32_t* x) {
 inline VI pair16(VI a, VI b) { return _mm256_blend_epi16(a, _mm256_slli_epi32(b, 16), 0xAA); }
 inline VI add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+// Each pair of quads' int16 sums (2 x 2 x 63 x 127 < 2^15) times sc in the vpmaddwd that widens
+// them: no vpmulld, and no int32 sum to keep a half-block (Q6_K 1.1-1.2x at 16 rows).
+inline VI dot4_scaled(VI acc, const VI* w, const int32_t* x, VI sc) {
+  const VI p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x[0])),
+                                  _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x[1])));
+  const VI p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x[2])),
+                                  _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x[3])));
+  return add(acc, add(times_sub_scale(p01, sc), times_sub_scale(p23, sc)));
+}
 inline VI u8i(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline VI s8i(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 #endif
@@ -222,19 +236,16 @@ inline void dot_u5(const uint8_t* c, const uint8_t* hb, const int32_t* const* xq
   }
 }
 
-// One Q6_K block (6 chunks at c): quads 0-3 (features 0-15) into acc, 4-7 into acc2 (their own
-// scales); each half-block's first three quads one `and` each, the fourth q6_fourth.
+// One Q6_K block (6 chunks at c) into M rows' sums: quads 0-3 (features 0-15) times sub-scale
+// sc0, 4-7 times sc1 (sub_scale's lanes); each half-block's first three quads one `and` each,
+// the fourth q6_fourth.
 template <int M>
-inline void dot_q6(const uint8_t* c, const int32_t* const* xq, VI* acc, VI* acc2) {
-  for (int r = 0; r < M; ++r) acc[r] = zero_i(), acc2[r] = zero_i();
+inline void dot_q6(const uint8_t* c, const int32_t* const* xq, VI sc0, VI sc1, VI* isum) {
   for (int h = 0; h < 2; ++h) {
     const VI a = load(c + 3 * h * CHUNK), b = load(c + (3 * h + 1) * CHUNK),
              cc = load(c + (3 * h + 2) * CHUNK);
-    const VI q0 = and_(a, 63), q1 = and_(b, 63), q2 = and_(cc, 63), q3 = q6_fourth(a, b, cc);
-    VI* s = h ? acc2 : acc;
-    for (int r = 0; r < M; ++r)
-      s[r] = dot2(dot2(s[r], q0, xq[r][4 * h], q1, xq[r][4 * h + 1]), q2, xq[r][4 * h + 2], q3,
-                  xq[r][4 * h + 3]);
+    const VI q[4] = {and_(a, 63), and_(b, 63), and_(cc, 63), q6_fourth(a, b, cc)};
+    for (int r = 0; r < M; ++r) isum[r] = dot4_scaled(isum[r], q, xq[r] + 4 * h, h ? sc1 : sc0);
   }
 }
 
@@ -304,11 +315,9 @@ inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Rows8<M
         if (pf) prefetch_bytes(pf + (h * 8 + j) * (PF / H), PF / H);
         x.quads(s * 8 + j, xq);
         if constexpr (TYPE == Q6_K) {
-          VI acc2[M];
-          dot_q6<M>(p + 288 + j * 384 + cb, xq, acc, acc2);
-          const VI sc0 = s8i(p + 32 + (2 * j) * 16 + rb), sc1 = s8i(p + 32 + (2 * j + 1) * 16 + rb);
-          for (int r = 0; r < M; ++r)
-            isum[h * M + r] = add(isum[h * M + r], add(mullo(acc[r], sc0), mullo(acc2[r], sc1)));
+          const VI sc0 = sub_scale(s8i(p + 32 + (2 * j) * 16 + rb)),
+                   sc1 = sub_scale(s8i(p + 32 + (2 * j + 1) * 16 + rb));
+          dot_q6<M>(p + 288 + j * 384 + cb, xq, sc0, sc1, isum + h * M);
         } else {
           dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
           const VI sc = u8i(p + 64 + j * 16 + rb);
