@@ -22,8 +22,8 @@
 //
 // K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
 // Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld; AVX2's Q4_K and
-// Q6_K: the vpmaddwd that widens their int16 sums) adds up over the super-block, and the float scaling is
-// once a super-block instead of once a block (Q6_K: two).
+// Q6_K: the vpmaddwd that widens their int16 sums) adds up over the super-block, and the float
+// scaling is once a super-block instead of once a block (Q6_K: two).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -165,7 +165,7 @@ inline VI pair16(VI a, VI b) { return _mm256_blend_epi16(a, _mm256_slli_epi32(b,
 inline VI add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 // Each pair of quads' int16 sums (2 x 2 x 63 x 127 < 2^15) times sc in the vpmaddwd that widens
-// them: no vpmulld, and no int32 sum to keep a half-block (Q6_K 1.1-1.2x at 16 rows).
+// them: no vpmulld, and no int32 sum to keep a half-block (Q6_K 1.01-1.07x at 1-16 rows).
 inline VI dot4_scaled(VI acc, const VI* w, const int32_t* x, VI sc) {
   const VI p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x[0])),
                                   _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x[1])));

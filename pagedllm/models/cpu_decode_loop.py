@@ -16,9 +16,11 @@ layout's), or quantized linears
 and the cpu attention backend; the ModelRunner calls it instead of the model
 for steps that are all decode (`DecodeLoop.applies`), of any number of rows (below the
 smallest of its linear methods' `eager_from_rows`: CPUPackedLinearMethod.LARGE_ROWS where its
-float32 linears take F.linear from there), a speculative verification's k + 1 tokens of a request included: the cpu backend's metadata makes each of them
-a decode query over its own prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads
-the KV caches from the model's Attention layers and the metadata from the forward context. `PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
+float32 linears take F.linear from there), a speculative verification's k + 1 tokens of a
+request included: the cpu backend's metadata makes each of them a decode query over its own
+prefix (attention/backends/torch_sdpa/metadata.py `max_decode_query_len`). It reads the KV caches
+from the model's Attention layers and the metadata from the forward context.
+`PAGEDLLM_CPU_DECODE_LOOP=0` turns it off (to compare).
 """
 
 from __future__ import annotations
