@@ -134,10 +134,14 @@ inline VI q6_fourth(VI a, VI b, VI c) {
 }
 inline VI zero_i() { return _mm256_setzero_si256(); }
 inline VI sub(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+// The products of (unsigned codes w0, quad x0) and (w1, x1) as int16 pairs (the callers bound
+// them below 2^15).
+inline VI products16(VI w0, int32_t x0, VI w1, int32_t x1) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                          _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+}
 inline VI dot2(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) {
-  const VI p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
-                                _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(products16(w0, x0, w1, x1), _mm256_set1_epi16(1)));
 }
 inline VI dot_signed(VI acc, VI w, int32_t x) {
   const VI p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_set1_epi32(x), w));
@@ -148,8 +152,7 @@ constexpr int SIGNED_OFFSET = 0;
 // a block instead of one a chunk. The empty asm keeps each row's chain in order: GCC made a tree
 // of a tile's vpaddw and spilled it.
 inline VI dot2_u4(VI acc16, VI w0, int32_t x0, VI w1, int32_t x1) {
-  VI s = _mm256_add_epi16(acc16, _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
-                                                  _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1))));
+  VI s = _mm256_add_epi16(acc16, products16(w0, x0, w1, x1));
   asm("" : "+x"(s));
   return s;
 }
@@ -167,11 +170,8 @@ inline VI mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
 // Each pair of quads' int16 sums (2 x 2 x 63 x 127 < 2^15) times sc in the vpmaddwd that widens
 // them: no vpmulld, and no int32 sum to keep a half-block (Q6_K 1.01-1.07x at 1-16 rows).
 inline VI dot4_scaled(VI acc, const VI* w, const int32_t* x, VI sc) {
-  const VI p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x[0])),
-                                  _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(x[1])));
-  const VI p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], _mm256_set1_epi32(x[2])),
-                                  _mm256_maddubs_epi16(w[3], _mm256_set1_epi32(x[3])));
-  return add(acc, add(times_sub_scale(p01, sc), times_sub_scale(p23, sc)));
+  return add(acc, add(times_sub_scale(products16(w[0], x[0], w[1], x[1]), sc),
+                      times_sub_scale(products16(w[2], x[2], w[3], x[3]), sc)));
 }
 inline VI u8i(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline VI s8i(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
