@@ -64,8 +64,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
   const int per = stride == 14 ? 3 : 4;  // tensors per linear
   const StepAttention attend{positions, slot_mapping, block_table, seq_lens,   cos,  sin,
                              num_heads, num_kv_heads, head_dim,    block_size, scale};
-  if (gguf_decode_step_applies(x, weights, stride))  // the step in one parallel region
-    return gguf_decode_layers(x, weights, k_caches, v_caches, attend, final_norm, eps);
+  // the step in one parallel region, where it applies
+  if (auto out = gguf_decode_layers(x, weights, stride, k_caches, v_caches, attend, final_norm, eps))
+    return *out;
   for (size_t l = 0; l < k_caches.size(); ++l) {
     const torch::Tensor* w = &weights[stride * l];
     auto lin = [&](int at) {

@@ -78,9 +78,12 @@ struct StepAttention {
 };
 
 // decode_layers' step where every linear is a GGUF weight with int8 activations and the step has
-// <= 16 rows (gguf_decode_step.cpp): the same values, the step in one parallel region.
+// <= 16 rows (gguf_decode_step.cpp): the same values, the step in one parallel region; nullopt
+// where the step is not such a step. gguf_decode_step_applies: whether it is (the tests ask).
 bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                               size_t stride);
-torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                 std::vector<torch::Tensor>& k_caches, std::vector<torch::Tensor>& v_caches,
-                                 const StepAttention& attend, const torch::Tensor& final_norm, double eps);
+c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                                size_t stride, std::vector<torch::Tensor>& k_caches,
+                                                std::vector<torch::Tensor>& v_caches,
+                                                const StepAttention& attend, const torch::Tensor& final_norm,
+                                                double eps);

@@ -193,6 +193,19 @@ static torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps)
   return out;
 }
 
+// The float32 rows of rms_norm and silu_and_mul, out of line: the GGUF step's hand-offs call the
+// same code, so their sums are the same instructions as the eager ops' (bit for bit).
+void rms_norm_row(const float* x, const float* w, float* out, int64_t N, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < N; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / N + eps);
+  for (int64_t i = 0; i < N; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
 // x [T, N] (rows may be strided) -> x / sqrt(mean(x^2) + eps) * w, contiguous [T, N].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1);
@@ -204,14 +217,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* wp = w.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* r = xp + t * xs;
-      float ss = 0.f;
-      for (int64_t i = 0; i < N; ++i) ss += r[i] * r[i];
-      const float inv = 1.f / std::sqrt(ss / N + (float)eps);
-      float* o = op + t * N;
-      for (int64_t i = 0; i < N; ++i) o[i] = wp[i] * (r[i] * inv);
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(xp + t * xs, wp, op + t * N, N, (float)eps);
   });
   return out;
 }
@@ -246,12 +252,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * xs;
-      const float* u = g + I;
-      float* o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t t = begin; t < end; ++t) silu_and_mul_row(xp + t * xs, xp + t * xs + I, op + t * I, I);
   });
   return out;
 }

@@ -40,36 +40,44 @@ constexpr int64_t LINEARS = 4;       // a layer's: qkv, o, gate_up, down
 constexpr int64_t PER = 4;           // tensors a quantized linear: qweight, bias, group table, (empty) mins
 constexpr int64_t ROWS = 2 * TILE;   // the most rows a step: a group's codes serve both tiles from L1
 constexpr int64_t ROWS_A_CLAIM = 4;  // the work between linears, in claims of this many rows
-constexpr int64_t HEAD_CLAIMS = 2;   // claims of a row's attention a thread (each of some KV heads)
+constexpr int64_t HEAD_CLAIMS = 1;   // claims of a row's attention a thread (each of some KV heads)
+constexpr int64_t TAIL_SPLIT = 4;    // a linear's last claims (a thread's one each) cut in this many
 
-// One linear of the step: its groups, input features, the int8 activations' span, its claims.
+// One linear of the step: its groups, input features, the int8 activations' span, its claims:
+// `coarse` of per_claim groups, then claims of `fine` groups for the last `threads` claims' worth
+// (a thread that ends its share waits for the others' last claims: ~9 us at one row for a
+// claim of 256 KiB, 64 times a step, unless the last claims are short).
 struct Lin {
   Groups gs;
-  int64_t K, span, per_claim, claims;
+  int64_t K, span, per_claim, coarse, fine, claims;
   const float* bias;
+  // claim k's groups [g0, g1)
+  std::pair<int64_t, int64_t> range(int64_t k) const {
+    const int64_t g0 = k < coarse ? k * per_claim : coarse * per_claim + (k - coarse) * fine;
+    return {g0, std::min(gs.G, g0 + (k < coarse ? per_claim : fine))};
+  }
 };
 
-// The linear's group table says int8 activations (every group in quads).
-bool in_quads(const torch::Tensor& meta) {
-  if (meta.scalar_type() != torch::kLong || meta.dim() != 2 || meta.size(1) != 4 || !meta.is_contiguous())
-    return false;
-  const int64_t* m = meta.data_ptr<int64_t>();
-  for (int64_t g = 0; g < meta.size(0); ++g)
-    if (m[4 * g + 1] < QUADS) return false;
-  return true;
+// The linear's third tensor is a GGUF group table (other quantized linears have their scales
+// there).
+bool is_group_table(const torch::Tensor& meta) {
+  return meta.scalar_type() == torch::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous();
 }
 
-Lin make_lin(const torch::Tensor* p, int64_t K) {
+Lin make_lin(const torch::Tensor* p, int64_t K, int64_t threads) {
   const Groups gs = check_groups(p[0], p[2], K);
   const torch::Tensor& b = p[1];
   TORCH_CHECK(!b.numel() || (b.is_contiguous() && b.scalar_type() == torch::kFloat && b.numel() == gs.N),
               "a GGUF linear's bias: float32 [", gs.N, "]");
-  const int64_t per_claim = groups_per_claim(gs, K);
+  const int64_t per_claim = groups_per_claim(gs, K), fine = std::max<int64_t>(1, per_claim / TAIL_SPLIT),
+                coarse = std::max<int64_t>(0, gs.G / per_claim - threads);
   return Lin{gs,
              K,
-             layouts(gs).kquads ? 256 : QB,
+             gs.layouts.kquads ? 256 : QB,
              per_claim,
-             (gs.G + per_claim - 1) / per_claim,
+             coarse,
+             fine,
+             coarse + (gs.G - coarse * per_claim + fine - 1) / fine,
              b.numel() ? b.data_ptr<float>() : nullptr};
 }
 
@@ -95,58 +103,83 @@ bool wait_for(const std::atomic<int64_t>& published, const std::atomic<bool>& fa
   return !failed.load(std::memory_order_relaxed);
 }
 
+// The step's rows, dtype and linears (GGUF group tables) fit the step; whether every group is in
+// quads is read from the tables as they are checked.
+bool step_fits(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, size_t stride) {
+  if (x.size(0) > ROWS || x.scalar_type() != torch::kFloat || stride != 2 + LINEARS * PER) return false;
+  for (size_t l = 0; l < weights.size(); l += stride)
+    for (int64_t at : {int64_t{1}, 1 + PER, 2 + 2 * PER, 2 + 3 * PER})
+      if (!is_group_table(weights[l + at + 2])) return false;
+  return true;
+}
+
 }  // namespace
 
 bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                               size_t stride) {
-  if (x.size(0) > ROWS || x.scalar_type() != torch::kFloat || stride != 2 + LINEARS * PER) return false;
+  if (!step_fits(x, weights, stride)) return false;
   for (size_t l = 0; l < weights.size(); l += stride)
-    for (int64_t at : {int64_t{1}, 1 + PER, 2 + 2 * PER, 2 + 3 * PER})
-      if (!in_quads(weights[l + at + 2])) return false;
+    for (int64_t at : {int64_t{1}, 1 + PER, 2 + 2 * PER, 2 + 3 * PER}) {
+      const torch::Tensor& meta = weights[l + at + 2];
+      const int64_t* m = meta.data_ptr<int64_t>();
+      for (int64_t g = 0; g < meta.size(0); ++g)
+        if (m[4 * g + 1] < QUADS) return false;
+    }
   return true;
 }
 
-// decode_layers' arguments (decode_loop.cpp), where gguf_decode_step_applies.
-torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                 std::vector<torch::Tensor>& k_caches, std::vector<torch::Tensor>& v_caches,
-                                 const StepAttention& attend, const torch::Tensor& final_norm, double eps) {
+c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                                size_t stride, std::vector<torch::Tensor>& k_caches,
+                                                std::vector<torch::Tensor>& v_caches,
+                                                const StepAttention& attend, const torch::Tensor& final_norm,
+                                                double eps) {
+  if (!step_fits(x, weights, stride)) return c10::nullopt;
   const int64_t M = x.size(0), H = x.size(1), q_size = attend.num_heads * attend.head_dim,
                 kv_size = attend.num_kv_heads * attend.head_dim;
-  const int64_t layers = (int64_t)k_caches.size(), stride = 2 + LINEARS * PER;
+  const int64_t layers = (int64_t)k_caches.size(), threads = at::get_num_threads();
   // The linears in step order; each one's output [M, N], written group by group.
   std::vector<Lin> lins;
   int64_t max_k = H;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = &weights[stride * l];
-    lins.push_back(make_lin(w + 1, H));
+    lins.push_back(make_lin(w + 1, H, threads));
     TORCH_CHECK(lins.back().gs.N == q_size + 2 * kv_size, "layer ", l, ": qkv has ", lins.back().gs.N,
                 " rows");
-    lins.push_back(make_lin(w + 1 + PER, q_size));
-    lins.push_back(make_lin(w + 2 + 2 * PER, H));
+    lins.push_back(make_lin(w + 1 + PER, q_size, threads));
+    lins.push_back(make_lin(w + 2 + 2 * PER, H, threads));
     const int64_t inter = lins.back().gs.N / 2;
-    lins.push_back(make_lin(w + 2 + 3 * PER, inter));
+    lins.push_back(make_lin(w + 2 + 3 * PER, inter, threads));
+    for (int64_t i = LINEARS * l; i < LINEARS * (l + 1); ++i)  // int8 activations: every group in quads
+      if (lins[i].gs.layouts.pairs) return c10::nullopt;
+    TORCH_CHECK(lins[LINEARS * l + 1].gs.N == H && lins[LINEARS * l + 3].gs.N == H, "layer ", l,
+                ": o and down must give ", H, " features");
     max_k = std::max({max_k, q_size, inter});
     for (int64_t i = 0; i < LINEARS; ++i)  // the outputs below are shared by the layers
       TORCH_CHECK(lins[LINEARS * l + i].gs.N == lins[i].gs.N, "layer ", l, ": linear ", i, " has ",
                   lins[LINEARS * l + i].gs.N, " rows, layer 0's ", lins[i].gs.N);
   }
+  // The layers' norm weights in step order (input, post-attention), float32 [H] each.
+  std::vector<const float*> norms;
+  for (int64_t l = 0; l < layers; ++l)
+    for (const torch::Tensor* n : {&weights[stride * l], &weights[stride * l + 1 + 2 * PER]}) {
+      TORCH_CHECK(n->scalar_type() == torch::kFloat && n->is_contiguous() && n->numel() == H, "layer ", l,
+                  ": a norm's weight: float32 [", H, "]");
+      norms.push_back(n->data_ptr<float>());
+    }
   const auto f = x.options();
-  x = x.clone();  // [M, H] the residual stream, added to in place
+  x = x.clone(at::MemoryFormat::Contiguous);  // [M, H] the residual stream, added to in place
   std::vector<torch::Tensor> outs;
   for (int64_t i = 0; i < LINEARS; ++i) outs.push_back(torch::empty({M, lins[i].gs.N}, f));
   // torch's allocator: 64-byte aligned, not zero-filled (as gguf_linear.cpp's per-linear buffer)
   const torch::Tensor buf = torch::empty({acts8_bytes(M, max_k)}, f.dtype(torch::kByte));
+  const torch::Tensor scratch = torch::empty({M, max_k}, f);
   // the next linear's activations (in buf): their layout set before the rows are quantized
   Acts8 acts = acts8_at(buf.data_ptr<uint8_t>(), M, lins[0].K, lins[0].span);
-  auto quantize = [&](const torch::Tensor& in, int64_t r0, int64_t r1) {
-    const torch::Tensor c = in.contiguous();
-    quantize_acts8_rows(c.data_ptr<float>(), acts, r0, r1);
-  };
   // After a layer's qkv, claim k: rows [r0, r1) of row claim k / head_claims, KV heads h0-h1 of
   // head claim k % head_claims: rope, K/V write and attention into `attn`; the claim completing
   // the row claim's heads quantizes its rows for the o linear.
   const torch::Tensor attn = torch::empty({M, q_size}, f);
-  const int64_t threads = at::get_num_threads(), Hkv = attend.num_kv_heads,
+  const int64_t Hkv = attend.num_kv_heads,
                 heads_a_claim = (Hkv + HEAD_CLAIMS * threads - 1) / (HEAD_CLAIMS * threads),
                 head_claims = (Hkv + heads_a_claim - 1) / heads_a_claim,
                 row_claims = (M + ROWS_A_CLAIM - 1) / ROWS_A_CLAIM;
@@ -158,29 +191,30 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
     attend.rows(r0, r1).heads(outs[0].narrow(0, r0, r1 - r0), k_caches[l], v_caches[l], h0,
                               std::min(Hkv, h0 + heads_a_claim), attn.narrow(0, r0, r1 - r0));
     if (heads_done[l * row_claims + r].fetch_add(1, std::memory_order_acq_rel) + 1 == head_claims)
-      quantize(attn.narrow(0, r0, r1 - r0), r0, r1);
+      quantize_acts8_rows(attn.data_ptr<float>() + r0 * q_size, acts, r0, r1);
   };
   // The work after phase p's linear for rows [r0, r1), ending with those rows of phase p + 1's
-  // activations.
+  // activations: raw loops over the rows (at one row a hand-off is the other thread's wait), the
+  // norm and the activation by the eager ops' own row functions.
+  float* const xp = x.data_ptr<float>();
+  float* const rows_f = scratch.data_ptr<float>();  // a hand-off's rows before quantization
   auto after = [&](int64_t p, int64_t r0, int64_t r1) {
-    const int64_t l = p / LINEARS;
-    const torch::Tensor* w = &weights[stride * l];
-    const torch::Tensor out = outs[p % LINEARS].narrow(0, r0, r1 - r0);
-    torch::Tensor xr = x.narrow(0, r0, r1 - r0);
-    switch (p % LINEARS) {
-      case 1:  // o -> the MLP's norm (case 0, qkv -> attention: `attention`)
-        xr.add_(out);
-        quantize(rms_norm(xr, w[1 + 2 * PER], eps), r0, r1);
-        break;
-      case 2:  // gate_up -> the activation
-        quantize(silu_and_mul(out), r0, r1);
-        break;
-      default:  // down -> the next layer's norm
-        xr.add_(out);
-        if (l + 1 < layers) quantize(rms_norm(xr, weights[stride * (l + 1)], eps), r0, r1);
+    const int64_t l = p / LINEARS, N = lins[p].gs.N;
+    const float* out = outs[p % LINEARS].data_ptr<float>();
+    if (p % LINEARS == 2) {  // gate_up -> the activation
+      const int64_t I = N / 2;
+      for (int64_t r = r0; r < r1; ++r) silu_and_mul_row(out + r * N, out + r * N + I, rows_f + r * I, I);
+      return quantize_acts8_rows(rows_f + r0 * I, acts, r0, r1);
     }
+    // o -> the MLP's norm, down -> the next layer's (case 0, qkv -> attention: `attention`)
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < H; ++i) xp[r * H + i] += out[r * H + i];
+    const float* norm = p % LINEARS == 1 ? norms[2 * l + 1] : l + 1 < layers ? norms[2 * l + 2] : nullptr;
+    if (!norm) return;
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * H, norm, rows_f + r * H, H, (float)eps);
+    quantize_acts8_rows(rows_f + r0 * H, acts, r0, r1);
   };
-  quantize(rms_norm(x, weights[0], eps), 0, M);
+  quantize_acts8_rows(rms_norm(x, weights[0], eps).data_ptr<float>(), acts, 0, M);
   const int64_t phases = (int64_t)lins.size();
   // Stage 2p: phase p's linear, claims of groups; 2p + 1: the work after it, claims of rows.
   std::unique_ptr<Counter[]> counters(new Counter[2 * phases]);
@@ -211,7 +245,7 @@ torch::Tensor gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tenso
           else if (s % 2)
             after(p, k * ROWS_A_CLAIM, std::min(M, (k + 1) * ROWS_A_CLAIM));
           else
-            for (int64_t g = k * lin.per_claim; g < std::min(lin.gs.G, (k + 1) * lin.per_claim); ++g) {
+            for (auto [g, g1] = lin.range(k); g < g1; ++g) {
               const int64_t* e = lin.gs.meta + 4 * g;
               run_group8(lin.gs.base + e[0], e[1], acts, 0, M, e[2], (int)e[3], lin.bias, out, lin.gs.N);
             }

@@ -328,30 +328,25 @@ Groups check_groups(const torch::Tensor& packed, const torch::Tensor& meta, int6
   TORCH_CHECK(
       meta.scalar_type() == torch::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
       "meta: int64 [groups, 4]");
-  const int64_t G = meta.size(0);
+  const int64_t G = meta.size(0), bytes = packed.numel();
   const int64_t* m = meta.data_ptr<int64_t>();
-  int64_t N = 0;
+  int64_t N = 0, type = -1, span = 0;  // span: a group's bytes at K features, for the run's type
+  Layouts l{false, false, false};
   for (int64_t g = 0; g < G; ++g) {
     const int64_t* e = m + 4 * g;
-    TORCH_CHECK(e[1] >= 0 && e[1] < 2 * QUADS, "meta row ", g, ": no GGML type ", e[1]);
-    TORCH_CHECK(K % superblock_features(e[1]) == 0, "K ", K, " is not whole super-blocks of type ", e[1]);
-    TORCH_CHECK(e[0] >= 0 &&
-                    e[0] + K / superblock_features(e[1]) * superblock_bytes(e[1]) <= packed.numel() &&
-                    e[3] >= 1 && e[3] <= GROUP,
-                "meta row ", g, " is outside the packed bytes");
+    if (e[1] != type) {  // the groups come in runs of one type
+      type = e[1];
+      TORCH_CHECK(type >= 0 && type < 2 * QUADS, "meta row ", g, ": no GGML type ", type);
+      TORCH_CHECK(K % superblock_features(type) == 0, "K ", K, " is not whole super-blocks of type ", type);
+      span = K / superblock_features(type) * superblock_bytes(type);
+      (type >= QUADS ? l.quads : l.pairs) = true;
+      l.kquads |= type >= QUADS && is_kquant(type);
+    }
+    TORCH_CHECK(e[0] >= 0 && e[0] + span <= bytes && e[3] >= 1 && e[3] <= GROUP, "meta row ", g,
+                " is outside the packed bytes");
     N = std::max(N, e[2] + e[3]);
   }
-  return Groups{packed.data_ptr<uint8_t>(), m, G, N};
-}
-
-Layouts layouts(const Groups& gs) {
-  Layouts l{false, false, false};
-  for (int64_t g = 0; g < gs.G; ++g) {
-    const int64_t type = gs.meta[4 * g + 1];
-    (type >= QUADS ? l.quads : l.pairs) = true;
-    l.kquads |= type >= QUADS && is_kquant(type);
-  }
-  return l;
+  return Groups{packed.data_ptr<uint8_t>(), m, G, N, l};
 }
 
 int64_t groups_per_claim(const Groups& gs, int64_t K) {
@@ -388,7 +383,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor m
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto out = torch::empty({T, gs.N}, x.options());
   if (T == 0) return out;
-  const auto [pairs, quads, kquads] = layouts(gs);  // the activations as each group takes them
+  const auto [pairs, quads, kquads] = gs.layouts;  // the activations as each group takes them
   const Acts a = pairs ? quantize_acts(x.data_ptr<float>(), T, K) : Acts{{}, {}, {}, K};
   // From torch's allocator: 64-byte aligned and not zero-filled (a std::vector's bytes were
   // malloc's 16-byte alignment, cleared on every call).

@@ -30,6 +30,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor linear_small(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+// One float32 row of each (x, gate, up and out: N or I contiguous floats).
+void rms_norm_row(const float* x, const float* w, float* out, int64_t N, float eps);
+void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t I);
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
                        torch::Tensor positions);
 
