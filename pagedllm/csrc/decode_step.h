@@ -81,7 +81,7 @@ struct StepAttention {
 // <= 16 rows (gguf_decode_step.cpp): the same values, the step in one parallel region; nullopt
 // where the step is not such a step. gguf_decode_step_applies: whether it is (the tests ask).
 bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                              size_t stride);
+                              size_t stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
                                                 size_t stride, std::vector<torch::Tensor>& k_caches,
                                                 std::vector<torch::Tensor>& v_caches,

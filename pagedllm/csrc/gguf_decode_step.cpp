@@ -113,33 +113,14 @@ bool step_fits(const torch::Tensor& x, const std::vector<torch::Tensor>& weights
   return true;
 }
 
-}  // namespace
-
-bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                              size_t stride) {
-  if (!step_fits(x, weights, stride)) return false;
-  for (size_t l = 0; l < weights.size(); l += stride)
-    for (int64_t at : {int64_t{1}, 1 + PER, 2 + 2 * PER, 2 + 3 * PER}) {
-      const torch::Tensor& meta = weights[l + at + 2];
-      const int64_t* m = meta.data_ptr<int64_t>();
-      for (int64_t g = 0; g < meta.size(0); ++g)
-        if (m[4 * g + 1] < QUADS) return false;
-    }
-  return true;
-}
-
-c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
-                                                size_t stride, std::vector<torch::Tensor>& k_caches,
-                                                std::vector<torch::Tensor>& v_caches,
-                                                const StepAttention& attend, const torch::Tensor& final_norm,
-                                                double eps) {
+// The step's linears in step order (qkv, o, gate_up, down of each layer), or nullopt where the
+// step does not apply: too many rows, not float32, a linear that is not a GGUF group table, or
+// groups that take int16 pairs (the step's activations are int8 quads).
+c10::optional<std::vector<Lin>> step_lins(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                          size_t stride, int64_t q_size, int64_t kv_size, int64_t threads) {
   if (!step_fits(x, weights, stride)) return c10::nullopt;
-  const int64_t M = x.size(0), H = x.size(1), q_size = attend.num_heads * attend.head_dim,
-                kv_size = attend.num_kv_heads * attend.head_dim;
-  const int64_t layers = (int64_t)k_caches.size(), threads = at::get_num_threads();
-  // The linears in step order; each one's output [M, N], written group by group.
+  const int64_t H = x.size(1), layers = (int64_t)(weights.size() / stride);
   std::vector<Lin> lins;
-  int64_t max_k = H;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = &weights[stride * l];
     lins.push_back(make_lin(w + 1, H, threads));
@@ -147,17 +128,39 @@ c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vect
                 " rows");
     lins.push_back(make_lin(w + 1 + PER, q_size, threads));
     lins.push_back(make_lin(w + 2 + 2 * PER, H, threads));
-    const int64_t inter = lins.back().gs.N / 2;
-    lins.push_back(make_lin(w + 2 + 3 * PER, inter, threads));
-    for (int64_t i = LINEARS * l; i < LINEARS * (l + 1); ++i)  // int8 activations: every group in quads
+    lins.push_back(make_lin(w + 2 + 3 * PER, lins.back().gs.N / 2, threads));
+    for (int64_t i = LINEARS * l; i < LINEARS * (l + 1); ++i)
       if (lins[i].gs.layouts.pairs) return c10::nullopt;
     TORCH_CHECK(lins[LINEARS * l + 1].gs.N == H && lins[LINEARS * l + 3].gs.N == H, "layer ", l,
                 ": o and down must give ", H, " features");
-    max_k = std::max({max_k, q_size, inter});
-    for (int64_t i = 0; i < LINEARS; ++i)  // the outputs below are shared by the layers
+    for (int64_t i = 0; i < LINEARS; ++i)  // the step's outputs are shared by the layers
       TORCH_CHECK(lins[LINEARS * l + i].gs.N == lins[i].gs.N, "layer ", l, ": linear ", i, " has ",
                   lins[LINEARS * l + i].gs.N, " rows, layer 0's ", lins[i].gs.N);
   }
+  return lins;
+}
+
+}  // namespace
+
+bool gguf_decode_step_applies(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                              size_t stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  return step_lins(x, weights, stride, num_heads * head_dim, num_kv_heads * head_dim, at::get_num_threads())
+      .has_value();
+}
+
+c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                                                size_t stride, std::vector<torch::Tensor>& k_caches,
+                                                std::vector<torch::Tensor>& v_caches,
+                                                const StepAttention& attend, const torch::Tensor& final_norm,
+                                                double eps) {
+  const int64_t q_size = attend.num_heads * attend.head_dim, kv_size = attend.num_kv_heads * attend.head_dim,
+                threads = at::get_num_threads();
+  auto step = step_lins(x, weights, stride, q_size, kv_size, threads);
+  if (!step) return c10::nullopt;
+  const std::vector<Lin>& lins = *step;
+  const int64_t M = x.size(0), H = x.size(1), layers = (int64_t)k_caches.size();
+  int64_t max_k = H;  // the widest activations a linear takes
+  for (const Lin& lin : lins) max_k = std::max(max_k, lin.K);
   // The layers' norm weights in step order (input, post-attention), float32 [H] each.
   std::vector<const float*> norms;
   for (int64_t l = 0; l < layers; ++l)
@@ -214,7 +217,8 @@ c10::optional<torch::Tensor> gguf_decode_layers(torch::Tensor x, const std::vect
     for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * H, norm, rows_f + r * H, H, (float)eps);
     quantize_acts8_rows(rows_f + r0 * H, acts, r0, r1);
   };
-  quantize_acts8_rows(rms_norm(x, weights[0], eps).data_ptr<float>(), acts, 0, M);
+  for (int64_t r = 0; r < M; ++r) rms_norm_row(xp + r * H, norms[0], rows_f + r * H, H, (float)eps);
+  quantize_acts8_rows(rows_f, acts, 0, M);
   const int64_t phases = (int64_t)lins.size();
   // Stage 2p: phase p's linear, claims of groups; 2p + 1: the work after it, claims of rows.
   std::unique_ptr<Counter[]> counters(new Counter[2 * phases]);

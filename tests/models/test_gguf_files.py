@@ -434,7 +434,7 @@ def test_gguf_decode_step_equals_eager_layers(qtype, tmp_path, monkeypatch):
 
     def checked(input_ids, positions):
         x = loop.embed_tokens(input_ids)
-        assert loop.ext.gguf_decode_step_applies(x, loop.weights, len(loop.weights) // len(loop.attns))
+        assert loop.ext.gguf_decode_step_applies(x, loop.weights, len(loop.weights) // len(loop.attns), *loop.dims)
         calls.append(input_ids.shape[0])
         out = loop(input_ids, positions)
         assert torch.equal(out, runner.model(input_ids, positions)), input_ids.shape[0]
