@@ -429,15 +429,18 @@ void group_rows(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, Fetc
 // and the codes (8 rows of one half spilled the float sums every block); AVX-512's 32 a tile's.
 constexpr int PASS = L == 8 ? 4 : TILE;
 
-// The tile's rows [t0 + P, t0 + M) in passes of PASS rows -> y [H, M]; the first tile of a
-// group (`first`) prefetches.
+// The tile's rows [t0 + P, t0 + M) in passes of PASS rows -> y [H, M]. A group's passes count
+// from its first row t_begin over all its tiles: the first and second prefetch as Fetch says
+// (AVX-512's 16 decode rows are two tiles of one pass each: the second tile fetching nothing
+// left the memory idle while it ran).
 template <int M, int H, int P = 0>
-inline void passes(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, bool first, VF* y) {
+inline void passes(const uint8_t* g, int64_t type, const Acts8& a, int64_t t0, int64_t t_begin, VF* y) {
   if constexpr (P < M) {
     constexpr int n = std::min(PASS, M - P);
-    const Fetch f = !first ? Fetch::NONE : P == 0 ? Fetch::AHEAD : P == PASS ? Fetch::NEXT : Fetch::NONE;
+    const int64_t at = t0 + P - t_begin;
+    const Fetch f = at == 0 ? Fetch::AHEAD : at == PASS ? Fetch::NEXT : Fetch::NONE;
     group_rows<n, H>(g, type, a, t0 + P, f, y + P, M);
-    passes<M, H, P + n>(g, type, a, t0, first, y);
+    passes<M, H, P + n>(g, type, a, t0, t_begin, y);
   }
 }
 
@@ -448,9 +451,9 @@ struct Tile {
     constexpr int HALVES = GROUP / L;  // AVX2: 2, AVX-512: 1
     VF y[HALVES * M];                  // [halves, M]
     if (rows > L)
-      passes<M, HALVES>(g, type, a, t0, t0 == t_begin, y);
+      passes<M, HALVES>(g, type, a, t0, t_begin, y);
     else
-      passes<M, 1>(g, type, a, t0, t0 == t_begin, y);
+      passes<M, 1>(g, type, a, t0, t_begin, y);
     for (int h = 0; h * L < rows; ++h)
       write_tile<M>(y + h * M, t0, row0, h, std::min(L, rows - h * L), bias, out, N);
   }
