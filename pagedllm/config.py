@@ -121,9 +121,11 @@ class CacheConfig:
 # Allowed values, defined once: the CLI's choices (engine/arg_utils.py) and validation read these.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --kv-cache-dtype's values -> the cache element's torch dtype, by name (torch-free here;
-# attention/kv_quant.py makes the dtype). None: the model's dtype; "fp8" is e4m3, as vLLM's.
+# attention/kv_quant.py makes the dtype). None: the model's dtype; "fp8" is e4m3, as vLLM's;
+# bfloat16: a float32 model's K/V rounded to bfloat16 on the CPU (half the bytes each decode reads).
 KV_CACHE_DTYPES = {
     "auto": None,
+    "bfloat16": "bfloat16",
     "int8": "int8",
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",

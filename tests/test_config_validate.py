@@ -27,7 +27,7 @@ def _model(**kw):
         (CacheConfig(block_size=24), "block_size must be a power of two in [1, 128], got 24"),
         (
             CacheConfig(cache_dtype="fp4"),
-            "kv_cache_dtype must be one of auto, int8, fp8, fp8_e4m3, fp8_e5m2, got 'fp4'",
+            "kv_cache_dtype must be one of auto, bfloat16, int8, fp8, fp8_e4m3, fp8_e5m2, got 'fp4'",
         ),
         (CacheConfig(swap_space=-1), "swap_space must be a number of GiB >= 0, got -1"),
         (SchedulerConfig(preemption_mode="drop"), "preemption_mode must be 'recompute' or 'swap', got 'drop'"),

@@ -31,6 +31,21 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QMAX
 
 
+def check_kv_cache_cast(
+    cache_dtype: torch.dtype, model_dtype: torch.dtype, device_type: str, why_not: str = ""
+) -> None:
+    """A float cache of another dtype than the model's (--kv-cache-dtype bfloat16 under float32)
+    is read by the CPU kernels and the torch path only, and holds no latent or recurrent state
+    (why_not: the model's layers that refuse it, if any); else a ValueError naming the field."""
+    if is_quantized(cache_dtype) or cache_dtype == model_dtype:
+        return
+    if cache_dtype != torch.bfloat16 or model_dtype != torch.float32 or device_type != "cpu" or why_not:
+        raise ValueError(
+            f"kv_cache_dtype bfloat16 takes a bfloat16 model, or a float32 model on the CPU without MLA or "
+            f"recurrent layers; got a {model_dtype} model on {device_type}{' with ' + why_not if why_not else ''}"
+        )
+
+
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, Hkv, D] -> (x_q [T, Hkv, D] of dtype, scale [T, Hkv] float32), x ~ x_q * scale."""
     xf = x.float()
@@ -62,7 +77,7 @@ def read_kv(
     caches: tuple[torch.Tensor, ...], slots: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V at slots (any shape) -> [*slots.shape, Hkv, D] of dtype, dequantized if need be."""
-    if len(caches) == 2:
-        return caches[0][slots], caches[1][slots]
+    if len(caches) == 2:  # a bfloat16 cache under float32 queries: widened, exact
+        return caches[0][slots].to(dtype), caches[1][slots].to(dtype)
     k_cache, v_cache, k_scale, v_scale = caches
     return (dequantize_kv(k_cache[slots], k_scale[slots], dtype), dequantize_kv(v_cache[slots], v_scale[slots], dtype))

@@ -33,6 +33,7 @@ struct Task {
   const float* ksc;
   const float* vsc;
   int64_t ss;
+  bool q_pairs;  // q holds bfloat16 values (a bfloat16 model's): exact as bfloat16 pairs
 };
 
 // The dequantisation factor of key / value row j of physical block b (1 for a float cache).
@@ -234,7 +235,7 @@ static void decode_task_vec(const Task<T>& t) {
 #ifdef __AVX512BF16__
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   __m512bh q2[BF16 ? 8 * ND / 2 : 1];  // the first 8 heads' pairs (ND / 2 vectors each)
-  const int64_t Gp = BF16 ? std::min<int64_t>(t.G, 8) : 0;
+  const int64_t Gp = BF16 && t.q_pairs ? std::min<int64_t>(t.G, 8) : 0;
   for (int64_t g = 0; g < Gp; ++g)
     for (int c = 0; c < ND / 2; ++c)
       q2[g * ND / 2 + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(t.q + g * t.D + 32 * c + 16),
@@ -318,9 +319,9 @@ static void decode_task(const Task<T>& t) {
 }
 
 // q [B, H, D] of element Q (float, uint16_t bfloat16 bits or c10::Half; heads dense, rows
-// strided), caches [S, Hkv, D] of element C (Q itself, or a quantized element with scales [S, Hkv]
-// float32) -> out [B, H, D] of Q (heads dense, rows strided). 16-bit Q: each task widens its G
-// query rows into a float32 buffer and rounds its float32 output once.
+// strided), caches [S, Hkv, D] of element C (Q itself, bfloat16 under a float32 Q, or a quantized
+// element with scales [S, Hkv] float32) -> out [B, H, D] of Q (heads dense, rows strided). 16-bit Q: each
+// task widens its G query rows into a float32 buffer and rounds its float32 output once.
 template <typename Q, typename C>
 static void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
@@ -360,7 +361,7 @@ static void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, con
       const int64_t start = window > 0 ? std::max(sl[b] - window, (int64_t)0) : 0;
       const Task<C> t{qf, kp + h * khs, vp + h * vhs, tables + b * NB, start, sl[b], sl[b] - start,
                       block_size, ks, vs, G, D, fscale, scores.data(), of,
-                      ksc ? ksc + h : nullptr, vsc ? vsc + h : nullptr, Hkv};
+                      ksc ? ksc + h : nullptr, vsc ? vsc + h : nullptr, Hkv, std::is_same<Q, uint16_t>::value};
       // clang-format on
       decode_task<C>(t);
       if constexpr (!F32)
@@ -380,8 +381,11 @@ static void decode_by_cache(const torch::Tensor& q, const torch::Tensor& k_cache
   TORCH_CHECK(v_cache.scalar_type() == dt);
   const bool quant = dt == torch::kChar || dt == torch::kFloat8_e4m3fn || dt == torch::kFloat8_e5m2;
   TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()), "scales go with an int8 / fp8 cache");
+  if (!quant && std::is_same<Q, float>::value && dt == torch::kBFloat16)  // a float32 model's 16-bit cache
+    return run_decode<float, uint16_t>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window,
+                                       nullptr, nullptr, out);
   if (!quant) {
-    TORCH_CHECK(q.scalar_type() == dt);
+    TORCH_CHECK(q.scalar_type() == dt, "paged_decode: the caches of q's dtype, or (float32 q) bfloat16");
     return run_decode<Q, Q>(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, nullptr,
                             nullptr, out);
   }
@@ -403,7 +407,8 @@ static void decode_by_cache(const torch::Tensor& q, const torch::Tensor& k_cache
 
 // q [B, H, D], caches [S, Hkv, D] (slot = block * block_size + offset), block_table [B, NB] int32,
 // seq_lens [B] int32 -> out [B, H, D]. float32, bfloat16 or float16 (q and out; computed in float32);
-// the caches of q's dtype, or (float32 / bfloat16 q) int8 / fp8 with k_scale / v_scale [S, Hkv] float32
+// the caches of q's dtype, bfloat16 under a float32 q, or (float32 / bfloat16 q) int8 / fp8 with
+// k_scale / v_scale [S, Hkv] float32
 // (value = element x its token's scale). window > 0: a sliding-window layer, each query attends to its last
 // `window` keys only. paged_decode_into: into `out` instead (rows may be strided in q and out, as
 // the columns of a few heads in a wider row).

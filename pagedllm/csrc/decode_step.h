@@ -56,23 +56,33 @@ struct StepAttention {
   }
   // src [M, n, D] into the cache's [S, n, D] rows at slot_mapping: cache.index_copy_(0,
   // slot_mapping, src), a copy a row where both are dense in (n, D) (index_copy_'s iterator costs
-  // microseconds a call; the step makes two a layer's head claim).
+  // microseconds a call; the step makes two a layer's head claim). A bfloat16 cache of float32
+  // rows: each value rounded to nearest even, as torch's .to(bfloat16) (the other writers').
   void write_slots(const torch::Tensor& cache, const torch::Tensor& src) const {
     const int64_t M = src.size(0), row = src.size(1) * src.size(2), S = cache.size(0);
-    if (cache.scalar_type() != src.scalar_type() || cache.stride(2) != 1 ||
-        cache.stride(1) != cache.size(2) || src.stride(2) != 1 || src.stride(1) != src.size(2) ||
-        slot_mapping.scalar_type() != torch::kLong) {
-      cache.index_copy_(0, slot_mapping, src);
+    const bool same = cache.scalar_type() == src.scalar_type(),
+               to_bf16 = cache.scalar_type() == torch::kBFloat16 && src.scalar_type() == torch::kFloat;
+    if (!(same || to_bf16) || cache.stride(2) != 1 || cache.stride(1) != cache.size(2) ||
+        src.stride(2) != 1 || src.stride(1) != src.size(2) || slot_mapping.scalar_type() != torch::kLong) {
+      cache.index_copy_(0, slot_mapping, src.to(cache.scalar_type()));
       return;
     }
-    const int64_t es = cache.element_size(), ss = slot_mapping.stride(0);
+    const int64_t es = cache.element_size(), fs = src.element_size(), ss = slot_mapping.stride(0);
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     auto* to = static_cast<char*>(cache.data_ptr());
     const auto* from = static_cast<const char*>(src.data_ptr());
     for (int64_t m = 0; m < M; ++m) {
       const int64_t slot = slots[m * ss];
       TORCH_CHECK(slot >= 0 && slot < S, "a KV slot ", slot, " outside the cache's ", S);
-      std::memcpy(to + slot * cache.stride(0) * es, from + m * src.stride(0) * es, row * es);
+      char* dst = to + slot * cache.stride(0) * es;
+      const char* row_src = from + m * src.stride(0) * fs;
+      if (same) {
+        std::memcpy(dst, row_src, row * es);
+      } else {
+        auto* d = reinterpret_cast<c10::BFloat16*>(dst);
+        const auto* f = reinterpret_cast<const float*>(row_src);
+        for (int64_t i = 0; i < row; ++i) d[i] = c10::BFloat16(f[i]);
+      }
     }
   }
 };

@@ -235,12 +235,13 @@ inline void bf16_pair_rows(const uint16_t*, const uint16_t*, int64_t, uint32_t*)
 void weight_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 #endif
 
-// Element T of q, the caches and out (float, uint16_t bfloat16 bits, c10::Half).
-template <typename T>
+// Element T of q and out (float, uint16_t bfloat16 bits, c10::Half), C of the caches: T, or
+// bfloat16 under float32 queries (a 16-bit cache of a float32 model, each row widened exactly).
+template <typename T, typename C = T>
 struct Step {
   const T* q;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
   T* out;
   int64_t q_tok, q_head, ks, vs, khs, vhs, H, G, D, block_size, NB;
   const int32_t *q_start, *q_len, *seq_len, *tables;
@@ -271,29 +272,29 @@ struct Scratch {
 };
 
 // The cache slot of key position kp of a request (block table bt).
-template <typename T>
-inline int64_t slot(const Step<T>& st, const int32_t* bt, int64_t kp) {
+template <typename T, typename C>
+inline int64_t slot(const Step<T, C>& st, const int32_t* bt, int64_t kp) {
   return (int64_t)bt[kp / st.block_size] * st.block_size + kp % st.block_size;
 }
 
 // Widen key / value rows [j0, j0 + n) of KV head h of a request (block table bt) into float32
 // rows of D.
-template <typename T>
-void gather_rows(const Step<T>& st, const T* base, int64_t stride, const int32_t* bt, int64_t j0, int64_t n,
-                 float* dst) {
+template <typename T, typename C>
+void gather_rows(const Step<T, C>& st, const C* base, int64_t stride, const int32_t* bt, int64_t j0,
+                 int64_t n, float* dst) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t kp = j0 + j;
-    const T* row = base + slot(st, bt, kp) * stride;
+    const C* row = base + slot(st, bt, kp) * stride;
     float* d = dst + j * st.D;
     for (int64_t c = 0; c < st.D; c += VL) vst(d + c, vload(row + c));
   }
 }
 
-template <typename T>
-void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& sc) {
-  // A bfloat16 cache's K Q^T on bfloat16 pairs (Qt then holds q's own pairs, unscaled: the
+template <typename T, typename C>
+void prefill_task(const Step<T, C>& st, int64_t p, int64_t h, int64_t i0, Scratch& sc) {
+  // A bfloat16 model's K Q^T on bfloat16 pairs (Qt then holds q's own pairs, unscaled: the
   // scale is applied to the float32 scores).
-  constexpr bool DOT = BF16_DOT && std::is_same<T, uint16_t>::value;
+  constexpr bool DOT = BF16_DOT && std::is_same<T, uint16_t>::value && std::is_same<C, uint16_t>::value;
   const int64_t D = st.D, G = st.G, ql = st.q_len[p], ctx = st.seq_len[p] - ql;
   const int64_t nq = std::min(st.BQ, ql - i0), rows = nq * G, nrv = (rows + VL - 1) / VL, R = nrv * VL;
   const int32_t* bt = st.tables + p * st.NB;
@@ -317,8 +318,8 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
   const int64_t first = ctx + i0, last = ctx + i0 + nq - 1;  // the rows' positions
   const int64_t w = st.window;
   const int64_t k_lo = w > 0 ? std::max(first - w + 1, (int64_t)0) : 0;
-  const T* kh = st.k + h * st.khs;
-  const T* vh = st.v + h * st.vhs;
+  const C* kh = st.k + h * st.khs;
+  const C* vh = st.v + h * st.vhs;
   for (int64_t j0 = k_lo; j0 <= last; j0 += BK) {
     const int64_t n = std::min(BK, last + 1 - j0), npad = (n + AB - 1) / AB * AB;
     if constexpr (DOT) {
@@ -385,7 +386,7 @@ void prefill_task(const Step<T>& st, int64_t p, int64_t h, int64_t i0, Scratch& 
   }
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  torch::Tensor& out, const torch::Tensor& q_start, const torch::Tensor& q_len,
                  const torch::Tensor& seq_lens, const torch::Tensor& block_table, int64_t block_size,
@@ -393,8 +394,8 @@ void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv, P = q_len.size(0);
   const int64_t BQ = std::max<int64_t>(1, ROWS / G);
   // clang-format off: Step's fields in its order
-  const Step<T> st{reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k_cache.data_ptr()),
-                   reinterpret_cast<const T*>(v_cache.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
+  const Step<T, C> st{reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const C*>(k_cache.data_ptr()),
+                      reinterpret_cast<const C*>(v_cache.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
                    q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), k_cache.stride(1),
                    v_cache.stride(1), H, G, D, block_size, block_table.size(1), q_start.data_ptr<int32_t>(),
                    q_len.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
@@ -421,7 +422,7 @@ void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t begin, int64_t end) {
     Scratch sc(D, R);
     for (int64_t t; (t = next.fetch_add(1)) < n_items;)
-      prefill_task<T>(st, items[t].p, items[t].h, items[t].i0, sc);
+      prefill_task<T, C>(st, items[t].p, items[t].h, items[t].i0, sc);
   });
 }
 
@@ -439,8 +440,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == torch::kFloat || dt == torch::kBFloat16 || dt == torch::kHalf,
               "paged_prefill: q must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && out.scalar_type() == dt,
-              "paged_prefill: the caches and out must have q's dtype");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK((ct == dt || (dt == torch::kFloat && ct == torch::kBFloat16)) && v_cache.scalar_type() == ct &&
+                  out.scalar_type() == dt,
+              "paged_prefill: out must have q's dtype, the caches q's or (float32 q) bfloat16");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.dim() == 3);
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && out.is_contiguous());
   TORCH_CHECK(out.sizes() == q.sizes() && k_cache.size(2) == q.size(2) && v_cache.sizes() == k_cache.sizes());
@@ -451,7 +454,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     TORCH_CHECK(t->scalar_type() == torch::kInt && t->is_contiguous(), "paged_prefill: int32 metadata");
   TORCH_CHECK(q_start.size(0) == q_len.size(0) && seq_lens.size(0) == q_len.size(0) &&
               block_table.size(0) == q_len.size(0));
-  if (dt == torch::kFloat)
+  if (dt == torch::kFloat && ct == torch::kBFloat16)
+    run_prefill<float, uint16_t>(q, k_cache, v_cache, out, q_start, q_len, seq_lens, block_table, block_size,
+                                 scale, window);
+  else if (dt == torch::kFloat)
     run_prefill<float>(q, k_cache, v_cache, out, q_start, q_len, seq_lens, block_table, block_size, scale,
                        window);
   else if (dt == torch::kBFloat16)

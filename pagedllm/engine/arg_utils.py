@@ -163,8 +163,9 @@ class EngineArgs:
     )
     kv_cache_dtype: str = arg(
         "auto",
-        "KV cache element: auto (the model's dtype), or int8 / fp8 with a float32 scale per token and "
-        "KV head (fp8 = fp8_e4m3; vLLM's flag)",
+        "KV cache element: auto (the model's dtype); bfloat16 (a float32 model's K/V rounded to bfloat16, "
+        "CPU only: half the bytes, as llama.cpp's default f16 cache); or int8 / fp8 with a float32 scale per "
+        "token and KV head (fp8 = fp8_e4m3; vLLM's flag)",
         choices=KV_CACHE_DTYPES,
     )
     async_scheduling: bool = arg(

@@ -9,8 +9,8 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-from pagedllm.attention.kv_cache_spec import MambaSpec
-from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
+from pagedllm.attention.kv_cache_spec import MambaSpec, MLAAttentionSpec
+from pagedllm.attention.kv_quant import check_kv_cache_cast, resolve_kv_cache_dtype
 from pagedllm.attention.layer import bind_kv_cache, get_kv_cache_spec
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
@@ -78,6 +78,9 @@ class ModelRunner:
         # --kv-cache-dtype int8 / fp8: quantized K/V with per-token scales (attention/kv_quant.py).
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.cache_dtype, self.dtype)
         self.kv_cache_spec = list(get_kv_cache_spec(self.model, cc.block_size, self.kv_cache_dtype).values())
+        mla = any(isinstance(spec, MLAAttentionSpec) for spec in self.kv_cache_spec)
+        why_not = "MLA layers" if mla else "recurrent layers" if state_layers(self.model) else ""
+        check_kv_cache_cast(self.kv_cache_dtype, self.dtype, self.device.type, why_not)
         # KV cache groups (core/kv_cache_utils.py), from the layers' specs; the executor hands
         # this layout to the engine core. With several, kv_cache_spec is one spec per shared
         # tensor, and every attention layer knows its tensor and group.

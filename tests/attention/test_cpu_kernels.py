@@ -78,7 +78,11 @@ def test_decode_kernel_matches_torch_path(H, Hkv, D, bs, window):
 FLOAT64_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("dtype", list(FLOAT64_TOL), ids=str)
+# (query, cache) dtypes: a model's own, and a float32 model's bfloat16 cache (--kv-cache-dtype).
+DTYPE_PAIRS = [(d, d) for d in FLOAT64_TOL] + [(torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize(
     "H, Hkv, D, bs, window",
     [
@@ -95,11 +99,12 @@ FLOAT64_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
     ],
 )
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
-def test_decode_kernel_against_float64(dtype, H, Hkv, D, bs, window):
-    """float32, bfloat16 and float16 queries and caches (each build's paths: VL-key score tiles
-    reduced together, a bfloat16 cache's pairs dotted straight from the page where AVX512-BF16
-    has them, every query head of a KV head in one pass over the values, in column runs)
-    against attention in float64 over the same values. Lengths cut tiles and blocks anywhere
+def test_decode_kernel_against_float64(dtype, cache_dtype, H, Hkv, D, bs, window):
+    """float32, bfloat16 and float16 queries and caches, and float32 queries over a bfloat16
+    cache, each row widened exactly (each build's paths: VL-key score tiles reduced together, a
+    bfloat16 model's pairs dotted straight from the page where AVX512-BF16 has them, every query
+    head of a KV head in one pass over the values, in column runs) against attention in float64
+    over the same values: a bfloat16 cache under float32 queries to float32's tolerance. Lengths cut tiles and blocks anywhere
     (block sizes 3, 5, 7); head dims 48 and 80 take the portable loop."""
     require_built(decode_kernel())
     gen = torch.Generator().manual_seed(H * 7 + D + bs)
@@ -107,8 +112,8 @@ def test_decode_kernel_against_float64(dtype, H, Hkv, D, bs, window):
     nb = -(-int(seq_lens.max()) // bs)
     B, S = len(seq_lens), (len(seq_lens) * nb + 3) * bs
     table = torch.randperm(S // bs, generator=gen)[: B * nb].view(B, nb).to(torch.int32)  # pages anywhere
-    kc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
-    vc = torch.randn(S, Hkv, D, generator=gen).to(dtype)
+    kc = torch.randn(S, Hkv, D, generator=gen).to(cache_dtype)
+    vc = torch.randn(S, Hkv, D, generator=gen).to(cache_dtype)
     q = (torch.randn(B, H, D, generator=gen) * 2).to(dtype)
     out = decode_kernel()(q, kc, vc, table, seq_lens, bs, D**-0.5, window)
     assert out.dtype == dtype and out.shape == q.shape

@@ -38,6 +38,7 @@ def test_flag_values():
 
     want = {
         "auto": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
         "int8": torch.int8,
         "fp8": torch.float8_e4m3fn,  # fp8: vLLM's alias
         "fp8_e4m3": torch.float8_e4m3fn,

@@ -54,7 +54,12 @@ def reference(q, kc, vc, table, bs, requests, scale, window):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+# (query, cache) dtypes: a model's own, and a float32 model's bfloat16 cache (--kv-cache-dtype,
+# each row widened exactly: float32's tolerance).
+DTYPE_PAIRS = [(d, d) for d in TOL] + [(torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize(
     "H, Hkv, D, bs, window",
     [
@@ -67,7 +72,7 @@ def reference(q, kc, vc, table, bs, requests, scale, window):
     ],
 )
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
-def test_prefill_kernel_matches_float64_reference(dtype, H, Hkv, D, bs, window):
+def test_prefill_kernel_matches_float64_reference(dtype, cache_dtype, H, Hkv, D, bs, window):
     """All chunks in one call, q a strided view of a fused qkv output (as the layers pass it).
     The cache's blocks before each chunk's first window key are poisoned with NaN (freed and
     reused, as a sliding-window manager does): the kernel must not read them. Rows of the
@@ -80,7 +85,7 @@ def test_prefill_kernel_matches_float64_reference(dtype, H, Hkv, D, bs, window):
     T = sum(n for _, n in REQUESTS) + 2  # + 2 tokens that are no chunk's
     qkv = torch.randn(T, (H + 2 * Hkv) * D).to(dtype)
     q = qkv[:, : H * D].view(T, H, D)  # token stride (H + 2 Hkv) D
-    kc, vc = torch.randn(S, Hkv, D).to(dtype), torch.randn(S, Hkv, D).to(dtype)
+    kc, vc = torch.randn(S, Hkv, D).to(cache_dtype), torch.randn(S, Hkv, D).to(cache_dtype)
     if window:
         for row, (c, _) in enumerate(REQUESTS):
             dead = np.arange(max(c - window + 1, 0) // bs * bs)  # whole blocks before the window
@@ -126,12 +131,12 @@ def test_cpu_backend_prefill_equals_torch_path(window):
 
 def test_prefill_kernel_refuses_what_it_cannot_take():
     """A head_dim that is not a multiple of 16 or a quantized cache dtype: no kernel (the caller
-    keeps SDPA); mismatched dtypes: an error naming them."""
+    keeps SDPA); mismatched dtypes (a float16 cache under float32 queries): an error naming them."""
     assert prefill_kernel(torch.float32, 72) is None
     assert prefill_kernel(torch.int8, 64) is None
     kernel = require_built(prefill_kernel(torch.float32, 64))
     q = torch.randn(4, 2, 64)
-    kc = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    kc = torch.randn(16, 2, 64, dtype=torch.float16)
     i32 = lambda a: torch.tensor(a, dtype=torch.int32)  # noqa: E731
     with pytest.raises(RuntimeError, match="dtype"):
         kernel(q, kc, kc, torch.empty_like(q), i32([0]), i32([4]), i32([4]), i32([[0]]), 16, 0.125, 0)

@@ -1,9 +1,10 @@
-"""--kv-cache-dtype end to end: the engine with an int8 / fp8 KV cache against transformers on
-the same weights, whose attention sees the same quantized K/V (an attention function
-registered with transformers' AttentionInterface rounds each token's rotated key and value
-rows per head by the scheme written out here from its definition: scale = max|row| / QMAX,
-int8 rounded half away from zero, fp8 by torch's cast; then runs its SDPA). Greedy must
-be equal token for token up to numerical ties; the memory planner must give more blocks."""
+"""--kv-cache-dtype end to end: the engine with an int8 / fp8 KV cache, or a float32 model's
+bfloat16 cache, against transformers on the same weights, whose attention sees the same K/V
+(an attention function registered with transformers' AttentionInterface rounds each token's
+rotated key and value rows per head by the scheme written out here from its definition: scale
+= max|row| / QMAX, int8 rounded half away from zero, fp8 by torch's cast; bfloat16 by torch's
+cast to nearest even; then runs its SDPA). Greedy must be equal token for token up to
+numerical ties; the memory planner must give more blocks."""
 
 import pytest
 import torch
@@ -12,10 +13,17 @@ from greedy_utils import assert_greedy_equal, hf_greedy
 MAX_TOKENS = 12
 # The cache's element type and the largest magnitude it holds (int8: 127; e4m3: 448; e5m2: 57344).
 KV = {"int8": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+D = 32  # random:tiny's head_dim
+# Blocks the same memory holds, against the float32 cache's: (4 D) / (D + 4) with a float32 scale
+# per row; 2 for bfloat16.
+BLOCK_RATIO = {"int8": 4 * D / (D + 4), "fp8_e4m3": 4 * D / (D + 4), "fp8_e5m2": 4 * D / (D + 4), "bfloat16": 2.0}
 
 
 def round_trip(x: torch.Tensor, kv: str) -> torch.Tensor:
-    """x [..., D] -> each row quantized with its own scale and back, in x's dtype."""
+    """x [..., D] -> each row quantized with its own scale (bfloat16: each value rounded) and
+    back, in x's dtype."""
+    if kv == "bfloat16":
+        return x.to(torch.bfloat16).to(x.dtype)
     dtype, qmax = KV[kv]
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-12)
@@ -42,7 +50,7 @@ def _register_fake_quant(kv: str) -> str:
     return name
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"])
 def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
     from transformers import AutoModelForCausalLM
 
@@ -63,9 +71,8 @@ def test_engine_greedy_equals_transformers_on_quantized_kv(kv):
     del llm
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=_register_fake_quant(kv))
     assert_greedy_equal(outs, hf_greedy(hf.eval(), prompts, MAX_TOKENS), f"kv {kv}")
-    # the same memory holds (4 D) / (D + 4) times the float32 blocks (D = 32 here)
     blocks_auto = LLM(path, max_model_len=256, kv_cache_memory=2**20).llm_engine.core.num_blocks
-    assert blocks_quant / blocks_auto == pytest.approx(4 * 32 / (32 + 4), rel=0.02)
+    assert blocks_quant / blocks_auto == pytest.approx(BLOCK_RATIO[kv], rel=0.02)
 
 
 def test_bad_kv_cache_dtype_is_a_value_error():
@@ -73,3 +80,11 @@ def test_bad_kv_cache_dtype_is_a_value_error():
 
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("random:tiny", kv_cache_dtype="int4")
+
+
+def test_a_bfloat16_cache_is_refused_where_nothing_reads_it():
+    """A float16 model's bfloat16 cache (no kernel reads it), by name, before anything runs."""
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 takes a bfloat16 model"):
+        LLM("random:tiny", dtype="float16", kv_cache_dtype="bfloat16")

@@ -414,20 +414,22 @@ def test_llama_quantize_files_agree_with_transformers(qtype, tmp_path, monkeypat
 
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K_M"])
-def test_gguf_decode_step_equals_eager_layers(qtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype, kv", [("Q4_0", "auto"), ("Q4_K_M", "auto"), ("Q4_0", "bfloat16")])
+def test_gguf_decode_step_equals_eager_layers(qtype, kv, tmp_path, monkeypatch):
     """A decode step of 1-16 rows on a GGUF model with int8 activations runs in one parallel
     region (csrc/gguf_decode_step.cpp): each step's hidden states equal the eager layers' (one
     gguf_linear call a linear) on the same inputs bit for bit, Q4_K_M's fused qkv of Q4_K and
     Q6_K rows included; 16 rows: two tiles a group, the work between linears in claims of rows
-    taken by both threads."""
+    taken by both threads. A bfloat16 cache: the step rounds K/V as the eager layers' torch
+    writer does."""
     from pagedllm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGEDLLM_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "int8")  # the default, which the step takes
     path = write_gguf(_tiny_hf("llama"), tmp_path / f"llama.{qtype}.gguf", qtype)
-    llm = LLM(str(path), enable_prefix_caching=False, kv_cache_memory=2**27, max_num_seqs=16)
+    llm = LLM(str(path), enable_prefix_caching=False, kv_cache_memory=2**27, max_num_seqs=16, kv_cache_dtype=kv)
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    assert runner.kv_caches[0][0].dtype == {"auto": torch.float32, "bfloat16": torch.bfloat16}[kv]
     loop = runner.decode_loop
     assert loop is not None, "the engine did not build the C++ decode loop for the GGUF model"
     calls = []

@@ -20,8 +20,8 @@ from pagedllm.attention.kv_quant import read_kv, write_kv_quantized
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))  # a bfloat16 cache of float32 K/V: rounded
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def write_step_kv(
@@ -69,13 +69,13 @@ def attend_prefills(
 ) -> None:
     """The prefill chunks' rows of out, one SDPA call a chunk (k, v: this step's); chunks:
     those of meta.prefills to run (None: all)."""
-    quantized = len(caches) > 2
+    lossy = len(caches) > 2 or caches[0].dtype != q.dtype  # quantized, or rounded to bfloat16
     gqa = q.shape[1] != k.shape[1]
     for p in meta.prefills if chunks is None else chunks:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        if p.kv_slots is None and not quantized:  # no past: the chunk's own K/V, plain causal
+        if p.kv_slots is None and not lossy:  # no past: the chunk's own K/V, plain causal
             kp, vp = k[p.start : p.end], v[p.start : p.end]
-        else:  # [seq_len, Hkv, D]; a quantized chunk without past reads its own slots back
+        else:  # [seq_len, Hkv, D]; a lossy cache's chunk without past reads its own slots back
             slots = p.kv_slots if p.kv_slots is not None else meta.slot_mapping[p.start : p.end]
             kp, vp = read_kv(caches, slots, q.dtype)
         op = F.scaled_dot_product_attention(
