@@ -374,6 +374,7 @@ def _against_llama_cpp(llm, tok, files: list[str], ns) -> int:
         ("llama_cpp_prefill", ns.llama_cpp_prefill),
         ("llama_cpp_batch", [ns.llama_cpp_batch]),
         ("llama_cpp_repetitions", [ns.llama_cpp_repetitions]),
+        ("repeat", [ns.repeat]),
     ):
         if min(values) < 1:
             raise ValueError(f"{name} must be >= 1, got {values}")
@@ -392,6 +393,7 @@ def _against_llama_cpp(llm, tok, files: list[str], ns) -> int:
             ns.llama_cpp_batch,
             ns.llama_cpp_repetitions,
             ns.dataset_seed,
+            ns.repeat,
         )
         print_comparison(rows, path)
         results[path] = rows

@@ -6,7 +6,10 @@ llama.cpp: `llama-bench` (prefill ppP for each --llama-cpp-prefill P, batch-1 de
 `llama-batched-bench` (B sequences of a P-token prompt each, then N decode steps of all B: the
 decode rate at batch B). pagedllm: the engine's own batch-1 run (prompt P, N new tokens), a
 batch-1 prefill of each P (TTFT, LM head and sampling included) and a batch-B run. Per thread
-count the two take turns (llama.cpp, then pagedllm), so a shared machine's load falls on both.
+count the two take turns (llama.cpp, then pagedllm) --repeat times, so a shared machine's load
+falls on both: each figure is the median of its runs, each ratio the median of the turns'
+ratios (a machine whose memory rate moves by a third between minutes moves a single turn's
+batch-1 figures as much).
 Weights held: pagedllm's resident weight bytes; llama.cpp's tensor bytes (its `model_size`).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import subprocess
 import sys
@@ -21,7 +25,7 @@ import sys
 from pagedllm.benchmarks.common import print_table
 
 # (key, what): the compared figures, in the printed order (prefill keys are added per length)
-DECODE_1, DECODE_B, WEIGHTS = "decode_1", "decode_b", "weight_mb"
+DECODE_1, DECODE_B, WEIGHTS, READ_GBS = "decode_1", "decode_b", "weight_mb", "read_gbs"
 
 
 def llama_bench_command(tool, path, threads: int, prefills, n_gen: int, repetitions: int) -> list[str]:
@@ -175,43 +179,56 @@ def read_rate_gbs(threads: int, gib: float = 1.0) -> float:
 
 
 def compare(
-    llm, tok, run_pagedllm, path, threads_list, prefills, n_gen: int, batch: int, repetitions: int, seed: int
+    llm,
+    tok,
+    run_pagedllm,
+    path,
+    threads_list,
+    prefills,
+    n_gen: int,
+    batch: int,
+    repetitions: int,
+    seed: int,
+    repeat: int = 1,
 ) -> list[dict]:
-    """Per thread count: llama.cpp's figures, then pagedllm's -> one row per (threads, figure)."""
+    """Per thread count: `repeat` turns of llama.cpp's figures, then pagedllm's -> one row per
+    (threads, figure): the medians, the median of the turns' ratios, those ratios (`pairs`) and
+    each engine's figure a turn (`runs`)."""
     import torch
 
     if not os.path.isfile(path):
         raise ValueError(f"--llama-cpp file {path!r} is not a file")
-    rows = []
+    rows, turn = [], 0
     for threads in threads_list:
-        print(f"running llama.cpp on {path} with {threads} threads ...", file=sys.stderr, flush=True)
-        theirs = llama_cpp_figures(path, threads, prefills, n_gen, batch, repetitions)
-        torch.set_num_threads(threads)
-        print(f"running pagedllm with {threads} threads ...", file=sys.stderr, flush=True)
-        ours = pagedllm_figures(
-            llm, tok, run_pagedllm, prefills, n_gen, batch, seed + 1_000_003 * len(rows)
-        )  # new prompts a turn
-        for key, what in figure_names(prefills, n_gen, batch):
+        runs = []  # (llama.cpp's figures, pagedllm's) a turn
+        for i in range(repeat):
+            at = f" ({i + 1}/{repeat})" if repeat > 1 else ""
+            print(f"running llama.cpp on {path} with {threads} threads{at} ...", file=sys.stderr, flush=True)
+            theirs = llama_cpp_figures(path, threads, prefills, n_gen, batch, repetitions)
+            torch.set_num_threads(threads)
+            print(f"running pagedllm with {threads} threads{at} ...", file=sys.stderr, flush=True)
+            ours = pagedllm_figures(llm, tok, run_pagedllm, prefills, n_gen, batch, seed + 1_000_003 * turn)
+            turn += 1  # new prompts a turn
+            # Batch-1 decode as a weight-read rate (each engine's resident weights a token), to set
+            # beside the machine's: how far each is from the bandwidth bound.
+            for f in (theirs, ours):
+                f[READ_GBS] = f[DECODE_1] * f[WEIGHTS] / 1e3
+            runs.append((theirs, ours))
+        names = figure_names(prefills, n_gen, batch)
+        names.append((READ_GBS, f"batch-1 weights read GB/s (machine: {read_rate_gbs(threads):.1f})"))
+        for key, what in names:
+            each = {"llama.cpp": [theirs[key] for theirs, _ in runs], "pagedllm": [ours[key] for _, ours in runs]}
+            pairs = [o / t for t, o in zip(each["llama.cpp"], each["pagedllm"])]
             rows.append(
                 {
                     "threads": threads,
                     "figure": what,
-                    "llama.cpp": theirs[key],
-                    "pagedllm": ours[key],
-                    "ratio": ours[key] / theirs[key],
+                    **{engine: statistics.median(v) for engine, v in each.items()},
+                    "ratio": statistics.median(pairs),
+                    "pairs": pairs,
+                    "runs": each,
                 }
             )
-        # Batch-1 decode as a weight-read rate (each engine's resident weights a token) beside
-        # the machine's: how far each is from the bandwidth bound.
-        gbs = {e: f[DECODE_1] * f[WEIGHTS] / 1e3 for e, f in (("llama.cpp", theirs), ("pagedllm", ours))}
-        rows.append(
-            {
-                "threads": threads,
-                "figure": f"batch-1 weights read GB/s (machine: {read_rate_gbs(threads):.1f})",
-                **gbs,
-                "ratio": gbs["pagedllm"] / gbs["llama.cpp"],
-            }
-        )
     return rows
 
 
@@ -226,13 +243,14 @@ def figure_names(prefills, n_gen: int, batch: int) -> list[tuple[str, str]]:
 
 def print_comparison(rows: list[dict], path) -> None:
     print(f"\nsame file on both sides: {path} ({os.path.getsize(path) / 1e6:.0f} MB)")
-    print_table(
-        rows,
-        [
-            ("threads", "threads", "d"),
-            ("figure", "figure", ""),
-            ("llama.cpp", "llama.cpp", ".1f"),
-            ("pagedllm", "pagedllm", ".1f"),
-            ("ratio", "pagedllm / llama.cpp", ".2f"),
-        ],
-    )
+    columns = [
+        ("threads", "threads", "d"),
+        ("figure", "figure", ""),
+        ("llama.cpp", "llama.cpp", ".1f"),
+        ("pagedllm", "pagedllm", ".1f"),
+        ("ratio", "pagedllm / llama.cpp", ".2f"),
+    ]
+    if any(len(r["pairs"]) > 1 for r in rows):  # the medians' turns
+        rows = [{**r, "turns": " / ".join(f"{x:.2f}" for x in r["pairs"])} for r in rows]
+        columns.append(("turns", "each turn's ratio", ""))
+    print_table(rows, columns)

