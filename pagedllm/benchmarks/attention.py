@@ -34,6 +34,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="cache dtype (default auto: bfloat16 on cuda, float32 on cpu)",
     )
+    p.add_argument(
+        "--query-dtype",
+        default=None,
+        choices=["float32"],
+        help="the queries' dtype where it is not the cache's (CPU: float32 over a bfloat16 cache, "
+        "as --kv-cache-dtype bfloat16 under a float32 model)",
+    )
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context-len", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--num-heads", type=int, default=32)
@@ -118,19 +125,19 @@ def copy_rate(torch, device, dtype, timed, nbytes: int) -> float:
     return 2 * nbytes / timed(fn, _iters(timed, fn, 0))
 
 
-def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=None):
+def decode_case(torch, device, dtype, B, L, H, Hkv, D, bs, seed=0, num_splits=None, q_dtype=None):
     """Random caches holding B requests of context L in shuffled blocks -> (fn, bytes read+written,
-    kernel name). num_splits: the Triton kernel's split-K count (None: the engine's choice)."""
+    kernel name). num_splits: the Triton kernel's split-K count (None: the engine's choice);
+    q_dtype: the queries' and outputs' (None: the cache's)."""
     g = torch.Generator().manual_seed(seed)
     nb = -(-L // bs)
     num_blocks = 1 + B * nb
     block_table = (torch.randperm(num_blocks - 1, generator=g)[: B * nb] + 1).view(B, nb).to(torch.int32)
     k_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(device=device, dtype=dtype)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(device=device, dtype=dtype)
-    q = torch.randn(B, H, D, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(B, H, D, generator=g).to(device=device, dtype=q_dtype or dtype)
     seq_lens = torch.full((B,), L, dtype=torch.int32)
-    elem = k_cache.element_size()
-    moved = 2 * B * L * Hkv * D * elem + 2 * q.numel() * elem + block_table.numel() * 4
+    moved = 2 * B * L * Hkv * D * k_cache.element_size() + 2 * q.numel() * q.element_size() + block_table.numel() * 4
     scale = D**-0.5
     if device.type == "cuda":
         from pagedllm.attention.backends.triton_attn import paged_attention as tb
@@ -190,6 +197,9 @@ def main(ns: argparse.Namespace) -> int:
     if device.type != "cuda" and (ns.cuda_graph or ns.num_splits != [0]):
         raise ValueError("--cuda-graph and --num-splits need device cuda (the Triton kernel)")
     dtype = getattr(torch, ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))
+    q_dtype = getattr(torch, ns.query_dtype) if ns.query_dtype else None
+    if q_dtype is not None and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise ValueError("--query-dtype float32 reads a bfloat16 cache (--dtype bfloat16) on the CPU")
     timed = _timer(torch, device)
     machine = machine_info()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine["cpu"]
@@ -213,6 +223,7 @@ def main(ns: argparse.Namespace) -> int:
                         ns.block_size,
                         seed=i,
                         num_splits=splits,
+                        q_dtype=q_dtype,
                     )
                     for i in range(ns.layers)
                 ]
@@ -237,7 +248,8 @@ def main(ns: argparse.Namespace) -> int:
     print(f"command: {command_line()}")
     print(
         f"device: {name}; torch {machine['torch']}, {machine['torch_threads']} threads; "
-        f"kernel: {kernel}; {str(dtype).removeprefix('torch.')}; heads {ns.num_heads}/{ns.num_kv_heads}, "
+        f"kernel: {kernel}; {str(dtype).removeprefix('torch.')}"
+        f"{f' (queries {ns.query_dtype})' if q_dtype else ''}; heads {ns.num_heads}/{ns.num_kv_heads}, "
         f"head_dim {ns.head_dim}, block_size {ns.block_size}; {ns.layers} layer(s) in turn; "
         f"{f'CUDA graph replays ({GRAPH_CALLS} calls each)' if ns.cuda_graph else 'eager launches'}"
     )
@@ -262,6 +274,7 @@ def main(ns: argparse.Namespace) -> int:
                 "device": name,
                 "kernel": kernel,
                 "dtype": str(dtype),
+                "query_dtype": str(q_dtype or dtype),
                 "cuda_graph": ns.cuda_graph,
                 "layers": ns.layers,
                 "copy_gbps": peak / 1e9,

@@ -125,6 +125,10 @@ def test_bench_attention_bytes_and_rate(tmp_path):
     fn, moved, _ = decode_case(torch, torch.device("cpu"), torch.float32, B, L, H, Hkv, D, bs)
     assert moved == 2 * B * L * Hkv * D * 4 + 2 * B * H * D * 4 + B * 3 * 4
     assert fn().shape == (B, H, D)
+    # float32 queries over a bfloat16 cache (--kv-cache-dtype bfloat16): half the K/V bytes
+    fn, moved, _ = decode_case(torch, torch.device("cpu"), torch.bfloat16, B, L, H, Hkv, D, bs, q_dtype=torch.float32)
+    assert moved == 2 * B * L * Hkv * D * 2 + 2 * B * H * D * 4 + B * 3 * 4
+    assert fn().dtype == torch.float32
     out = tmp_path / "attn.json"
     subprocess.run(
         [
