@@ -120,7 +120,7 @@ def main(ns: argparse.Namespace) -> int:
         for m in ns.rows:
             x_of = {k: torch.randn(m, k).to(dtype) for _, k in shapes}  # [M, K] the inputs
             for name, kernel in kernels.items():
-                if name == "linear_small" and m > CPUPackedLinearMethod.SMALL_ROWS:
+                if name == "linear_small" and m > CPUPackedLinearMethod.SMALL_ROWS:  # its most on any CPU
                     continue
                 s = _fastest(layers, x_of, kernel, ns.passes, clock)
                 rows.append(

@@ -3,7 +3,7 @@
 Eager Python runs ~20 ops a layer (module calls, views, index ops, residual adds), each a trip
 through Python and the dispatcher: ~3 ms a step for a 30-layer model, whatever the step's rows
 (beside ~11 ms of weight streaming at batch 1). This loop runs the same kernels
-the eager path calls at the step's row count (linear_small up to SMALL_ROWS rows and oneDNN's
+the eager path calls at the step's row count (linear_small up to the methods' small_rows and oneDNN's
 packed linear above, as CPUPackedLinearMethod picks, or bf16_pair_linear above, as
 CPUBf16PairLinearMethod picks where oneDNN has no bf16 kernels; rms_norm, rotary_embedding_, paged_decode,
 silu_and_mul) in the same order on the same values, so its hidden states equal the eager path's
@@ -68,8 +68,12 @@ class DecodeLoop:
         self.weights = []
         # A step of this many rows and more takes the eager path: a linear there runs a kernel the
         # loop does not call (LinearMethodBase.eager_from_rows; float32 F.linear without AVX-512).
-        bounds = [base_method(p).eager_from_rows for p in model.modules() if hasattr(p, "linear_method")]
-        self.large_rows = min((b for b in bounds if b is not None), default=None)
+        methods = [base_method(p) for p in model.modules() if hasattr(p, "linear_method")]
+        self.large_rows = min((m.eager_from_rows for m in methods if m.eager_from_rows is not None), default=None)
+        # The rows up to which the float linears take linear_small (one value: one method a model).
+        smalls = {m.small_rows for m in methods if hasattr(m, "small_rows")}
+        assert len(smalls) <= 1, smalls
+        self.small_rows = smalls.pop() if smalls else CPUPackedLinearMethod.SMALL_ROWS
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             self.weights += [
@@ -129,7 +133,7 @@ class DecodeLoop:
             meta.block_size,
             self.eps,
             self.scale,
-            CPUPackedLinearMethod.SMALL_ROWS,
+            self.small_rows,
             self.pairs,
         )
 

@@ -36,10 +36,11 @@ class CPUBf16PairLinearMethod(UnquantizedLinearMethod):
     """y = x W^T + b: linear_small on the plain W (`layer.weight`) at 1-SMALL_ROWS rows, else
     bf16_pair_linear on W's pair layout (`layer.pair_weight` [out, in rounded up to even])."""
 
-    SMALL_ROWS = CPUPackedLinearMethod.SMALL_ROWS
+    SMALL_ROWS = CPUPackedLinearMethod.SMALL_ROWS  # against bf16_pair_linear, not oneDNN: on every ISA
 
     def __init__(self, ops) -> None:
         self.ops = ops
+        self.small_rows = self.SMALL_ROWS
 
     def process_weights_after_loading(self, layer):
         layer.register_buffer("pair_weight", self.ops.bf16_pair_pack(layer.weight.detach()), persistent=False)

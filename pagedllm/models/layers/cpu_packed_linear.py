@@ -42,7 +42,7 @@ def cpu_has_avx512() -> bool:
 
 class CPUPackedLinearMethod(UnquantizedLinearMethod):
     """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and the plain W
-    for 1-8 rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built (and,
+    for 1-`small_rows` rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built (and,
     without AVX-512, for LARGE_ROWS and more in float32, but not in the LM head: then
     `eager_from_rows`)."""
 
@@ -52,12 +52,17 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
 
     # Up to this many rows, the row-streaming kernel on the plain weight: a decode step of a few
     # requests, or a speculative verification of k + 1 tokens (at k = 4, batch 1), which then
-    # reads the weights once, as a one-token step does.
+    # reads the weights once, as a one-token step does. A float32 weight where torch runs
+    # oneDNN's AVX-512 code: SMALL_ROWS_F32_AVX512, its packed linear ahead from 4 rows and ~2x
+    # at 8 (`bench linear`, the 1B shape; SmolLM2's 6- / 8-request decode 1.08-1.24x / 1.49x,
+    # Zen 5). In bfloat16 linear_small stays ahead at 4-8 rows on SmolLM2's shape (1.04-1.16x).
     SMALL_ROWS = 8
+    SMALL_ROWS_F32_AVX512 = 3
 
     def __init__(self, small_ops=None, lm_head: bool = False) -> None:
         self.small_ops = small_ops
         self.lm_head = lm_head
+        self.small_rows = self.SMALL_ROWS
 
     def process_weights_after_loading(self, layer):
         large_by_sgemm = (
@@ -67,6 +72,8 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
             and not cpu_has_avx512()
         )
         self.eager_from_rows = self.LARGE_ROWS if large_by_sgemm else None
+        if layer.weight.dtype == torch.float32 and cpu_has_avx512():
+            self.small_rows = self.SMALL_ROWS_F32_AVX512
         # The batch-size hint only picks the blocking; any number of rows works with it.
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 128)
         layer.register_buffer("packed_weight", packed, persistent=False)
@@ -74,7 +81,7 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
             layer.weight = None  # nothing reads the plain weight: don't hold it twice
 
     def apply(self, layer, x, bias=None):
-        if self.small_ops is not None and 0 < x.shape[0] <= self.SMALL_ROWS:
+        if self.small_ops is not None and 0 < x.shape[0] <= self.small_rows:
             return self.small_ops.linear_small(x, layer.weight, bias)
         if self.eager_from_rows is not None and x.shape[0] >= self.eager_from_rows:
             return torch.nn.functional.linear(x, layer.weight, bias)
