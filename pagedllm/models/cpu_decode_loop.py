@@ -70,10 +70,10 @@ class DecodeLoop:
         # loop does not call (LinearMethodBase.eager_from_rows; float32 F.linear without AVX-512).
         methods = [base_method(p) for p in model.modules() if hasattr(p, "linear_method")]
         self.large_rows = min((m.eager_from_rows for m in methods if m.eager_from_rows is not None), default=None)
-        # The rows up to which the float linears take linear_small (one value: one method a model).
-        smalls = {m.small_rows for m in methods if hasattr(m, "small_rows")}
-        assert len(smalls) <= 1, smalls
-        self.small_rows = smalls.pop() if smalls else CPUPackedLinearMethod.SMALL_ROWS
+        # The rows up to which the float linears take linear_small: the layers' one method's
+        # (build_decode_loop takes a model whose layers' linears share one method and dtype).
+        qkv = base_method(model.layers[0].self_attn.qkv_proj)
+        self.small_rows = getattr(qkv, "small_rows", CPUPackedLinearMethod.SMALL_ROWS)
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             self.weights += [
