@@ -44,7 +44,8 @@ FREE_TOPICS = [
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=96, help="max_tokens of each request")
-    # 7: a verification of k + 1 = 8 tokens is the most linear_small takes (SMALL_ROWS; 3 for float32 on AVX-512): one read of the weights
+    # 7: a verification of k + 1 = 8 tokens is the most linear_small takes (SMALL_ROWS; 3 for float32 on AVX-512,
+    # 16 rows of bf16_pair_linear for bfloat16 on AVX512-BF16): one read of the weights
     p.add_argument("--num-speculative-tokens", type=int, default=7)
     p.add_argument(
         "--draft-model",

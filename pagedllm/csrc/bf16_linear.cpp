@@ -1,9 +1,10 @@
 // bfloat16 linear over a weight repacked once at load time into pairs of K per 16 output
 // columns (`bf16_pair_pack`), register-blocked over rows x column vectors (`bf16_pair_linear`):
-// decode-sized steps (1-64 rows), where oneDNN's packed bf16 linear runs at a third of the
-// vdpbf16ps peak. Each weight vector loaded is used by every row of a row block, each input
-// pair broadcast against every column vector of the tile; products summed in float32, each
-// output rounded once (+ bias) to bfloat16.
+// decode-sized steps (1-16 rows), where oneDNN's packed bf16 linear reads the weights at ~70 %
+// of the machine's rate (AVX512-BF16), and every size where oneDNN has no bf16 kernels (AVX2).
+// Each weight vector loaded is used by every row of a row tile, each input pair broadcast
+// against every column vector of the tile; products summed in float32, each output rounded once
+// (+ bias) to bfloat16.
 //
 // The layout, [N, Kp] (Kp: K rounded up to even, the pad column zero): columns in blocks of 16
 // (the last block, N % 16 columns, narrower); block b, of width wb, holds for each pair p of K
@@ -11,8 +12,12 @@
 // b 16 Kp + (p wb + c) 2 + j. One pair-row of a block is one 64-byte vector, the operand
 // vdpbf16ps takes against a broadcast input pair (bf16_pairs.h).
 //
+// The input is repacked a call into row tiles of pairs, [P, R] a tile: one pair of every row of
+// the tile side by side, so a step's broadcasts read one cache line (rows K apart, 4 KiB at K =
+// 2048, would all fall in one L1 set).
+//
 // A row's sum runs over K's pairs in order whatever the row count and the thread count (rows
-// are blocked, K blocks pass their float32 sums on exactly, threads split the columns), so a
+// are tiled, K blocks pass their float32 sums on exactly, threads split the columns), so a
 // row's result does not depend on the rows beside it: a verification step's k + 1 rows equal
 // k + 1 one-row steps, bit for bit.
 #include <ATen/Parallel.h>
@@ -25,51 +30,69 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;    // output columns a block
-constexpr int64_t kTileCols = 4;  // the most column blocks one tile (and one task) spans
-// Pairs of K a pass over a tile: 4 blocks x 256 x 64 B, 64 KiB of weights, stay in L2 for the
-// row blocks after the first.
-constexpr int64_t kKBlock = 256;
+constexpr int64_t kBlock = 16;  // output columns a block
 
-// Where the tile reads and accumulates: R rows of x (pairs, row stride ldx uint16), C column
-// blocks from w (block stride wblock, pair stride wstep, in uint16; `mask`: the columns of a
-// narrow last block), float32 sums in acc (row stride kTileCols x kBlock).
+// Where a tile reads and accumulates: its R rows' pairs (repacked: pair p of row r at x[2 (p R + r)]),
+// column blocks from w (block stride wblock, pair stride wstep, in uint16; `width`: the columns
+// of each block, 16 or the narrow last block's), float32 sums in acc (row stride ldacc).
 struct Tile {
   const uint16_t* x;
-  int64_t ldx;
   const uint16_t* w;
-  int64_t wblock, wstep, width;  // width: columns of each block (16, or the last block's)
+  int64_t wblock, wstep, width;
   float* acc;
+  int64_t ldacc;
 };
 
-constexpr int64_t kAccLd = kTileCols * kBlock;
-
 #ifdef __AVX512BF16__
-constexpr int kMaxRows = 6;  // 6 rows x 4 vectors: 24 accumulators, 4 weights, 1 input pair of 32 registers
+// A tile is R rows x C column blocks, R C float32 accumulators in registers (at most 24, with C
+// weight vectors and a broadcast input pair: 32 registers). Up to 16 rows take one tile, so a
+// decode step reads each weight vector from memory once and uses it R times: at 16 rows one
+// core's weight stream (~30 GB/s) and its vdpbf16ps rate (~500 GFLOP/s) meet. More rows take
+// tiles of 8 x 3 blocks (8 loads a step for 24 vdpbf16ps, where 16 x 1 takes 17 for 16) over K
+// blocks whose weights stay in L1 between the row tiles: ~98 % of the vdpbf16ps rate a core.
+constexpr int kMaxRows = 16;
+constexpr int kGemmRows = 8;
+// Pairs ahead (8 KiB a block) a tile of 3 rows or more prefetches its weights (16 rows: ~21 ->
+// ~25 GB/s a core; 8 rows ~1.7x on 2 threads); at 1-2 rows (8 blocks at once) it gains nothing.
+constexpr int64_t kPrefetch = 128;
+constexpr int64_t kTaskBlocks = 6;  // a task's column blocks: every C below divides into it
+constexpr int64_t kKBlock = 128;  // pairs a pass over a task's weights (48 KiB) when rows take several tiles
+constexpr int cols_for(int R) { return R <= 2 ? 8 : R <= 4 ? 6 : R <= 6 ? 4 : R <= 8 ? 3 : R <= 12 ? 2 : 1; }
 
 template <int R, int C>
 static void tile(const Tile& t, int64_t p0, int64_t p1, bool first) {
   const __mmask16 mask = t.width == kBlock ? (__mmask16)0xffff : (__mmask16)((1u << t.width) - 1);
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.acc + r * kAccLd + c * kBlock);
-  for (int64_t p = p0; p < p1; ++p) {
+  __m512 acc[R * C];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i)
+    acc[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(t.acc + (i / C) * t.ldacc + (i % C) * kBlock);
+  const uint16_t* w = t.w + p0 * t.wstep;
+  const uint16_t* x = t.x + 2 * R * p0;
+  for (int64_t p = p0; p < p1; ++p, w += t.wstep, x += 2 * R) {
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c)
-      wv[c] = (__m512bh)_mm512_maskz_loadu_epi32(mask, t.w + c * t.wblock + p * t.wstep);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      wv[c] = (__m512bh)_mm512_maskz_loadu_epi32(mask, w + c * t.wblock);
+      if constexpr (R >= 3) _mm_prefetch((const char*)(w + c * t.wblock + kPrefetch * t.wstep), _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t pair;
-      std::memcpy(&pair, t.x + r * t.ldx + 2 * p, sizeof(pair));
+      std::memcpy(&pair, x + 2 * r, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], wv[c], xv);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(t.acc + r * kAccLd + c * kBlock, acc[r][c]);
+#pragma GCC unroll 32
+  for (int i = 0; i < R * C; ++i) _mm512_storeu_ps(t.acc + (i / C) * t.ldacc + (i % C) * kBlock, acc[i]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kMaxRows = 4;  // 4 rows x 16 columns (2 vectors): 8 accumulators, 4 widened weights, 2 inputs
+constexpr int kGemmRows = 4;
+constexpr int64_t kTaskBlocks = 1;
+constexpr int64_t kKBlock = 256;  // a block's 256 pairs (16 KiB) stay in L1 for the row tiles after the first
+constexpr int cols_for(int) { return 1; }
 
 // The pairs widened to float32: the low half of each 32-bit lane is w[n][2p], the high w[n][2p + 1].
 template <int R, int C>
@@ -85,7 +108,7 @@ static void tile(const Tile& t, int64_t p0, int64_t p1, bool first) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h)
-      acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.acc + r * kAccLd + h * 8);
+      acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(t.acc + r * t.ldacc + h * 8);
   for (int64_t p = p0; p < p1; ++p) {
     __m256 we[2], wo[2];
     for (int h = 0; h < 2; ++h) {
@@ -94,17 +117,21 @@ static void tile(const Tile& t, int64_t p0, int64_t p1, bool first) {
       wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 xe = _mm256_set1_ps(bf2f(t.x[r * t.ldx + 2 * p]));
-      const __m256 xo = _mm256_set1_ps(bf2f(t.x[r * t.ldx + 2 * p + 1]));
+      const __m256 xe = _mm256_set1_ps(bf2f(t.x[2 * (p * R + r)]));
+      const __m256 xo = _mm256_set1_ps(bf2f(t.x[2 * (p * R + r) + 1]));
       for (int h = 0; h < 2; ++h)
         acc[r][h] = _mm256_fmadd_ps(xo, wo[h], _mm256_fmadd_ps(xe, we[h], acc[r][h]));
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(t.acc + r * kAccLd + h * 8, acc[r][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(t.acc + r * t.ldacc + h * 8, acc[r][h]);
 }
 #else
 constexpr int kMaxRows = 1;
+constexpr int kGemmRows = 1;
+constexpr int64_t kTaskBlocks = 1;
+constexpr int64_t kKBlock = 256;
+constexpr int cols_for(int) { return 1; }
 
 template <int R, int C>
 static void tile(const Tile& t, int64_t p0, int64_t p1, bool first) {
@@ -120,26 +147,38 @@ static void tile(const Tile& t, int64_t p0, int64_t p1, bool first) {
 }
 #endif
 
-#if defined(__AVX512BF16__)
-constexpr int64_t kMaxCols = kTileCols;
-#else
-constexpr int64_t kMaxCols = 1;
-#endif
+// tile<R, C> for R in [1, kMaxRows], C in [1, cols_for(R)], chosen at run time.
+template <int R, int C = cols_for(R)>
+static void tile_cols(int64_t cols, const Tile& t, int64_t p0, int64_t p1, bool first) {
+  if constexpr (C > 1) {
+    if (cols < C) return tile_cols<R, C - 1>(cols, t, p0, p1, first);
+  }
+  tile<R, C>(t, p0, p1, first);
+}
 
-// tile<R, C> for R in [1, kMaxRows], C in [1, kMaxCols], chosen at run time.
 template <int R = kMaxRows>
 static void tile_rows(int64_t rows, int64_t cols, const Tile& t, int64_t p0, int64_t p1, bool first) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(rows, cols, t, p0, p1, first);
   }
-  switch (cols) {
-    case 1: return tile<R, 1>(t, p0, p1, first);
-#if defined(__AVX512BF16__)
-    case 2: return tile<R, 2>(t, p0, p1, first);
-    case 3: return tile<R, 3>(t, p0, p1, first);
-    default: return tile<R, 4>(t, p0, p1, first);
-#endif
+  tile_cols<R>(cols, t, p0, p1, first);
+}
+
+// out[n] = sums[n] + bias[n] (bias may be null) rounded to bfloat16, n < n_cols: to nearest
+// even, as f2bf (vcvtneps2bf16 where the build has it).
+static void store_row(const float* sums, const uint16_t* bias, int64_t n_cols, uint16_t* out) {
+  int64_t n = 0;
+#ifdef __AVX512BF16__
+  for (; n < n_cols; n += 16) {
+    const __mmask16 m = n + 16 <= n_cols ? (__mmask16)0xffff : (__mmask16)((1u << (n_cols - n)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, sums + n);
+    if (bias != nullptr)
+      v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n)), 16)));
+    _mm256_mask_storeu_epi16(out + n, m, (__m256i)_mm512_cvtneps_pbh(v));
   }
+#endif
+  for (; n < n_cols; ++n) out[n] = f2bf(sums[n] + (bias != nullptr ? bf2f(bias[n]) : 0.f));
 }
 
 }  // namespace
@@ -175,36 +214,64 @@ torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optio
   TORCH_CHECK(packed.is_contiguous() && Kp == (K + 1) / 2 * 2, "bf16_pair_linear: packed is not x's K");
   TORCH_CHECK(!bias.has_value() ||
               (bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N));
-  // The input pairs read as 32-bit words: rows of Kp values (an odd K padded with a zero).
-  x = K == Kp ? x.contiguous() : torch::constant_pad_nd(x, {0, 1});
+  x = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  // Up to kMaxRows rows are one tile, which reads the weights once, whole K in registers; more
+  // rows take tiles of kGemmRows over K in blocks, the later row tiles finding a block's weights
+  // in the caches.
+  const int64_t rows = M <= kMaxRows ? M : kGemmRows;
+  // x in row tiles of pairs (the tile at row m: [P, R] 32-bit pairs from m Kp; an odd K's last
+  // pair padded with a zero); one row is its own tile.
+  std::vector<uint32_t> tiles(M > 1 || K != Kp ? M * P : 0);
   const uint16_t* xp = bf_ptr(x);
+  if (!tiles.empty()) {
+    // (on the calling thread below 64 Ki pairs: a decode step's few rows are microseconds of
+    // copying, less than waking the other threads)
+    at::parallel_for(0, P, std::max<int64_t>(512, (1 << 16) / M), [&](int64_t q0, int64_t q1) {
+      for (int64_t m = 0; m < M; m += rows) {
+        const int64_t R = std::min(rows, M - m);
+        for (int64_t r = 0; r < R; ++r) {
+          const uint16_t* row = xp + (m + r) * K;
+          uint32_t* dst = tiles.data() + m * P + r;
+          for (int64_t q = q0; q < q1; ++q) {
+            const uint32_t lo = row[2 * q], hi = 2 * q + 1 < K ? row[2 * q + 1] : 0;
+            dst[q * R] = lo | hi << 16;
+          }
+        }
+      }
+    });
+    xp = reinterpret_cast<const uint16_t*>(tiles.data());
+  }
   const uint16_t* wp = bf_ptr(packed);
   const uint16_t* bp = bias.has_value() ? bf_ptr(*bias) : nullptr;
   uint16_t* op = bf_mut(out);
   const int64_t full = N / kBlock, blocks = (N + kBlock - 1) / kBlock;
-  // A task: up to `cols` whole blocks, or the narrow last block alone; fewer columns a task
-  // where there are few blocks a thread.
-  const int64_t cols = std::clamp<int64_t>(full / std::max(1, at::get_num_threads()), 1, kMaxCols);
+  // A task: up to kTaskBlocks whole blocks, or the narrow last block alone; fewer blocks a task
+  // where there are few a thread.
+  const int64_t cols = std::clamp<int64_t>(full / std::max(1, at::get_num_threads()), 1, kTaskBlocks);
   const int64_t tasks = (full + cols - 1) / cols + (blocks > full ? 1 : 0);
+  const int64_t kblock = M <= kMaxRows ? P : kKBlock, ldacc = kTaskBlocks * kBlock;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(M * kAccLd);  // [M, kAccLd] the float32 sums of a task's columns
+    std::vector<float> acc(M * ldacc);  // [M, ldacc] the float32 sums of a task's columns
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task * cols;
       const bool narrow = b >= full;
       const int64_t nb = narrow ? 1 : std::min(cols, full - b), n0 = narrow ? full * kBlock : b * kBlock;
       const int64_t width = narrow ? N - n0 : kBlock;
-      for (int64_t p0 = 0; p0 < P; p0 += kKBlock) {
-        const int64_t p1 = std::min(P, p0 + kKBlock);
-        for (int64_t m = 0; m < M; m += kMaxRows) {
-          const Tile t{xp + m * Kp, Kp, wp + n0 * Kp, kBlock * Kp, 2 * width, width, acc.data() + m * kAccLd};
-          tile_rows(std::min<int64_t>(kMaxRows, M - m), nb, t, p0, p1, p0 == 0);
+      for (int64_t p0 = 0; p0 < P; p0 += kblock) {
+        const int64_t p1 = std::min(P, p0 + kblock);
+        for (int64_t m = 0; m < M; m += rows) {
+          const int64_t R = std::min(rows, M - m), step = cols_for((int)R);
+          for (int64_t c = 0; c < nb; c += step) {
+            const Tile t{xp + m * Kp, wp + (n0 + c * kBlock) * Kp,         kBlock * Kp, 2 * width,
+                         width,       acc.data() + m * ldacc + c * kBlock, ldacc};
+            tile_rows(R, std::min(step, nb - c), t, p0, p1, p0 == 0);
+          }
         }
       }
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < nb * width; ++n)
-          op[m * N + n0 + n] = f2bf(acc[m * kAccLd + n] + (bp ? bf2f(bp[n0 + n]) : 0.f));
+        store_row(acc.data() + m * ldacc, bp ? bp + n0 : nullptr, nb * width, op + m * N + n0);
     }
   });
   return out;

@@ -26,38 +26,39 @@ static torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& 
   return op.call(x, packed, b, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
-// One linear of the loop: a float weight, plain and packed (linear_small up to small_rows rows,
-// above them the packed oneDNN linear, or bf16_pair_linear where `pairs` (a bfloat16 weight in
-// the pair layout, where oneDNN has no bf16 kernels), as the eager path picks), or a quantized
-// one with its scales and mins (quant_linear, float32 activations), or GGUF blocks with their
-// int64 group table in the scales' place (gguf_linear).
+// One linear of the loop: a float weight as its method holds it for few rows and for more
+// (`small` up to small_rows rows: the plain weight for linear_small, or the pair layout for
+// bf16_pair_linear where `small_pairs`; `large` above: oneDNN's packed weight, or the pair layout
+// where `large_pairs`, bfloat16 without oneDNN's bf16 kernels), as the eager path picks; or a
+// quantized one with its scales and mins (quant_linear, float32 activations), or GGUF blocks with
+// their int64 group table in the scales' place (gguf_linear).
 struct Linear {
-  const torch::Tensor *w, *b, *packed, *s, *m;  // packed: a float linear's; s, m: a quantized one's
+  const torch::Tensor *small, *b, *large, *s, *m;  // large: a float linear's; s, m: a quantized one's
   int64_t small_rows;
-  bool pairs;
+  bool small_pairs, large_pairs;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (packed != nullptr) {
-      if (x.size(0) <= small_rows) return linear_small(x, *w, opt(*b));
-      return pairs ? bf16_pair_linear(x, *packed, opt(*b)) : packed_linear(x, *packed, opt(*b));
+    if (large != nullptr) {
+      if (x.size(0) <= small_rows)
+        return small_pairs ? bf16_pair_linear(x, *small, opt(*b)) : linear_small(x, *small, opt(*b));
+      return large_pairs ? bf16_pair_linear(x, *large, opt(*b)) : packed_linear(x, *large, opt(*b));
     }
-    if (s->scalar_type() == torch::kLong) return gguf_linear(x, *w, *s, opt(*b));
-    return quant_linear(x, *w, *s, *m, opt(*b));
+    if (s->scalar_type() == torch::kLong) return gguf_linear(x, *small, *s, opt(*b));
+    return quant_linear(x, *small, *s, *m, opt(*b));
   }
 };
 
 // x [M, hidden] (the embedded tokens), positions [M] int64; per layer 14 tensors: input norm,
-// qkv weight, bias, packed weight, o weight, bias, packed weight, post-attention norm, gate_up
-// weight, bias, packed weight, down weight, bias, packed weight (14; an empty tensor = no bias);
-// or 18 with quantized linears, each linear then weight, bias, scales, mins; caches [S, Hkv, D]
-// per layer; small_rows: the most rows the float linears take linear_small for; pairs: the
-// float linears' packed weights are bf16_pair_pack's (CPUBf16PairLinearMethod), not oneDNN's;
+// qkv small weight, bias, large weight, o's three, post-attention norm, gate_up's three,
+// down's three (an empty tensor = no bias); or 18 with quantized linears, each linear then
+// weight, bias, scales, mins; caches [S, Hkv, D] per layer; small_rows, small_pairs, large_pairs:
+// the float linears' kernels (Linear);
 // slot_mapping [M] int64, block_table [M, NB] int32, seq_lens [M] int32 -> hidden [M, hidden].
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                             torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                            double scale, int64_t small_rows, bool pairs) {
+                            double scale, int64_t small_rows, bool small_pairs, bool large_pairs) {
   TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty());
   const size_t stride = weights.size() / k_caches.size();
   TORCH_CHECK((stride == 14 || stride == 18) && weights.size() == stride * k_caches.size());
@@ -71,8 +72,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
     const torch::Tensor* w = &weights[stride * l];
     auto lin = [&](int at) {
       const torch::Tensor* p = w + at;
-      return per == 3 ? Linear{p, p + 1, p + 2, nullptr, nullptr, small_rows, pairs}
-                      : Linear{p, p + 1, nullptr, p + 2, p + 3, small_rows, false};
+      return per == 3 ? Linear{p, p + 1, p + 2, nullptr, nullptr, small_rows, small_pairs, large_pairs}
+                      : Linear{p, p + 1, nullptr, p + 2, p + 3, small_rows, false, false};
     };
     const Linear qkv_proj = lin(1), o_proj = lin(1 + per), gate_up_proj = lin(2 + 2 * per),
                  down_proj = lin(2 + 3 * per);

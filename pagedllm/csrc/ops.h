@@ -57,4 +57,4 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, std::vecto
                             torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                            double scale, int64_t small_rows, bool pairs);
+                            double scale, int64_t small_rows, bool small_pairs, bool large_pairs);

@@ -3,9 +3,10 @@
 Eager Python runs ~20 ops a layer (module calls, views, index ops, residual adds), each a trip
 through Python and the dispatcher: ~3 ms a step for a 30-layer model, whatever the step's rows
 (beside ~11 ms of weight streaming at batch 1). This loop runs the same kernels
-the eager path calls at the step's row count (linear_small up to the methods' small_rows and oneDNN's
-packed linear above, as CPUPackedLinearMethod picks, or bf16_pair_linear above, as
-CPUBf16PairLinearMethod picks where oneDNN has no bf16 kernels; rms_norm, rotary_embedding_, paged_decode,
+the eager path calls at the step's row count (linear_small, or bf16_pair_linear for bfloat16 on
+AVX512-BF16, up to the methods' small_rows and oneDNN's packed linear above, as
+CPUPackedLinearMethod picks, or bf16_pair_linear above, as CPUBf16PairLinearMethod picks where
+oneDNN has no bf16 kernels; rms_norm, rotary_embedding_, paged_decode,
 silu_and_mul) in the same order on the same values, so its hidden states equal the eager path's
 bit for bit (tests/models/test_cpu_decode_loop.py); only the Python between them is gone.
 
@@ -53,26 +54,28 @@ def base_method(linear):
 class DecodeLoop:
     """The model's weights, flattened once at load time, and the call."""
 
-    def __init__(self, model, ext, pairs: bool = False) -> None:
-        """pairs: the float linears are CPUBf16PairLinearMethod's (their packed weight the pair
-        layout), not CPUPackedLinearMethod's (oneDNN's)."""
+    def __init__(self, model, ext) -> None:
         empty = torch.empty(0, dtype=next(model.parameters()).dtype)
-        self.pairs = pairs
+        # The float linears' kernels (build_decode_loop takes a model whose layers' linears share
+        # one method and dtype): bf16_pair_linear up to small_rows (CPUPackedLinearMethod.pairs),
+        # and above it (CPUBf16PairLinearMethod: bfloat16 without oneDNN's kernels).
+        qkv = base_method(model.layers[0].self_attn.qkv_proj)
+        self.small_pairs = getattr(qkv, "pairs", False)
+        self.large_pairs = isinstance(qkv, CPUBf16PairLinearMethod)
 
-        def lin(m):  # a float linear: weight, bias, packed weight; a quantized one: qweight, bias, scales, mins
+        def lin(m):  # a float linear: small weight, bias, large weight; a quantized one: qweight, bias, scales, mins
             b = m.bias if m.bias is not None else empty
             if isinstance(base_method(m), QuantizedLinearMethod):
                 return [m.qweight, b, m.scales, m.mins]
-            return [m.weight, b, m.pair_weight if pairs else m.packed_weight]
+            small = m.pair_weight if self.small_pairs else m.weight
+            return [small, b, m.pair_weight if self.large_pairs else m.packed_weight]
 
         self.weights = []
         # A step of this many rows and more takes the eager path: a linear there runs a kernel the
         # loop does not call (LinearMethodBase.eager_from_rows; float32 F.linear without AVX-512).
         methods = [base_method(p) for p in model.modules() if hasattr(p, "linear_method")]
         self.large_rows = min((m.eager_from_rows for m in methods if m.eager_from_rows is not None), default=None)
-        # The rows up to which the float linears take linear_small: the layers' one method's
-        # (build_decode_loop takes a model whose layers' linears share one method and dtype).
-        qkv = base_method(model.layers[0].self_attn.qkv_proj)
+        # The rows up to which the float linears take their few-row kernel: the layers' one method's.
         self.small_rows = getattr(qkv, "small_rows", CPUPackedLinearMethod.SMALL_ROWS)
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -134,7 +137,8 @@ class DecodeLoop:
             self.eps,
             self.scale,
             self.small_rows,
-            self.pairs,
+            self.small_pairs,
+            self.large_pairs,
         )
 
 
@@ -169,4 +173,4 @@ def build_decode_loop(model, attn_backend) -> Optional[DecodeLoop]:
     if model.rope.rot_dim != layer.self_attn.head_dim or not cpu_kernels.cpu_decode_supported(model.norm.weight.dtype):
         return None
     ext = decode_loop_ext()
-    return DecodeLoop(model, ext, pairs) if ext is not None else None
+    return DecodeLoop(model, ext) if ext is not None else None

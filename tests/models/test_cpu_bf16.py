@@ -45,23 +45,36 @@ def test_bf16_linear_small_matches_float32_reference(rows, in_features):
 
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
-@pytest.mark.parametrize("rows", [1, 3, 7, 128])
-def test_bf16_packed_linear_matches_float32_reference(rows):
-    """The CPU packed linear method in bfloat16: the kernel at 1-3 rows, oneDNN's bf16 linear
-    above (which also sums in float32)."""
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 128])
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_packed_linear_matches_float32_reference(cpu_isa, rows, tied):
+    """The CPU packed linear method in bfloat16: its few-row kernel (linear_small on the plain
+    weight, up to 8 rows; in the AVX512-BF16 build bf16_pair_linear on the pair layout, up to 16,
+    except in an LM head tied to the embedding), oneDNN's bf16 linear above (which also sums in
+    float32)."""
     from kernel_utils import packed_linear
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
 
     if not packed_linear_supported(torch.bfloat16):
         pytest.skip("oneDNN bf16 linear not available here")
+    ops = _ops()
     torch.manual_seed(rows)
-    lin = torch.nn.Linear(576, 1728, bias=True).bfloat16()
-    x = _bf16(rows, 576)
+    lin = torch.nn.Linear(577, 1730, bias=True).bfloat16()  # odd K: the pair layout's padding
+    x = _bf16(rows, 577)
     with torch.inference_mode():
-        packed = packed_linear(lin, _ops())
-        assert packed.weight is not None  # bf16 keeps the plain weight for the kernel
+        packed = packed_linear(lin, ops, lm_head=tied, tied=tied)
+        method = packed.linear_method
+        assert method.pairs == (cpu_isa == "avx512" and not tied)
         ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
         out = packed(x)
+        if method.pairs:  # the pair copy takes the plain weight's place
+            assert packed.weight is None and packed.pair_weight.shape == (1730, 578)
+            if rows <= method.small_rows:  # the row count picks the kernel: bit for bit
+                assert torch.equal(out, ops.bf16_pair_linear(x, packed.pair_weight, packed.bias))
+        else:
+            assert packed.weight is not None  # the plain weight for linear_small
+            if rows <= method.small_rows:
+                assert torch.equal(out, ops.linear_small(x, packed.weight, packed.bias))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
 

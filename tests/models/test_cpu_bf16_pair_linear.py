@@ -36,7 +36,8 @@ def test_pair_linear_matches_float_reference(isa, N, K, bias):
     b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None
     packed = ext.bf16_pair_pack(w)
     assert packed.shape == (N, (K + 1) // 2 * 2)
-    for M in (1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 31, 64):
+    # one tile (1-16 rows: every tile shape) and 8-row tiles over K blocks (17 and more)
+    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 24, 31, 64, 203):
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
         y = ext.bf16_pair_linear(x, packed, b)
         assert y.shape == (M, N) and y.dtype == torch.bfloat16
@@ -55,7 +56,7 @@ def test_pair_linear_rows_independent(isa):
     packed = ext.bf16_pair_pack(w)
     x = torch.randn(64, 1500, generator=g).to(torch.bfloat16)
     whole = ext.bf16_pair_linear(x, packed, None)
-    for m in (1, 5, 17):
+    for m in (1, 5, 16, 17, 33):
         assert torch.equal(ext.bf16_pair_linear(x[:m], packed, None), whole[:m])
     threads = torch.get_num_threads()
     try:

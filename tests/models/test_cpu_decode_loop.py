@@ -1,9 +1,9 @@
 """The C++ decode loop (models/cpu_decode_loop.py) equals the eager layers bit for bit: the same
 greedy tokens and the same logprobs, to the last bit, in float32 and bfloat16, at 1-3 requests
 (and at 1-8 rows of verification steps, tests/engine/test_spec_decode.py); the same hidden
-states at 9, 16 and 64 rows, where both take oneDNN's packed linears (or, in bfloat16 where oneDNN
-has no bf16 kernels, bf16_pair_linear on the pair layout); a step with a prefill
-takes the eager path."""
+states at 9, 16 and 64 rows, where both take oneDNN's packed linears (in bfloat16: bf16_pair_linear
+on the pair layout up to 16 rows in the AVX512-BF16 build, and at every row count where oneDNN
+has no bf16 kernels); a step with a prefill takes the eager path."""
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def _decode_loop(llm):
     from pagedllm.models.cpu_decode_loop import decode_loop_ext
     from pagedllm.models.cpu_ops import cpu_ops
     from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod, pair_linear_supported
-    from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
+    from pagedllm.models.layers.cpu_packed_linear import bf16_pairs_native, packed_linear_supported
 
     runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
     model = runner.model
@@ -48,7 +48,9 @@ def _decode_loop(llm):
         require_built(ext())
     assert runner.decode_loop is not None, "the extensions are built, yet the engine did not enable the loop"
     # bfloat16 where oneDNN has no bf16 kernels (AVX2-only CPUs): the loop takes the pair kernel's linears
-    assert runner.decode_loop.pairs == pairs
+    assert runner.decode_loop.large_pairs == pairs
+    # bfloat16 in the AVX512-BF16 build: the pair kernel up to 16 rows, oneDNN's above
+    assert runner.decode_loop.small_pairs == (dtype == torch.bfloat16 and bf16_pairs_native(cpu_ops()))
     assert pairs == (type(model.layers[0].mlp.down_proj.linear_method) is CPUBf16PairLinearMethod)
     return runner
 

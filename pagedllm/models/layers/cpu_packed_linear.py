@@ -14,6 +14,13 @@ size): there a layer's F.linear is faster (prefill 1.07-1.11x end to end, BENCHM
 at decode sizes and in the LM head (49,152+ columns) the packed copy stays faster at every size.
 In bfloat16 oneDNN runs its bf16 kernels (AVX512-BF16 here: 1.5-2.8x its float32 rate at
 every size, accumulating in float32), and the row-streaming kernel reads half the bytes.
+Where the kernels' AVX512-BF16 build runs, a bfloat16 weight's few-row kernel is instead
+bf16_pair_linear over the weight in pairs of K (csrc/bf16_linear.cpp), up to
+SMALL_ROWS_BF16_PAIRS rows: it reads the weights at the machine's rate where oneDNN's bf16
+linear reaches ~70 % of it (1.0-1.5x oneDNN at 1-16 rows, the 1B shape; 2.5x linear_small at
+8). The pair copy then takes the plain weight's place (again two copies), except in an LM head
+tied to the embedding, which keeps linear_small on the embedding's weight (a pair copy would be
+a third).
 `PAGEDLLM_CPU_PACKED_LINEAR=0` keeps plain F.linear (to compare).
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
+from pagedllm.csrc.build import selected_isa
 from pagedllm.models.layers.linear_method import UnquantizedLinearMethod
 
 
@@ -35,16 +43,21 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def bf16_pairs_native(ops) -> bool:
+    """Whether bf16_pair_linear runs its AVX512-BF16 tiles here (the kernels' avx512 build)."""
+    return ops is not None and hasattr(ops, "bf16_pair_linear") and selected_isa() == "avx512"
+
+
 def cpu_has_avx512() -> bool:
     """Whether torch's CPU kernels (and MKL / oneDNN with them) run at AVX-512 here."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 class CPUPackedLinearMethod(UnquantizedLinearMethod):
-    """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and the plain W
-    for 1-`small_rows` rows when the row-streaming kernel (small_ops, models/cpu_ops.py) is built (and,
-    without AVX-512, for LARGE_ROWS and more in float32, but not in the LM head: then
-    `eager_from_rows`)."""
+    """y = x W^T + b with W held in oneDNN's layout (`layer.packed_weight`), and for 1-`small_rows`
+    rows when the kernels (small_ops, models/cpu_ops.py) are built the plain W for the
+    row-streaming kernel (and, without AVX-512, for LARGE_ROWS and more in float32, but not in the
+    LM head: then `eager_from_rows`), or a bfloat16 W in pairs (`layer.pair_weight`, `pairs`)."""
 
     # From this many rows, float32 on a CPU without AVX-512 (cpu_has_avx512), a layer other
     # than the LM head: F.linear on the plain weight (MKL's sgemm).
@@ -56,13 +69,17 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
     # oneDNN's AVX-512 code: SMALL_ROWS_F32_AVX512, its packed linear ahead from 4 rows and ~2x
     # at 8 (`bench linear`, the 1B shape; SmolLM2's 6- / 8-request decode 1.08-1.24x / 1.49x,
     # Zen 5). In bfloat16 linear_small stays ahead at 4-8 rows on SmolLM2's shape (1.04-1.16x).
+    # bfloat16 in the kernels' AVX512-BF16 build: bf16_pair_linear up to SMALL_ROWS_BF16_PAIRS
+    # rows (1.4-1.7x oneDNN at 16 rows, ~1.05x at 24-32, 0.93x at 64: the 1B shape, 2 threads).
     SMALL_ROWS = 8
     SMALL_ROWS_F32_AVX512 = 3
+    SMALL_ROWS_BF16_PAIRS = 16
 
     def __init__(self, small_ops=None, lm_head: bool = False) -> None:
         self.small_ops = small_ops
         self.lm_head = lm_head
         self.small_rows = self.SMALL_ROWS
+        self.pairs = False  # the few-row kernel: bf16_pair_linear on pair_weight, not linear_small
 
     def process_weights_after_loading(self, layer):
         large_by_sgemm = (
@@ -74,14 +91,25 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
         self.eager_from_rows = self.LARGE_ROWS if large_by_sgemm else None
         if layer.weight.dtype == torch.float32 and cpu_has_avx512():
             self.small_rows = self.SMALL_ROWS_F32_AVX512
+        self.pairs = (
+            layer.weight.dtype == torch.bfloat16
+            and bf16_pairs_native(self.small_ops)
+            and not getattr(layer, "tied_weight", False)
+        )
+        if self.pairs:
+            self.small_rows = self.SMALL_ROWS_BF16_PAIRS
+            pairs = self.small_ops.bf16_pair_pack(layer.weight.detach())  # [N, K rounded up to even]
+            layer.register_buffer("pair_weight", pairs, persistent=False)
         # The batch-size hint only picks the blocking; any number of rows works with it.
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 128)
         layer.register_buffer("packed_weight", packed, persistent=False)
-        if self.small_ops is None:
+        if self.small_ops is None or self.pairs:
             layer.weight = None  # nothing reads the plain weight: don't hold it twice
 
     def apply(self, layer, x, bias=None):
         if self.small_ops is not None and 0 < x.shape[0] <= self.small_rows:
+            if self.pairs:
+                return self.small_ops.bf16_pair_linear(x, layer.pair_weight, bias)
             return self.small_ops.linear_small(x, layer.weight, bias)
         if self.eager_from_rows is not None and x.shape[0] >= self.eager_from_rows:
             return torch.nn.functional.linear(x, layer.weight, bias)

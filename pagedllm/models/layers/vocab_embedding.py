@@ -74,6 +74,7 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.comm = multi_rank(comm)
         self.linear_method = linear_method or default_linear_method(lm_head=True)
+        self.tied_weight = tied is not None  # the embedding's weight: the method holds no copy in its place
         if tied is not None:
             self.weight = tied.weight
         else:
