@@ -9,13 +9,15 @@ output alone is 12.6 MB a layer) and took 70-110 k page faults, 0.15-0.4 s of sy
 against 2.5 s of compute at one thread. vLLM's CPU guide preloads tcmalloc for the same
 reason.
 
-Fixed thresholds instead (mallopt, which also ends the adaptive raising): blocks up to 32 MiB
-(glibc's largest mmap threshold) come from the heap and stay mapped when freed, and up to 1 GiB
-of free heap top stays mapped, so a step reuses the pages of the one before. Larger blocks
-(the KV cache, the weights) keep their own mappings and go back to the kernel when freed. Only
-the process's first call acts, after the weights are loaded (Worker.load_model): the loader's
-freed buffers are handed back first (malloc_trim), and a repacked weight takes a mapping of its
-own (models/layers/quantization/weight_pages.py). PAGEDLLM_CPU_MALLOC_KEEP=0 leaves glibc's
+Fixed thresholds instead (mallopt, which also ends the adaptive raising): every block comes
+from the heap and stays mapped when freed, and up to 1 GiB of free heap top stays mapped, so a
+step reuses the pages of the one before. glibc's mmap threshold stops at 32 MiB, so blocks above
+it (a 1B model's 2,048-row gate_up output is 64 MiB, its SiLU output 32) would still take fresh
+mappings, ~400 k page faults a prefill step; no mmap at all (M_MMAP_MAX 0) serves them from the
+heap too (glibc still maps a block where the heap cannot grow). Only the process's first call
+acts, after the weights are loaded (Worker.load_model): the loader's freed buffers are handed
+back first (malloc_trim), and a repacked weight takes a mapping of its own
+(models/layers/quantization/weight_pages.py). PAGEDLLM_CPU_MALLOC_KEEP=0 leaves glibc's
 defaults.
 """
 
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 1 << 30
 
@@ -58,7 +61,11 @@ def _set_thresholds() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     libc.malloc_trim(0)  # first hand back what the loader freed (the raw weight blocks)
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok = (
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        and mallopt(M_MMAP_MAX, 0) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    )
     if not ok:
         logger.warning("glibc's mallopt refused the CPU step's malloc thresholds; the step pays page faults")
     return ok
