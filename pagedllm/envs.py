@@ -84,7 +84,7 @@ VARIABLES: dict[str, EnvVar] = {
         "read when a model loads (docs/quantization.md)",
     ),
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(
-        _switch(True), "0: plain F.linear instead of oneDNN-packed (or, bf16 without oneDNN bf16, pair-packed) linears"
+        _switch(True), "0: plain F.linear instead of oneDNN-packed and pair-packed bfloat16 linears"
     ),
     "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of all-decode steps"),
     "PAGEDLLM_CPU_MALLOC_KEEP": EnvVar(
