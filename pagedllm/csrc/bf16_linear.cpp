@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "cpu_types.h"
@@ -169,13 +170,10 @@ static void tile_rows(int64_t rows, int64_t cols, const Tile& t, int64_t p0, int
 static void store_row(const float* sums, const uint16_t* bias, int64_t n_cols, uint16_t* out) {
   int64_t n = 0;
 #ifdef __AVX512BF16__
-  for (; n < n_cols; n += 16) {
-    const __mmask16 m = n + 16 <= n_cols ? (__mmask16)0xffff : (__mmask16)((1u << (n_cols - n)) - 1);
-    __m512 v = _mm512_maskz_loadu_ps(m, sums + n);
-    if (bias != nullptr)
-      v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n)), 16)));
-    _mm256_mask_storeu_epi16(out + n, m, (__m256i)_mm512_cvtneps_pbh(v));
+  for (; n + 16 <= n_cols; n += 16) {
+    __m512 v = _mm512_loadu_ps(sums + n);
+    if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + n));
+    _mm256_storeu_si256((__m256i*)(out + n), (__m256i)_mm512_cvtneps_pbh(v));
   }
 #endif
   for (; n < n_cols; ++n) out[n] = f2bf(sums[n] + (bias != nullptr ? bf2f(bias[n]) : 0.f));
@@ -223,9 +221,10 @@ torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optio
   const int64_t rows = M <= kMaxRows ? M : kGemmRows;
   // x in row tiles of pairs (the tile at row m: [P, R] 32-bit pairs from m Kp; an odd K's last
   // pair padded with a zero); one row is its own tile.
-  std::vector<uint32_t> tiles(M > 1 || K != Kp ? M * P : 0);
+  const bool repack = M > 1 || K != Kp;
+  std::unique_ptr<uint32_t[]> tiles(repack ? new uint32_t[M * P] : nullptr);  // every pair written below
   const uint16_t* xp = bf_ptr(x);
-  if (!tiles.empty()) {
+  if (repack) {
     // (on the calling thread below 64 Ki pairs: a decode step's few rows are microseconds of
     // copying, less than waking the other threads)
     at::parallel_for(0, P, std::max<int64_t>(512, (1 << 16) / M), [&](int64_t q0, int64_t q1) {
@@ -233,7 +232,7 @@ torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optio
         const int64_t R = std::min(rows, M - m);
         for (int64_t r = 0; r < R; ++r) {
           const uint16_t* row = xp + (m + r) * K;
-          uint32_t* dst = tiles.data() + m * P + r;
+          uint32_t* dst = tiles.get() + m * P + r;
           for (int64_t q = q0; q < q1; ++q) {
             const uint32_t lo = row[2 * q], hi = 2 * q + 1 < K ? row[2 * q + 1] : 0;
             dst[q * R] = lo | hi << 16;
@@ -241,7 +240,7 @@ torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optio
         }
       }
     });
-    xp = reinterpret_cast<const uint16_t*>(tiles.data());
+    xp = reinterpret_cast<const uint16_t*>(tiles.get());
   }
   const uint16_t* wp = bf_ptr(packed);
   const uint16_t* bp = bias.has_value() ? bf_ptr(*bias) : nullptr;
