@@ -6,6 +6,7 @@ is the csrc directory of another tree (e.g. `git archive REV | tar -x -C /tmp/ol
 the same ISA as this one's.
 
     PYTHONPATH=. python tools/ab_decode_loop.py llama1b.Q4_0.gguf --against-tree /tmp/old --batch-size 1
+    PYTHONPATH=. python tools/ab_decode_loop.py DIR --dtype bfloat16 --against-tree /tmp/old --batch-size 16
 
 Prints each build's median step and the median over adjacent pairs of other / this.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=256, help="decode steps (tokens a request)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (e.g. bfloat16 for an HF directory)")
     ap.add_argument("--warmup", type=int, default=4, help="steps of each build left out")
     args = ap.parse_args()
 
@@ -41,7 +43,12 @@ def main() -> None:
     other = build.build_extension(f"pagedllm_cpu_{isa}", src, sources, build.isa_cflags(isa))
     if other is None:
         raise SystemExit(f"the other tree's kernels did not build: {build.build_failures}")
-    llm = LLM(args.model, enable_prefix_caching=False, max_model_len=args.input_len + args.steps + 16)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        max_model_len=args.input_len + args.steps + 16,
+    )
     loop = llm.llm_engine.core.model_executor.driver_worker.model_runner.decode_loop
     if loop is None:
         raise SystemExit("the engine built no C++ decode loop for this model")

@@ -128,12 +128,44 @@ def test_decode_kernel_against_float64(dtype, cache_dtype, H, Hkv, D, bs, window
         torch.testing.assert_close(out[b].double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
+def test_decode_requests_do_not_depend_on_the_batch_or_the_threads(dtype):
+    """A task takes several KV heads of a request (all of them where the batch has requests
+    enough, fewer where it does not), and the threads claim tasks in turn: each head's sums run
+    in the same order however its heads are grouped, so a request alone, in a batch, and under
+    1-3 threads gives the same bits."""
+    require_built(decode_kernel())
+    gen = torch.Generator().manual_seed(5)
+    H, Hkv, D, bs = 16, 8, 64, 16
+    seq_lens = torch.tensor([33, 1, 200, 16, 17, 64, 5, 130], dtype=torch.int32)
+    nb = -(-int(seq_lens.max()) // bs)
+    B, S = len(seq_lens), (len(seq_lens) * nb + 3) * bs
+    table = torch.randperm(S // bs, generator=gen)[: B * nb].view(B, nb).to(torch.int32)
+    kc, vc = (torch.randn(S, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(B, H, D, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(decode_kernel()(q, kc, vc, table, seq_lens, bs, D**-0.5, 0))
+            for b in range(B):  # alone: the heads split over the threads' tasks
+                alone = decode_kernel()(q[b : b + 1], kc, vc, table[b : b + 1], seq_lens[b : b + 1], bs, D**-0.5, 0)
+                assert torch.equal(alone[0], outs[0][b]), (t, b)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_decode_kernel_builds_prefetch_and_vector_paths():
     """Each x86 build has the vectorised decode path (the portable loop has no prefetches) with
-    its L2 prefetches (prefetcht1) for float32, bfloat16 and float16 caches: the compiler once
+    its prefetches (prefetcht0) for float32, bfloat16 and float16 caches: the compiler once
     dropped every _mm_prefetch of these loops without a word. Read from the build's machine
-    code (where the compiler inlined the path: run_decode, decode_task_vec, pv_heads, prefetch_kv)."""
+    code (where the compiler inlined the path: run_decode, decode_heads_vec, qk_block, pv_heads,
+    prefetch_kv)."""
     import shutil
     import subprocess
 
@@ -147,19 +179,18 @@ def test_decode_kernel_builds_prefetch_and_vector_paths():
     asm = subprocess.run(
         ["objdump", "-d", "-C", "--no-show-raw-insn", ext.__file__], check=True, capture_output=True, text=True
     ).stdout
-    prefetching = []  # names of the functions with a prefetcht1
+    prefetching = []  # names of the functions with a prefetcht0
     for chunk in asm.split("\n\n"):
         head, _, body = chunk.partition(">:\n")
-        if "prefetcht1" in body:
+        if "prefetcht0" in body:
             prefetching.append(head.split("<", 1)[-1])
-    kernel_parts = ("run_decode<", "decode_task_vec<", "pv_heads<", "prefetch_kv<")
+    kernel_parts = ("run_decode<", "decode_heads_vec<", "qk_block<", "pv_heads<", "prefetch_kv<")
     for elem in ("float", "unsigned short", "c10::Half"):  # unsigned short: bfloat16 bits
         assert any(
             part in name and f"<{elem}" in name.replace(", ", "<") for name in prefetching for part in kernel_parts
         ), f"no prefetching decode path for {elem}"
 
 
-@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_fused_cpu_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
     partial rotary dim): the fused ops equal the torch code of models/layers/."""
