@@ -98,10 +98,11 @@ def parse_batched_bench(stdout: str, batch: int) -> dict:
     raise ValueError(f"llama-batched-bench printed no result for {batch} sequences: {stdout[:300]!r}")
 
 
-def run_batched_bench(cmd: list[str], batch: int, tries: int = 3) -> dict:
-    """llama-batched-bench prints its table through llama.cpp's logger, whose writer thread can
-    lose the last lines at exit (exit 0, nothing on stdout: ~1 run in 6 on a busy machine);
-    such a run is run again, up to `tries` times."""
+def run_batched_bench(cmd: list[str], batch: int, tries: int = 8) -> dict:
+    """llama-batched-bench prints its table through llama.cpp's logger, a leaked singleton whose
+    writer thread can lose the lines still queued at exit (exit 0, nothing on stdout: ~1 run in 6
+    on a busy machine, and three in a row seen under a parallel test run); such a run is run
+    again, up to `tries` times."""
     stdout = run_tool(cmd)
     for _ in range(tries - 1):
         if stdout.strip():
