@@ -352,7 +352,7 @@ static void decode_heads(const Task<T>* ts, int64_t nh) {
 // q [B, H, D] of element Q (float, uint16_t bfloat16 bits or c10::Half; heads dense, rows
 // strided), caches [S, Hkv, D] of element C (Q itself, bfloat16 under a float32 Q, or a quantized
 // element with scales [S, Hkv] float32) -> out [B, H, D] of Q (heads dense, rows strided). 16-bit Q: each
-// task widens its G query rows into a float32 buffer and rounds its float32 output once.
+// task widens its heads' query rows into a float32 buffer and rounds its float32 output once.
 template <typename Q, typename C>
 static void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& block_table, const torch::Tensor& seq_lens, int64_t block_size,
