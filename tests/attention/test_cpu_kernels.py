@@ -191,6 +191,7 @@ def test_decode_kernel_builds_prefetch_and_vector_paths():
         ), f"no prefetching decode path for {elem}"
 
 
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 def test_fused_cpu_ops_match_the_torch_layers():
     """RMSNorm, SiLU-and-mul and RoPE (also on strided q/k views of a fused QKV output and a
     partial rotary dim): the fused ops equal the torch code of models/layers/."""
