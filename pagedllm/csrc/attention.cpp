@@ -298,6 +298,8 @@ static void decode_heads_vec(const Task<T>* ts, int64_t nh) {
   for (int64_t blk = first; blk < last; ++blk)
     for (int64_t h = 0; h < nh; ++h) {
       prefetch_kv(ts[h], blk - first + pd);
+      // the query's pairs made each block stay in registers (an array of each head's, made once
+      // a task, read 0.90-0.98x as fast)
       qk_block<ND, T>(ts[h], QueryPairs<ND, T>(ts[h]), blk);
     }
   for (int64_t h = 0; h < nh; ++h) softmax_rows(ts[h].scores, t.G, t.W);
