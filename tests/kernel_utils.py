@@ -53,10 +53,10 @@ def check_rope_in_place(ops, make, cast, **close) -> None:
         assert torch.equal(v, v_before)  # in place on q and k only
 
 
-def packed_linear(lin, small_ops, lm_head=False, tied=False):
+def packed_linear(lin, small_ops, lm_head=False):
     """A linear layer computing with the CPU's oneDNN-packed method (its few-row kernel where
-    small_ops is given; lm_head: as the LM head's; tied: one sharing the embedding's weight),
-    holding nn.Linear lin's weights, as after loading."""
+    small_ops is given; lm_head: as the LM head's), holding nn.Linear lin's weights, as after
+    loading."""
     from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
     from pagedllm.models.layers.linear import ReplicatedLinear
 
@@ -66,7 +66,6 @@ def packed_linear(lin, small_ops, lm_head=False, tied=False):
     layer.weight.weight_loader(layer.weight, lin.weight.detach())
     if lin.bias is not None:
         layer.bias.weight_loader(layer.bias, lin.bias.detach())
-    layer.tied_weight = tied
     layer.linear_method.process_weights_after_loading(layer)
     return layer
 

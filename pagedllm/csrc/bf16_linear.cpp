@@ -204,6 +204,40 @@ torch::Tensor bf16_pair_pack(torch::Tensor w) {
   return out;
 }
 
+// packed [N, Kp] from bf16_pair_pack, ids (any shape, int64 / int32, each in [0, N)) -> the
+// weight's rows w[ids] [*ids.shape, K]: the lookup of an embedding whose tied LM head holds the
+// table only in pairs. A row's pair p is the 32-bit word p wb + c of its block (a 64-byte stride).
+torch::Tensor bf16_pair_rows(torch::Tensor packed, torch::Tensor ids, int64_t K) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
+              "bf16_pair_rows: a packed 2-D bfloat16 table");
+  const int64_t N = packed.size(0), Kp = packed.size(1), P = Kp / 2;
+  TORCH_CHECK(K >= 1 && Kp == (K + 1) / 2 * 2, "bf16_pair_rows: the table is not K wide");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt,
+              "bf16_pair_rows: integer ids");
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(K);
+  const auto flat = ids.to(torch::kLong).contiguous().view(-1);
+  const int64_t T = flat.numel();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < N, "bf16_pair_rows: id ", id[t], " not in [0, ", N, ")");
+  auto out = torch::empty(sizes, packed.options());
+  const uint16_t* wp = bf_ptr(packed);
+  uint16_t* op = bf_mut(out);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = id[t] / kBlock * kBlock, wb = std::min(kBlock, N - n0), c = id[t] - n0;
+      const uint16_t* blk = wp + n0 * Kp + 2 * c;
+      uint16_t* row = op + t * K;
+      for (int64_t p = 0; p < P; ++p) {
+        row[2 * p] = blk[2 * p * wb];
+        if (2 * p + 1 < K) row[2 * p + 1] = blk[2 * p * wb + 1];
+      }
+    }
+  });
+  return out;
+}
+
 // x [M, K] bfloat16 (any M), packed [N, Kp] from bf16_pair_pack -> x w^T (+ bias) [M, N] bfloat16.
 torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 &&

@@ -32,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small", torch::wrap_pybind_function_no_gil(linear_small), "linear_small");
   m.def("bf16_pair_pack", torch::wrap_pybind_function_no_gil(bf16_pair_pack), "bf16_pair_pack");
   m.def("bf16_pair_linear", torch::wrap_pybind_function_no_gil(bf16_pair_linear), "bf16_pair_linear");
+  m.def("bf16_pair_rows", torch::wrap_pybind_function_no_gil(bf16_pair_rows), "bf16_pair_rows");
   m.def("rms_norm", torch::wrap_pybind_function_no_gil(rms_norm), "rms_norm");
   m.def("silu_and_mul", torch::wrap_pybind_function_no_gil(silu_and_mul), "silu_and_mul");
   m.def("rotary_embedding_", torch::wrap_pybind_function_no_gil(rotary_embedding_), "rotary_embedding_");

@@ -39,6 +39,7 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
 // bf16_linear.cpp
 torch::Tensor bf16_pair_pack(torch::Tensor w);
 torch::Tensor bf16_pair_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_pair_rows(torch::Tensor packed, torch::Tensor ids, int64_t K);
 
 // quant_ops.cpp
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,

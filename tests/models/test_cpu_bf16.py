@@ -46,12 +46,10 @@ def test_bf16_linear_small_matches_float32_reference(rows, in_features):
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
 @pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 128])
-@pytest.mark.parametrize("tied", [False, True])
-def test_bf16_packed_linear_matches_float32_reference(cpu_isa, rows, tied):
+def test_bf16_packed_linear_matches_float32_reference(cpu_isa, rows):
     """The CPU packed linear method in bfloat16: its few-row kernel (linear_small on the plain
-    weight, up to 8 rows; in the AVX512-BF16 build bf16_pair_linear on the pair layout, up to 16,
-    except in an LM head tied to the embedding), oneDNN's bf16 linear above (which also sums in
-    float32)."""
+    weight, up to 8 rows; in the AVX512-BF16 build bf16_pair_linear on the pair layout, up to
+    16), oneDNN's bf16 linear above (which also sums in float32)."""
     from kernel_utils import packed_linear
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
 
@@ -62,9 +60,9 @@ def test_bf16_packed_linear_matches_float32_reference(cpu_isa, rows, tied):
     lin = torch.nn.Linear(577, 1730, bias=True).bfloat16()  # odd K: the pair layout's padding
     x = _bf16(rows, 577)
     with torch.inference_mode():
-        packed = packed_linear(lin, ops, lm_head=tied, tied=tied)
+        packed = packed_linear(lin, ops)
         method = packed.linear_method
-        assert method.pairs == (cpu_isa == "avx512" and not tied)
+        assert method.pairs == (cpu_isa == "avx512")
         ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
         out = packed(x)
         if method.pairs:  # the pair copy takes the plain weight's place
@@ -77,6 +75,49 @@ def test_bf16_packed_linear_matches_float32_reference(cpu_isa, rows, tied):
                 assert torch.equal(out, ops.linear_small(x, packed.weight, packed.bias))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
+
+
+@pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
+def test_bf16_tied_lm_head_and_embedding_share_one_table(cpu_isa):
+    """An LM head tied to the embedding (tie_word_embeddings), bfloat16, oneDNN's method: in the
+    AVX512-BF16 build the head computes on the pair copy as an untied linear does, and the
+    embedding looks its rows up in that copy (bf16_pair_rows), exactly the table's rows, the
+    plain table gone; elsewhere both share the plain weight. Odd K and a narrow last block of
+    columns (1730 = 108 x 16 + 2) exercise the layout's edges."""
+    from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod, packed_linear_supported
+    from pagedllm.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    if not packed_linear_supported(torch.bfloat16):
+        pytest.skip("oneDNN bf16 linear not available here")
+    ops = _ops()
+    torch.manual_seed(0)
+    V, H = 1730, 577
+    table = _bf16(V, H, scale=0.05)
+    with torch.inference_mode():
+        emb = VocabParallelEmbedding(range(V), H)
+        emb.weight.data = table.clone()
+        head = ParallelLMHead(range(V), H, V, tied=emb, linear_method=CPUPackedLinearMethod(ops, lm_head=True))
+        assert head.weight is emb.weight
+        head.linear_method.process_weights_after_loading(head)
+        pairs = head.linear_method.pairs
+        assert pairs == (cpu_isa == "avx512")
+        ids = torch.tensor([0, 1, 15, 16, 1727, 1728, 1729, 5, 5, 900])
+        assert torch.equal(emb(ids), table[ids])
+        assert torch.equal(emb(ids.view(2, 5).int()), table[ids].view(2, 5, H))
+        if pairs:
+            assert emb.weight is None and head.weight is None  # one table: the pair copy
+            with pytest.raises(RuntimeError, match="not in"):
+                emb(torch.tensor([V]))
+        else:
+            assert emb.weight is head.weight
+        for rows in (1, 8, 16, 17, 64):
+            x = _bf16(rows, H)
+            out = head(x)
+            torch.testing.assert_close(
+                out, torch.nn.functional.linear(x.float(), table.float()), rtol=BF16_REL, atol=1e-4
+            )
+            if pairs and rows <= head.linear_method.small_rows:  # the untied layers' kernel, bit for bit
+                assert torch.equal(out, ops.bf16_pair_linear(x, head.pair_weight, None).float())
 
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs

@@ -38,8 +38,17 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size), requires_grad=False)  # [V_rank, H]
         self.weight.weight_loader = self.weight_loader
         self.comm = multi_rank(comm)
+        self.rows = None  # ids -> rows, where a tied LM head's method holds the table (hold_rows)
+
+    def hold_rows(self, rows) -> None:
+        """The tied LM head's method holds the table in its own layout: rows come from
+        rows(ids) [*ids.shape, H], and the plain table goes."""
+        self.rows = rows
+        self.weight = None
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows(ids)
         if self.weight is None:  # held quantized
             return self.linear_method.embed(self, ids)
         return F.embedding(ids, self.weight)
@@ -74,7 +83,9 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.comm = multi_rank(comm)
         self.linear_method = linear_method or default_linear_method(lm_head=True)
-        self.tied_weight = tied is not None  # the embedding's weight: the method holds no copy in its place
+        # The embedding whose weight this head shares (a tuple: not a submodule of the head). Its
+        # method may hold the table in another layout, the embedding then reading rows from it.
+        self.tied_to = (tied,) if tied is not None else ()
         if tied is not None:
             self.weight = tied.weight
         else:
