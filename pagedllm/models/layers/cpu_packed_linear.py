@@ -20,7 +20,7 @@ SMALL_ROWS_BF16_PAIRS rows: it reads the weights at the machine's rate where one
 linear reaches ~70 % of it (1.0-1.5x oneDNN at 1-16 rows, the 1B shape; 2.5x linear_small at
 8). The pair copy then takes the plain weight's place (again two copies); in an LM head tied to
 the embedding too, the embedding then looking its rows up in the pair copy (`bf16_pair_rows`):
-the 1B shape's head at 8 rows runs 3.5x linear_small, at 16 1.6x oneDNN.
+the 1B shape's head in the engine 3.4x linear_small at 8 rows, 1.3x oneDNN at 16.
 `PAGEDLLM_CPU_PACKED_LINEAR=0` keeps plain F.linear (to compare).
 """
 
