@@ -179,6 +179,10 @@ static void store_row(const float* sums, const uint16_t* bias, int64_t n_cols, u
   for (; n < n_cols; ++n) out[n] = f2bf(sums[n] + (bias != nullptr ? bf2f(bias[n]) : 0.f));
 }
 
+// Where element (p, c, j) of a block of width wb sits in it (the layout above): the one place
+// that both the packing and the row lookup read it from.
+constexpr int64_t pair_at(int64_t p, int64_t c, int64_t j, int64_t wb) { return (p * wb + c) * 2 + j; }
+
 }  // namespace
 
 // w [N, K] bfloat16 -> [N, Kp] in the pair layout above (Kp = K rounded up to even).
@@ -197,7 +201,7 @@ torch::Tensor bf16_pair_pack(torch::Tensor w) {
         for (int64_t c = 0; c < wb; ++c)
           for (int64_t j = 0; j < 2; ++j) {
             const int64_t k = 2 * p + j;
-            blk[(p * wb + c) * 2 + j] = k < K ? src[(n0 + c) * K + k] : 0;
+            blk[pair_at(p, c, j, wb)] = k < K ? src[(n0 + c) * K + k] : 0;
           }
     }
   });
@@ -206,11 +210,11 @@ torch::Tensor bf16_pair_pack(torch::Tensor w) {
 
 // packed [N, Kp] from bf16_pair_pack, ids (any shape, int64 / int32, each in [0, N)) -> the
 // weight's rows w[ids] [*ids.shape, K]: the lookup of an embedding whose tied LM head holds the
-// table only in pairs. A row's pair p is the 32-bit word p wb + c of its block (a 64-byte stride).
+// table only in pairs (a row's pairs 64 bytes apart in its block).
 torch::Tensor bf16_pair_rows(torch::Tensor packed, torch::Tensor ids, int64_t K) {
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
               "bf16_pair_rows: a packed 2-D bfloat16 table");
-  const int64_t N = packed.size(0), Kp = packed.size(1), P = Kp / 2;
+  const int64_t N = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(K >= 1 && Kp == (K + 1) / 2 * 2, "bf16_pair_rows: the table is not K wide");
   TORCH_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt,
               "bf16_pair_rows: integer ids");
@@ -227,12 +231,9 @@ torch::Tensor bf16_pair_rows(torch::Tensor packed, torch::Tensor ids, int64_t K)
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = id[t] / kBlock * kBlock, wb = std::min(kBlock, N - n0), c = id[t] - n0;
-      const uint16_t* blk = wp + n0 * Kp + 2 * c;
+      const uint16_t* blk = wp + n0 * Kp;
       uint16_t* row = op + t * K;
-      for (int64_t p = 0; p < P; ++p) {
-        row[2 * p] = blk[2 * p * wb];
-        if (2 * p + 1 < K) row[2 * p + 1] = blk[2 * p * wb + 1];
-      }
+      for (int64_t k = 0; k < K; ++k) row[k] = blk[pair_at(k / 2, c, k % 2, wb)];
     }
   });
   return out;

@@ -105,7 +105,7 @@ def test_bf16_tied_lm_head_and_embedding_share_one_table(cpu_isa):
         assert torch.equal(emb(ids), table[ids])
         assert torch.equal(emb(ids.view(2, 5).int()), table[ids].view(2, 5, H))
         if pairs:
-            assert emb.weight is None and head.weight is None  # one table: the pair copy
+            assert emb.weight is None and head.weight is None  # the plain table gone: the pair copy serves both
             with pytest.raises(RuntimeError, match="not in"):
                 emb(torch.tensor([V]))
         else:
