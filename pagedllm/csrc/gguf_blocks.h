@@ -65,6 +65,8 @@ inline VF zero_f() { return _mm512_setzero_ps(); }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline VF loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline VF addf(VF a, VF b) { return _mm512_add_ps(a, b); }
 #else
 constexpr int L = 8;
 using VF = __m256;
@@ -81,18 +83,27 @@ inline VF zero_f() { return _mm256_setzero_ps(); }
 inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline VF loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline VF addf(VF a, VF b) { return _mm256_add_ps(a, b); }
 #endif
 
 // y[M] (the sums of activation rows t0.. with the L weight rows from row0 + h L) into out [T, N],
-// the first n of each vector, plus the bias.
+// the first n of each vector, plus the bias. A whole vector (every group but a weight's last) is
+// one store a row: the scalar copy was ~3 % of a Q8_0 group's time at K = 2048.
 template <int M>
 inline void write_tile(const VF* y, int64_t t0, int64_t row0, int h, int n, const float* bias, float* out,
                        int64_t N) {
+  const int64_t c0 = row0 + h * L;
+  if (n == L) {
+    const VF b = bias ? loadf(bias + c0) : zero_f();
+    for (int r = 0; r < M; ++r) store(out + (t0 + r) * N + c0, addf(y[r], b));
+    return;
+  }
   alignas(64) float t[L];
   for (int r = 0; r < M; ++r) {
-    float* o = out + (t0 + r) * N + row0 + h * L;
+    float* o = out + (t0 + r) * N + c0;
     store(t, y[r]);
-    for (int i = 0; i < n; ++i) o[i] = t[i] + (bias ? bias[row0 + h * L + i] : 0.f);
+    for (int i = 0; i < n; ++i) o[i] = t[i] + (bias ? bias[c0 + i] : 0.f);
   }
 }
 #endif
@@ -118,33 +129,35 @@ inline void over_tiles(int64_t t_begin, int64_t T, Args&&... args) {
 // features (32: as llama.cpp's Q8_0; 256: as its Q8_K, when a K-quant group takes them, so that
 // a super-block's integer sums add up before one float scaling), each block of 32's step (the
 // span's, repeated), the integer sums of each 16 codes (|sum| <= 16 x 127: int16, so that a
-// block's two are one int32 pair for vpmaddwd / vpdpwssd). The steps and the step-times-sums
-// are laid out by tiles of TILE rows, each tile's block-major (`at`): a tile's kernel walks them
-// with one pointer and constant offsets a row (AVX2's 16 general registers did not hold a
-// pointer a row for each of them, and reloaded them every block).
+// block's two are one int32 pair for vpmaddwd / vpdpwssd). The codes, the steps and the blocks'
+// sums are laid out by tiles of TILE rows, each tile's block-major (`at`): a tile's kernel walks
+// them with one pointer and constant offsets a row (16 general registers did not hold a pointer
+// a row for each of them: GCC kept the codes' pointers in vector registers, or reloaded them).
 struct Acts8 {
-  int8_t* q;     // [T, K]
+  int8_t* q;     // [T, K] at `at` x 32: block b of row t is the 32 bytes from at(t, b) QB
   float* d;      // [T, K/32] at `at`
-  float* e;      // [T, K/32] at `at`: d times the block's sum of 32 codes (the offsets' and mins' term)
+  float* e;      // [T, K/32] at `at`: d times the block's sum of 32 codes (the mins' term)
+  int32_t* s;    // [T, K/32] at `at`: the block's sum of 32 codes (the codes' offsets' term)
   int16_t* sum;  // [T, K/16]
   int64_t K;
   int64_t span;  // features a step: 32 or 256
   int64_t T;
-  // Where row t's block b is in d and e: rows t0.. of the tile [t0, t0 + n) (n = TILE, the last
+  // Where row t's block b is in d, e and s: rows t0.. of the tile [t0, t0 + n) (n = TILE, the last
   // tile's fewer) at t0 K/32 + b n + (t - t0).
   int64_t at(int64_t t, int64_t b) const {
     const int64_t t0 = t - t % TILE;
     return t0 * (K / QB) + b * std::min<int64_t>(TILE, T - t0) + (t - t0);
   }
   float step(int64_t t, int64_t b) const { return d[at(t, b)]; }
+  int code(int64_t t, int64_t k) const { return q[at(t, k / QB) * QB + k % QB]; }
 };
-// Needs T K + 8 T K / 32 + 2 T K / 16 bytes at buf; span 32 or 256 (K a multiple of it).
+// Needs acts8_bytes(T, K) at buf; span 32 or 256 (K a multiple of it).
 Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t* buf);
 // The same in two steps: the layout of T rows at buf, then rows [t0, t1) from x_rows [t1 - t0, K]
 // (a decode step's rows quantized by different threads).
 Acts8 acts8_at(uint8_t* buf, int64_t T, int64_t K, int64_t span);
 void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_t t1);
-inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 8 * (T * K / QB) + 2 * (T * K / 16); }
+inline int64_t acts8_bytes(int64_t T, int64_t K) { return T * K + 12 * (T * K / QB) + 2 * (T * K / 16); }
 // Output rows [row0, row0 + rows) of one quads group g for activation rows [t_begin, T).
 void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin, int64_t T, int64_t row0,
                 int rows, const float* bias, float* out, int64_t N);
@@ -153,7 +166,7 @@ void run_group8(const uint8_t* g, int64_t type, const Acts8& a, int64_t t_begin,
 void dequantize_group_row(const uint8_t* g, int64_t type, int64_t K, int row, float* out);
 
 // No SIMD: each row dequantised, then float dot products with the activations' codes (int16
-// or int8: `Activations` has q [T, K], K and step(t, b), block b's) -> rows [row0, row0 + rows).
+// or int8: `Activations` has K, code(t, k) and step(t, b), block b's) -> rows [row0, row0 + rows).
 template <class Activations>
 void run_group_scalar(const uint8_t* g, int64_t type, const Activations& a, int64_t t_begin, int64_t T,
                       int64_t row0, int rows, const float* bias, float* out, int64_t N) {
@@ -163,7 +176,7 @@ void run_group_scalar(const uint8_t* g, int64_t type, const Activations& a, int6
     dequantize_group_row(g, type, K, i, w.data());
     for (int64_t t = t_begin; t < T; ++t) {
       float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.q[t * K + k] * a.step(t, k / QB);
+      for (int64_t k = 0; k < K; ++k) acc += w[k] * a.code(t, k) * a.step(t, k / QB);
       out[t * N + row0 + i] = acc + (bias ? bias[row0 + i] : 0.f);
     }
   }

@@ -16,9 +16,10 @@
 // (two maddubs summed: 2 x 2 x 63 x 127 < 32768 before the madd), 4-bit codes a whole block's
 // (8 x 2 x 15 x 127 < 32768); Q8_0's signed codes one at a
 // time as |w| times x with w's sign (2 x 128 x 127 < 32768). AVX-512 takes Q8_0's codes + 128
-// (a xor). The codes' offsets (Q8_0's 128 there, Q4_0's 8, Q5_0's 16) and the mins (Q4_1 /
-// Q5_1's m) are taken off in float, as -off d or m times the block's dx Σx (Acts8::e; each
-// sum < 2^24, so its float is exact); Q6_K's 32 and Q4_K / Q5_K's dmin mn with the integer sums.
+// (a xor). The codes' offsets (Q8_0's 128 there, Q4_0's 8, Q5_0's 16) are taken off in the int32
+// sums, as -off Σx (Acts8::s; |sum| < 2^31); the mins (Q4_1 / Q5_1's m) in float, as m times
+// the block's dx Σx (Acts8::e; each sum < 2^24, so its float is exact); Q6_K's 32 and Q4_K /
+// Q5_K's dmin mn with the integer sums.
 //
 // K-quants take activations with one step a super-block of 256 (Acts8::span, as llama.cpp's
 // Q8_K): a block's int32 sum times the block's integer sub-scale (vpmulld; AVX2's Q4_K and
@@ -35,10 +36,12 @@ namespace gguf {
 
 Acts8 acts8_at(uint8_t* buf, int64_t T, int64_t K, int64_t span) {
   TORCH_CHECK((span == QB || span == 256) && K % span == 0, "int8 activations: span ", span, " for K ", K);
+  const int64_t B = T * K / QB;  // blocks
   return Acts8{reinterpret_cast<int8_t*>(buf),
                reinterpret_cast<float*>(buf + T * K),
-               reinterpret_cast<float*>(buf + T * K + 4 * (T * K / QB)),
-               reinterpret_cast<int16_t*>(buf + T * K + 8 * (T * K / QB)),
+               reinterpret_cast<float*>(buf + T * K + 4 * B),
+               reinterpret_cast<int32_t*>(buf + T * K + 8 * B),
+               reinterpret_cast<int16_t*>(buf + T * K + 12 * B),
                K,
                span,
                T};
@@ -60,12 +63,12 @@ void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       for (int64_t b = s * span / QB; b < (s + 1) * span / QB; ++b) {
         const float* xb = x_rows + (b * QB - off);
-        int8_t* q = a.q + b * QB;
+        const int64_t at = a.at(b / KB, b % KB);
+        int8_t* q = a.q + at * QB;
         int32_t s0 = 0, s1 = 0;
         for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
         for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
-        const int64_t at = a.at(b / KB, b % KB);
-        a.d[at] = d, a.e[at] = d * (float)(s0 + s1);
+        a.d[at] = d, a.e[at] = d * (float)(s0 + s1), a.s[at] = s0 + s1;
         a.sum[2 * b] = (int16_t)s0, a.sum[2 * b + 1] = (int16_t)s1;
       }
     }
@@ -88,6 +91,8 @@ inline VI q6_fourth(VI a, VI b, VI c) {
   return and_(_mm512_ternarylogic_epi32(_mm512_set1_epi8(15), ab, srl(c, 2), 0xCA), 63);
 }
 inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VI set1i(int32_t v) { return _mm512_set1_epi32(v); }
+constexpr bool INT16_U4 = false;  // dot2_u4's sums are int32
 inline VI sub(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 // acc + the products of (unsigned codes w0, quad x0) and (w1, x1): codes <= 63.
 inline VI dot2(VI acc, VI w0, int32_t x0, VI w1, int32_t x1) {
@@ -133,6 +138,7 @@ inline VI q6_fourth(VI a, VI b, VI c) {
                          srl(_mm256_and_si256(c, m), 2));
 }
 inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VI set1i(int32_t v) { return _mm256_set1_epi32(v); }
 inline VI sub(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 // The products of (unsigned codes w0, quad x0) and (w1, x1) as int16 pairs (the callers bound
 // them below 2^15).
@@ -148,6 +154,7 @@ inline VI dot_signed(VI acc, VI w, int32_t x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 constexpr int SIGNED_OFFSET = 0;
+constexpr bool INT16_U4 = true;  // dot2_u4's sums are int16 (widen16 makes them int32)
 // 4-bit codes: a block's products add up in int16 (8 x 2 x 15 x 127 < 2^15), one vpmaddwd (widen16)
 // a block instead of one a chunk. The empty asm keeps each row's chain in order: GCC made a tree
 // of a tile's vpaddw and spilled it.
@@ -203,12 +210,11 @@ inline void prefetch_for(const uint8_t* p, int64_t sb, int64_t gb, Fetch f) {
 constexpr int CHUNK = 64;    // bytes of a chunk (16 rows x 4 features)
 constexpr int HALF = 4 * L;  // bytes of a chunk's vector (L rows; AVX2: a group's half)
 
-// One block of 4-bit codes (4 chunks at `c`) into M rows' sums, for H vectors of weight rows
-// (acc [H, M]; AVX2: both halves of a group take each row's broadcasts), as dot2_u4 adds them
-// (AVX2: int16, widen16 or times_sub_scale to int32).
+// One block of 4-bit codes (4 chunks at `c`) added into M rows' sums, for H vectors of weight
+// rows (acc [H, M]; AVX2: both halves of a group take each row's broadcasts), as dot2_u4 adds
+// them (AVX2: int16 from zero, widen16 or times_sub_scale to int32).
 template <int M, int H = 1>
 inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
-  for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
   for (int k = 0; k < 4; ++k) {
     VI lo[H], hi[H];
     for (int h = 0; h < H; ++h) {
@@ -221,10 +227,10 @@ inline void dot_u4(const uint8_t* c, const int32_t* const* xq, VI* acc) {
   }
 }
 
-// One block of 5-bit codes: the 4-bit chunks `c`, the chunk of high bits `hb` (bit q: quad q).
+// One block of 5-bit codes added into M rows' int32 sums: the 4-bit chunks `c`, the chunk of
+// high bits `hb` (bit q: quad q).
 template <int M, int H = 1>
 inline void dot_u5(const uint8_t* c, const uint8_t* hb, const int32_t* const* xq, VI* acc) {
-  for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
   for (int k = 0; k < 4; ++k) {
     VI lo[H], hi[H];
     for (int h = 0; h < H; ++h) {
@@ -249,36 +255,39 @@ inline void dot_q6(const uint8_t* c, const int32_t* const* xq, VI sc0, VI sc1, V
   }
 }
 
-// M rows of activations from t0 (inside one of Acts8's tiles): each row's codes as a pointer,
-// the steps and step-times-sums (Acts8's e) of block b at d / e + b stride, row r at + r (one
-// pointer each: the loops' stores of float vectors may alias Acts8's fields, so the compiler
-// reloaded them and redid the index arithmetic for every row of every block).
+// M rows of activations from t0 (inside one of Acts8's tiles), walked with one pointer a field:
+// block b's codes, steps, step-times-sums and sums at + b stride (codes: times 32), row r at + r
+// (the loops' stores of float vectors may alias Acts8's fields, so the compiler reloaded them
+// and redid the index arithmetic for every row of every block).
 template <int M>
 struct Rows8 {
-  const int8_t* q[M];
+  const int8_t* q;
   const int16_t* sum[M];  // each row's integer sums of 16 codes (the K-quants' mins and offsets)
   const float* d;
   const float* e;
+  const int32_t* s;
   int64_t stride, K;
   Rows8(const Acts8& a, int64_t t0)
-      : d(a.d + a.at(t0, 0)), e(a.e + a.at(t0, 0)), stride(a.at(t0, 1) - a.at(t0, 0)), K(a.K) {
-    for (int r = 0; r < M; ++r) q[r] = a.q + (t0 + r) * a.K, sum[r] = a.sum + (t0 + r) * (a.K / 16);
+      : q(a.q + a.at(t0, 0) * QB),
+        d(a.d + a.at(t0, 0)),
+        e(a.e + a.at(t0, 0)),
+        s(a.s + a.at(t0, 0)),
+        stride(a.at(t0, 1) - a.at(t0, 0)),
+        K(a.K) {
+    for (int r = 0; r < M; ++r) sum[r] = a.sum + (t0 + r) * (a.K / 16);
   }
   void quads(int64_t b, const int32_t** xq) const {
-    for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(q[r] + b * QB);
+    for (int r = 0; r < M; ++r) xq[r] = reinterpret_cast<const int32_t*>(q + (b * stride + r) * QB);
   }
 };
 
-// y[r] += s dx[r] sum + mo ex[r] for a block (dx, ex: its rows' steps and step-times-sums; mo:
-// a vector per weight row: the min m, or the codes' offset as -off s; none where neither).
-// Float: the offset's product with Σx needed an integer multiply and a broadcast from a general
-// register for each row.
+// y[r] += s dx[r] sum + m ex[r] for a block (dx, ex: its rows' steps and step-times-sums; m: the
+// mins, a vector per weight row, or none).
 template <int M>
-inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* mo, const float* dx,
-                       const float* ex) {
+inline void scale_into(VF* __restrict y, const VI* acc, VF s, const VF* m, const float* dx, const float* ex) {
   for (int r = 0; r < M; ++r) {
     y[r] = fma(mul(s, set1(dx[r])), cvt(acc[r]), y[r]);
-    if (mo) y[r] = fma(*mo, set1(ex[r]), y[r]);
+    if (m) y[r] = fma(*m, set1(ex[r]), y[r]);
   }
 }
 
@@ -301,6 +310,7 @@ inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Rows8<M
     for (int j = 0; j < 8; ++j) {
       if (pf) prefetch_bytes(pf + j * PF, PF);
       x.quads(s * 8 + j, xq);
+      for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
       dot_u4<M, H>(p + 320 + j * 256, xq, acc);
       for (int h = 0; h < H; ++h) {
         const VI sc = sub_scale(u8i(p + 64 + j * 16 + h * L));
@@ -319,6 +329,7 @@ inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Rows8<M
                    sc1 = sub_scale(s8i(p + 32 + (2 * j + 1) * 16 + rb));
           dot_q6<M>(p + 288 + j * 384 + cb, xq, sc0, sc1, isum + h * M);
         } else {
+          for (int r = 0; r < M; ++r) acc[r] = zero_i();
           dot_u5<M>(p + 320 + j * 256 + cb, p + 2368 + j * 64 + cb, xq, acc);
           const VI sc = u8i(p + 64 + j * 16 + rb);
           for (int r = 0; r < M; ++r) isum[h * M + r] = add(isum[h * M + r], mullo(acc[r], sc));
@@ -352,23 +363,28 @@ inline void kquant_superblock(const uint8_t* p, const uint8_t* pf, const Rows8<M
 
 // The legacy types' (32 features a super-block) loop of group_rows, one for each TYPE (its
 // registers allocated for its own codes: one loop for every type kept the float sums on the
-// stack).
+// stack). The codes' offset (Q4_0's 8, Q5_0's 16, Q8_0's 128 on AVX-512) is taken off in the
+// integer sums, which start at -off Σx (AVX2's int16 sums of 4-bit codes: added when widened):
+// as a float term it was one more FMA a row a block on the ports the integer products take.
 template <int M, int H, int64_t TYPE>
 void legacy_rows(const uint8_t* g, const Rows8<M>& x, Fetch f, VF* __restrict y, int ys) {
   const int64_t sb = superblock_bytes(TYPE), blocks = x.K / QB, gb = blocks * sb;
-  constexpr bool with_m = TYPE == Q4_1 || TYPE == Q5_1;
-  constexpr float off = TYPE == Q4_0 ? 8.f : TYPE == Q5_0 ? 16.f : TYPE == Q8_0 ? (float)SIGNED_OFFSET : 0.f;
+  constexpr bool with_m = TYPE == Q4_1 || TYPE == Q5_1, u4 = TYPE == Q4_0 || TYPE == Q4_1;
+  constexpr int32_t off = TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : TYPE == Q8_0 ? SIGNED_OFFSET : 0;
+  constexpr bool off_at_start = off != 0 && !(u4 && INT16_U4);
   VI acc[H * M];
   const int32_t* xq[M];
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < M; ++r) y[h * ys + r] = zero_f();
   const float *dx = x.d, *ex = x.e;
-  for (int64_t s = 0; s < blocks; ++s, dx += x.stride, ex += x.stride) {
+  const int32_t* sx = x.s;
+  for (int64_t s = 0; s < blocks; ++s, dx += x.stride, ex += x.stride, sx += x.stride) {
     const uint8_t* p = g + s * sb;
     prefetch_for(p, sb, gb, f);
     x.quads(s, xq);
+    for (int r = 0; r < M; ++r)
+      for (int h = 0; h < H; ++h) acc[h * M + r] = off_at_start ? set1i(-off * sx[r]) : zero_i();
     if constexpr (TYPE == Q8_0) {
-      for (int i = 0; i < H * M; ++i) acc[i] = zero_i();
       for (int q = 0; q < 8; ++q) {
         VI w[H];
         for (int h = 0; h < H; ++h) w[h] = load(p + 32 + q * CHUNK + h * HALF);
@@ -377,17 +393,22 @@ void legacy_rows(const uint8_t* g, const Rows8<M>& x, Fetch f, VF* __restrict y,
       }
     } else {
       const uint8_t* c = p + (with_m ? 64 : 32);
-      if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+      if constexpr (u4) {
         dot_u4<M, H>(c, xq, acc);
-        for (int i = 0; i < H * M; ++i) acc[i] = widen16(acc[i]);
+        for (int r = 0; r < M; ++r)
+          for (int h = 0; h < H; ++h) {
+            acc[h * M + r] = widen16(acc[h * M + r]);
+            if constexpr (off != 0 && !off_at_start)
+              acc[h * M + r] = add(acc[h * M + r], set1i(-off * sx[r]));
+          }
       } else
         dot_u5<M, H>(c, c + 256, xq, acc);
     }
     for (int h = 0; h < H; ++h) {  // half h's per-row fields at + h L
       const VF d = f16(p + 2 * h * L);
-      if constexpr (with_m || off != 0.f) {
-        const VF mo = with_m ? f16(p + 32 + 2 * h * L) : mul(d, set1(-off));
-        scale_into<M>(y + h * ys, acc + h * M, d, &mo, dx, ex);
+      if constexpr (with_m) {
+        const VF m = f16(p + 32 + 2 * h * L);
+        scale_into<M>(y + h * ys, acc + h * M, d, &m, dx, ex);
       } else {
         scale_into<M>(y + h * ys, acc + h * M, d, nullptr, dx, ex);
       }

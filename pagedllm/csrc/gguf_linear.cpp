@@ -130,6 +130,7 @@ struct Acts {
   std::vector<float> sum;  // [T, K/16]
   int64_t K;
   float step(int64_t t, int64_t block) const { return d[t * (K / QB) + block]; }
+  int code(int64_t t, int64_t k) const { return q[t * K + k]; }
   const int32_t* pairs(int64_t t, int64_t block) const {
     return reinterpret_cast<const int32_t*>(q.data() + t * K + block * QB);
   }
