@@ -398,8 +398,7 @@ void legacy_rows(const uint8_t* g, const Rows8<M>& x, Fetch f, VF* __restrict y,
         for (int r = 0; r < M; ++r)
           for (int h = 0; h < H; ++h) {
             acc[h * M + r] = widen16(acc[h * M + r]);
-            if constexpr (off != 0 && !off_at_start)
-              acc[h * M + r] = add(acc[h * M + r], set1i(-off * sx[r]));
+            if constexpr (off != 0 && !off_at_start) acc[h * M + r] = sub(acc[h * M + r], off * sx[r]);
           }
       } else
         dot_u5<M, H>(c, c + 256, xq, acc);
