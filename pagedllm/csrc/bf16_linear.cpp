@@ -1,6 +1,6 @@
 // bfloat16 linear over a weight repacked once at load time into pairs of K per 16 output
 // columns (`bf16_pair_pack`), register-blocked over rows x column vectors (`bf16_pair_linear`):
-// decode-sized steps (1-16 rows), where oneDNN's packed bf16 linear reads the weights at ~70 %
+// decode-sized steps (1-32 rows), where oneDNN's packed bf16 linear reads the weights at ~70 %
 // of the machine's rate (AVX512-BF16), and every size where oneDNN has no bf16 kernels (AVX2).
 // Each weight vector loaded is used by every row of a row tile, each input pair broadcast
 // against every column vector of the tile; products summed in float32, each output rounded once
@@ -45,13 +45,16 @@ struct Tile {
 };
 
 #ifdef __AVX512BF16__
-// A tile is R rows x C column blocks, R C float32 accumulators in registers (at most 24, with C
-// weight vectors and a broadcast input pair: 32 registers). Up to 16 rows take one tile, so a
+// A tile is R rows x C column blocks, R C float32 accumulators in registers (at most 30, with C
+// weight vectors and a broadcast input pair: 32 registers). Up to 30 rows take one tile, so a
 // decode step reads each weight vector from memory once and uses it R times: at 16 rows one
-// core's weight stream (~30 GB/s) and its vdpbf16ps rate (~500 GFLOP/s) meet. More rows take
-// tiles of 8 x 3 blocks (8 loads a step for 24 vdpbf16ps, where 16 x 1 takes 17 for 16) over K
-// blocks whose weights stay in L1 between the row tiles: ~98 % of the vdpbf16ps rate a core.
-constexpr int kMaxRows = 16;
+// core's weight stream (~30 GB/s) and its vdpbf16ps rate (~500 GFLOP/s) meet; 17-30 rows (one
+// block, a broadcast a row a step) run at ~90 % of that rate while the two cores' streams stay
+// under the machine's read rate, where tiles of 8 rows over K blocks read the weights from
+// memory once and then again from the caches for each further tile (~1.3x at 24 rows, the 1B
+// shape). More rows take tiles of 8 x 3 blocks (8 loads a step for 24 vdpbf16ps, where 16 x 1
+// takes 17 for 16) over K blocks whose weights stay in L1 between the row tiles.
+constexpr int kMaxRows = 30;
 constexpr int kGemmRows = 8;
 // Pairs ahead (8 KiB a block) a tile of 3 rows or more prefetches its weights (16 rows: ~21 ->
 // ~25 GB/s a core; 8 rows ~1.7x on 2 threads); at 1-2 rows (8 blocks at once) it gains nothing.
@@ -76,7 +79,7 @@ static void tile(const Tile& t, int64_t p0, int64_t p1, bool first) {
       wv[c] = (__m512bh)_mm512_maskz_loadu_epi32(mask, w + c * t.wblock);
       if constexpr (R >= 3) _mm_prefetch((const char*)(w + c * t.wblock + kPrefetch * t.wstep), _MM_HINT_T0);
     }
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + 2 * r, sizeof(pair));

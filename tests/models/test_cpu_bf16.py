@@ -45,11 +45,11 @@ def test_bf16_linear_small_matches_float32_reference(rows, in_features):
 
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
-@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 128])
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 32, 33, 128])
 def test_bf16_packed_linear_matches_float32_reference(cpu_isa, rows):
     """The CPU packed linear method in bfloat16: its few-row kernel (linear_small on the plain
     weight, up to 8 rows; in the AVX512-BF16 build bf16_pair_linear on the pair layout, up to
-    16), oneDNN's bf16 linear above (which also sums in float32)."""
+    32), oneDNN's bf16 linear above (which also sums in float32)."""
     from kernel_utils import packed_linear
     from pagedllm.models.layers.cpu_packed_linear import packed_linear_supported
 

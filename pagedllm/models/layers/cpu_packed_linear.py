@@ -17,7 +17,7 @@ every size, accumulating in float32), and the row-streaming kernel reads half th
 Where the kernels' AVX512-BF16 build runs, a bfloat16 weight's few-row kernel is instead
 bf16_pair_linear over the weight in pairs of K (csrc/bf16_linear.cpp), up to
 SMALL_ROWS_BF16_PAIRS rows: it reads the weights at the machine's rate where oneDNN's bf16
-linear reaches ~70 % of it (1.0-1.5x oneDNN at 1-16 rows, the 1B shape; 2.5x linear_small at
+linear reaches ~70 % of it (1.0-1.5x oneDNN at 1-32 rows, the 1B shape; 2.5x linear_small at
 8). The pair copy then takes the plain weight's place (again two copies); in an LM head tied to
 the embedding too, the embedding then looking its rows up in the pair copy (`bf16_pair_rows`):
 the 1B shape's head in the engine 3.4x linear_small at 8 rows, 1.3x oneDNN at 16.
@@ -70,10 +70,11 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
     # at 8 (`bench linear`, the 1B shape; SmolLM2's 6- / 8-request decode 1.08-1.24x / 1.49x,
     # Zen 5). In bfloat16 linear_small stays ahead at 4-8 rows on SmolLM2's shape (1.04-1.16x).
     # bfloat16 in the kernels' AVX512-BF16 build: bf16_pair_linear up to SMALL_ROWS_BF16_PAIRS
-    # rows (1.4-1.7x oneDNN at 16 rows, ~1.05x at 24-32, 0.93x at 64: the 1B shape, 2 threads).
+    # rows (the 1B shape, 2 threads: 1.4x oneDNN at 16-24 rows, where one tile reads the weights
+    # once; 1.06x at 25-32, over K blocks; 1.00x at 48, 0.93x at 64).
     SMALL_ROWS = 8
     SMALL_ROWS_F32_AVX512 = 3
-    SMALL_ROWS_BF16_PAIRS = 16
+    SMALL_ROWS_BF16_PAIRS = 32
 
     def __init__(self, small_ops=None, lm_head: bool = False) -> None:
         self.small_ops = small_ops
