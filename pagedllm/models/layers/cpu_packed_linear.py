@@ -70,8 +70,8 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
     # at 8 (`bench linear`, the 1B shape; SmolLM2's 6- / 8-request decode 1.08-1.24x / 1.49x,
     # Zen 5). In bfloat16 linear_small stays ahead at 4-8 rows on SmolLM2's shape (1.04-1.16x).
     # bfloat16 in the kernels' AVX512-BF16 build: bf16_pair_linear up to SMALL_ROWS_BF16_PAIRS
-    # rows (the 1B shape, 2 threads: 1.4x oneDNN at 16-24 rows, where one tile reads the weights
-    # once; 1.06x at 25-32, over K blocks; 1.00x at 48, 0.93x at 64).
+    # rows (the 1B shape, 2 threads: 1.4-1.5x oneDNN at 16-30 rows, where one tile reads the
+    # weights once; 1.06-1.09x at 31-32, over K blocks; 1.00x at 48, 0.93x at 64).
     SMALL_ROWS = 8
     SMALL_ROWS_F32_AVX512 = 3
     SMALL_ROWS_BF16_PAIRS = 32
