@@ -53,21 +53,67 @@ Acts8 quantize_acts8(const float* x, int64_t T, int64_t K, int64_t span, uint8_t
   return a;
 }
 
+// The largest |x| of n floats (n a multiple of L), NaN ignored (as std::max(amax, |x|)), and 16
+// codes round(x inv) (|x inv| <= 127, rounded to even as std::nearbyint) stored at q, returning
+// their sum: in vectors, the same codes as the scalar loops (GCC's code for those read each
+// stored byte back: ~0.3 ns an activation, ~1 ms of a 16-row decode step of the 1B shape).
+#ifdef GGUF_SIMD
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+inline float amax_of(const float* x, int64_t n) {
+  VF m = zero_f();
+  for (int64_t i = 0; i < n; i += L) m = _mm512_max_ps(_mm512_abs_ps(loadf(x + i)), m);
+  return _mm512_reduce_max_ps(m);
+}
+inline int32_t codes16(const float* x, float inv, int8_t* q) {
+  const __m512i c = _mm512_cvtps_epi32(mul(loadf(x), set1(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(c));
+  return _mm512_reduce_add_epi32(c);
+}
+#else
+inline float amax_of(const float* x, int64_t n) {
+  VF m = zero_f();
+  for (int64_t i = 0; i < n; i += L) m = _mm256_max_ps(_mm256_andnot_ps(set1(-0.f), loadf(x + i)), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+inline int32_t codes16(const float* x, float inv, int8_t* q) {
+  const __m256i a = _mm256_cvtps_epi32(mul(loadf(x), set1(inv))),
+                b = _mm256_cvtps_epi32(mul(loadf(x + 8), set1(inv)));
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // 16 int16 in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                   _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i s = _mm256_add_epi32(a, b);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+#endif
+#else
+inline float amax_of(const float* x, int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+inline int32_t codes16(const float* x, float inv, int8_t* q) {
+  int32_t s = 0;
+  for (int i = 0; i < 16; ++i) s += q[i] = (int8_t)std::nearbyint(x[i] * inv);
+  return s;
+}
+#endif
+
 void quantize_acts8_rows(const float* x_rows, const Acts8& a, int64_t t0, int64_t t1) {
   const int64_t off = t0 * a.K, span = a.span, KB = a.K / QB;  // x_rows[i]: feature off + i of [T, K]
   at::parallel_for(off / span, t1 * a.K / span, 32, [&](int64_t c0, int64_t c1) {
     for (int64_t s = c0; s < c1; ++s) {
       const float* xs = x_rows + (s * span - off);
-      float amax = 0.f;
-      for (int i = 0; i < span; ++i) amax = std::max(amax, std::fabs(xs[i]));
+      const float amax = amax_of(xs, span);
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       for (int64_t b = s * span / QB; b < (s + 1) * span / QB; ++b) {
         const float* xb = x_rows + (b * QB - off);
         const int64_t at = a.at(b / KB, b % KB);
         int8_t* q = a.q + at * QB;
-        int32_t s0 = 0, s1 = 0;
-        for (int i = 0; i < QB; ++i) q[i] = (int8_t)std::nearbyint(xb[i] * inv);
-        for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
+        const int32_t s0 = codes16(xb, inv, q), s1 = codes16(xb + 16, inv, q + 16);
         a.d[at] = d, a.e[at] = d * (float)(s0 + s1), a.s[at] = s0 + s1;
         a.sum[2 * b] = (int16_t)s0, a.sum[2 * b + 1] = (int16_t)s1;
       }

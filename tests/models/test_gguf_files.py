@@ -419,8 +419,8 @@ def test_gguf_decode_step_equals_eager_layers(qtype, kv, tmp_path, monkeypatch):
     """A decode step of 1-16 rows on a GGUF model with int8 activations runs in one parallel
     region (csrc/gguf_decode_step.cpp): each step's hidden states equal the eager layers' (one
     gguf_linear call a linear) on the same inputs bit for bit, Q4_K_M's fused qkv of Q4_K and
-    Q6_K rows included; 16 rows: two tiles a group, the work between linears in claims of rows
-    taken by both threads. A bfloat16 cache: the step rounds K/V as the eager layers' torch
+    Q6_K rows included; 12 and 16 rows: two tiles a group, the work between linears in claims of
+    a tile's rows taken by both threads. A bfloat16 cache: the step rounds K/V as the eager layers' torch
     writer does."""
     from pagedllm import LLM, SamplingParams
 
@@ -448,7 +448,7 @@ def test_gguf_decode_step_equals_eager_layers(qtype, kv, tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the claims shared by two threads, whatever the machine's count
     try:
-        for n in (1, 3, 16):
+        for n in (1, 3, 12, 16):
             llm.generate(
                 [{"prompt_token_ids": p} for p in prompts[:n]],
                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
@@ -456,4 +456,4 @@ def test_gguf_decode_step_equals_eager_layers(qtype, kv, tmp_path, monkeypatch):
             )
     finally:
         torch.set_num_threads(threads)
-    assert set(calls) == {1, 3, 16}, calls
+    assert set(calls) == {1, 3, 12, 16}, calls
