@@ -86,6 +86,11 @@ VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(
         _switch(True), "0: plain F.linear instead of oneDNN-packed and pair-packed bfloat16 linears"
     ),
+    "PAGEDLLM_CPU_WEIGHT_COPIES": EnvVar(
+        _one_of("auto", ("auto", "1", "2")),
+        "CPU float linears: 2 keeps a few-row copy of each weight beside oneDNN's packed one, 1 holds "
+        "one copy, auto keeps the second where it fits in memory (models/layers/weight_copies.py)",
+    ),
     "PAGEDLLM_CPU_DECODE_LOOP": EnvVar(_switch(True), "0: no C++ loop over the layers of all-decode steps"),
     "PAGEDLLM_CPU_MALLOC_KEEP": EnvVar(
         _switch(True),

@@ -67,7 +67,9 @@ class DecodeLoop:
             b = m.bias if m.bias is not None else empty
             if isinstance(base_method(m), QuantizedLinearMethod):
                 return [m.qweight, b, m.scales, m.mins]
-            small = m.pair_weight if self.small_pairs else m.weight
+            small = (
+                m.pair_weight if self.small_pairs else m.weight if m.weight is not None else empty
+            )  # one copy: unused
             return [small, b, m.pair_weight if self.large_pairs else m.packed_weight]
 
         self.weights = []

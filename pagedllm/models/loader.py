@@ -17,6 +17,7 @@ from pagedllm.attention.selector import get_attn_backend, set_current_attn_backe
 from pagedllm.config import ModelConfig
 from pagedllm.models.layers.quantization import set_current_quant_config
 from pagedllm.models.layers.quantization.registry import checkpoint_quant_config, get_quant_config
+from pagedllm.models.layers.weight_copies import choose_weight_copies
 from pagedllm.models.registry import get_model_class
 
 
@@ -57,10 +58,11 @@ def load_weights(model: torch.nn.Module, weights, source: str) -> None:
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"weights missing from {source}: {missing[:5]}")
-    for module in model.modules():
-        method = getattr(module, "linear_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    layers = [(m, m.linear_method) for m in model.modules() if getattr(m, "linear_method", None) is not None]
+    # a LoRA layer's method wraps the base one (lora/layers.py)
+    choose_weight_copies([(m, getattr(method, "base_method", method)) for m, method in layers])
+    for module, method in layers:
+        method.process_weights_after_loading(module)
 
 
 def load_model(

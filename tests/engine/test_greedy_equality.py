@@ -1,6 +1,6 @@
 """Greedy output equals transformers' generate(do_sample=False) on the same directory, token for
 token, for default settings, chunked prefill with tiny blocks, and a KV cache small enough
-to force preemption, and with speculative decoding (n-gram drafts; the default model's first 16
+to force preemption, one copy of the CPU linears' weights, and with speculative decoding (n-gram drafts; the default model's first 16
 layers as its draft model) under chunked prefill and preemption. The one allowed difference is
 a numerical tie (DESIGN.md): where the two first differ, the reference's top-2 logits are
 within 1e-4."""
@@ -69,6 +69,20 @@ def test_default_settings(model_dir, prompts, reference):
     llm = LLM(model_dir)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_greedy_equal(outs, reference, "default")
+
+
+def test_one_weight_copy(model_dir, prompts, reference, monkeypatch):
+    """The CPU's float linears with one copy of their weights (PAGEDLLM_CPU_WEIGHT_COPIES=1, as
+    where two do not fit: models/layers/weight_copies.py): oneDNN's packed linear at every row
+    count, decode steps of 16 rows down to 1 through the C++ decode loop."""
+    monkeypatch.setenv("PAGEDLLM_CPU_WEIGHT_COPIES", "1")
+    llm = LLM(model_dir)
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    assert runner.decode_loop is not None
+    qkv = runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.linear_method.one_copy and qkv.weight is None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_greedy_equal(outs, reference, "one weight copy")
 
 
 def test_chunked_prefill_small_blocks(model_dir, prompts, reference):

@@ -121,10 +121,12 @@ def test_bf16_tied_lm_head_and_embedding_share_one_table(cpu_isa):
 
 
 @pytest.mark.usefixtures("cpu_isa")  # every build of the kernels this CPU runs
+@pytest.mark.parametrize("one_copy", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 9, 16, 130])
-def test_bf16_pair_linear_method_matches_float32_reference(rows):
+def test_bf16_pair_linear_method_matches_float32_reference(rows, one_copy):
     """The bf16 method where oneDNN has no bf16 kernels: linear_small on the plain weight at 1-8
-    rows, bf16_pair_linear on the pair layout above; both sum in float32 and round once."""
+    rows, bf16_pair_linear on the pair layout above; both sum in float32 and round once. With
+    one copy (models/layers/weight_copies.py) the pair layout alone, at every row count."""
     from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod
     from pagedllm.models.layers.linear import ReplicatedLinear
 
@@ -136,13 +138,15 @@ def test_bf16_pair_linear_method_matches_float32_reference(rows):
         layer = ReplicatedLinear(577, 1730, True, CPUBf16PairLinearMethod(ops)).bfloat16()
         layer.weight.copy_(lin.weight)
         layer.bias.copy_(lin.bias)
+        layer.linear_method.one_copy = one_copy
         layer.linear_method.process_weights_after_loading(layer)
         assert layer.pair_weight.shape == (1730, 578)
+        assert (layer.weight is None) is one_copy
         ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
         out = layer(x)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 1730)
         torch.testing.assert_close(out.float(), ref, rtol=BF16_REL, atol=1e-4)
-        kernel = ops.linear_small if rows <= CPUBf16PairLinearMethod.SMALL_ROWS else None
+        kernel = ops.linear_small if rows <= CPUBf16PairLinearMethod.SMALL_ROWS and not one_copy else None
         if kernel is not None:  # the row count picks the kernel: bit for bit
             assert torch.equal(out, kernel(x, layer.weight, layer.bias))
         else:
@@ -307,7 +311,8 @@ TIE = 0.25  # logits: 2 bfloat16 steps at 16-32 (the top logits' range here)
 
 
 @pytest.mark.model
-def test_engine_greedy_bf16_matches_transformers_bf16(model_dir, tokenizer):
+@pytest.mark.parametrize("copies", ["auto", "1"])  # 1: oneDNN's packed linear alone (weight_copies.py)
+def test_engine_greedy_bf16_matches_transformers_bf16(model_dir, tokenizer, copies, monkeypatch):
     """Greedy in bfloat16: the engine (batched: oneDNN bf16 linears; alone: the row-streaming
     kernel; both: the bf16 decode kernel and fused ops) against transformers in bfloat16 on the
     same weights. A free-running comparison stops meaning anything after the first near-tie
@@ -325,6 +330,7 @@ def test_engine_greedy_bf16_matches_transformers_bf16(model_dir, tokenizer):
     # transformers' bfloat16 forward is slow without AVX512-BF16 (~25 ms a token here): prompts
     # of 5-128 tokens, one of them alone.
     prompts = [ids[o : o + n] for o, n in ((0, 5), (40, 17), (300, 64), (700, 128), (1200, 33))]
+    monkeypatch.setenv("PAGEDLLM_CPU_WEIGHT_COPIES", copies)
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=512)
     _assert_bf16_method(llm.llm_engine.core.model_executor.driver_worker.model_runner.model)
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)

@@ -7,7 +7,8 @@ faster at every batch an engine sees, from one decode token to a 2048-token pref
 (~1e-6 relative). At 1-8 rows (a decode step of a few requests, a verification step) the step is bound by reading the
 weights, and a plain row-streaming kernel (models/cpu_ops.py `linear_small`) reads them faster
 than oneDNN does (23 vs 17 GB/s at one row); so the plain weight is kept beside the packed copy
-(twice the weight memory, except a tied LM head, which shares the embedding's).
+(twice the weight memory, except a tied LM head, which shares the embedding's) where the memory
+holds it (weight_copies.py: else `one_copy`, oneDNN's weight alone for every row count).
 On a CPU without AVX-512 (AVX2's 16 registers), oneDNN's float32 kernels run at ~0.85x MKL's
 sgemm from ~512 rows on (a prefill chunk; both read the weight from memory once a call at that
 size): there a layer's F.linear is faster (prefill 1.07-1.11x end to end, BENCHMARKS.md), while
@@ -81,18 +82,29 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
         self.lm_head = lm_head
         self.small_rows = self.SMALL_ROWS
         self.pairs = False  # the few-row kernel: bf16_pair_linear on pair_weight, not linear_small
+        self.one_copy = False  # only oneDNN's packed weight, for every row count (weight_copies.py)
+
+    def second_copy_bytes(self, layer) -> int:
+        """Bytes the few-row kernel's copy adds beside the packed weight (weight_copies.py): none
+        in a tied LM head, whose plain or pair copy stands for the embedding's table."""
+        if self.small_ops is None or getattr(layer, "tied_to", ()):
+            return 0
+        return layer.weight.numel() * layer.weight.element_size()
 
     def process_weights_after_loading(self, layer):
         large_by_sgemm = (
-            self.small_ops is not None
+            not self.one_copy
+            and self.small_ops is not None
             and not self.lm_head
             and layer.weight.dtype == torch.float32
             and not cpu_has_avx512()
         )
         self.eager_from_rows = self.LARGE_ROWS if large_by_sgemm else None
-        if layer.weight.dtype == torch.float32 and cpu_has_avx512():
+        if self.one_copy:
+            self.small_rows = 0  # oneDNN at every row count
+        elif layer.weight.dtype == torch.float32 and cpu_has_avx512():
             self.small_rows = self.SMALL_ROWS_F32_AVX512
-        self.pairs = layer.weight.dtype == torch.bfloat16 and bf16_pairs_native(self.small_ops)
+        self.pairs = not self.one_copy and layer.weight.dtype == torch.bfloat16 and bf16_pairs_native(self.small_ops)
         if self.pairs:
             self.small_rows = self.SMALL_ROWS_BF16_PAIRS
             pairs = self.small_ops.bf16_pair_pack(layer.weight.detach())  # [N, K rounded up to even]
@@ -104,8 +116,8 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
         if self.pairs and tied:  # the embedding reads its rows from the pair copy
             K, ops = layer.weight.shape[1], self.small_ops
             tied[0].hold_rows(lambda ids: ops.bf16_pair_rows(layer.pair_weight, ids, K))
-        if self.small_ops is None or self.pairs:
-            layer.weight = None  # nothing reads the plain weight: don't hold it twice
+        if self.small_ops is None or self.pairs or self.one_copy:
+            layer.weight = None  # nothing reads the plain weight: don't hold it twice (a tied head's: the embedding's)
 
     def apply(self, layer, x, bias=None):
         if self.small_ops is not None and 0 < x.shape[0] <= self.small_rows:
