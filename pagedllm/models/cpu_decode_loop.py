@@ -67,9 +67,9 @@ class DecodeLoop:
             b = m.bias if m.bias is not None else empty
             if isinstance(base_method(m), QuantizedLinearMethod):
                 return [m.qweight, b, m.scales, m.mins]
-            small = (
-                m.pair_weight if self.small_pairs else m.weight if m.weight is not None else empty
-            )  # one copy: unused
+            small = m.pair_weight if self.small_pairs else m.weight
+            if small is None:  # one copy (weight_copies.py): small_rows is 0, nothing reads it
+                small = empty
             return [small, b, m.pair_weight if self.large_pairs else m.packed_weight]
 
         self.weights = []

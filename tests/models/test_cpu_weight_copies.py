@@ -18,6 +18,20 @@ def test_second_copies_fit_leaves_the_reserve():
     assert weight_copies.available_memory() is None or weight_copies.available_memory() > 0
 
 
+@pytest.mark.parametrize("v2", [True, False])
+def test_cgroup_room_reads_the_limit(tmp_path, v2):
+    """A container's memory limit (cgroup v2's memory.max / memory.current, or v1's files) bounds
+    the memory available; no limit ("max", v1's ~2^63) or no files: None."""
+    limit, used = weight_copies.CGROUP_FILES[0 if v2 else 1]
+    (tmp_path / "memory").mkdir()
+    assert weight_copies.cgroup_room(str(tmp_path)) is None
+    (tmp_path / used).write_text("3000\n")
+    (tmp_path / limit).write_text("10000\n")
+    assert weight_copies.cgroup_room(str(tmp_path)) == 7000
+    (tmp_path / limit).write_text("max\n" if v2 else "9223372036854771712\n")
+    assert weight_copies.cgroup_room(str(tmp_path)) is None
+
+
 def _runner(llm):
     return llm.llm_engine.core.model_executor.driver_worker.model_runner
 

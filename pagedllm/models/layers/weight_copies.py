@@ -5,10 +5,11 @@ plain weight for linear_small, or the bfloat16 pair layout), and CPUBf16PairLine
 plain weight beside the pair layout: twice the weight memory, for decode steps up to 1.5x faster.
 A model that fits once but not twice did not load: a 3B Llama in float32 (12.8 GB of weights) on a
 24 GiB machine was killed for memory at 24.2 GB, and holds 14.4 GB with one copy (an 8B one in
-bfloat16, ~16 GB, likewise by the arithmetic). So after the weights are loaded, the second copies are made only if
-they fit in the memory then available with RESERVE left over (the KV cache, 4 GiB by default,
-and the steps' activations); otherwise each of those linears holds one copy and computes every
-row count with it (oneDNN's packed linear; the pair kernel where oneDNN has no bf16 kernels).
+bfloat16, ~16 GB, likewise by the arithmetic). So after the weights are loaded, the second
+copies are made only if they fit in the memory then available (MemAvailable, or a container's
+cgroup limit where lower) with RESERVE left over (the KV cache, 4 GiB by default, and the steps'
+activations); otherwise each of those linears holds one copy and computes every row count with
+it (oneDNN's packed linear; the pair kernel where oneDNN has no bf16 kernels).
 PAGEDLLM_CPU_WEIGHT_COPIES=1 / 2 forces one / two copies.
 """
 
@@ -24,16 +25,36 @@ logger = logging.getLogger(__name__)
 RESERVE = 6 << 30  # bytes left after the second copies: the default KV cache and the activations
 
 
+# A container's memory limit and use: cgroup v2's files, then v1's (under the cgroup root).
+CGROUP_FILES = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes the process's memory cgroup still allows (its limit less its use, page cache
+    included), or None where there is no limit."""
+    for limit_file, used_file in CGROUP_FILES:
+        try:
+            with open(f"{root}/{limit_file}") as f:
+                limit = f.read().strip()
+            with open(f"{root}/{used_file}") as f:
+                used = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as ~2^63
+            return max(0, int(limit) - used)
+    return None
+
+
 def available_memory() -> Optional[int]:
-    """MemAvailable from /proc/meminfo in bytes, or None where there is none."""
+    """The smaller of MemAvailable (/proc/meminfo) and the cgroup's room, in bytes; None where
+    neither is known."""
+    known = [] if (room := cgroup_room()) is None else [room]
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            known += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except OSError:
         pass
-    return None
+    return min(known) if known else None
 
 
 def second_copies_fit(extra: int, available: Optional[int]) -> bool:
