@@ -37,6 +37,7 @@ from pagedllm.csrc.build import cpu_extension
 from pagedllm.forward_context import get_forward_context
 from pagedllm.models.layers.cpu_bf16_pair_linear import CPUBf16PairLinearMethod
 from pagedllm.models.layers.cpu_packed_linear import CPUPackedLinearMethod
+from pagedllm.models.layers.linear_method import base_method
 from pagedllm.models.layers.quantization.base import QuantizedLinearMethod
 
 
@@ -44,11 +45,6 @@ def decode_loop_ext():
     """The extension holding the loop (csrc/decode_loop.cpp's decode_layers) beside the fused
     ops and the decode kernel it calls, or None."""
     return cpu_extension()
-
-
-def base_method(linear):
-    """The layer's own method: a LoRA method wraps it (lora/layers.py) over the same weights."""
-    return getattr(linear.linear_method, "base_method", linear.linear_method)
 
 
 class DecodeLoop:

@@ -17,6 +17,7 @@ from pagedllm.attention.selector import get_attn_backend, set_current_attn_backe
 from pagedllm.config import ModelConfig
 from pagedllm.models.layers.quantization import set_current_quant_config
 from pagedllm.models.layers.quantization.registry import checkpoint_quant_config, get_quant_config
+from pagedllm.models.layers.linear_method import base_method
 from pagedllm.models.layers.weight_copies import choose_weight_copies
 from pagedllm.models.registry import get_model_class
 
@@ -58,11 +59,10 @@ def load_weights(model: torch.nn.Module, weights, source: str) -> None:
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"weights missing from {source}: {missing[:5]}")
-    layers = [(m, m.linear_method) for m in model.modules() if getattr(m, "linear_method", None) is not None]
-    # a LoRA layer's method wraps the base one (lora/layers.py)
-    choose_weight_copies([(m, getattr(method, "base_method", method)) for m, method in layers])
-    for module, method in layers:
-        method.process_weights_after_loading(module)
+    layers = [m for m in model.modules() if getattr(m, "linear_method", None) is not None]
+    choose_weight_copies([(m, base_method(m)) for m in layers])
+    for module in layers:
+        module.linear_method.process_weights_after_loading(module)
 
 
 def load_model(

@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def base_method(linear: nn.Module) -> "LinearMethodBase":
+    """The layer's own method: a LoRA method wraps it (lora/layers.py) over the same weights."""
+    return getattr(linear.linear_method, "base_method", linear.linear_method)
+
+
 class LinearMethodBase:
     # The row count from which `apply` runs a kernel the CPU decode loop does not call
     # (models/cpu_decode_loop.py): a step of that many rows takes the eager path, so that the
