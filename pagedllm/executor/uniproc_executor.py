@@ -3,17 +3,19 @@
 A failed step leaves it usable (reset forgets the rows; engine/step_failures.py rolls back).
 
 Async scheduling (core/async_scheduler.py): two steps in flight. On a GPU `submit` returns once
-the step's kernels are launched (the runner's AsyncModelRunnerOutput); on the CPU the step runs
-on one worker thread (torch releases the GIL in its kernels), so the host's scheduling and
-output processing overlap it there too. Steps run in submission order either way.
+the step's kernels are launched (the runner's AsyncModelRunnerOutput), so the host's scheduling
+and output processing overlap the device. On the CPU `submit` runs the step on the engine's
+thread, as vLLM does there (it turns the flag off on the CPU): the step after is still
+scheduled before this one's output is applied, with the same placeholders, but nothing
+overlaps. A step thread paid twice: its OpenMP threads shared the two cores with the engine's
+thread, and glibc gave it an arena of its own, whose blocks above 64 MiB (a 2,048-token
+prefill's gate_up output) are fresh mappings, page-faulted on every write, whatever
+worker/cpu_malloc.py sets (a 2,048-token prefill 1.2-1.55x slower).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import Any, Iterable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
@@ -29,15 +31,6 @@ class UniProcExecutor(Executor):
         self.driver_worker.init_device()
         self.driver_worker.load_model()
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self._thread: Optional[ThreadPoolExecutor] = None
-        if self.async_scheduling and config.device_config.device == "cpu":
-            # OpenMP's thread count is per thread: the step thread takes this one's.
-            self._thread = ThreadPoolExecutor(
-                1,
-                thread_name_prefix="pagedllm-step",
-                initializer=torch.set_num_threads,
-                initargs=(torch.get_num_threads(),),
-            )
 
     def kv_bytes_per_block(self) -> int:
         return self.driver_worker.kv_bytes_per_block()
@@ -59,18 +52,13 @@ class UniProcExecutor(Executor):
         return self.finish(self.submit(so))
 
     def submit(self, so: SchedulerOutput) -> Any:
-        if self._thread is not None:
-            return self._thread.submit(self.driver_worker.execute_model, so)
         return self.driver_worker.execute_model(so)
 
     def finish(self, handle: Any) -> ModelRunnerOutput:
-        out = handle.result() if isinstance(handle, Future) else handle
-        return out.get_output() if hasattr(out, "get_output") else out  # async: AsyncModelRunnerOutput
+        return handle.get_output() if hasattr(handle, "get_output") else handle  # async: AsyncModelRunnerOutput
 
     def reset(self) -> None:
         self.driver_worker.reset()
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
         self.driver_worker.shutdown()

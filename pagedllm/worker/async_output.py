@@ -9,9 +9,8 @@ device until the host needs them.
   position is its first unknown token (position == the row's known token count) takes it
   from `prev_tokens` on the device (`fill_placeholders`, one indexed copy).
 - The host learns the tokens in `get_output` (on the engine's thread) and appends them to the
-  runner's rows at the start of its next step (`apply_fetched`, on the runner's thread; on
-  the CPU the steps run on a worker thread), for the rows whose state is still the same
-  (a request preempted or finished since is skipped).
+  runner's rows at the start of its next step (`apply_fetched`, on the runner's thread), for
+  the rows whose state is still the same (a request preempted or finished since is skipped).
 - Sampling that reads the output tokens themselves (penalties) waits for the previous step's
   tokens (`complete_output_ids`: one device -> host copy, only then); min_tokens needs only
   their count, which is known.

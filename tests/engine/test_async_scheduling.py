@@ -1,8 +1,11 @@
 """Async scheduling (core/async_scheduler.py, worker/async_output.py) on the CPU, random:tiny.
 
 - Greedy equals transformers token for token with chunked prefill (a 16-token budget) and
-  preemption (a 30-block cache; recompute and swap) forced; steps really overlapped (the runner took tokens still
-  in flight from the previous step's tensor); no block is left in use.
+  preemption (a 30-block cache; recompute and swap) forced; each step scheduled before the
+  output of the one before is applied (the runner took its input tokens from the previous
+  step's sampled tensor); no block is left in use.
+- On the CPU the steps run on the engine's thread (as vLLM's CPU path, which turns the flag
+  off): no step thread, whose malloc arena and cores the engine's thread did not share.
 - Stop strings, max_tokens, min_tokens, n > 1, seeded sampling with penalties and logprobs give
   exactly what the engine without async scheduling gives (same seeds, same random streams).
 - The CUDA-graph static-buffer path (eager, Triton's interpreter) takes the token in flight too.
@@ -59,6 +62,21 @@ def test_greedy_equals_transformers(engines, mode):
     assert sum(filled) > 20, "no step took its input token from the step in flight"
     assert_greedy_equal(outs, reference, "async scheduling")
     _assert_no_block_in_use(llm)
+
+
+def test_cpu_steps_run_on_the_engines_thread(engines):
+    import threading
+
+    llm = engines[0]
+    runner = llm.llm_engine.core.model_executor.driver_worker.model_runner
+    step, threads = runner.execute_model, set()
+    runner.execute_model = lambda so: threads.add(threading.get_ident()) or step(so)
+    try:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    finally:
+        del runner.execute_model  # the instance attribute: the method again
+    assert threads == {threading.get_ident()}
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("pagedllm-step")]
 
 
 CASES = {
